@@ -397,6 +397,10 @@ def load_model(hf_dir, freeze_vit=False):
         for name, p in model.named_parameters():
             kind, hf = model._rule(name)
             p.copy_(model._shard(kind, [handles[files[n]].get_slice(n) for n in hf]))
+            if kind != "rep" and not getattr(p, "tensor_model_parallel", False):
+                # what Megatron's weight init would have marked: the trainer's grad norm counts
+                # sharded tensors on every TP rank, the others once
+                p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, int(kind == "col"), 1
     del handles
     model.visual.requires_grad_(not freeze_vit)
     return model.to(device)

@@ -1,0 +1,182 @@
+"""model.py against transformers on tiny random checkpoints: CPU, fp32, gloo.
+
+TP=1 runs in this process (a world of one); TP=2 runs `torchrun --nproc_per_node 2 model.py check`.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from conftest import ROOT
+
+import model as M
+
+ARCHS = ["qwen3_vl", "qwen2_5_vl"]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_ckpt):
+    """arch -> (checkpoint dir, Megatron model, transformers model, (seqs, pixel_values, grid))."""
+    from transformers import AutoModelForImageTextToText
+    M.init_distributed(1)
+    made = {}
+
+    def get(arch, **sizes):
+        key = (arch, tuple(sorted(sizes.items())))
+        if key not in made:
+            d = tiny_ckpt(arch, **sizes)
+            hf = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32)
+            made[key] = d, M.load_model(d), hf, M.check_inputs(d)
+        return made[key]
+    return get
+
+
+def source_tensors(d):
+    files = M._weight_files(d)
+    return {n: safe_open(f, "pt").get_tensor(n) for n, f in files.items()}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_match_transformers(setup, arch):
+    d, model, hf, (seqs, pv, grid) = setup(arch)
+    assert len(seqs) >= 3 and len(grid) == 3 and len({tuple(g) for g in grid.tolist()}) == 2
+    assert any((s == hf.config.image_token_id).sum() == 0 for s in seqs)  # a text-only sequence
+    with torch.no_grad():
+        ours, ref = model.logits(seqs, pv, grid), M.hf_logits(hf, seqs, pv, grid)
+    diff = max((a - b).abs().max().item() for a, b in zip(ours, ref))
+    print(f"{arch} TP=1 max_abs_logit_diff={diff:.3g}")
+    assert diff <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_grads_match_transformers(setup, arch):
+    """A token-level loss (weighted logprobs at temperature 0.7 + entropy bonus): the gradient of
+    every tensor, vision tower included, within relative error 1e-4 of transformers'."""
+    d, model, hf, (seqs, pv, grid) = setup(arch)
+    model.zero_grad(set_to_none=True)
+    hf.zero_grad(set_to_none=True)
+    masks = [torch.arange(len(s)) >= 5 for s in seqs]
+    w = torch.randn(sum(int(m.sum()) for m in masks), generator=torch.Generator().manual_seed(0))
+    lp, ent = model(seqs, pv, grid, masks, temperature=0.7, with_entropy=True)
+    ((lp * w).sum() + 0.3 * ent.sum()).backward()
+    logp = [F.log_softmax(z[:-1] / 0.7, -1)[m[1:]] for z, m in zip(M.hf_logits(hf, seqs, pv, grid), masks)]
+    ref_lp = torch.cat([x.gather(1, s[1:][m[1:], None])[:, 0] for x, s, m in zip(logp, seqs, masks)])
+    ref_ent = torch.cat([-(x.exp() * x).sum(-1) for x in logp])
+    ((ref_lp * w).sum() + 0.3 * ref_ent.sum()).backward()
+    ref = {M.canonical(n): p.grad for n, p in hf.named_parameters()}
+    ours = {M.canonical(n): g for n, g in M._hf_tensors(model, grad=True)}
+    assert ours.keys() == ref.keys()
+    assert any(n.startswith("V.") for n in ours) and all(g.abs().sum() > 0 for g in ref.values())
+    rel = {n: ((ours[n] - ref[n]).norm() / ref[n].norm()).item() for n in ref}
+    worst = max(rel, key=rel.get)
+    print(f"{arch} max grad rel err {rel[worst]:.3g} ({worst})")
+    assert rel[worst] <= 1e-4
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logprobs_and_entropy_equal_full_logits(setup, arch):
+    d, model, hf, (seqs, pv, grid) = setup(arch)
+    masks = [(torch.rand(len(s), generator=torch.Generator().manual_seed(i)) < 0.5) for i, s in enumerate(seqs)]
+    for m in masks:
+        m[0] = False
+    with torch.no_grad():
+        lp, ent = model(seqs, pv, grid, masks, temperature=0.7, with_entropy=True)
+        logp = [F.log_softmax(z[:-1] / 0.7, -1)[m[1:]] for z, m in zip(model.logits(seqs, pv, grid), masks)]
+        lp2, none = model(seqs, pv, grid, masks, temperature=0.7)
+    ref = torch.cat([x.gather(1, s[1:][m[1:], None])[:, 0] for x, s, m in zip(logp, seqs, masks)])
+    assert lp.shape == (sum(int(m.sum()) for m in masks),) and none is None
+    torch.testing.assert_close(lp, ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent, torch.cat([-(x.exp() * x).sum(-1) for x in logp]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lp2, lp, rtol=0, atol=0)
+
+
+def test_chunked_logprob_grads_with_vocab_padding(setup, monkeypatch):
+    """The hand-written backward (several chunks, padded rows ignored) equals autograd's."""
+    setup("qwen3_vl")  # parallel state
+    from megatron.core import parallel_state as ps
+    monkeypatch.setattr(M, "CHUNK", 7)
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(5, 8, generator=g, requires_grad=True), torch.randn(30, 8, generator=g, requires_grad=True)
+    tgt, gl, ge = torch.tensor([0, 3, 24, 13, 7]), torch.randn(5, generator=g), torch.randn(5, generator=g)
+    lp, ent = M._LogprobEntropy.apply(h, w, tgt, 0.8, 0, 25, ps.get_tensor_model_parallel_group())
+    ours = torch.autograd.grad((lp * gl + ent * ge).sum(), (h, w))
+    x = F.log_softmax(h @ w[:25].T / 0.8, -1)
+    lp_ref, ent_ref = x.gather(1, tgt[:, None])[:, 0], -(x.exp() * x).sum(-1)
+    ref = torch.autograd.grad((lp_ref * gl + ent_ref * ge).sum(), (h, w))
+    torch.testing.assert_close(lp, lp_ref)
+    torch.testing.assert_close(ent, ent_ref)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b)
+    assert ours[1][25:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_equals_unpacked(setup, arch):
+    d, model, hf, (seqs, pv, grid) = setup(arch)
+    with torch.no_grad():
+        packed = model.logits(seqs, pv, grid)
+        alone = [model.logits([s], p, g)[0] for s, (p, g) in zip(seqs, M.split_images(model.hf_config, seqs, pv, grid))]
+    for a, b in zip(packed, alone):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch,sizes", [("qwen3_vl", {}), ("qwen2_5_vl", {}), ("qwen3_vl", {"tie": True})])
+def test_export_reproduces_checkpoint_bit_exactly(setup, arch, sizes):
+    d, model, hf, _ = setup(arch, **sizes)
+    src = source_tensors(d)
+    assert ("lm_head.weight" in src) != sizes.get("tie", False)
+    bucket_bytes = 1 << 20
+    buckets = list(M.export_hf(model, bucket_bytes=bucket_bytes))
+    got = [x for b in buckets for x in b]
+    assert len(buckets) > 1 and all(sum(t.numel() * t.element_size() for _, t in b[:-1]) < bucket_bytes for b in buckets)
+    assert sorted(n for n, _ in got) == sorted(src)
+    for n, t in got:
+        assert t.dtype == src[n].dtype and torch.equal(t, src[n]), n
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_save_hf_loads_in_transformers(setup, arch, tmp_path):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    d, model, hf, (seqs, pv, grid) = setup(arch)
+    M.save_hf(model, tmp_path / "one")
+    M.save_hf(model, tmp_path / "sharded", shard_bytes=1 << 20)
+    assert (tmp_path / "one" / "model.safetensors").exists()
+    assert len(json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())["weight_map"]) == len(source_tensors(d))
+    AutoProcessor.from_pretrained(tmp_path / "one")  # tokenizer, processor and template came along
+    with torch.no_grad():
+        ref = M.hf_logits(hf, seqs, pv, grid)
+        for sub in ("one", "sharded"):
+            again = AutoModelForImageTextToText.from_pretrained(tmp_path / sub, dtype=torch.float32)
+            for a, b in zip(M.hf_logits(again, seqs, pv, grid), ref):
+                assert torch.equal(a, b)
+
+
+def test_init_is_idempotent_and_tp_attributes(setup):
+    d, model, _, _ = setup("qwen3_vl")
+    assert M.init_distributed(1) == M.init_distributed(2) == (0, 1, torch.device("cpu"))
+    par = {n for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)}
+    assert any("linear_qkv.weight" in n for n in par) and any("word_embeddings" in n for n in par)
+    assert not any(n.startswith("visual.") or "layernorm" in n for n in par)
+    frozen = M.load_model(d, freeze_vit=True)
+    assert not any(p.requires_grad for p in frozen.visual.parameters())
+    assert all(p.requires_grad for p in frozen.language_model.parameters())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tp2_check_command(tiny_ckpt, arch):
+    """Logits, gradients and the export round trip at TP=2 over gloo, through the user's command."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "model.py", "check", "--hf-checkpoint", str(tiny_ckpt(arch)), "--grads"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    lines = r.stdout.strip().splitlines()
+    print(r.stdout)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "export_exact=True" in r.stdout and "max_grad_rel_err" in r.stdout
+    assert lines[-1].startswith("max_abs_logit_diff=") and float(lines[-1].split("=")[1]) <= 1e-4
