@@ -1,0 +1,215 @@
+"""The interactive geo3k environment for multi-turn GRPO: the model calls tools between turns.
+
+    env = build_env(sample, args)           # args.max_turns required; sample: dict or Sample
+    obs, info = env.reset()                 # ({"text": "", "images": []}, {"turn": 0})
+    obs, done, info = env.step(response)    # run the last <tool_call> of the response
+    message = env.format_observation(obs)   # {"role": "tool", "content": [image..., text]}
+
+Tests: `.venv/bin/pytest tests/test_env.py -q`.
+
+A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in strict JSON, as Qwen
+chat templates emit it. Tools are plain functions `(env, arguments) -> (text, images, score)`
+that raise ToolError on bad arguments; a fork adds a tool with one function and one TOOLS
+entry (its docstring's first line is the usage shown to the model on errors). Nothing the
+model writes is evaluated or executed: arguments are parsed as JSON and checked as data.
+Options read from args: max_turns (required), oracle (default True; False makes calc_score
+only record the answer, as evaluation must: an oracle tool inflates multi-turn accuracy),
+rm_type ("math"), min_pixels (crop area floor, default 56*56), max_payload (4096 chars).
+On the turn before the last, every observation tells the model its next answer is final.
+"""
+import json
+import math
+import re
+
+import reward
+
+MIN_SIDE = 56      # crops are upscaled until both sides reach this (Qwen's 28-px merge unit x2)
+MAX_ASPECT = 50    # thinner crops are refused (Qwen's processor refuses above 200:1)
+# json decodes "\frac" as form feed + "rac", "\theta" as tab + "heta"...: put the LaTeX back.
+_LATEX_ESCAPES = {"\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+class ToolError(Exception):
+    """Bad tool arguments; the message is shown to the model."""
+
+
+def _check_args(arguments, required, optional=()):
+    missing = [k for k in required if k not in arguments]
+    if missing:
+        raise ToolError(f"missing argument {missing[0][:80]!r}")
+    extra = [k for k in arguments if k not in required and k not in optional]
+    if extra:
+        raise ToolError(f"unexpected argument {extra[0][:80]!r}")
+
+
+def _is_number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def calc_score(env, arguments):
+    """calc_score {"answer": "<your answer>"}: check an answer (scored or just recorded)."""
+    _check_args(arguments, ["answer"])
+    answer = arguments["answer"]
+    if _is_number(answer):
+        answer = str(answer)
+    if not isinstance(answer, str) or not answer.strip():
+        raise ToolError('"answer" must be a non-empty string such as "5\\\\sqrt{3}" or a number')
+    answer = re.sub(r"[\b\f\n\r\t](?=[A-Za-z])", lambda m: _LATEX_ESCAPES[m.group()], answer).strip()
+    env.answers.append(answer)
+    if not env.oracle or env.label is None:
+        text, score = f"Answer recorded: {answer}.", None
+    else:
+        score = float(env.reward_fn(f"\\boxed{{{answer}}}", env.label))
+        env.last_score = score
+        text = (f"Correct: {answer} is the right answer." if score > 0
+                else f"Incorrect: {answer} is not the right answer.")
+    return text, [], score
+
+
+def crop(env, arguments):
+    """crop {"bbox": [x1, y1, x2, y2], "image": 0}: zoom into a pixel region of image i (default 0)."""
+    _check_args(arguments, ["bbox"], ["image"])
+    if not env.images:
+        raise ToolError("this problem has no image to crop")
+    i, n = arguments.get("image", 0), len(env.images)
+    if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n:
+        raise ToolError(f'"image" must be an integer from 0 to {n - 1} (images seen so far)')
+    image = env.images[i]
+    w, h = image.size
+    bbox = arguments["bbox"]
+    valid = f"integers with 0 <= x1 < x2 <= {w} and 0 <= y1 < y2 <= {h} (image {i} is {w}x{h} px)"
+    if not isinstance(bbox, list) or len(bbox) != 4 or not all(_is_number(v) for v in bbox):
+        raise ToolError(f'"bbox" must be a list of 4 numbers [x1, y1, x2, y2]: {valid}')
+    x1, y1, x2, y2 = (round(v) for v in bbox)
+    if not (0 <= x1 < x2 <= w and 0 <= y1 < y2 <= h):
+        raise ToolError(f'"bbox" {[x1, y1, x2, y2]} is out of range, inverted or empty: {valid}')
+    cw, ch = x2 - x1, y2 - y1
+    if max(cw, ch) / min(cw, ch) > MAX_ASPECT:
+        raise ToolError(f'"bbox" {cw}x{ch} px is thinner than 1:{MAX_ASPECT}; take a wider region')
+    # An integer factor with nearest-neighbour keeps every source pixel exact (sharp diagram lines).
+    k = max(1, math.ceil(MIN_SIDE / min(cw, ch)), math.ceil(math.sqrt(env.min_pixels / (cw * ch))))
+    region = image.convert("RGB").crop((x1, y1, x2, y2))
+    if k > 1:
+        region = region.resize((cw * k, ch * k), resample=0)  # 0 = Image.NEAREST
+    env.images.append(region)
+    text = (f"Crop of image {i} at [{x1}, {y1}, {x2}, {y2}] ({cw}x{ch} px, shown at "
+            f"{cw * k}x{ch * k}); it is now image {len(env.images) - 1}.")
+    return text, [region], None
+
+
+TOOLS = {"calc_score": calc_score, "calc_geo3k_reward": calc_score, "crop": crop}
+
+
+def usage():
+    """The exact call format and each tool's usage line (aliases listed once)."""
+    lines, seen = [], set()
+    for name, fn in TOOLS.items():
+        if fn not in seen:
+            seen.add(fn)
+            lines.append("- " + fn.__doc__.strip().splitlines()[0])
+    return ('Call one tool exactly like this:\n<tool_call>\n{"name": "calc_score", "arguments": '
+            '{"answer": "42"}}\n</tool_call>\nTools:\n' + "\n".join(lines))
+
+
+def _field(sample, name):
+    return sample.get(name) if isinstance(sample, dict) else getattr(sample, name, None)
+
+
+def _reject_constant(name):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+class Geo3kEnv:
+    def __init__(self, label, images, max_turns, oracle=True, rm_type="math",
+                 min_pixels=MIN_SIDE * MIN_SIDE, max_payload=4096):
+        self.label = None if label is None else str(label)
+        self.problem_images = list(images or [])
+        self.max_turns, self.oracle, self.rm_type = max_turns, oracle, rm_type
+        self.min_pixels, self.max_payload = min_pixels, max_payload
+        self.reward_fn = reward.get_reward_fn(rm_type)
+        self.reset()
+
+    def reset(self):
+        self.turn, self.answers, self.last_score = 0, [], None
+        self.images = list(self.problem_images)  # images seen so far: problem's, then crops
+        return {"text": "", "images": []}, {"turn": 0}
+
+    def parse(self, text):
+        """-> (name, arguments, n_calls, error): the last call of `text`, or the reason it is bad."""
+        n_calls = text.count("<tool_call>")
+        if n_calls == 0:
+            return None, None, 0, None
+        start = text.rfind("<tool_call>") + len("<tool_call>")
+        end = text.find("</tool_call>", start)
+        if end < 0:
+            return None, None, n_calls, "unclosed <tool_call> (no </tool_call> after it)"
+        payload = text[start:end].strip()
+        if len(payload) > self.max_payload:
+            return None, None, n_calls, (f"tool call is {len(payload)} characters; "
+                                         f"the limit is {self.max_payload}")
+        try:
+            call = json.loads(payload, parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as e:
+            reason = str(e) if isinstance(e, ValueError) else "nested too deeply"
+            return None, None, n_calls, (f"invalid JSON in tool call ({reason}); use double "
+                                         "quotes, no trailing commas, and write \\\\ for a backslash")
+        if not isinstance(call, dict):
+            return None, None, n_calls, f"tool call must be a JSON object, got {type(call).__name__}"
+        name, arguments = call.get("name"), call.get("arguments")
+        if not isinstance(name, str) or not name:
+            return None, None, n_calls, 'tool call needs a string "name"'
+        if not isinstance(arguments, dict) or not arguments:
+            return name, None, n_calls, 'tool call needs a non-empty "arguments" object'
+        extra = sorted(set(call) - {"name", "arguments"})
+        if extra:
+            return name, arguments, n_calls, f"unexpected key {extra[0][:80]!r} in tool call"
+        return name, arguments, n_calls, None
+
+    def step(self, response_text):
+        self.turn += 1
+        name, arguments, n_calls, error = self.parse(response_text)
+        info = {"turn": self.turn, "tool": name, "arguments": arguments, "ran": False,
+                "error": error, "score": None, "n_calls": n_calls,
+                "note": f"{n_calls} tool calls found; executed the last" if n_calls > 1 else None}
+        if n_calls == 0:
+            return {"text": "", "images": []}, True, info
+        text, images = "", []
+        if error is None and name not in TOOLS:
+            error = info["error"] = (f"unknown tool {name[:80]!r}; tools are "
+                                     f"{', '.join(TOOLS)}")
+        if error is None:
+            try:
+                text, images, info["score"] = TOOLS[name](self, arguments)
+                info["ran"] = True
+            except ToolError as e:
+                error = info["error"] = str(e)
+        if error is not None:
+            text = f"Error: {error}.\n{usage()}"
+        if self.turn == self.max_turns - 1:  # every tool's feedback warns, not only calc_score's
+            text += "\nThis is your last turn: give your final answer now as \\boxed{...}."
+        return {"text": text, "images": images}, self.turn >= self.max_turns, info
+
+    def format_observation(self, observation):
+        """-> a `tool` chat message; the images themselves travel in observation["images"]."""
+        parts = [{"type": "image"} for _ in observation["images"]]
+        return {"role": "tool", "content": parts + [{"type": "text", "text": observation["text"]}]}
+
+    def close(self):
+        self.images, self.problem_images = [], []
+
+
+def build_env(sample=None, args=None, **_):
+    """The published recipe's entry point. `sample`: a rollout.Sample or a dict with answer/images."""
+    max_turns = getattr(args, "max_turns", None)
+    if not isinstance(max_turns, int) or max_turns < 1:
+        raise ValueError(f"build_env needs args.max_turns (a positive int), got {max_turns!r}")
+    sample = sample if sample is not None else {}
+    label = _field(sample, "answer")
+    label = label if label is not None else _field(sample, "label")
+    images = _field(sample, "images")
+    if images is None:
+        images = (_field(sample, "multimodal_inputs") or {}).get("images")
+    return Geo3kEnv(label, images, max_turns, oracle=getattr(args, "oracle", True),
+                    rm_type=getattr(args, "rm_type", "math") or "math",
+                    min_pixels=getattr(args, "min_pixels", None) or MIN_SIDE * MIN_SIDE,
+                    max_payload=getattr(args, "max_payload", None) or 4096)

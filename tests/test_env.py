@@ -1,0 +1,321 @@
+"""env_geo3k: a table of model outputs (each asserting observation, done and info), episode
+rules, crop pixels against PIL, and a crop + calc_score episode through the chat template.
+
+    .venv/bin/pytest tests/test_env.py -q
+"""
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import env_geo3k
+
+ANY = object()  # the info field is not checked
+FORMAT = '<tool_call>\n{"name": "calc_score", "arguments": {"answer": "42"}}\n</tool_call>'
+
+
+def call(name, arguments, **extra):
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments, **extra})}\n</tool_call>"
+
+
+def calc(answer):
+    return call("calc_score", {"answer": answer})
+
+
+def picture(w=200, h=100):
+    """Every pixel distinct, so a crop at the wrong offset cannot pass."""
+    y, x = np.mgrid[0:h, 0:w]
+    rgb = np.stack([x % 256, y % 256, (x * 7 + y * 13) % 256], -1).astype(np.uint8)
+    return Image.fromarray(rgb)
+
+
+def make_env(max_turns=5, **opts):
+    sample = {"answer": "80", "images": [picture()]}
+    return env_geo3k.build_env(sample, SimpleNamespace(max_turns=max_turns, **opts))
+
+
+OK = dict(done=False, ran=True, error=None)
+
+
+def bad(error, tool=ANY, **kw):
+    return dict(done=False, ran=False, error=error, tool=tool, score=None, **kw)
+
+
+# (id, response, expected obs substring, expected info/done fields)
+CASES = [
+    # well-formed calls
+    ("calc_right", calc("80"), "Correct: 80", dict(OK, tool="calc_score", score=1.0, n_calls=1)),
+    ("calc_wrong", calc("30"), "Incorrect: 30", dict(OK, tool="calc_score", score=0.0)),
+    ("alias", call("calc_geo3k_reward", {"answer": "80"}), "Correct",
+     dict(OK, tool="calc_geo3k_reward", score=1.0)),
+    ("alias_wrong", call("calc_geo3k_reward", {"answer": "81"}), "Incorrect", dict(OK, score=0.0)),
+    ("thinking_before", "First, angle C is 40.\n" + calc("80"), "Correct", dict(OK, score=1.0)),
+    ("compact_no_newlines", '<tool_call>{"name":"calc_score","arguments":{"answer":"80"}}</tool_call>',
+     "Correct", dict(OK, score=1.0)),
+    ("answer_number", calc(80), "Correct: 80", dict(OK, score=1.0, arguments={"answer": 80})),
+    ("answer_latex_escaped", calc("\\frac{160}{2}"), "\\frac{160}{2}", dict(OK, score=1.0)),
+    ("latex_single_backslash_ff",  # json reads \f as form feed: the env restores "\frac"
+     '<tool_call>{"name": "calc_score", "arguments": {"answer": "\\frac{1}{2}"}}</tool_call>',
+     "Incorrect: \\frac{1}{2}", dict(OK, score=0.0)),
+    ("latex_invalid_escape",
+     '<tool_call>{"name": "calc_score", "arguments": {"answer": "\\sqrt{3}"}}</tool_call>',
+     "invalid JSON", bad("invalid JSON", tool=None)),
+    ("nested_braces_in_string", calc("}{ {{\\frac{1}{2}}} }"), "Incorrect", dict(OK, score=0.0)),
+    ("close_tag_in_string", calc("a</tool_call"), "Incorrect", dict(OK, score=0.0)),
+    ("unicode_answer", call("calc_score", {"answer": "80°"}), "80°", dict(OK, score=1.0)),
+    ("unicode_escapes", '<tool_call>{"name": "calc_score", "arguments": {"answer": "\\u0038\\u0030"}}'
+     '</tool_call>', "Correct: 80", dict(OK, score=1.0)),
+    ("unicode_text_around", "答案是八十。" + calc("80") + " ✓", "Correct", dict(OK, score=1.0)),
+    ("unicode_tool_name", call("cr\u043ep", {"bbox": [0, 0, 10, 10]}), "unknown tool", bad("unknown tool")),
+    ("code_like_answer", calc("__import__('os').system('rm -rf /')"), "Incorrect",
+     dict(OK, score=0.0)),
+    ("code_like_name", call("__import__('os').getcwd()", {"answer": "1"}), "unknown tool",
+     bad("unknown tool", tool="__import__('os').getcwd()")),
+    ("code_like_bbox", call("crop", {"bbox": "__import__('os').listdir('.')"}), "4 numbers",
+     bad("4 numbers", tool="crop")),
+    # no call: the episode ends
+    ("no_call_boxed", "The answer is \\boxed{80}.", "", dict(done=True, tool=None, ran=False, n_calls=0)),
+    ("empty_response", "", "", dict(done=True, tool=None, ran=False, error=None)),
+    ("stray_close_tag", "oops </tool_call> \\boxed{3}", "", dict(done=True, n_calls=0)),
+    ("tool_call_in_prose", "I could use tool_call here: \\boxed{80}", "", dict(done=True, n_calls=0)),
+    # several calls: the last one runs
+    ("two_calls_last_right", calc("30") + calc("80"), "Correct: 80",
+     dict(OK, score=1.0, n_calls=2, note="2 tool calls found; executed the last")),
+    ("three_calls_last_crop", calc("1") + calc("2") + call("crop", {"bbox": [0, 0, 100, 100]}),
+     "Crop of image 0", dict(OK, tool="crop", n_calls=3, note="3 tool calls found; executed the last")),
+    ("calls_last_malformed", calc("80") + "<tool_call>{'name': 'crop'}</tool_call>", "invalid JSON",
+     bad("invalid JSON", n_calls=2)),
+    ("calls_last_unclosed", calc("80") + '<tool_call>{"name": "calc_score"', "unclosed",
+     bad("unclosed", n_calls=2)),
+    # malformed JSON and shapes
+    ("trailing_comma_obj", '<tool_call>{"name": "calc_score", "arguments": {"answer": "80"},}</tool_call>',
+     "invalid JSON", bad("invalid JSON")),
+    ("trailing_comma_args", '<tool_call>{"name": "calc_score", "arguments": {"answer": "80",}}</tool_call>',
+     "invalid JSON", bad("invalid JSON")),
+    ("single_quotes", "<tool_call>{'name': 'calc_score', 'arguments': {'answer': '80'}}</tool_call>",
+     "invalid JSON", bad("invalid JSON")),
+    ("unclosed_brace", '<tool_call>{"name": "calc_score", "arguments": {"answer": "80"}</tool_call>',
+     "invalid JSON", bad("invalid JSON")),
+    ("unclosed_tag", '<tool_call>{"name": "calc_score", "arguments": {"answer": "80"}}', "unclosed",
+     bad("unclosed", n_calls=1)),
+    ("empty_call", "<tool_call></tool_call>", "invalid JSON", bad("invalid JSON")),
+    ("python_call_syntax", "<tool_call>calc_score(answer='80')</tool_call>", "invalid JSON",
+     bad("invalid JSON")),
+    ("nan_constant", '<tool_call>{"name": "crop", "arguments": {"bbox": [NaN, 0, 1, 1]}}</tool_call>',
+     "invalid JSON", bad("invalid JSON")),
+    ("json_array", f"<tool_call>[{json.dumps({'name': 'calc_score', 'arguments': {'answer': '80'}})}]"
+     "</tool_call>", "must be a JSON object", bad("got list", tool=None)),
+    ("json_string", '<tool_call>"calc_score"</tool_call>', "must be a JSON object", bad("got str")),
+    ("deep_nesting", '<tool_call>{"name": "calc_score", "arguments": {"answer": ' + "[" * 1900
+     + "]" * 1900 + "}}</tool_call>", "nested too deeply", bad("nested too deeply")),
+    ("payload_100kb", calc("8" * 100_000), "limit is 4096", bad("the limit is 4096", tool=None)),
+    ("missing_arguments", '<tool_call>{"name": "calc_score"}</tool_call>', '"arguments" object',
+     bad('non-empty "arguments"', tool="calc_score", arguments=None)),
+    ("empty_arguments", call("calc_score", {}), '"arguments" object', bad('non-empty "arguments"')),
+    ("arguments_as_string", call("calc_score", '{"answer": "80"}'), '"arguments" object',
+     bad('"arguments" object')),
+    ("arguments_null", call("calc_score", None), '"arguments" object', bad('"arguments" object')),
+    ("missing_name", '<tool_call>{"arguments": {"answer": "80"}}</tool_call>', 'string "name"',
+     bad('string "name"', tool=None)),
+    ("name_number", '<tool_call>{"name": 5, "arguments": {"answer": "80"}}</tool_call>',
+     'string "name"', bad('string "name"')),
+    ("unknown_tool", call("search", {"query": "x"}), "unknown tool 'search'", bad("unknown tool")),
+    ("extra_top_key", call("calc_score", {"answer": "80"}, id=1), "unexpected key 'id'",
+     bad("unexpected key", arguments={"answer": "80"})),
+    ("calc_wrong_key", call("calc_score", {"ans": "80"}), "missing argument 'answer'",
+     bad("missing argument", tool="calc_score", arguments={"ans": "80"})),
+    ("calc_extra_key", call("calc_score", {"answer": "80", "why": "x"}), "unexpected argument 'why'",
+     bad("unexpected argument")),
+    ("calc_empty_answer", calc("  "), "non-empty string", bad("non-empty string")),
+    ("calc_null_answer", calc(None), "non-empty string", bad("non-empty string")),
+    ("calc_list_answer", calc(["80"]), "non-empty string", bad("non-empty string")),
+    ("calc_bool_answer", calc(True), "non-empty string", bad("non-empty string")),
+    # crop
+    ("crop_ok", call("crop", {"bbox": [10, 20, 110, 70]}),
+     "Crop of image 0 at [10, 20, 110, 70] (100x50 px, shown at 200x100); it is now image 1",
+     dict(OK, tool="crop", score=None, arguments={"bbox": [10, 20, 110, 70]}, n_images=1)),
+    ("crop_whole", call("crop", {"bbox": [0, 0, 200, 100]}), "(200x100 px, shown at 200x100)",
+     dict(OK, n_images=1)),
+    ("crop_small_upscaled", call("crop", {"bbox": [0, 0, 10, 10], "image": 0}), "shown at 60x60",
+     dict(OK, n_images=1)),
+    ("crop_floats", call("crop", {"bbox": [9.6, 20.4, 110.0, 70]}), "at [10, 20, 110, 70]", dict(OK)),
+    ("crop_strings", call("crop", {"bbox": ["10", "20", "110", "70"]}), "4 numbers",
+     bad("list of 4 numbers", tool="crop", n_images=0)),
+    ("crop_out_of_range", call("crop", {"bbox": [0, 0, 500, 50]}), "image 0 is 200x100 px",
+     bad("out of range")),
+    ("crop_inverted", call("crop", {"bbox": [110, 20, 10, 70]}), "0 <= x1 < x2 <= 200",
+     bad("out of range")),
+    ("crop_zero_area", call("crop", {"bbox": [10, 10, 10, 50]}), "0 <= y1 < y2 <= 100",
+     bad("empty")),
+    ("crop_negative", call("crop", {"bbox": [-5, 0, 10, 10]}), "out of range", bad("out of range")),
+    ("crop_three_numbers", call("crop", {"bbox": [1, 2, 3]}), "4 numbers", bad("4 numbers")),
+    ("crop_bbox_dict", call("crop", {"bbox": {"x1": 0}}), "4 numbers", bad("4 numbers")),
+    ("crop_bools", call("crop", {"bbox": [True, 0, 10, 10]}), "4 numbers", bad("4 numbers")),
+    ("crop_infinity", '<tool_call>{"name": "crop", "arguments": {"bbox": [0, 0, 1e400, 10]}}</tool_call>',
+     "4 numbers", bad("4 numbers")),
+    ("crop_thin", call("crop", {"bbox": [0, 0, 200, 2]}), "1:50", bad("thinner")),
+    ("crop_bad_image_index", call("crop", {"bbox": [0, 0, 10, 10], "image": 1}), "from 0 to 0",
+     bad('"image" must be')),
+    ("crop_image_as_string", call("crop", {"bbox": [0, 0, 10, 10], "image": "0"}), "from 0 to 0",
+     bad('"image" must be')),
+    ("crop_missing_bbox", call("crop", {"box": [0, 0, 10, 10]}), "missing argument 'bbox'",
+     bad("missing argument")),
+]
+
+
+@pytest.mark.parametrize("response,text,expect", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_step_table(response, text, expect):
+    env = make_env()
+    env.reset()
+    obs, done, info = env.step(response)
+    assert set(info) == {"turn", "tool", "arguments", "ran", "error", "score", "n_calls", "note"}
+    assert info["turn"] == 1 and isinstance(obs["text"], str)
+    assert text in obs["text"], obs["text"]
+    expect = dict(expect)
+    assert done == expect.pop("done")
+    n_images = expect.pop("n_images", None)
+    if n_images is not None:
+        assert len(obs["images"]) == n_images
+    for key, want in expect.items():
+        if want is ANY:
+            continue
+        if key == "error" and want is not None:
+            assert want in info["error"], info["error"]
+        else:
+            assert info[key] == want, (key, info)
+    if info["error"]:  # every error shows the exact call format and the tools
+        assert obs["text"].startswith("Error: ") and FORMAT in obs["text"]
+        assert "- crop {" in obs["text"] and obs["images"] == [] and info["score"] is None
+    if info["ran"] and info["tool"] != "crop":
+        assert obs["images"] == []
+    assert len(obs["text"]) < 2000  # feedback stays short, whatever the model sent
+
+
+def test_table_size():
+    assert len(CASES) >= 40
+
+
+def test_answers_and_scores_recorded_and_reset():
+    env = make_env()
+    env.step(calc("30"))
+    env.step(calc(80))
+    env.step(call("crop", {"bbox": [0, 0, 50, 50]}))
+    assert env.answers == ["30", "80"] and env.last_score == 1.0 and len(env.images) == 2
+    assert env.step('<tool_call>{"name": "calc_score", "arguments": {"answer": "\\theta"}}'
+                    '</tool_call>')[2]["ran"] and env.answers[-1] == "\\theta"
+    assert env.reset() == ({"text": "", "images": []}, {"turn": 0})
+    assert env.answers == [] and env.last_score is None and env.turn == 0 and len(env.images) == 1
+
+
+def test_max_turns_and_last_turn_warning():
+    env = make_env(max_turns=3)
+    obs, done, info = env.step(calc("30"))
+    assert not done and "last turn" not in obs["text"]
+    obs, done, info = env.step(calc("30"))  # turn 2 of 3: the next answer is the final one
+    assert not done and "last turn" in obs["text"] and "\\boxed{" in obs["text"]
+    obs, done, info = env.step(call("crop", {"bbox": [0, 0, 50, 50]}))
+    assert done and info["turn"] == 3 and info["ran"] and "last turn" not in obs["text"]
+    env = make_env(max_turns=2)
+    obs, done, _ = env.step("garbage <tool_call>{,}</tool_call>")
+    assert not done and "last turn" in obs["text"]  # errors warn too
+    assert env.step("<tool_call>{,}</tool_call>")[1]  # an error on the last turn still ends it
+    assert make_env(max_turns=1).step(calc("80"))[1]
+
+
+def test_rm_type_selects_the_reward():
+    assert make_env().step(calc("80.5"))[2]["score"] == 0.0
+    assert make_env(rm_type="geo3k").step(calc("80.5"))[2]["score"] == 1.0  # within 5%
+
+
+def test_oracle_off_records_without_judging():
+    for answer in ["80", "30"]:
+        env = make_env(oracle=False)
+        obs, done, info = env.step(calc(answer))
+        assert obs["text"] == f"Answer recorded: {answer}."
+        assert info["ran"] and info["score"] is None and env.last_score is None
+        assert env.answers == [answer]
+
+
+def test_build_env_args_and_samples():
+    with pytest.raises(ValueError, match="max_turns"):
+        env_geo3k.build_env({"answer": "1", "images": []}, SimpleNamespace(rollout_batch_size=2))
+    with pytest.raises(ValueError, match="max_turns"):
+        env_geo3k.build_env({"answer": "1", "images": []})
+    # a Sample-like object (attributes), extra keyword arguments ignored
+    sample = SimpleNamespace(label="80", images=[picture()], prompt="p")
+    env = env_geo3k.build_env(sample=sample, args=SimpleNamespace(max_turns=2), tokenizer=None)
+    assert env.step(calc("80"))[2]["score"] == 1.0
+    env.close()
+    env = env_geo3k.build_env({"answer": "80", "images": []}, SimpleNamespace(max_turns=2))
+    obs, done, info = env.step(call("crop", {"bbox": [0, 0, 1, 1]}))
+    assert "no image" in info["error"] and not done
+
+
+def test_forks_add_a_tool_with_one_function(monkeypatch):
+    def echo(env, arguments):
+        """echo {"text": "..."}: repeat the text."""
+        return arguments["text"][::-1], [], None
+    monkeypatch.setitem(env_geo3k.TOOLS, "echo", echo)
+    env = make_env()
+    assert env.step(call("echo", {"text": "abc"}))[0]["text"] == "cba"
+    assert '- echo {"text": "..."}' in env.step(call("nope", {"a": 1}))[0]["text"]
+
+
+def test_crop_pixels_match_pil():
+    image = picture()
+    env = make_env()
+    obs, _, _ = env.step(call("crop", {"bbox": [10, 20, 110, 90]}))  # 100x70: no upscale
+    assert np.array_equal(np.asarray(obs["images"][0]), np.asarray(image.crop((10, 20, 110, 90))))
+    obs, _, _ = env.step(call("crop", {"bbox": [5, 7, 19, 17]}))  # 14x10 -> x6 (sides >= 56)
+    out, ref = obs["images"][0], image.crop((5, 7, 19, 17))
+    assert out.size == (84, 60) and min(out.size) >= env_geo3k.MIN_SIDE
+    assert np.array_equal(np.asarray(out.reduce(6)), np.asarray(ref))  # each pixel a 6x6 block
+    obs, _, _ = env.step(call("crop", {"bbox": [0, 0, 60, 60], "image": 1}))  # crop of a crop
+    assert np.array_equal(np.asarray(obs["images"][0]), np.asarray(image.crop((10, 20, 70, 80))))
+    env = make_env(min_pixels=64 * 64 * 4)  # area floor from the processor's min pixels
+    out = env.step(call("crop", {"bbox": [0, 0, 100, 60]}))[0]["images"][0]
+    assert out.size == (200, 120) and out.size[0] * out.size[1] >= 64 * 64 * 4
+
+
+def test_format_observation():
+    env = make_env()
+    obs, _, _ = env.step(call("crop", {"bbox": [0, 0, 50, 50]}))
+    msg = env.format_observation(obs)
+    assert msg == {"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": obs["text"]}]}
+    obs, _, _ = env.step(calc("3"))
+    assert env.format_observation(obs)["content"] == [{"type": "text", "text": obs["text"]}]
+
+
+def test_episode_renders_through_chat_template(geo3k_real):
+    import tiny
+    processor = tiny.tiny_processor("qwen3_vl")
+    record = json.loads((geo3k_real / "test.jsonl").read_text().splitlines()[0])
+    image = Image.open(geo3k_real / record["image"]).convert("RGB")
+    env = env_geo3k.build_env({"answer": record["answer"], "images": [image]},
+                              SimpleNamespace(max_turns=4))
+    env.reset()
+
+    def assistant(name, arguments):  # the call as the chat template renders it: what the model emits
+        return {"role": "assistant", "content": "",
+                "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]}
+
+    messages = [{"role": "user", "content": [{"type": "image"},
+                                             {"type": "text", "text": record["problem"]}]}]
+    images = [image]
+    for name, arguments in [("crop", {"bbox": [20, 20, 120, 100]}),
+                            ("calc_score", {"answer": record["answer"]})]:
+        messages.append(assistant(name, arguments))
+        generated = processor.apply_chat_template(messages[-1:], tokenize=False)
+        obs, done, info = env.step(generated)
+        assert info["ran"] and info["tool"] == name and info["arguments"] == arguments and not done
+        messages.append(env.format_observation(obs))
+        images += obs["images"]
+    assert info["score"] == 1.0 and len(images) == 2
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.count("<tool_response>") == 2 and text.count("<|vision_start|>") == 2
+    batch = processor(text=[text], images=images, return_tensors="pt")
+    n_pad = int((batch["input_ids"] == 151655).sum())
+    assert n_pad == int(batch["image_grid_thw"].prod(-1).sum()) // 4
+    assert batch["image_grid_thw"].shape[0] == 2
