@@ -1,0 +1,440 @@
+"""Rollouts: `Sample`, the engines, single/multi-turn generation with exact token bookkeeping.
+
+    engine = make_engine(args, hf_dir, run_dir)          # --rollout-engine auto|sglang|local
+    samples = generate_group_samples(engine, processor, records, args)
+    engine.update_weights(model.export_hf(model)); ...; engine.shutdown()
+
+Tests: `.venv/bin/pytest tests/test_rollout.py -q` (CPU, tiny checkpoint, fake SGLang server).
+
+Token-in/token-out: a sample's token list is built once, here, and is what the engine is sent
+each turn and what the trainer reads. Nothing the model wrote is ever re-tokenised: the prompt
+is the chat template run through the processor (which expands each `<|image_pad|>` to its
+grid's count), each model turn is the engine's ids as returned, each observation turn is
+`\\n` + the template's rendering of that one tool message (+ the next assistant header) run
+through the processor with its new images. Each turn checks that the engine saw exactly the
+tokens sent (SGLang re-expanding image tokens shows as a prompt length mismatch), and each
+sample that the placeholder runs match the images' grids as the trainer's image processor
+computes them. A sample failing a check is `failed` with its reason, has an all-zero loss
+mask, is counted in the metrics, and must not be trained on (nor `aborted` ones).
+
+Engines: `LocalEngine` (transformers in process: `model.generate` with KV cache, left-padded
+batches; HF computes the MRoPE positions) and `SGLangEngine` (sglang_engine.py: a stock
+`sglang.launch_server` subprocess on rank 0). Both return, per request, the new ids, their
+log-probabilities log_softmax(logits / T) (T = 1 for greedy, before top-p/top-k, as SGLang
+reports them) and the finish reason.
+"""
+import argparse
+import importlib.util
+import math
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+IM_END, ENDOFTEXT = "<|im_end|>", "<|endoftext|>"
+VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
+
+
+@dataclass
+class Sample:
+    """One response to one prompt: what crosses from the rollout to the trainer."""
+    prompt_ids: list                 # chat-template prompt, image pads expanded
+    response_ids: list = field(default_factory=list)       # model + observation tokens
+    loss_mask: list = field(default_factory=list)          # 1 = the model wrote it
+    rollout_logprobs: list = field(default_factory=list)   # engine logprob; 0.0 where mask 0
+    images: list = field(default_factory=list)             # PIL, in order of their pads
+    image_turns: list = field(default_factory=list)        # turn that brought each image
+    label: str = ""
+    reward: float = 0.0
+    status: str = "completed"        # completed | truncated | aborted | failed
+    fail_reason: str = None
+    turns: int = 0
+    tool_calls: int = 0
+    group: int = 0                   # position of the prompt in this rollout's records
+    index: int = 0                   # the prompt's index in the data
+    response_text: str = ""          # the model's turns, decoded (observations excluded)
+    metadata: dict = field(default_factory=dict)           # env step infos, format_ok, ...
+
+    @property
+    def tokens(self):
+        return self.prompt_ids + self.response_ids
+
+
+# ---------------------------------------------------------------------------------- flags
+def add_rollout_args(p):
+    g = p.add_argument_group("rollout")
+    g.add_argument("--rollout-engine", default="auto", choices=["auto", "sglang", "local"],
+                   help="auto: SGLang when importable and CUDA is present, else in-process transformers")
+    g.add_argument("--rollout-batch-size", type=int, default=8, help="prompts per rollout")
+    g.add_argument("--n-samples-per-prompt", type=int, default=4, help="responses per prompt (GRPO group)")
+    g.add_argument("--rollout-max-response-len", type=int, default=256,
+                   help="token budget of a whole response (model + observation turns)")
+    g.add_argument("--rollout-temperature", type=float, default=1.0, help="0 = greedy")
+    g.add_argument("--rollout-top-p", type=float, default=1.0, help="nucleus sampling")
+    g.add_argument("--rollout-top-k", type=int, default=-1, help="-1 = off")
+    g.add_argument("--max-turns", type=int, default=1, help="1 = single-turn; >1 drives env_geo3k")
+    g.add_argument("--max-context-len", type=int, default=8192, help="prompt + response token cap")
+    g.add_argument("--dynamic-sampling", action="store_true",
+                   help="drop groups whose rewards are all equal; top up from the extra prompts given")
+    g.add_argument("--rm-type", default="math", help="reward.get_reward_fn type")
+    g.add_argument("--sglang-server-timeout", type=float, default=900.0,
+                   help="seconds to wait for the SGLang server's /health")
+    return p
+
+
+def sglang_server_args(argv):
+    """Unknown trainer flags -> SGLang server flags: `--sglang-<name> [values]` -> `--<name> [values]`.
+    Anything else is an error (a typo must not pass silently)."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if not a.startswith("--sglang-"):
+            raise SystemExit(f"unknown argument {a!r} (server flags are passed as --sglang-<name> <value>)")
+        name, eq, value = a[len("--sglang-"):].partition("=")
+        out.append("--" + name)
+        if eq:
+            out.append(value)
+        i += 1
+        while i < len(argv) and not argv[i].startswith("--"):  # nargs='+' flags: --cuda-graph-bs 1 2 4
+            out.append(argv[i])
+            i += 1
+    return out
+
+
+# ---------------------------------------------------------------------------------- tokens
+def encode_images(processor, images):
+    """-> (pixel_values (sum patches, C*T*P*P), image_grid_thw (n, 3)) as the trainer feeds them."""
+    if not images:
+        return None, None
+    out = processor.image_processor(images=list(images), return_tensors="pt")
+    return out["pixel_values"], out["image_grid_thw"]
+
+
+def token_id(processor, token):
+    return processor.tokenizer.convert_tokens_to_ids(token)
+
+
+def encode_prompt(processor, messages, images):
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(processor(text=[text], images=list(images) or None)["input_ids"][0])
+
+
+def encode_observation(processor, message, images):
+    """Tokens appended after a model turn that ended in <|im_end|>: "\\n", the tool turn, and
+    the next assistant header. Rendered alone, so earlier turns are never re-tokenised."""
+    text = processor.apply_chat_template([message], add_generation_prompt=True, tokenize=False)
+    if not text.startswith("<|im_start|>user"):
+        raise ValueError(f"tool turn renders as {text[:40]!r}, expected a user turn")
+    return list(processor(text=["\n" + text], images=list(images) or None)["input_ids"][0])
+
+
+def image_token_runs(processor, ids):
+    """Lengths of the <|image_pad|> runs between <|vision_start|> and <|vision_end|>."""
+    start, end, pad = (token_id(processor, t) for t in (VISION_START, VISION_END, IMAGE_PAD))
+    runs, n = [], None
+    for t in ids:
+        if t == start:
+            n = 0
+        elif t == pad and n is not None:
+            n += 1
+        elif t == end and n is not None:
+            runs.append(n)
+            n = None
+    return runs, sum(t == pad for t in ids)
+
+
+def check_images(processor, ids, images):
+    """None if every image's placeholder count is what its grid implies, else the reason."""
+    runs, total = image_token_runs(processor, ids)
+    _, grid = encode_images(processor, images)
+    merge = processor.image_processor.merge_size
+    want = [] if grid is None else [int(g.prod()) // merge ** 2 for g in grid]
+    if runs != want or total != sum(want):
+        return f"image placeholders {runs} (total {total}) != grids imply {want}"
+    return None
+
+
+# ---------------------------------------------------------------------------------- engines
+class Engine:
+    """generate(batch, sampling) -> [{"ids", "logprobs", "finish", "prompt_tokens"[, "error"]}].
+    batch items: {"input_ids": [int], "images": [PIL][, "max_new_tokens": int]};
+    sampling: {temperature, top_p, top_k, max_new_tokens, stop_token_ids}."""
+
+    def generate(self, batch, sampling):
+        raise NotImplementedError
+
+    def update_weights(self, buckets):
+        raise NotImplementedError
+
+    def flush(self):
+        pass
+
+    def release(self):
+        pass
+
+    def resume(self):
+        pass
+
+    def shutdown(self):
+        pass
+
+
+class LocalEngine(Engine):
+    """A transformers model in process (fp32 by default), batched `generate` with KV cache."""
+
+    def __init__(self, hf_dir, device="cpu", dtype=torch.float32, max_batch=16, processor=None):
+        from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
+        self.device, self.max_batch = torch.device(device), max_batch
+        self.processor = processor or AutoProcessor.from_pretrained(hf_dir)
+        self.model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=dtype).to(self.device).eval()
+        tok = self.processor.tokenizer
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        # A clean generation config: a checkpoint's defaults (repetition_penalty, top_k=20...)
+        # would otherwise change the sampling distribution behind our back.
+        self.model.generation_config = GenerationConfig(pad_token_id=self.pad_id, eos_token_id=tok.eos_token_id)
+        self.image_pad = token_id(self.processor, IMAGE_PAD)
+
+    @torch.no_grad()
+    def generate(self, batch, sampling):
+        out = []
+        for i in range(0, len(batch), self.max_batch):
+            out += self._generate(batch[i:i + self.max_batch], sampling)
+        return out
+
+    def _generate(self, batch, sp):
+        from transformers import GenerationConfig
+        lens = [len(b["input_ids"]) for b in batch]
+        B, L = len(batch), max(lens)
+        ids = torch.full((B, L), self.pad_id, dtype=torch.long)      # (B, L), left padded
+        mask = torch.zeros((B, L), dtype=torch.long)
+        for i, b in enumerate(batch):
+            ids[i, L - lens[i]:] = torch.tensor(b["input_ids"])
+            mask[i, L - lens[i]:] = 1
+        kw = dict(input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == self.image_pad).long() * mask)
+        pixels, grid = encode_images(self.processor, [im for b in batch for im in b["images"]])
+        if pixels is not None:
+            kw.update(pixel_values=pixels.to(self.model.dtype), image_grid_thw=grid)
+        limits = [b.get("max_new_tokens", sp["max_new_tokens"]) for b in batch]
+        T = float(sp.get("temperature", 1.0))
+        greedy = T <= 0
+        stop = list(sp.get("stop_token_ids") or [self.processor.tokenizer.eos_token_id])
+        top_k = sp.get("top_k", -1)
+        gc = GenerationConfig(do_sample=not greedy, temperature=1.0 if greedy else T,
+                              top_p=float(sp.get("top_p", 1.0)), top_k=top_k if top_k and top_k > 0 else 0,
+                              max_new_tokens=max(limits), eos_token_id=stop, pad_token_id=self.pad_id,
+                              output_logits=True, return_dict_in_generate=True)
+        res = self.model.generate(**{k: v.to(self.device) for k, v in kw.items()}, generation_config=gc)
+        new = res.sequences[:, L:].cpu()                                 # (B, N)
+        scale = 1.0 if greedy else T
+        lp = torch.stack([torch.log_softmax(step.float() / scale, -1).gather(-1, new[:, j, None].to(step.device))[:, 0].cpu()
+                          for j, step in enumerate(res.logits)], 1)      # (B, N), raw logits / T
+        outs = []
+        for i in range(B):
+            row = new[i, :limits[i]].tolist()
+            cut = next((k for k, t in enumerate(row) if t in stop), None)
+            n = len(row) if cut is None else cut + 1
+            outs.append({"ids": row[:n], "logprobs": lp[i, :n].tolist(),
+                         "finish": "length" if cut is None else "stop", "prompt_tokens": int(mask[i].sum())})
+        return outs
+
+    @torch.no_grad()
+    def update_weights(self, buckets):
+        """Copy (HF name, full tensor) buckets into the model; returns the number of tensors."""
+        params = self.model.state_dict()
+        n = 0
+        for bucket in buckets:
+            for name, t in bucket:
+                if name not in params:
+                    raise KeyError(f"update_weights: {name!r} is not a parameter of {type(self.model).__name__}")
+                if params[name].shape != t.shape:
+                    raise ValueError(f"update_weights: {name} has shape {tuple(t.shape)}, model {tuple(params[name].shape)}")
+                params[name].copy_(t.to(params[name].device, params[name].dtype))
+                n += 1
+        return n
+
+
+def make_engine(args, hf_dir, run_dir, processor=None):
+    """The engine --rollout-engine names; auto = SGLang if importable and CUDA is present."""
+    kind = getattr(args, "rollout_engine", "auto")
+    if kind == "auto":
+        kind = "sglang" if importlib.util.find_spec("sglang") and torch.cuda.is_available() else "local"
+    if kind == "local":
+        return LocalEngine(hf_dir, "cuda" if torch.cuda.is_available() else "cpu", processor=processor)
+    from sglang_engine import SGLangEngine
+    return SGLangEngine(hf_dir, run_dir, server_args=getattr(args, "sglang_args", None) or [],
+                        timeout=getattr(args, "sglang_server_timeout", 900.0))
+
+
+# ---------------------------------------------------------------------------------- rollouts
+def _fail(s, reason):
+    s.status, s.fail_reason, s.reward = "failed", reason, 0.0
+    s.loss_mask = [0] * len(s.response_ids)  # never trained on, even by a trainer that forgets
+
+
+def _episode(processor, rec, args, group, pos, multi):
+    import data
+    images = list(rec["images"])
+    s = Sample(prompt_ids=encode_prompt(processor, data.prompt_messages(rec, multi_turn=multi), images),
+               images=images, image_turns=[0] * len(images), label=str(rec["answer"]),
+               group=group, index=rec.get("index", pos), metadata={"steps": []})
+    env = None
+    if multi:
+        import env_geo3k
+        env = env_geo3k.build_env(rec, args)
+        env.reset()
+    return s, env
+
+
+def _finish_turn(s, env, out, processor, args, multi, stops):
+    """Append one engine answer to `s`; run the env; append its observation. -> still active?"""
+    tok = processor.tokenizer
+    ids, lps = list(out["ids"]), list(out["logprobs"])
+    if out.get("error"):
+        return _fail(s, out["error"])
+    if out.get("prompt_tokens") not in (None, len(s.tokens)):
+        return _fail(s, f"engine saw {out['prompt_tokens']} prompt tokens, was sent {len(s.tokens)} "
+                        "(image tokens expanded twice?)")
+    if len(lps) != len(ids) or not all(math.isfinite(x) and x <= 1e-6 for x in lps):
+        return _fail(s, f"engine returned {len(ids)} ids with {len(lps)} logprobs (or non-finite ones)")
+    s.response_ids += ids
+    s.loss_mask += [1] * len(ids)
+    s.rollout_logprobs += lps
+    s.turns += 1
+    text = tok.decode([t for t in ids if t not in stops], skip_special_tokens=False)
+    s.response_text += ("\n" if s.turns > 1 else "") + text
+    if out["finish"] == "abort":
+        s.status = "aborted"
+        return False
+    if out["finish"] == "length":
+        s.status = "truncated"
+        return False
+    if not multi:
+        return False
+    obs, done, info = env.step(text)
+    s.metadata["steps"].append(dict(info, observation=obs["text"]))
+    s.tool_calls += int(bool(info.get("n_calls")))
+    if done:
+        return False
+    im_end = token_id(processor, IM_END)
+    close = [] if ids and ids[-1] == im_end else [im_end]  # stopped on another stop token
+    obs_ids = close + encode_observation(processor, env.format_observation(obs), obs["images"])
+    if (len(s.response_ids) + len(obs_ids) >= args.rollout_max_response_len
+            or len(s.tokens) + len(obs_ids) >= getattr(args, "max_context_len", 8192)):
+        s.status = "truncated"
+        return False
+    s.response_ids += obs_ids
+    s.loss_mask += [0] * len(obs_ids)
+    s.rollout_logprobs += [0.0] * len(obs_ids)
+    s.images += list(obs["images"])
+    s.image_turns += [s.turns] * len(obs["images"])
+    return True
+
+
+def run_episodes(engine, processor, records, args, groups=None, positions=None):
+    """n_samples_per_prompt episodes per record, turn by turn: each round sends every active
+    episode's tokens to the engine at once (SGLang keeps them all in flight)."""
+    from tqdm import tqdm
+    multi = getattr(args, "max_turns", 1) > 1
+    n = getattr(args, "n_samples_per_prompt", 1)
+    groups = groups if groups is not None else list(range(len(records)))
+    positions = positions if positions is not None else groups
+    eps = [_episode(processor, rec, args, g, p, multi) for rec, g, p in zip(records, groups, positions) for _ in range(n)]
+    stops = [token_id(processor, IM_END), token_id(processor, ENDOFTEXT)]
+    T = getattr(args, "rollout_temperature", 1.0)
+    sampling = dict(temperature=T, top_p=getattr(args, "rollout_top_p", 1.0),
+                    top_k=getattr(args, "rollout_top_k", -1), stop_token_ids=stops)
+    budget = args.rollout_max_response_len
+    context = getattr(args, "max_context_len", 8192)
+    active = list(range(len(eps)))
+    bar = tqdm(total=len(eps), desc="rollout", file=sys.stderr, mininterval=1.0, leave=False)
+    while active:
+        reqs, live = [], []
+        for i in active:
+            s = eps[i][0]
+            room = min(budget - len(s.response_ids), context - len(s.tokens))
+            if room <= 0:
+                s.status = "truncated"
+                continue
+            live.append(i)
+            reqs.append({"input_ids": s.tokens, "images": s.images, "max_new_tokens": room})
+        outs = engine.generate(reqs, dict(sampling, max_new_tokens=max([r["max_new_tokens"] for r in reqs], default=1))) if reqs else []
+        active = []
+        for i, out in zip(live, outs):
+            s, env = eps[i]
+            try:
+                more = _finish_turn(s, env, out, processor, args, multi, stops)
+            except Exception as e:  # noqa: BLE001 - one bad episode must not end the rollout
+                _fail(s, f"{type(e).__name__}: {e}")
+                more = False
+            if more and s.status != "failed":
+                active.append(i)
+        bar.update(len(eps) - len(active) - bar.n)
+    bar.close()
+    samples = [s for s, _ in eps]
+    for s, env in eps:
+        if env is not None:
+            env.close()
+        if s.status != "failed":
+            reason = check_images(processor, s.tokens, s.images)
+            if reason:
+                _fail(s, reason)
+    return samples
+
+
+def _score(samples, args, reward_fn):
+    import reward
+    fn = reward_fn or reward.get_reward_fn(getattr(args, "rm_type", "math") or "math")
+    for s in samples:
+        s.metadata["format_ok"] = bool(reward.format_ok(s.response_text))
+        s.reward = 0.0 if s.status == "failed" else float(fn(s.response_text, s.label))
+
+
+def generate_group_samples(engine, processor, records, args, reward_fn=None):
+    """records x n_samples_per_prompt scored samples (group = record position). With
+    args.dynamic_sampling, groups whose rewards are all equal are dropped and replaced from
+    the records not yet used, until rollout_batch_size groups are kept (the caller passes
+    more records than that: the over-sample)."""
+    if not getattr(args, "dynamic_sampling", False):
+        samples = run_episodes(engine, processor, records, args)
+        _score(samples, args, reward_fn)
+        return samples
+    target = getattr(args, "rollout_batch_size", None) or len(records)
+    kept, pos, drawn = [], 0, 0
+    while len(kept) < target and pos < len(records):
+        rate = len(kept) / drawn if drawn else 1.0   # observed keep rate sizes the next draw
+        take = min(len(records) - pos, math.ceil((target - len(kept)) / max(rate, 0.25)))
+        idx = list(range(pos, pos + take))
+        pos, drawn = pos + take, drawn + take
+        samples = run_episodes(engine, processor, [records[i] for i in idx], args, groups=idx)
+        _score(samples, args, reward_fn)
+        for g in idx:
+            group = [s for s in samples if s.group == g]
+            if len({s.reward for s in group}) > 1:
+                kept.append(group)
+    out = [s for group in kept[:target] for s in group]
+    for s in out:
+        s.metadata["ds_drawn_groups"], s.metadata["ds_kept_groups"] = drawn, len(kept)
+    return out
+
+
+def rollout_metrics(samples):
+    """Means over samples; reward and accuracy over the ones not failed."""
+    n = max(len(samples), 1)
+    ok = [s for s in samples if s.status != "failed"] or [Sample(prompt_ids=[])]
+    m = {"reward": sum(s.reward for s in ok) / len(ok),
+         "accuracy": sum(s.reward > 0 for s in ok) / len(ok),
+         "response_len": sum(sum(s.loss_mask) for s in ok) / len(ok),
+         "truncated_frac": sum(s.status == "truncated" for s in samples) / n,
+         "aborted_frac": sum(s.status == "aborted" for s in samples) / n,
+         "failed_frac": sum(s.status == "failed" for s in samples) / n,
+         "turns": sum(s.turns for s in samples) / n,
+         "tool_calls": sum(s.tool_calls for s in samples) / n,
+         "format_ok_frac": sum(bool(s.metadata.get("format_ok")) for s in samples) / n,
+         "samples": len(samples)}
+    if samples and "ds_drawn_groups" in samples[0].metadata:
+        m["ds_keep_frac"] = samples[0].metadata["ds_kept_groups"] / max(samples[0].metadata["ds_drawn_groups"], 1)
+    return m
+
+
+if __name__ == "__main__":
+    print(add_rollout_args(argparse.ArgumentParser(description=__doc__)).parse_args())

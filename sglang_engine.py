@@ -1,0 +1,286 @@
+"""SGLangEngine: a stock `python -m sglang.launch_server` subprocess driven over HTTP (rank 0).
+
+    engine = SGLangEngine(hf_dir, run_dir, server_args=["--mem-fraction-static", "0.5"])
+    outs = engine.generate([{"input_ids": ids, "images": [pil]}], sampling)   # rollout.Engine API
+    engine.release(); ...train...; engine.resume(); engine.update_weights(buckets); engine.shutdown()
+
+Protocol (stock SGLang, no fork): POST /generate {"input_ids", "image_data": [data URIs],
+"sampling_params": {temperature, top_p, top_k, max_new_tokens, stop_token_ids,
+skip_special_tokens: false, no_stop_trim: true}, "return_logprob": true}; ids and logprobs are
+read from meta_info.output_token_logprobs [[logprob, token_id, text|null], ...], the finish
+from meta_info.finish_reason.type, and meta_info.prompt_tokens is returned so the rollout can
+check that the server expanded the image tokens exactly as we did.
+
+Weight sync goes through the disk: each bucket of (HF name, full tensor) is saved as a
+safetensors shard in <run_dir>/weights (next to a copy of the checkpoint's config and
+processor files), then POST /update_weights_from_disk {"model_path": that folder} and
+/flush_cache (stale prefix/vision caches would otherwise serve old-weight results). Why not
+/update_weights_from_tensor: its `serialized_named_tensors` are SGLang's
+MultiprocessingSerializer output, i.e. CUDA IPC handles, one payload per server TP rank; that
+needs sglang importable in the trainer, the tensors alive on the same node until the server
+has copied them, and a shared IPC namespace. The disk path works with any server TP, any
+process layout and no sglang import, and it makes restarts correct for free: a restarted
+server is launched from the latest synced folder. Its cost is writing the weights once per
+step (put --run dir, or `weights_dir`, on local NVMe or /dev/shm for big models).
+
+Process hygiene: the server starts in its own session (process group) with its log in
+<run_dir>/sglang.log; shutdown() sends SIGTERM to the whole group, then SIGKILL after a grace
+period; atexit and SIGINT/SIGTERM handlers do the same. Nothing is ever killed by name.
+release()/resume() need the server launched with --enable-memory-saver (trainer flag
+--sglang-enable-memory-saver). On Blackwell GPUs the published recipe needs
+--sglang-mm-attention-backend sdpa.
+"""
+import atexit
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from rollout import Engine
+
+_LIVE = weakref.WeakSet()  # engines whose servers must die with us
+_HANDLERS = []
+
+
+class ServerDown(Exception):
+    """The server did not answer (dead, restarting, connection reset)."""
+
+
+def _shutdown_all():
+    for engine in list(_LIVE):
+        engine.shutdown()
+
+
+def _install_handlers():
+    if _HANDLERS or threading.current_thread() is not threading.main_thread():
+        return
+    atexit.register(_shutdown_all)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        prev = signal.getsignal(sig)
+
+        def handler(signum, frame, prev=prev):
+            _shutdown_all()
+            if callable(prev):
+                prev(signum, frame)  # SIGINT's default raises KeyboardInterrupt
+            else:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+        signal.signal(sig, handler)
+    _HANDLERS.append(True)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kill_group(proc, grace=15.0):
+    """SIGTERM the process group of `proc` (its own session), SIGKILL what is left after `grace`."""
+    pgid = proc.pid  # start_new_session=True: the server leads its own group
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.time() + wait
+        while time.time() < deadline:
+            proc.poll()  # reap the leader, or it lingers as a zombie member of the group
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
+
+
+class SGLangEngine(Engine):
+    def __init__(self, hf_dir, run_dir, server_args=(), timeout=900.0, launch_cmd=None,
+                 weights_dir=None, max_restarts=3, max_inflight=256, request_timeout=3600.0):
+        self.hf_dir = self.model_path = str(hf_dir)
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.weights_dir = Path(weights_dir or self.run_dir / "weights")
+        self.log_path = self.run_dir / "sglang.log"
+        self.server_args = list(server_args)
+        self.launch_cmd = list(launch_cmd or [sys.executable, "-m", "sglang.launch_server"])
+        self.timeout, self.request_timeout = timeout, request_timeout
+        self.max_restarts, self.restarts, self.epoch = max_restarts, 0, 0
+        self.pool = ThreadPoolExecutor(max_inflight, thread_name_prefix="sglang-req")
+        self.lock = threading.Lock()
+        self.proc = None
+        _install_handlers()
+        _LIVE.add(self)
+        try:
+            self._start()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ server process
+    def _start(self):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [*self.launch_cmd, "--model-path", self.model_path, "--host", "127.0.0.1",
+               "--port", str(self.port), *self.server_args]
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n=== {time.strftime('%H:%M:%S')} starting: {' '.join(cmd)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.time() + self.timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                self._stop()
+                raise RuntimeError(f"SGLang server exited with code {self.proc.returncode} while "
+                                   f"starting; last lines of {self.log_path}:\n{self.log_tail()}")
+            if self._healthy(5.0):
+                return
+            time.sleep(0.5)
+        self._stop()
+        raise RuntimeError(f"SGLang server not healthy after {self.timeout:.0f}s (raise "
+                           f"--sglang-server-timeout?); last lines of {self.log_path}:\n{self.log_tail()}")
+
+    def log_tail(self, n=40):
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError as e:
+            return f"(no log: {e})"
+
+    def _healthy(self, timeout):
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=timeout) as r:
+                return r.status == 200
+        except (OSError, http.client.HTTPException):
+            return False
+
+    def _stop(self):
+        if self.proc is not None:
+            kill_group(self.proc)
+
+    def _recover(self, epoch, error):
+        """Called by a request that found the server gone: restart it once per failure epoch
+        (concurrent requests that failed together share one restart), then they all retry."""
+        with self.lock:
+            if self.epoch != epoch or self.proc is None:
+                return
+            if self.proc.poll() is None and self._healthy(30.0):
+                return  # a transient error: the server is fine, just retry
+            if self.restarts >= self.max_restarts:
+                raise RuntimeError(f"SGLang server died {self.restarts + 1} times ({error}); last lines "
+                                   f"of {self.log_path}:\n{self.log_tail()}")
+            self.restarts += 1
+            print(f"[sglang] server down ({error}); restart {self.restarts}/{self.max_restarts} "
+                  f"from {self.model_path}", file=sys.stderr)
+            self._stop()
+            self._start()
+            self.epoch += 1
+
+    def shutdown(self):
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            kill_group(proc)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        _LIVE.discard(self)
+
+    # ------------------------------------------------------------------ HTTP
+    def _post(self, path, payload, timeout=None):
+        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.request_timeout) as r:
+                body = r.read().decode()
+        except urllib.error.HTTPError as e:  # the server answered: an error of ours, not a crash
+            raise RuntimeError(f"SGLang {path} -> HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}")
+        except (OSError, http.client.HTTPException) as e:
+            raise ServerDown(f"{type(e).__name__}: {e}") from None
+        try:
+            return json.loads(body)
+        except ValueError:
+            return body
+
+    def _call(self, path, payload, timeout=None):
+        """POST, surviving server deaths: restart and retry (at most max_restarts + 1 tries)."""
+        for _ in range(self.max_restarts + 2):
+            epoch = self.epoch
+            try:
+                return self._post(path, payload, timeout)
+            except ServerDown as e:
+                self._recover(epoch, e)
+        raise RuntimeError(f"SGLang {path}: no answer after {self.max_restarts + 2} tries")
+
+    # ------------------------------------------------------------------ Engine API
+    def generate(self, batch, sampling):
+        return list(self.pool.map(lambda item: self._generate_one(item, sampling), batch))
+
+    def _generate_one(self, item, sp):
+        import data
+        params = {"temperature": float(sp.get("temperature", 1.0)), "top_p": float(sp.get("top_p", 1.0)),
+                  "top_k": int(sp.get("top_k", -1)),
+                  "max_new_tokens": int(item.get("max_new_tokens", sp["max_new_tokens"])),
+                  "stop_token_ids": list(sp.get("stop_token_ids") or []),
+                  "skip_special_tokens": False, "no_stop_trim": True}
+        payload = {"input_ids": list(item["input_ids"]), "sampling_params": params, "return_logprob": True}
+        if item.get("images"):
+            payload["image_data"] = [data.image_to_data_uri(im) for im in item["images"]]
+        r = self._call("/generate", payload)
+        meta = r["meta_info"]
+        pairs = meta.get("output_token_logprobs") or []
+        out = {"ids": [int(p[1]) for p in pairs], "logprobs": [float(p[0]) for p in pairs],
+               "finish": (meta.get("finish_reason") or {}).get("type", "abort"),
+               "prompt_tokens": meta.get("prompt_tokens")}
+        if "output_ids" in r and list(r["output_ids"]) != out["ids"]:
+            out["error"] = "output_ids differ from the ids in output_token_logprobs"
+        return out
+
+    def update_weights(self, buckets):
+        """Save the buckets as a checkpoint folder, load it with /update_weights_from_disk, flush."""
+        out = self.weights_dir
+        out.mkdir(parents=True, exist_ok=True)
+        from safetensors.torch import save_file
+        for f in out.glob("*.safetensors"):
+            f.unlink()
+        for f in Path(self.hf_dir).iterdir():  # config, generation and processor files
+            if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json", ".bin", ".pt")):
+                shutil.copy2(f, out / f.name)
+        weight_map, n = {}, 0
+        for k, bucket in enumerate(buckets):
+            name = f"model-{k:05d}.safetensors"
+            tensors = {key: t.detach().to("cpu").contiguous().clone() for key, t in bucket}
+            save_file(tensors, str(out / name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(tensors, name))
+            n += len(tensors)
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        r = self._call("/update_weights_from_disk", {"model_path": str(out)})
+        if not (isinstance(r, dict) and r.get("success")):
+            raise RuntimeError(f"SGLang /update_weights_from_disk failed: {r}")
+        self.model_path = str(out)  # a restarted server comes back with these weights
+        self.flush()
+        return n
+
+    def flush(self):
+        for _ in range(60):  # SGLang refuses to flush while requests are running
+            try:
+                self._call("/flush_cache", {})
+                return
+            except RuntimeError as e:
+                if "HTTP 400" not in str(e):
+                    raise
+                time.sleep(0.5)
+        raise RuntimeError("SGLang /flush_cache kept refusing (requests still running?)")
+
+    def release(self):
+        self._call("/release_memory_occupation", {})
+
+    def resume(self):
+        self._call("/resume_memory_occupation", {})

@@ -1,0 +1,170 @@
+"""A small local HTTP server that speaks the part of SGLang's protocol the trainer uses.
+
+    python tests/fake_sglang.py --model-path DIR --host 127.0.0.1 --port P [--fake-record F.jsonl]
+        [--fake-delay S] [--fake-startup S] [any --real-sglang-flag value ...]
+
+Started by SGLangEngine through its `launch_cmd` in place of `python -m sglang.launch_server`.
+Every request is appended to the --fake-record file as {"path", "json", "pid"}; a request
+with a field stock SGLang would not accept as we send it is refused with HTTP 400 (so the
+client's paths and field names are checked on every call). /generate answers with
+deterministic tokens: a function of the input ids and of the weights the server loaded
+(`fake_output`), so a test can predict each answer and see weight updates take effect.
+Unknown flags (the pass-through `--mem-fraction-static 0.7` etc.) are accepted and printed.
+"""
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+# Fields of SGLang's GenerateReqInput / SamplingParams / UpdateWeightFromDiskReqInput /
+# (Release|Resume)MemoryOccupationReqInput (sglang/srt/managers/io_struct.py, sampling_params.py).
+GENERATE_FIELDS = {"input_ids", "text", "image_data", "sampling_params", "return_logprob",
+                   "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "stream", "rid"}
+SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop", "stop_token_ids",
+                   "skip_special_tokens", "no_stop_trim", "ignore_eos", "repetition_penalty",
+                   "frequency_penalty", "presence_penalty", "min_new_tokens", "n"}
+DISK_FIELDS = {"model_path", "load_format", "abort_all_requests", "weight_version"}
+MEMORY_FIELDS = {"tags"}
+VISION_START, IMAGE_PAD, VISION_END = 151652, 151655, 151653
+STOP = 151645
+
+
+def weights_digest(model_path):
+    h = hashlib.sha1()
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def fake_output(input_ids, max_new_tokens, digest, length=6):
+    """-> (ids, logprobs, finish): `length` plain-text tokens then <|im_end|>, cut at max_new_tokens."""
+    seed = int(hashlib.sha1(f"{digest}:{input_ids}".encode()).hexdigest(), 16)
+    ids = [1000 + (seed >> (8 * i)) % 5000 for i in range(length)] + [STOP]
+    lps = [-0.05 - ((seed >> (4 * i)) % 100) / 50.0 for i in range(len(ids))]
+    if max_new_tokens < len(ids):
+        return ids[:max_new_tokens], lps[:max_new_tokens], "length"
+    return ids, lps, "stop"
+
+
+def check_generate(body):
+    """None if `body` is a /generate request as stock SGLang accepts it from us, else why not."""
+    if set(body) - GENERATE_FIELDS:
+        return f"unknown fields {sorted(set(body) - GENERATE_FIELDS)}"
+    ids = body.get("input_ids")
+    if not (isinstance(ids, list) and ids and all(isinstance(t, int) and t >= 0 for t in ids)):
+        return "input_ids must be a non-empty list of token ids"
+    sp = body.get("sampling_params")
+    if not isinstance(sp, dict) or set(sp) - SAMPLING_FIELDS:
+        return f"bad sampling_params {sp}"
+    if not isinstance(sp.get("max_new_tokens"), int) or sp["max_new_tokens"] < 1:
+        return "sampling_params.max_new_tokens must be a positive int"
+    if body.get("return_logprob") is not True:
+        return "return_logprob must be true"
+    images = body.get("image_data", [])
+    if not isinstance(images, list) or not all(isinstance(u, str) and u.startswith("data:image/") for u in images):
+        return "image_data must be a list of data URIs"
+    if ids.count(VISION_START) != len(images):
+        return f"{ids.count(VISION_START)} images in input_ids, {len(images)} in image_data"
+    return None
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt, *args):  # quiet; the record file has everything
+        pass
+
+    def _reply(self, code, obj):
+        data = (json.dumps(obj) if not isinstance(obj, str) else obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json" if not isinstance(obj, str) else "text/plain")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _record(self, body):
+        st = self.server.state
+        with st["lock"]:
+            with open(st["record"], "a") if st["record"] else open(os.devnull, "w") as f:
+                f.write(json.dumps({"path": self.path, "method": self.command, "json": body,
+                                    "pid": os.getpid()}) + "\n")
+
+    def do_GET(self):
+        if self.path in ("/health", "/health_generate"):
+            return self._reply(200, "")
+        if self.path == "/flush_cache":
+            self._record(None)
+            return self._reply(200, "Cache flushed.\n")
+        return self._reply(404, {"error": f"no route {self.path}"})
+
+    def do_POST(self):
+        st = self.server.state
+        n = int(self.headers.get("Content-Length", 0))
+        try:
+            body = json.loads(self.rfile.read(n) or b"{}")
+        except ValueError:
+            return self._reply(400, {"error": "body is not JSON"})
+        self._record(body)
+        if self.path == "/generate":
+            why = check_generate(body)
+            if why:
+                return self._reply(400, {"error": why})
+            time.sleep(st["delay"])
+            sp = body["sampling_params"]
+            ids, lps, finish = fake_output(body["input_ids"], sp["max_new_tokens"], st["digest"])
+            reason = {"type": finish, "matched": STOP} if finish == "stop" else {"type": finish, "length": len(ids)}
+            return self._reply(200, {"text": "", "output_ids": ids, "meta_info": {
+                "id": "fake", "prompt_tokens": len(body["input_ids"]), "completion_tokens": len(ids),
+                "finish_reason": reason, "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)]}})
+        if self.path == "/update_weights_from_disk":
+            if set(body) - DISK_FIELDS or not isinstance(body.get("model_path"), str):
+                return self._reply(400, {"success": False, "message": f"bad fields {sorted(body)}"})
+            path = Path(body["model_path"])
+            if not (path / "config.json").exists() or not list(path.glob("*.safetensors")):
+                return self._reply(400, {"success": False, "message": f"{path} is not a checkpoint folder"})
+            st["digest"] = weights_digest(path)
+            return self._reply(200, {"success": True, "message": "Succeeded to update model weights.",
+                                     "num_paused_requests": 0})
+        if self.path == "/flush_cache":
+            return self._reply(200, "Cache flushed.\n")
+        if self.path in ("/release_memory_occupation", "/resume_memory_occupation"):
+            if set(body) - MEMORY_FIELDS:
+                return self._reply(400, {"error": f"bad fields {sorted(body)}"})
+            return self._reply(200, "")
+        return self._reply(404, {"error": f"no route {self.path}"})
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--fake-record", default=None, help="JSONL file to append every request to")
+    p.add_argument("--fake-delay", type=float, default=0.0, help="seconds per /generate")
+    p.add_argument("--fake-startup", type=float, default=0.0, help="seconds before listening")
+    p.add_argument("--fake-children", type=int, default=0,
+                   help="idle child processes to start, as SGLang's scheduler/detokenizer")
+    a, passthrough = p.parse_known_args()
+    print(f"fake sglang pid={os.getpid()} pgid={os.getpgid(0)} passthrough={json.dumps(passthrough)}", flush=True)
+    if a.fake_startup < 0:  # a server that never comes up
+        sys.exit("fake sglang: failing to start as asked (--fake-startup < 0)")
+    children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+                for _ in range(a.fake_children)]
+    print(f"fake sglang children={[c.pid for c in children]}", flush=True)
+    time.sleep(a.fake_startup)
+    server = ThreadingHTTPServer((a.host, a.port), Handler)
+    server.daemon_threads = True
+    server.state = {"lock": threading.Lock(), "record": a.fake_record, "delay": a.fake_delay,
+                    "digest": weights_digest(a.model_path)}
+    print(f"fake sglang listening on {a.host}:{a.port}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

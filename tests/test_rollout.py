@@ -1,0 +1,388 @@
+"""rollout.py / sglang_engine.py on CPU: token bookkeeping, logprobs vs a teacher-forced forward,
+weight updates, multi-turn crop episodes, and SGLangEngine against tests/fake_sglang.py.
+
+    .venv/bin/pytest tests/test_rollout.py -q
+"""
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import data
+import rollout
+from fake_sglang import fake_output, weights_digest
+
+FAKE = str(Path(__file__).with_name("fake_sglang.py"))
+TOL = 1e-5
+
+
+def make_args(**kw):
+    base = dict(max_turns=1, n_samples_per_prompt=2, rollout_max_response_len=10, rollout_temperature=0.8,
+                rollout_top_p=1.0, max_context_len=8192, rm_type="math", oracle=True,
+                dynamic_sampling=False, rollout_batch_size=None)
+    return types.SimpleNamespace(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_ckpt):
+    return tiny_ckpt("qwen3_vl")
+
+
+@pytest.fixture(scope="module")
+def processor(ckpt):
+    from transformers import AutoProcessor
+    return AutoProcessor.from_pretrained(ckpt)
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt, processor):
+    return rollout.LocalEngine(ckpt, processor=processor)
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    out = data.write_synth(tmp_path_factory.mktemp("synth"), n=4, n_test=1, seed=0)
+    return data.load_geo3k(out, "train")
+
+
+def load_model(ckpt, state=None):
+    from transformers import AutoModelForImageTextToText
+    m = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).eval()
+    if state is not None:
+        m.load_state_dict(state)
+    return m
+
+
+@torch.no_grad()
+def teacher_logprobs(model, processor, s, temperature):
+    """log_softmax(logits / T) of every response token, from one full forward over s.tokens."""
+    ids = torch.tensor([s.tokens])                                     # (1, L)
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    pixels, grid = rollout.encode_images(processor, s.images)
+    logits = model(input_ids=ids, pixel_values=pixels, image_grid_thw=grid,
+                   mm_token_type_ids=(ids == pad).long()).logits[0]    # (L, V)
+    P, T = len(s.prompt_ids), (temperature if temperature > 0 else 1.0)
+    return torch.log_softmax(logits[P - 1:-1] / T, -1).gather(-1, ids[0, P:, None])[:, 0]
+
+
+def max_logprob_diff(model, processor, samples, temperature):
+    worst = 0.0
+    for s in samples:
+        ref = teacher_logprobs(model, processor, s, temperature)
+        mask = torch.tensor(s.loss_mask, dtype=torch.bool)
+        got = torch.tensor(s.rollout_logprobs)
+        assert (got[~mask] == 0).all()
+        worst = max(worst, (ref[mask] - got[mask]).abs().max().item())
+    return worst
+
+
+# ---------------------------------------------------------------------------------- local engine
+@pytest.mark.parametrize("temperature", [0.8, 0.0])
+def test_single_turn_local_masks_and_logprobs(engine, processor, ckpt, records, temperature):
+    args = make_args(rollout_temperature=temperature)
+    samples = rollout.run_episodes(engine, processor, records[:2], args)
+    assert [s.group for s in samples] == [0, 0, 1, 1]
+    for s, rec in zip(samples, [records[0]] * 2 + [records[1]] * 2):
+        assert s.status in ("completed", "truncated") and s.fail_reason is None
+        assert s.images == rec["images"] and s.image_turns == [0]
+        assert s.prompt_ids == rollout.encode_prompt(processor, data.prompt_messages(rec), rec["images"])
+        assert len(s.response_ids) == len(s.loss_mask) == len(s.rollout_logprobs) <= 10
+        assert s.loss_mask == [1] * len(s.response_ids) and s.turns == 1
+        assert rollout.check_images(processor, s.tokens, s.images) is None
+    diff = max_logprob_diff(load_model(ckpt), processor, samples, temperature)
+    print(f"single-turn T={temperature}: max |rollout - teacher-forced| logprob = {diff:.2e}")
+    assert diff < TOL
+
+
+def test_update_weights_logprobs_follow(engine, processor, ckpt, records):
+    original = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in original.items()}
+    items = list(perturbed.items())
+    try:
+        n = engine.update_weights(items[i:i + 16] for i in range(0, len(items), 16))  # buckets
+        assert n == len(items)
+        samples = rollout.run_episodes(engine, processor, records[:1], make_args())
+        new_diff = max_logprob_diff(load_model(ckpt, perturbed), processor, samples, 0.8)
+        old_diff = max_logprob_diff(load_model(ckpt), processor, samples, 0.8)
+        print(f"after update: max diff vs perturbed teacher {new_diff:.2e}, vs old weights {old_diff:.2e}")
+        assert new_diff < TOL and old_diff > 1e-2
+        with pytest.raises(KeyError):
+            engine.update_weights([[("not.a.weight", torch.zeros(1))]])
+    finally:
+        engine.update_weights([list(original.items())])
+
+
+# ---------------------------------------------------------------------------------- multi-turn
+CROP_CALL = '<tool_call>\n{"name": "crop", "arguments": {"bbox": [0, 0, 64, 64]}}\n</tool_call>'
+ANSWER = "The crop shows the polygon. \\boxed{360}"
+
+
+class ScriptedEngine(rollout.Engine):
+    """Answers turn k (counted per request by the number of assistant headers) with script[k]."""
+
+    def __init__(self, processor, script, finish="stop"):
+        self.tok, self.script, self.finish, self.seen = processor.tokenizer, script, finish, []
+        self.im_end = self.tok.convert_tokens_to_ids("<|im_end|>")
+        self.header = self.tok.encode("<|im_start|>assistant\n")
+
+    def turn(self, ids):
+        h = self.header
+        return sum(ids[i:i + len(h)] == h for i in range(len(ids))) - 1
+
+    def generate(self, batch, sampling):
+        outs = []
+        for item in batch:
+            self.seen.append((list(item["input_ids"]), list(item["images"])))
+            ids = self.tok.encode(self.script[min(self.turn(item["input_ids"]), len(self.script) - 1)]) + [self.im_end]
+            limit = item.get("max_new_tokens", sampling["max_new_tokens"])
+            finish = "length" if len(ids) > limit else self.finish
+            ids = ids[:limit]
+            outs.append({"ids": ids, "logprobs": [-0.5] * len(ids), "finish": finish,
+                         "prompt_tokens": len(item["input_ids"])})
+        return outs
+
+
+def test_multi_turn_crop_matches_full_render(processor, records):
+    """The trainer-side tokens of a crop episode are exactly the processor's tokens for the whole
+    conversation rendered at once, with both images, and the crop reaches turn 2's request."""
+    pytest.importorskip("env_geo3k")
+    rec = records[0]
+    eng = ScriptedEngine(processor, [CROP_CALL, ANSWER])
+    args = make_args(max_turns=3, n_samples_per_prompt=1, rollout_max_response_len=400)
+    (s,) = rollout.run_episodes(eng, processor, [rec], args)
+    assert s.status == "completed" and s.turns == 2 and s.tool_calls == 1, s.fail_reason
+    assert len(s.images) == 2 and s.images[1].size == (64, 64) and s.image_turns == [0, 1]
+    assert s.metadata["steps"][0]["tool"] == "crop" and s.metadata["steps"][0]["ran"]
+    turn2_ids, turn2_images = eng.seen[1]
+    assert turn2_ids == s.tokens[:len(turn2_ids)] and turn2_images == s.images
+    observation = s.metadata["steps"][0]["observation"]
+    assert observation.startswith("Crop of image 0 at [0, 0, 64, 64]")
+    messages = data.prompt_messages(rec, multi_turn=True) + [
+        {"role": "assistant", "content": CROP_CALL},
+        {"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": observation}]},
+        {"role": "assistant", "content": ANSWER}]
+    text = processor.apply_chat_template(messages, tokenize=False)
+    full = processor(text=[text.removesuffix("\n")], images=s.images)["input_ids"][0]
+    assert s.tokens == list(full)
+    model_tokens = [t for t, m in zip(s.response_ids, s.loss_mask) if m]
+    tok = processor.tokenizer
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert model_tokens == tok.encode(CROP_CALL) + [im_end] + tok.encode(ANSWER) + [im_end]
+    assert s.response_text == CROP_CALL + "\n" + ANSWER
+
+
+class HybridEngine(rollout.LocalEngine):
+    """Turn 1: a scripted crop call, its logprobs from the model by teacher forcing; later turns:
+    real LocalEngine sampling, on a prompt that now holds two images."""
+
+    def generate(self, batch, sampling):
+        tok = self.processor.tokenizer
+        out, rest = [None] * len(batch), []
+        for i, item in enumerate(batch):
+            if item["images"] and len(item["images"]) == 1:
+                ids = tok.encode(CROP_CALL) + [tok.convert_tokens_to_ids("<|im_end|>")]
+                s = rollout.Sample(prompt_ids=list(item["input_ids"]), response_ids=ids,
+                                   loss_mask=[1] * len(ids), images=item["images"])
+                lp = teacher_logprobs(self.model, self.processor, s, sampling["temperature"])
+                out[i] = {"ids": ids, "logprobs": lp.tolist(), "finish": "stop",
+                          "prompt_tokens": len(item["input_ids"])}
+            else:
+                rest.append(i)
+        for i, o in zip(rest, super().generate([batch[i] for i in rest], sampling)):
+            out[i] = o
+        return out
+
+
+def test_multi_turn_local_logprobs(ckpt, processor, records):
+    pytest.importorskip("env_geo3k")
+    eng = HybridEngine(ckpt, processor=processor)
+    args = make_args(max_turns=3, n_samples_per_prompt=2, rollout_max_response_len=160)
+    samples = rollout.run_episodes(eng, processor, records[:1], args)
+    for s in samples:
+        assert s.fail_reason is None and s.turns >= 2 and len(s.images) == 2 and s.image_turns == [0, 1]
+        mask = s.loss_mask
+        first = mask.index(0)        # the observation starts after the scripted turn
+        back = first + mask[first:].index(1)
+        obs = s.response_ids[first:back]
+        assert obs[0] == processor.tokenizer.encode("\n")[0]  # "\n" after the model's <|im_end|>
+        assert s.response_ids[first - 1] == processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        assert processor.tokenizer.decode(obs).startswith("\n<|im_start|>user\n<tool_response>\n<|vision_start|>")
+        assert processor.tokenizer.decode(obs).endswith("<|im_start|>assistant\n")
+        assert all(m == 1 for m in mask[back:]) and sum(mask) == len(mask) - len(obs)
+    diff = max_logprob_diff(load_model(ckpt), processor, samples, 0.8)
+    print(f"multi-turn (2 images): max |rollout - teacher-forced| logprob = {diff:.2e}")
+    assert diff < TOL
+
+
+def test_truncation_and_failures(processor, records):
+    eng = ScriptedEngine(processor, ["word " * 50])
+    (s,) = rollout.run_episodes(eng, processor, records[:1], make_args(n_samples_per_prompt=1))
+    assert s.status == "truncated" and len(s.response_ids) == 10
+
+    class DoubleExpander(ScriptedEngine):  # a server that expanded the image tokens again
+        def generate(self, batch, sampling):
+            outs = super().generate(batch, sampling)
+            for o, item in zip(outs, batch):
+                o["prompt_tokens"] = len(item["input_ids"]) + 15
+            return outs
+    samples = rollout.run_episodes(DoubleExpander(processor, ["hi"]), processor, records[:1], make_args())
+    assert all(s.status == "failed" and "expanded twice" in s.fail_reason for s in samples)
+    assert all(set(s.loss_mask) <= {0} for s in samples)
+    m = rollout.rollout_metrics(samples)
+    assert m["failed_frac"] == 1.0 and m["samples"] == 2
+
+    tokens = list(samples[0].prompt_ids)
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    tokens.remove(pad)                                # one placeholder lost
+    assert "placeholders" in rollout.check_images(processor, tokens, samples[0].images)
+    assert rollout.check_images(processor, samples[0].prompt_ids, samples[0].images * 2) is not None
+
+
+def test_group_samples_rewards_and_dynamic_sampling(processor, records):
+    pytest.importorskip("reward")
+    recs = [dict(r, answer=a) for r, a in zip(records * 2, ["same", "mixed", "same", "mixed", "mixed"])]
+    counter = iter(range(10 ** 6))
+
+    class Counting(ScriptedEngine):
+        def generate(self, batch, sampling):
+            outs = []
+            for item in batch:
+                ids = self.tok.encode(str(next(counter))) + [self.im_end]
+                outs.append({"ids": ids, "logprobs": [-0.1] * len(ids), "finish": "stop",
+                             "prompt_tokens": len(item["input_ids"])})
+            return outs
+    fn = lambda response, label: float(label == "mixed" and int(response) % 2 == 1)  # noqa: E731
+    args = make_args(n_samples_per_prompt=2)
+    plain = rollout.generate_group_samples(Counting(processor, []), processor, recs[:2], args, reward_fn=fn)
+    assert [s.group for s in plain] == [0, 0, 1, 1] and [s.reward for s in plain] == [0, 0, 0, 1]
+    args = make_args(n_samples_per_prompt=2, dynamic_sampling=True, rollout_batch_size=2)
+    kept = rollout.generate_group_samples(Counting(processor, []), processor, recs, args, reward_fn=fn)
+    assert sorted({s.group for s in kept}) == [1, 3] and len(kept) == 4
+    m = rollout.rollout_metrics(kept)
+    assert m["reward"] == 0.5 and m["accuracy"] == 0.5 and m["ds_keep_frac"] == 0.5
+    assert {"truncated_frac", "aborted_frac", "turns", "tool_calls", "format_ok_frac", "response_len"} <= set(m)
+
+
+def test_sglang_server_args():
+    assert rollout.sglang_server_args([]) == []
+    assert rollout.sglang_server_args(["--sglang-mem-fraction-static", "0.7", "--sglang-tp-size=2",
+                                       "--sglang-cuda-graph-bs", "1", "2", "4", "--sglang-enable-memory-saver",
+                                       "--sglang-mm-attention-backend", "sdpa"]) == [
+        "--mem-fraction-static", "0.7", "--tp-size", "2", "--cuda-graph-bs", "1", "2", "4",
+        "--enable-memory-saver", "--mm-attention-backend", "sdpa"]
+    with pytest.raises(SystemExit, match="--lr-typo"):
+        rollout.sglang_server_args(["--lr-typo", "1"])
+    import argparse
+    p = rollout.add_rollout_args(argparse.ArgumentParser(allow_abbrev=False))
+    a, rest = p.parse_known_args(["--max-turns", "3", "--sglang-tp-size", "2", "--rollout-engine", "local"])
+    assert a.max_turns == 3 and a.rollout_engine == "local" and rollout.sglang_server_args(rest) == ["--tp-size", "2"]
+
+
+# ---------------------------------------------------------------------------------- SGLang engine
+def group_members(pgid):
+    """pids whose process group is `pgid`, read from /proc (zombies included)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
+                out.append(int(d.name))
+    return out
+
+
+def read_record(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()] if Path(path).exists() else []
+
+
+def sglang(ckpt, run_dir, *extra, **kw):
+    from sglang_engine import SGLangEngine
+    rec = Path(run_dir) / "requests.jsonl"
+    eng = SGLangEngine(ckpt, run_dir, server_args=["--fake-record", str(rec), *extra],
+                       launch_cmd=[sys.executable, FAKE], timeout=kw.pop("timeout", 30), **kw)
+    return eng, rec
+
+
+def test_sglang_protocol_and_weight_sync(ckpt, processor, records, tmp_path):
+    eng, rec = sglang(ckpt, tmp_path, "--mem-fraction-static", "0.5", "--cuda-graph-bs", "1", "2")
+    try:
+        assert "passthrough=[\"--mem-fraction-static\", \"0.5\", \"--cuda-graph-bs\", \"1\", \"2\"]" in eng.log_tail()
+        samples = rollout.run_episodes(eng, processor, records[:2], make_args(rollout_max_response_len=64))
+        digest = weights_digest(ckpt)
+        for s in samples:
+            ids, lps, finish = fake_output(s.prompt_ids, 64, digest)
+            assert s.response_ids == ids and s.rollout_logprobs == lps and s.status == "completed"
+        gens = [r for r in read_record(rec) if r["path"] == "/generate"]
+        assert len(gens) == 4
+        for r in gens:
+            body = r["json"]
+            assert set(body) == {"input_ids", "image_data", "sampling_params", "return_logprob"}
+            assert len(body["image_data"]) == 1 and body["image_data"][0].startswith("data:image/png;base64,")
+            assert body["sampling_params"] == {"temperature": 0.8, "top_p": 1.0, "top_k": -1, "max_new_tokens": 64,
+                                               "stop_token_ids": [151645, 151643], "skip_special_tokens": False,
+                                               "no_stop_trim": True}
+        state = load_model(ckpt).state_dict()
+        items = [(k, v + 0.01) for k, v in state.items()]
+        assert eng.update_weights([items[:30], items[30:]]) == len(items)
+        paths = [r["path"] for r in read_record(rec)]
+        assert paths[-2:] == ["/update_weights_from_disk", "/flush_cache"]
+        sync = read_record(rec)[-2]["json"]
+        assert sync == {"model_path": str(tmp_path / "weights")}
+        new = eng.generate([{"input_ids": samples[0].prompt_ids, "images": samples[0].images}],
+                           dict(temperature=1.0, max_new_tokens=64))[0]
+        assert new["ids"] == fake_output(samples[0].prompt_ids, 64, weights_digest(tmp_path / "weights"))[0]
+        assert new["ids"] != samples[0].response_ids  # the server now runs the new weights
+        eng.release()
+        eng.resume()
+        assert [r["path"] for r in read_record(rec)][-2:] == ["/release_memory_occupation", "/resume_memory_occupation"]
+    finally:
+        eng.shutdown()
+
+
+def test_sglang_killed_mid_rollout_restarts_and_retries(ckpt, tmp_path):
+    eng, rec = sglang(ckpt, tmp_path, "--fake-delay", "1.5", "--fake-children", "2")
+    pgids = [eng.proc.pid]
+    try:
+        items = [(k, v * 1.01) for k, v in load_model(ckpt).state_dict().items()]
+        eng.update_weights([items])
+        digest = weights_digest(tmp_path / "weights")
+        batch = [{"input_ids": [151644, 100 + i, 151645], "images": []} for i in range(8)]
+        killer = threading.Timer(0.6, lambda: os.killpg(pgids[0], signal.SIGKILL))
+        killer.start()
+        outs = eng.generate(batch, dict(temperature=1.0, max_new_tokens=16))
+        killer.join()
+        assert eng.restarts == 1
+        pgids.append(eng.proc.pid)
+        for item, out in zip(batch, outs):  # every request answered once, in order, by the new weights
+            assert out["ids"] == fake_output(item["input_ids"], 16, digest)[0] and out["finish"] == "stop"
+        gens = [r for r in read_record(rec) if r["path"] == "/generate"]
+        assert len({r["pid"] for r in gens}) == 2 and 8 < len(gens) <= 16  # retried on the new server
+        assert eng.model_path == str(tmp_path / "weights")  # restarted from the synced weights
+    finally:
+        eng.shutdown()
+    time.sleep(0.2)
+    assert all(group_members(g) == [] for g in pgids), [group_members(g) for g in pgids]
+
+
+def test_sglang_start_failures_quote_log_and_leave_nothing(ckpt, tmp_path):
+    with pytest.raises(RuntimeError, match="failing to start as asked"):
+        sglang(ckpt, tmp_path / "a", "--fake-startup", "-1")
+    from sglang_engine import _LIVE
+    before = set(_LIVE)
+    with pytest.raises(RuntimeError, match="not healthy after 2s") as e:
+        sglang(ckpt, tmp_path / "b", "--fake-startup", "30", "--fake-children", "1", timeout=2)
+    assert "fake sglang children=" in str(e.value)
+    log = (tmp_path / "b" / "sglang.log").read_text()
+    pid = int(log.split("pid=")[1].split()[0])
+    time.sleep(0.2)
+    assert group_members(pid) == [] and set(_LIVE) <= before
