@@ -15,6 +15,7 @@ from safetensors import safe_open
 from conftest import ROOT
 
 import model as M
+from _model_tp_worker import grad_errors
 
 ARCHS = ["qwen3_vl", "qwen2_5_vl"]
 
@@ -57,26 +58,13 @@ def test_logits_match_transformers(setup, arch):
 def test_grads_match_transformers(setup, arch):
     """A token-level loss (weighted logprobs at temperature 0.7 + entropy bonus): the gradient of
     every tensor, vision tower included, within relative error 1e-4 of transformers'."""
-    d, model, hf, (seqs, pv, grid) = setup(arch)
-    model.zero_grad(set_to_none=True)
-    hf.zero_grad(set_to_none=True)
-    masks = [torch.arange(len(s)) >= 5 for s in seqs]
-    w = torch.randn(sum(int(m.sum()) for m in masks), generator=torch.Generator().manual_seed(0))
-    lp, ent = model(seqs, pv, grid, masks, temperature=0.7, with_entropy=True)
-    ((lp * w).sum() + 0.3 * ent.sum()).backward()
-    logp = [F.log_softmax(z[:-1] / 0.7, -1)[m[1:]] for z, m in zip(M.hf_logits(hf, seqs, pv, grid), masks)]
-    ref_lp = torch.cat([x.gather(1, s[1:][m[1:], None])[:, 0] for x, s, m in zip(logp, seqs, masks)])
-    ref_ent = torch.cat([-(x.exp() * x).sum(-1) for x in logp])
-    ((ref_lp * w).sum() + 0.3 * ref_ent.sum()).backward()
-    ref = {M.canonical(n): p.grad for n, p in hf.named_parameters()}
-    ours = {M.canonical(n): g for n, g in M._hf_tensors(model, grad=True)}
-    assert ours.keys() == ref.keys()
-    assert any(n.startswith("V.") for n in ours) and all(g.abs().sum() > 0 for g in ref.values())
-    rel = {n: ((ours[n] - ref[n]).norm() / ref[n].norm()).item() for n in ref}
+    d, model, hf, inputs = setup(arch)
+    rel, ref, lp_diff = grad_errors(model, hf, *inputs)
+    assert rel.keys() == ref.keys() and any(n.startswith("V.") for n in rel)
+    assert all(g.abs().sum() > 0 for g in ref.values())
     worst = max(rel, key=rel.get)
-    print(f"{arch} max grad rel err {rel[worst]:.3g} ({worst})")
-    assert rel[worst] <= 1e-4
-    model.zero_grad(set_to_none=True)
+    print(f"{arch} TP=1 max grad rel err {rel[worst]:.3g} ({worst}), logprob/entropy diff {lp_diff:.3g}")
+    assert rel[worst] <= 1e-4 and lp_diff <= 1e-4
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -168,15 +156,28 @@ def test_init_is_idempotent_and_tp_attributes(setup):
     assert all(p.requires_grad for p in frozen.language_model.parameters())
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_tp2_check_command(tiny_ckpt, arch):
-    """Logits, gradients and the export round trip at TP=2 over gloo, through the user's command."""
+def torchrun2(*args):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        "model.py", "check", "--hf-checkpoint", str(tiny_ckpt(arch)), "--grads"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    lines = r.stdout.strip().splitlines()
+                        *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     print(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    assert "export_exact=True" in r.stdout and "max_grad_rel_err" in r.stdout
+    return r.stdout.strip().splitlines()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tp2_check_command(tiny_ckpt, arch):
+    """Logits and the export round trip at TP=2 over gloo, through the user's command."""
+    lines = torchrun2("model.py", "check", "--hf-checkpoint", tiny_ckpt(arch))
+    assert "export_exact=True" in lines[-2] and "tp=2" in lines[-2]
     assert lines[-1].startswith("max_abs_logit_diff=") and float(lines[-1].split("=")[1]) <= 1e-4
+
+
+def test_tp2_grads_match_transformers(tiny_ckpt):
+    lines = [x for x in torchrun2("tests/_model_tp_worker.py", tiny_ckpt("qwen3_vl"), tiny_ckpt("qwen2_5_vl"))
+             if x.startswith("grads")]
+    assert len(lines) == 2
+    for x in lines:
+        f = dict(kv.split("=") for kv in x.split()[1:])
+        n, m = f["params"].split("/")
+        assert f["tp"] == "2" and n == m and float(f["max_rel_err"]) <= 1e-4 and float(f["logprob_diff"]) <= 1e-4
