@@ -65,8 +65,8 @@ def init_distributed(tp=1, seed=1234):
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if cuda else "gloo", rank=int(os.environ.get("RANK", 0)),
                                 world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    cpu_shim()
     if not ps.model_parallel_is_initialized():
-        cpu_shim()
         ps.initialize_model_parallel(tensor_model_parallel_size=tp)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return dist.get_rank(), dist.get_world_size(), device
@@ -358,7 +358,7 @@ def _weight_files(hf_dir):
 
 def load_model(hf_dir, freeze_vit=False):
     """MegatronVLM on the current parallel state (initialised if needed), weights from the HF
-    safetensors, each TP rank reading only its slices. fp32 on CPU (and on GPU: cast it yourself)."""
+    safetensors, each TP rank reading only its slices. Parameters are fp32 (CPU and GPU alike)."""
     from safetensors import safe_open
     from transformers import AutoConfig
     _, _, device = init_distributed()

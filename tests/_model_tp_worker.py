@@ -28,7 +28,8 @@ def canonical(name):
 def grad_errors(model, hf, seqs, pv, grid, temp=0.7):
     """Backprop one token-level loss (random weights on logprobs at `temp`, plus an entropy bonus)
     through both models. Returns ({canonical name: ||g - g_hf|| / ||g_hf||} over Megatron's tensors
-    gathered to HF layout, {canonical name: g_hf}, max |logprob or entropy diff|)."""
+    gathered to HF layout, {canonical name: g_hf}, max |logprob or entropy diff|, whether every
+    replicated tensor (vision tower, norms) has the same gradient on every TP rank)."""
     model.zero_grad(set_to_none=True)
     hf.zero_grad(set_to_none=True)
     masks = [torch.arange(len(s)) >= 5 for s in seqs]
@@ -42,8 +43,10 @@ def grad_errors(model, hf, seqs, pv, grid, temp=0.7):
     ref = {canonical(n): p.grad for n, p in hf.named_parameters()}
     rel = {canonical(n): ((g - ref[canonical(n)]).norm() / ref[canonical(n)].norm()).item()
            for n, g in M._hf_tensors(model, grad=True)}
+    agree = all(torch.equal(M._all_reduce(p.grad.clone(), model.tp_group, torch.distributed.ReduceOp.MAX), p.grad)
+                for p in model.parameters() if not getattr(p, "tensor_model_parallel", False))
     model.zero_grad(set_to_none=True)
-    return rel, ref, max((lp - ref_lp).abs().max().item(), (ent - ref_ent).abs().max().item())
+    return rel, ref, max((lp - ref_lp).abs().max().item(), (ent - ref_ent).abs().max().item()), agree
 
 
 if __name__ == "__main__":
@@ -51,8 +54,8 @@ if __name__ == "__main__":
     rank, world, _ = M.init_distributed(int(os.environ.get("WORLD_SIZE", 1)))
     for d in sys.argv[1:]:
         hf = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32)
-        rel, ref, lp_diff = grad_errors(M.load_model(d), hf, *M.check_inputs(d))
+        rel, ref, lp_diff, agree = grad_errors(M.load_model(d), hf, *M.check_inputs(d))
         worst = max(rel, key=rel.get)
         if rank == 0:
             print(f"grads tp={world} params={len(rel)}/{len(ref)} max_rel_err={rel[worst]:.3g} worst={worst} "
-                  f"logprob_diff={lp_diff:.3g}", flush=True)
+                  f"logprob_diff={lp_diff:.3g} replicas_agree={agree}", flush=True)

@@ -59,7 +59,7 @@ def test_grads_match_transformers(setup, arch):
     """A token-level loss (weighted logprobs at temperature 0.7 + entropy bonus): the gradient of
     every tensor, vision tower included, within relative error 1e-4 of transformers'."""
     d, model, hf, inputs = setup(arch)
-    rel, ref, lp_diff = grad_errors(model, hf, *inputs)
+    rel, ref, lp_diff, _ = grad_errors(model, hf, *inputs)
     assert rel.keys() == ref.keys() and any(n.startswith("V.") for n in rel)
     assert all(g.abs().sum() > 0 for g in ref.values())
     worst = max(rel, key=rel.get)
@@ -143,6 +143,18 @@ def test_save_hf_loads_in_transformers(setup, arch, tmp_path):
             again = AutoModelForImageTextToText.from_pretrained(tmp_path / sub, dtype=torch.float32)
             for a, b in zip(M.hf_logits(again, seqs, pv, grid), ref):
                 assert torch.equal(a, b)
+    src = source_tensors(d)  # and our own loader reads the sharded layout back
+    assert all(torch.equal(t, src[n]) for n, t in M._hf_tensors(M.load_model(tmp_path / "sharded")))
+
+
+def test_image_token_mismatch_is_an_error(setup):
+    d, model, _, (seqs, pv, grid) = setup("qwen3_vl")
+    with pytest.raises(ValueError, match="image tokens"):
+        model(seqs[:1])  # image tokens but no images
+    with pytest.raises(ValueError, match="left over"):
+        model(seqs[1:2], pv[:24], grid[:1])  # an image but no image tokens
+    lp, _ = model(seqs[1:2])  # text only, loss_masks=None: every token but the first
+    assert lp.shape == (len(seqs[1]) - 1,)
 
 
 def test_init_is_idempotent_and_tp_attributes(setup):
@@ -181,3 +193,4 @@ def test_tp2_grads_match_transformers(tiny_ckpt):
         f = dict(kv.split("=") for kv in x.split()[1:])
         n, m = f["params"].split("/")
         assert f["tp"] == "2" and n == m and float(f["max_rel_err"]) <= 1e-4 and float(f["logprob_diff"]) <= 1e-4
+        assert f["replicas_agree"] == "True"
