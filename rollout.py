@@ -29,8 +29,6 @@ import math
 import sys
 from dataclasses import dataclass, field
 
-import torch
-
 IM_END, ENDOFTEXT = "<|im_end|>", "<|endoftext|>"
 VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
 
@@ -182,8 +180,10 @@ class Engine:
 class LocalEngine(Engine):
     """A transformers model in process (fp32 by default), batched `generate` with KV cache."""
 
-    def __init__(self, hf_dir, device="cpu", dtype=torch.float32, max_batch=16, processor=None):
+    def __init__(self, hf_dir, device="cpu", dtype="float32", max_batch=16, processor=None):
+        import torch
         from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.device, self.max_batch = torch.device(device), max_batch
         self.processor = processor or AutoProcessor.from_pretrained(hf_dir)
         self.model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=dtype).to(self.device).eval()
@@ -194,14 +194,16 @@ class LocalEngine(Engine):
         self.model.generation_config = GenerationConfig(pad_token_id=self.pad_id, eos_token_id=tok.eos_token_id)
         self.image_pad = token_id(self.processor, IMAGE_PAD)
 
-    @torch.no_grad()
     def generate(self, batch, sampling):
+        import torch
         out = []
-        for i in range(0, len(batch), self.max_batch):
-            out += self._generate(batch[i:i + self.max_batch], sampling)
+        with torch.no_grad():
+            for i in range(0, len(batch), self.max_batch):
+                out += self._generate(batch[i:i + self.max_batch], sampling)
         return out
 
     def _generate(self, batch, sp):
+        import torch
         from transformers import GenerationConfig
         lens = [len(b["input_ids"]) for b in batch]
         B, L = len(batch), max(lens)
@@ -219,10 +221,10 @@ class LocalEngine(Engine):
         greedy = T <= 0
         stop = list(sp.get("stop_token_ids") or [self.processor.tokenizer.eos_token_id])
         top_k = sp.get("top_k", -1)
-        gc = GenerationConfig(do_sample=not greedy, temperature=1.0 if greedy else T,
-                              top_p=float(sp.get("top_p", 1.0)), top_k=top_k if top_k and top_k > 0 else 0,
-                              max_new_tokens=max(limits), eos_token_id=stop, pad_token_id=self.pad_id,
-                              output_logits=True, return_dict_in_generate=True)
+        warp = {} if greedy else dict(temperature=T, top_p=float(sp.get("top_p", 1.0)),
+                                      top_k=top_k if top_k and top_k > 0 else 0)
+        gc = GenerationConfig(do_sample=not greedy, max_new_tokens=max(limits), eos_token_id=stop,
+                              pad_token_id=self.pad_id, output_logits=True, return_dict_in_generate=True, **warp)
         res = self.model.generate(**{k: v.to(self.device) for k, v in kw.items()}, generation_config=gc)
         new = res.sequences[:, L:].cpu()                                 # (B, N)
         scale = 1.0 if greedy else T
@@ -237,31 +239,36 @@ class LocalEngine(Engine):
                          "finish": "length" if cut is None else "stop", "prompt_tokens": int(mask[i].sum())})
         return outs
 
-    @torch.no_grad()
     def update_weights(self, buckets):
         """Copy (HF name, full tensor) buckets into the model; returns the number of tensors."""
+        import torch
         params = self.model.state_dict()
         n = 0
-        for bucket in buckets:
-            for name, t in bucket:
-                if name not in params:
-                    raise KeyError(f"update_weights: {name!r} is not a parameter of {type(self.model).__name__}")
-                if params[name].shape != t.shape:
-                    raise ValueError(f"update_weights: {name} has shape {tuple(t.shape)}, model {tuple(params[name].shape)}")
-                params[name].copy_(t.to(params[name].device, params[name].dtype))
-                n += 1
+        with torch.no_grad():
+            for bucket in buckets:
+                for name, t in bucket:
+                    if name not in params:
+                        raise KeyError(f"update_weights: {name!r} is not a weight of {type(self.model).__name__}")
+                    if params[name].shape != t.shape:
+                        raise ValueError(f"update_weights: {name} is {tuple(t.shape)}, model has {tuple(params[name].shape)}")
+                    params[name].copy_(t.to(params[name].device, params[name].dtype))
+                    n += 1
         return n
 
 
 def make_engine(args, hf_dir, run_dir, processor=None):
     """The engine --rollout-engine names; auto = SGLang if importable and CUDA is present."""
+    import torch
     kind = getattr(args, "rollout_engine", "auto")
     if kind == "auto":
         kind = "sglang" if importlib.util.find_spec("sglang") and torch.cuda.is_available() else "local"
     if kind == "local":
         return LocalEngine(hf_dir, "cuda" if torch.cuda.is_available() else "cpu", processor=processor)
     from sglang_engine import SGLangEngine
-    return SGLangEngine(hf_dir, run_dir, server_args=getattr(args, "sglang_args", None) or [],
+    server_args = list(getattr(args, "sglang_args", None) or [])
+    if torch.cuda.get_device_capability()[0] >= 10 and "--mm-attention-backend" not in server_args:
+        server_args += ["--mm-attention-backend", "sdpa"]  # Blackwell: the published recipe's setting
+    return SGLangEngine(hf_dir, run_dir, server_args=server_args,
                         timeout=getattr(args, "sglang_server_timeout", 900.0))
 
 
@@ -382,11 +389,16 @@ def run_episodes(engine, processor, records, args, groups=None, positions=None):
 
 
 def _score(samples, args, reward_fn):
+    """reward.py's RM (a process pool for big batches) or `reward_fn`; failed samples get 0."""
     import reward
-    fn = reward_fn or reward.get_reward_fn(getattr(args, "rm_type", "math") or "math")
+    live = [s for s in samples if s.status != "failed"]
+    texts, labels = [s.response_text for s in live], [s.label for s in live]
+    rewards = (reward.batch_rewards(texts, labels, getattr(args, "rm_type", "math") or "math")
+               if reward_fn is None else [reward_fn(t, lab) for t, lab in zip(texts, labels)])
+    for s, r in zip(live, rewards):
+        s.reward = float(r)
     for s in samples:
         s.metadata["format_ok"] = bool(reward.format_ok(s.response_text))
-        s.reward = 0.0 if s.status == "failed" else float(fn(s.response_text, s.label))
 
 
 def generate_group_samples(engine, processor, records, args, reward_fn=None):

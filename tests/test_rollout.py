@@ -30,6 +30,15 @@ def make_args(**kw):
     return types.SimpleNamespace(**{**base, **kw})
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls on shared cores: one thread avoids OpenMP oversubscription (40x here)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def ckpt(tiny_ckpt):
     return tiny_ckpt("qwen3_vl")
@@ -179,6 +188,23 @@ def test_multi_turn_crop_matches_full_render(processor, records):
     assert s.response_text == CROP_CALL + "\n" + ANSWER
 
 
+def test_multi_turn_max_turns_and_context_budget(processor, records):
+    pytest.importorskip("env_geo3k")
+    eng = ScriptedEngine(processor, [CROP_CALL])  # calls a tool every turn
+    (s,) = rollout.run_episodes(eng, processor, records[:1], make_args(max_turns=2, n_samples_per_prompt=1,
+                                                                      rollout_max_response_len=400))
+    assert s.status == "completed" and s.turns == 2 and s.tool_calls == 2 and len(s.images) == 2
+    assert s.loss_mask[-1] == 1  # no observation after the last allowed turn
+    (s,) = rollout.run_episodes(eng, processor, records[:1], make_args(max_turns=4, n_samples_per_prompt=1,
+                                                                      rollout_max_response_len=60))
+    assert s.status == "truncated" and s.turns == 1 and len(s.response_ids) <= 60  # observation would not fit
+    P = len(s.prompt_ids)
+    (s,) = rollout.run_episodes(eng, processor, records[:1], make_args(max_turns=4, n_samples_per_prompt=1,
+                                                                      rollout_max_response_len=400,
+                                                                      max_context_len=P + 5))
+    assert s.status == "truncated" and len(s.tokens) == P + 5
+
+
 class HybridEngine(rollout.LocalEngine):
     """Turn 1: a scripted crop call, its logprobs from the model by teacher forcing; later turns:
     real LocalEngine sampling, on a prompt that now holds two images."""
@@ -269,6 +295,14 @@ def test_group_samples_rewards_and_dynamic_sampling(processor, records):
     m = rollout.rollout_metrics(kept)
     assert m["reward"] == 0.5 and m["accuracy"] == 0.5 and m["ds_keep_frac"] == 0.5
     assert {"truncated_frac", "aborted_frac", "turns", "tool_calls", "format_ok_frac", "response_len"} <= set(m)
+
+
+def test_group_samples_default_reward(processor, records):
+    pytest.importorskip("reward")
+    recs = [dict(records[0], answer="360")]
+    samples = rollout.generate_group_samples(ScriptedEngine(processor, ["So \\boxed{360}"]), processor, recs,
+                                             make_args(n_samples_per_prompt=2))
+    assert [s.reward for s in samples] == [1.0, 1.0] and all(s.metadata["format_ok"] for s in samples)
 
 
 def test_sglang_server_args():
@@ -386,3 +420,35 @@ def test_sglang_start_failures_quote_log_and_leave_nothing(ckpt, tmp_path):
     pid = int(log.split("pid=")[1].split()[0])
     time.sleep(0.2)
     assert group_members(pid) == [] and set(_LIVE) <= before
+
+
+CHILD = """
+import sys, time
+sys.path[:0] = [{root!r}]
+from sglang_engine import SGLangEngine
+eng = SGLangEngine({ckpt!r}, sys.argv[2], server_args=["--fake-children", "1"],
+                   launch_cmd=[sys.executable, {fake!r}], timeout=60)
+print(eng.proc.pid, flush=True)
+if sys.argv[1] == "exit":
+    sys.exit(0)
+if sys.argv[1] == "error":
+    raise RuntimeError("trainer crashed")
+time.sleep(120)
+"""
+
+
+def test_sglang_server_dies_with_its_parent(ckpt, tmp_path):
+    """Normal exit, an exception, Ctrl-C and SIGTERM in the trainer all end the server's group."""
+    import subprocess
+    script = tmp_path / "child.py"
+    script.write_text(CHILD.format(root=str(Path(rollout.__file__).parent), ckpt=str(ckpt), fake=FAKE))
+    modes = {"exit": None, "error": None, "sigint": signal.SIGINT, "sigterm": signal.SIGTERM}
+    procs = {m: subprocess.Popen([sys.executable, str(script), m, str(tmp_path / m)], stdout=subprocess.PIPE,
+                                 text=True) for m in modes}
+    for mode, proc in procs.items():
+        pgid = int(proc.stdout.readline())
+        if modes[mode] is not None:
+            assert group_members(pgid)  # the server is up until we signal its parent
+            proc.send_signal(modes[mode])
+        proc.wait(timeout=60)
+        assert group_members(pgid) == [], (mode, group_members(pgid))
