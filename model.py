@@ -23,6 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+if not torch.cuda.is_available():  # on CPU, Megatron's "no Apex / Transformer Engine" notes are expected
+    import warnings
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope|full scope).*")
 CHUNK = 16384  # vocabulary columns per LM-head chunk: bounds the (N, CHUNK) logits held at once
 
 

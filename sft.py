@@ -1,0 +1,112 @@
+"""sft.py: supervised warm start on geo3k-style data (target `Answer: \\boxed{<answer>}`).
+
+    # one process, CPU
+    python sft.py --hf-checkpoint ckpt/tiny --prompt-data data/synth --save runs/sft --lr 2e-3
+    # N processes on one node (gloo on CPU, NCCL on GPU); TP x DP = N
+    torchrun --nproc_per_node 2 sft.py --tensor-model-parallel-size 2 ...
+    # several nodes: torchrun's own flags
+    torchrun --nnodes 2 --node-rank $R --master-addr $HOST --nproc_per_node 8 sft.py ...
+
+The loss covers the assistant tokens only (the target and its <|im_end|>), summed over the
+global batch and divided by its token count, so any TP x DP split gives the same step. The
+image goes through the vision tower into the loss; `--freeze-vit` keeps the tower fixed.
+"""
+import argparse
+import math
+import random
+
+import torch
+from tqdm import tqdm
+
+import data
+import model as M
+import trainer as T
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    T.add_train_args(p)
+    p.add_argument("--num-epoch", type=int, default=1, help="passes over the training data")
+    p.set_defaults(lr=1e-5, lr_decay_style="cosine")
+    return p.parse_args(argv)
+
+
+def encode(processor, record):
+    """-> dict(ids, mask, pixel_values, image_grid_thw): the prompt as the chat template
+    renders it, then the target tokens with loss mask 1."""
+    text = processor.apply_chat_template(data.prompt_messages(record), add_generation_prompt=True,
+                                         tokenize=False)
+    enc = processor(text=[text], images=record["images"], return_tensors="pt")
+    prompt = enc["input_ids"][0]
+    target = processor.tokenizer.encode(data.sft_target(record["answer"]) + "<|im_end|>",
+                                        add_special_tokens=False)
+    ids = torch.cat([prompt, torch.tensor(target)])
+    mask = torch.cat([torch.zeros(len(prompt), dtype=torch.bool), torch.ones(len(target), dtype=torch.bool)])
+    return dict(ids=ids, mask=mask, pixel_values=enc.get("pixel_values"),
+                image_grid_thw=enc.get("image_grid_thw"))
+
+
+def batch_loss(model, run, items, max_tokens, backward):
+    """Token-mean NLL of a global batch (this rank holds `items`); backward when asked."""
+    n_tokens = T.global_sum(sum(int(it["mask"].sum()) for it in items), run)
+    total = 0.0
+    for idx in T.pack([len(it["ids"]) for it in items], max_tokens):
+        logp, _ = model(**T.micro_batch([items[i] for i in idx]))
+        loss = -logp.sum() / n_tokens
+        if backward:
+            loss.backward()
+        total += loss.item()
+    return T.global_sum(total, run), n_tokens
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    run = T.Run(args, "sft")
+    from transformers import AutoProcessor
+    processor = AutoProcessor.from_pretrained(args.hf_checkpoint)
+    load = lambda src: data.load_geo3k(src, args.split, args.input_key, args.label_key,  # noqa: E731
+                                       args.max_bad_frac, verbose=run.rank == 0)
+    train = [encode(processor, r) for r in load(args.prompt_data)]
+    evals = [encode(processor, r) for r in load(args.eval_prompt_data)] if args.eval_prompt_data else []
+
+    ckpt = run.resume_dir()
+    model = M.load_model(ckpt or args.hf_checkpoint, freeze_vit=args.freeze_vit)
+    per_epoch = math.ceil(len(train) / args.global_batch_size)
+    total = per_epoch * args.num_epoch
+    opt, sched = T.build_optimizer(model, args, total)
+    start = run.load_state(ckpt, opt, sched)["step"] if ckpt else 0
+
+    def evaluate(step):
+        if evals:
+            model.eval()
+            with torch.no_grad():
+                loss, _ = batch_loss(model, run, T.dp_shard(evals, run), args.max_tokens_per_gpu, False)
+            model.train()
+            run.log(step, {"eval_loss": loss})
+            return loss
+
+    bar = tqdm(range(start, total), desc="sft", disable=run.rank != 0, initial=start, total=total)
+    model.train()
+    for step in bar:
+        epoch, pos = divmod(step, per_epoch)
+        order = list(range(len(train)))
+        random.Random(args.seed + epoch).shuffle(order)  # data order depends only on (seed, epoch)
+        batch = [train[i] for i in order[pos * args.global_batch_size:(pos + 1) * args.global_batch_size]]
+        timer = T.Timer()
+        with timer("train"):
+            loss, n_tokens = batch_loss(model, run, T.dp_shard(batch, run), args.max_tokens_per_gpu, True)
+            stats = T.optimizer_step(model, opt, sched, run, args)
+        secs = timer.t["train"]
+        run.log(step + 1, {"loss": loss, **stats, "epoch": epoch, "tokens": n_tokens,
+                           "tokens_per_s": n_tokens / secs, "step_s": secs})
+        bar.set_postfix(loss=f"{loss:.4f}")
+        if args.eval_interval and (step + 1) % args.eval_interval == 0:
+            evaluate(step + 1)
+        if args.save_interval and (step + 1) % args.save_interval == 0 and step + 1 < total:
+            run.save_checkpoint(model, opt, sched, step + 1)
+    evaluate(total)
+    run.save_checkpoint(model, opt, sched, total)
+
+
+if __name__ == "__main__":
+    main()

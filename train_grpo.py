@@ -1,0 +1,256 @@
+"""train_grpo.py: GRPO on geo3k, single-turn or multi-turn with tools.
+
+    # one process, CPU, tiny model (what run.sh does)
+    python train_grpo.py --hf-checkpoint runs/demo/sft/iter_0000100 --prompt-data runs/demo/data \\
+        --save runs/demo/grpo --rollout-batch-size 8 --n-samples-per-prompt 8 --lr 1e-4
+    # one node, N GPUs: rank 0 starts SGLang, every rank trains (TP x DP = N)
+    torchrun --nproc_per_node 4 train_grpo.py --rollout-engine sglang --tensor-model-parallel-size 2 ...
+    # several nodes: torchrun --nnodes 2 --node-rank $R --master-addr $HOST --nproc_per_node 8 ...
+    # multi-turn with the calc_score and crop tools
+    python train_grpo.py ... --max-turns 3
+    # unknown `--sglang-<name> <value>` flags go to the SGLang server as `--<name> <value>`
+
+One step: rank 0 samples --n-samples-per-prompt responses for each of --rollout-batch-size
+prompts and scores them; advantages are normalised within each group, (r - mean) / (std +
+eps) (`--advantage-estimator grpo`) or r - mean (`dr_grpo`), and a group whose rewards are
+all equal gets exactly 0. Samples go to every rank, are packed by --max-tokens-per-gpu and
+trained with the PPO-clip loss (asymmetric clip: --eps-clip / --eps-clip-high), optional KL
+to a frozen reference and an entropy bonus. Old logprobs are the rollout engine's own (the
+weights that sampled them), unless --recompute-logprobs. Then the weights go to the engine.
+"""
+import argparse
+import copy
+import math
+import random
+import sys
+
+import torch
+from tqdm import tqdm
+
+import data
+import model as M
+import rollout as R
+import trainer as T
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    T.add_train_args(p)
+    R.add_rollout_args(p)
+    a = p.add_argument
+    a("--num-rollout", type=int, default=100, help="GRPO steps (rollout + update)")
+    a("--advantage-estimator", default="grpo", choices=["grpo", "dr_grpo"], help="dr_grpo: no std division")
+    a("--eps-clip", type=float, default=0.2, help="PPO clip below 1")
+    a("--eps-clip-high", type=float, default=0.28, help="PPO clip above 1")
+    a("--kl-loss-coef", type=float, default=0.0, help="KL to the initial policy (0: no reference model)")
+    a("--kl-loss-type", default="low_var_kl", choices=["k1", "k2", "k3", "low_var_kl"])
+    a("--entropy-coef", type=float, default=0.0, help="entropy bonus")
+    a("--loss-agg", default="token", choices=["token", "sequence"], help="mean over tokens or over sequences")
+    a("--recompute-logprobs", action="store_true", help="old logprobs from the trainer, not the engine")
+    a("--tis-cap", type=float, default=0.0, help="truncated importance sampling cap on trainer/rollout ratio (0: off)")
+    a("--eval-samples", type=int, default=64, help="eval problems per evaluation")
+    p.set_defaults(global_batch_size=0)
+    args, unknown = p.parse_known_args(argv)
+    bad = [u for u in unknown if u.startswith("--") and not u.startswith("--sglang-")]
+    if bad:
+        p.error(f"unrecognized arguments: {' '.join(bad)}")
+    args.sglang_args = R.sglang_server_args(unknown)
+    args.global_batch_size = args.global_batch_size or args.rollout_batch_size * args.n_samples_per_prompt
+    return args
+
+
+def advantages(rewards, groups, estimator):
+    """Group-normalised advantages; exactly 0.0 for a group whose rewards are all equal."""
+    out = [0.0] * len(rewards)
+    for g in set(groups):
+        idx = [i for i, x in enumerate(groups) if x == g]
+        r = torch.tensor([rewards[i] for i in idx], dtype=torch.float64)
+        if len(idx) < 2 or bool((r == r[0]).all()):
+            continue
+        a = r - r.mean()
+        if estimator == "grpo":
+            a = a / (r.std() + 1e-6)
+        for i, v in zip(idx, a.tolist()):
+            out[i] = v
+    return out
+
+
+def kl_term(logp, ref, kind):
+    """Per-token KL estimate of the policy from the reference (Schulman's k1/k2/k3)."""
+    d = ref - logp
+    if kind == "k1":
+        return -d
+    if kind == "k2":
+        return 0.5 * d * d
+    if kind == "low_var_kl":
+        d = d.clamp(-20, 20)
+    return (torch.exp(d) - d - 1).clamp(max=10) if kind == "low_var_kl" else torch.exp(d) - d - 1
+
+
+def to_item(sample, processor, adv):
+    pv, grid = R.encode_images(processor, sample.images)
+    mask = [0] * len(sample.prompt_ids) + list(sample.loss_mask)
+    old = [0.0] * len(sample.prompt_ids) + list(sample.rollout_logprobs)
+    return dict(ids=torch.tensor(sample.tokens), mask=torch.tensor(mask, dtype=torch.bool),
+                pixel_values=pv, image_grid_thw=grid, adv=adv,
+                old=torch.tensor([o for o, m in zip(old, mask) if m], dtype=torch.float32))
+
+
+def policy_loss(model, ref, run, items, args, measure):
+    """PPO-clip loss over a global batch held as this rank's `items`; backward per micro-batch."""
+    n_tok = T.global_sum(sum(int(it["mask"].sum()) for it in items), run)
+    n_seq = T.global_sum(len(items), run)
+    stats = dict(loss=0.0, clipfrac=0.0, kl=0.0, entropy=0.0, diff_sum=0.0, diff_max=0.0)
+    bins = T.pack([len(it["ids"]) for it in items], args.max_tokens_per_gpu)
+    stats["packing_fill"] = sum(len(it["ids"]) for it in items) / max(1, len(bins) * args.max_tokens_per_gpu)
+    for idx in bins:
+        mb = [items[i] for i in idx]
+        logp, ent = model(**T.micro_batch(mb), temperature=args.rollout_temperature or 1.0, with_entropy=True)
+        old = torch.cat([it["old"] for it in mb])
+        adv = torch.cat([torch.full((len(it["old"]),), it["adv"]) for it in mb])
+        # token weights: token-level mean over the global batch, or per-sequence mean then mean
+        w = (torch.full_like(logp, 1.0 / n_tok) if args.loss_agg == "token" else
+             torch.cat([torch.full((len(it["old"]),), 1.0 / max(1, len(it["old"])) / n_seq) for it in mb]))
+        ratio = torch.exp(logp - old)
+        clipped = ratio.clamp(1 - args.eps_clip, 1 + args.eps_clip_high)
+        pg = -torch.minimum(ratio * adv, clipped * adv)
+        if args.tis_cap and "rollout_old" in mb[0]:
+            roll = torch.cat([it["rollout_old"] for it in mb])
+            pg = pg * torch.exp(old - roll).clamp(max=args.tis_cap)
+        loss_tok = pg - args.entropy_coef * ent
+        if ref is not None:
+            with torch.no_grad():
+                ref_logp, _ = ref(**T.micro_batch(mb), temperature=args.rollout_temperature or 1.0)
+            kl = kl_term(logp, ref_logp, args.kl_loss_type)
+            loss_tok = loss_tok + args.kl_loss_coef * kl
+            stats["kl"] += (kl.detach() * w).sum().item()
+        loss = (loss_tok * w).sum()
+        loss.backward()
+        stats["loss"] += loss.item()
+        stats["clipfrac"] += ((ratio.detach() != clipped.detach()).float() * w).sum().item()
+        stats["entropy"] += (ent.detach() * w).sum().item()
+        if measure:  # weights are still those the engine sampled with: logprobs must agree
+            diff = (logp.detach() - torch.cat([it.get("rollout_old", it["old"]) for it in mb])).abs()
+            stats["diff_sum"] += diff.sum().item()
+            stats["diff_max"] = max(stats["diff_max"], diff.max().item() if len(diff) else 0.0)
+    out = {k: T.global_sum(v, run) for k, v in stats.items() if k not in ("diff_max", "diff_sum", "packing_fill")}
+    out["packing_fill"] = stats["packing_fill"]  # rank 0's micro-batches: real tokens / budget
+    if measure:
+        out["logprob_diff_mean"] = T.global_sum(stats["diff_sum"], run) / n_tok
+        out["logprob_diff_max"] = stats["diff_max"]
+    return out
+
+
+def recompute_old(model, items, args):
+    with torch.no_grad():
+        for idx in T.pack([len(it["ids"]) for it in items], args.max_tokens_per_gpu):
+            mb = [items[i] for i in idx]
+            logp, _ = model(**T.micro_batch(mb), temperature=args.rollout_temperature or 1.0)
+            for it, part in zip(mb, logp.split([len(it["old"]) for it in mb])):
+                it["rollout_old"], it["old"] = it["old"], part
+
+
+def evaluate(engine, processor, records, args, step, run):
+    """Greedy pass@1: single-turn, and multi-turn with the calc_score oracle off."""
+    out = {}
+    modes = [("eval", 1)] + ([("eval_multi_turn", args.max_turns)] if args.max_turns > 1 else [])
+    for name, turns in modes:
+        eargs = copy.copy(args)
+        eargs.n_samples_per_prompt, eargs.rollout_temperature, eargs.max_turns = 1, 0.0, turns
+        eargs.oracle, eargs.dynamic_sampling = False, False
+        samples = R.generate_group_samples(engine, processor, records, eargs)
+        out[f"{name}_accuracy"] = sum(s.reward for s in samples) / max(1, len(samples))
+    run.log(step, out)
+    print(f"[eval] step {step}: {out}", flush=True)
+    return out
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    run = T.Run(args, "grpo")
+    from transformers import AutoProcessor
+    processor = AutoProcessor.from_pretrained(args.hf_checkpoint)
+    ckpt = run.resume_dir()
+    model = M.load_model(ckpt or args.hf_checkpoint, freeze_vit=args.freeze_vit)
+    ref = None
+    if args.kl_loss_coef:
+        ref = M.load_model(args.hf_checkpoint, freeze_vit=True).eval()
+        ref.requires_grad_(False)
+    updates = math.ceil(args.rollout_batch_size * args.n_samples_per_prompt / args.global_batch_size)
+    opt, sched = T.build_optimizer(model, args, args.num_rollout * updates)
+    start = run.load_state(ckpt, opt, sched)["step"] if ckpt else 0
+
+    records = eval_records = engine = None
+    if run.rank == 0:  # rank 0 owns the data, the engine and the rewards
+        load = lambda src: data.load_geo3k(src, args.split, args.input_key, args.label_key, args.max_bad_frac)  # noqa
+        records = load(args.prompt_data)
+        eval_records = load(args.eval_prompt_data)[:args.eval_samples] if args.eval_prompt_data else []
+        engine = R.make_engine(args, str(ckpt or args.hf_checkpoint), str(run.save))
+    try:
+        if run.rank == 0 and eval_records and start == 0:
+            evaluate(engine, processor, eval_records, args, 0, run)
+        bar = tqdm(range(start, args.num_rollout), desc="grpo", disable=run.rank != 0,
+                   initial=start, total=args.num_rollout)
+        for step in bar:
+            timer = T.Timer()
+            payload = [None]
+            if run.rank == 0:
+                with timer("rollout"):
+                    batch = draw(records, step, args)
+                    samples = R.generate_group_samples(engine, processor, batch, args)
+                    metrics = R.rollout_metrics(samples)
+                    good = [s for s in samples if s.status != "failed"]  # failed: counted, never trained on
+                    adv = advantages([s.reward for s in good], [s.group for s in good], args.advantage_estimator)
+                    payload = [([to_item(s, processor, a) for s, a in zip(good, adv)], metrics)]
+            T.broadcast_objects(payload, run)
+            items, metrics = payload[0]
+            random.Random(args.seed + step).shuffle(items)
+            with timer("train"):
+                model.train()
+                if args.recompute_logprobs:
+                    recompute_old(model, items, args)
+                train_stats = {}
+                for u in range(updates):
+                    chunk = items[u * args.global_batch_size:(u + 1) * args.global_batch_size]
+                    s = policy_loss(model, ref, run, T.dp_shard(chunk, run), args, measure=u == 0)
+                    s.update(T.optimizer_step(model, opt, sched, run, args))
+                    train_stats = {**s, **{k: v for k, v in train_stats.items() if k.startswith("logprob")}}
+            with timer("sync"):
+                buckets = M.export_hf(model)
+                if run.rank == 0:
+                    engine.update_weights(buckets)
+                    engine.flush()
+                else:
+                    for _ in buckets:  # every rank takes part in the gathers
+                        pass
+            n_tok = sum(len(it["ids"]) for it in items)
+            metrics.update(train_stats, tokens=n_tok, rollout_s=timer.t.get("rollout", 0.0), train_s=timer.t["train"],
+                           sync_s=timer.t["sync"], tokens_per_s=n_tok / max(1e-9, timer.t["train"]))
+            run.log(step + 1, metrics)
+            bar.set_postfix(reward=f"{metrics.get('reward', 0):.3f}")
+            if run.rank == 0 and eval_records and args.eval_interval and (step + 1) % args.eval_interval == 0:
+                evaluate(engine, processor, eval_records, args, step + 1, run)
+            if args.save_interval and (step + 1) % args.save_interval == 0 and step + 1 < args.num_rollout:
+                run.save_checkpoint(model, opt, sched, step + 1)
+        if run.rank == 0 and eval_records and not (args.eval_interval and args.num_rollout % args.eval_interval == 0):
+            evaluate(engine, processor, eval_records, args, args.num_rollout, run)
+        run.save_checkpoint(model, opt, sched, args.num_rollout)
+    finally:
+        if engine is not None:
+            engine.shutdown()
+
+
+def draw(records, step, args):
+    """The prompts of a step: a fixed function of (seed, step), so a resumed run sees the same."""
+    n, k = len(records), args.rollout_batch_size
+    out = []
+    for j in range(step * k, (step + 1) * k):
+        epoch, pos = divmod(j, n)
+        order = list(range(n))
+        random.Random(args.seed + epoch).shuffle(order)
+        out.append(dict(records[order[pos]], index=order[pos]))
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""Training plumbing shared by sft.py and train_grpo.py: flags, packing by token budget, the
+optimizer and LR schedule, one optimizer step over data/tensor parallel ranks, metrics,
+and atomic checkpoints (Hugging Face weights + optimizer, RNG and data position).
+
+Nothing here is run directly; both entry points import it.
+"""
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import model as M
+
+
+def add_train_args(p):
+    """Flags both trainers take (named as in slime / miles)."""
+    a = p.add_argument
+    a("--hf-checkpoint", required=True, help="Hugging Face checkpoint folder to start from")
+    a("--prompt-data", required=True, help="training data: hub id, .parquet, .jsonl or folder")
+    a("--input-key", default="problem", help="column holding the problem text")
+    a("--label-key", default="answer", help="column holding the answer")
+    a("--split", default=None, help="split of a hub id or folder (default: train)")
+    a("--max-bad-frac", type=float, default=0.01, help="stop when more data rows than this are unusable")
+    a("--eval-prompt-data", default=None, help="evaluation data (same forms as --prompt-data)")
+    a("--eval-interval", type=int, default=0, help="evaluate every N steps (0: only at the end)")
+    a("--save", required=True, help="run folder: metrics.jsonl, config, checkpoints")
+    a("--load", default=None, help="resume from the latest checkpoint in this run folder")
+    a("--save-interval", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    a("--global-batch-size", type=int, default=16, help="samples per optimizer step, all ranks")
+    a("--max-tokens-per-gpu", type=int, default=4096, help="token budget of one packed micro-batch")
+    a("--lr", type=float, default=1e-6, help="peak learning rate")
+    a("--min-lr", type=float, default=0.0, help="floor of the cosine decay")
+    a("--lr-warmup-iters", type=int, default=0, help="linear warmup steps")
+    a("--lr-decay-style", default="constant", choices=["constant", "cosine"], help="after warmup")
+    a("--weight-decay", type=float, default=0.0, help="AdamW weight decay (not on norms/biases)")
+    a("--adam-beta1", type=float, default=0.9)
+    a("--adam-beta2", type=float, default=0.98)
+    a("--clip-grad", type=float, default=1.0, help="clip the global grad norm to this (0: off)")
+    a("--tensor-model-parallel-size", type=int, default=1, help="Megatron TP size")
+    a("--freeze-vit", action="store_true", help="keep the vision tower fixed")
+    a("--seed", type=int, default=1234)
+    a("--wandb-project", default=None, help="log to wandb too, when it is installed")
+
+
+class Run:
+    """The distributed context, the run folder, metrics and checkpoints of one training job."""
+
+    def __init__(self, args, kind):
+        self.args, self.kind = args, kind
+        self.rank, self.world, self.device = M.init_distributed(args.tensor_model_parallel_size)
+        from megatron.core import parallel_state as ps
+        self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.dp_group, self.tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
+        self.save = Path(args.save)
+        random.seed(args.seed)
+        torch.manual_seed(args.seed)
+        self.wandb = None
+        if self.rank == 0:
+            self.save.mkdir(parents=True, exist_ok=True)
+            config = dict(vars(args), kind=kind, world_size=self.world, versions=versions())
+            print(json.dumps(config, indent=1, default=str), flush=True)
+            (self.save / f"config_{kind}.json").write_text(json.dumps(config, indent=1, default=str))
+            if args.wandb_project:
+                try:
+                    import wandb
+                    self.wandb = wandb.init(project=args.wandb_project, config=config)
+                except ImportError:
+                    print("[run] wandb is not installed; logging to metrics.jsonl only", file=sys.stderr)
+
+    def log(self, step, metrics):
+        """One JSON line a step, flushed and synced: nothing is lost on a crash."""
+        if self.rank != 0:
+            return
+        with open(self.save / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
+
+    def barrier(self):
+        if dist.is_initialized() and self.world > 1:
+            dist.barrier()
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, model, opt, sched, step, extra=None):
+        """<save>/iter_NNNNNNN: HF weights (loadable as they are) + train_state/; written
+        under a temporary name and renamed, so a half-written checkpoint is never visible."""
+        name = f"iter_{step:07d}"
+        tmp, final = self.save / f".tmp_{name}", self.save / name
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "train_state").mkdir(parents=True)
+        self.barrier()
+        M.save_hf(model, tmp)
+        state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state()}
+        torch.save(state, tmp / "train_state" / f"rank_{self.rank:03d}.pt")
+        self.barrier()
+        if self.rank == 0:
+            (tmp / "train_state" / "meta.json").write_text(json.dumps({"step": step, **(extra or {})}))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            atomic_write(self.save / "latest", name)
+            print(f"[run] saved checkpoint {final}", flush=True)
+        self.barrier()
+        return final
+
+    def resume_dir(self):
+        """The checkpoint folder --load points at (or None), checked for a clear error."""
+        if not self.args.load:
+            return None
+        load = Path(self.args.load)
+        if (load / "latest").exists():
+            load = load / (load / "latest").read_text().strip()
+        if not (load / "train_state" / "meta.json").exists():
+            if Path(self.args.load).resolve() == self.save.resolve():  # slime habit: --load = --save
+                if self.rank == 0:
+                    print(f"[run] no checkpoint in {load} yet: starting fresh", flush=True)
+                return None
+            raise SystemExit(f"--load {self.args.load}: no checkpoint there (expected a 'latest' "
+                             f"file or an iter_* folder with train_state/)")
+        return load
+
+    def load_state(self, ckpt, opt, sched):
+        """Optimizer, schedule and RNG of this rank; returns the meta dict (step, data position)."""
+        state = torch.load(ckpt / "train_state" / f"rank_{self.rank:03d}.pt", weights_only=False)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        meta = json.loads((ckpt / "train_state" / "meta.json").read_text())
+        log = self.save / "metrics.jsonl"
+        if self.rank == 0 and log.exists():  # drop what a killed run logged after its checkpoint
+            keep = [ln for ln in log.read_text().splitlines() if json.loads(ln)["step"] <= meta["step"]]
+            atomic_write(log, "".join(ln + "\n" for ln in keep))
+        if self.rank == 0:
+            print(f"[run] resumed from {ckpt} at step {meta['step']}", flush=True)
+        return meta
+
+
+def atomic_write(path, text):
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def rng_state():
+    s = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        s["cuda"] = torch.cuda.get_rng_state_all()
+    return s
+
+
+def set_rng_state(s):
+    random.setstate(s["python"])
+    torch.set_rng_state(s["torch"])
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+def versions():
+    out = {"python": sys.version.split()[0]}
+    for mod in ("torch", "transformers", "megatron.core", "sglang"):
+        try:
+            out[mod] = __import__(mod, fromlist=["_"]).__version__
+        except Exception:  # noqa: BLE001 - absent or broken optional package
+            out[mod] = None
+    try:
+        out["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
+    except OSError:
+        out["git"] = None
+    return out
+
+
+# -------------------------------------------------------------------- optimizer
+def build_optimizer(model, args, total_steps):
+    """AdamW (no decay on norms and biases) with linear warmup then constant or cosine decay."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = [p for n, p in params if p.ndim >= 2 and "norm" not in n]
+    no_decay = [p for n, p in params if not (p.ndim >= 2 and "norm" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=1e-8)
+
+    def factor(step):  # multiplies --lr
+        if step < args.lr_warmup_iters:
+            return (step + 1) / args.lr_warmup_iters
+        if args.lr_decay_style == "constant":
+            return 1.0
+        t = min(1.0, (step - args.lr_warmup_iters) / max(1, total_steps - args.lr_warmup_iters))
+        floor = args.min_lr / args.lr if args.lr else 0.0
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def grad_norm_and_clip(model, run, clip):
+    """Global L2 norm of the gradients: TP-sharded parameters (Megatron marks them with
+    `tensor_model_parallel`) are summed over the TP group, replicated ones counted once."""
+    sharded = torch.zeros((), dtype=torch.float64)
+    replicated = torch.zeros((), dtype=torch.float64)
+    grads = []
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        grads.append(p.grad)
+        sq = p.grad.detach().double().pow(2).sum().cpu()
+        if getattr(p, "tensor_model_parallel", False):
+            sharded += sq
+        else:
+            replicated += sq
+    if run.world > 1 and dist.get_world_size(run.tp_group) > 1:
+        dist.all_reduce(sharded, group=run.tp_group)
+    norm = math.sqrt((sharded + replicated).item())
+    if clip and norm > clip:
+        for g in grads:
+            g.mul_(clip / (norm + 1e-6))
+    return norm
+
+
+def allreduce_grads(model, run):
+    """Sum gradients over data-parallel ranks (the loss is already divided by the global token
+    count, so the sum is the global-batch gradient, equal to one rank holding the whole batch)."""
+    if run.dp <= 1:
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=run.dp_group)
+    off = 0
+    for g in grads:
+        g.copy_(flat[off:off + g.numel()].view_as(g))
+        off += g.numel()
+
+
+def global_sum(value, run):
+    """Sum a number over data-parallel ranks (e.g. loss tokens of the global batch)."""
+    t = torch.tensor(float(value), dtype=torch.float64)
+    if run.dp > 1:
+        dist.all_reduce(t, group=run.dp_group)
+    return t.item()
+
+
+def broadcast_objects(objs, run):
+    """Rank 0's list of picklable objects to every rank, in place."""
+    if run.world > 1:
+        dist.broadcast_object_list(objs, src=0)
+
+
+def optimizer_step(model, opt, sched, run, args):
+    allreduce_grads(model, run)
+    norm = grad_norm_and_clip(model, run, args.clip_grad)
+    lr = opt.param_groups[0]["lr"]
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    return {"grad_norm": norm, "lr": lr}
+
+
+# -------------------------------------------------------------------- packing
+def pack(lengths, max_tokens):
+    """Indices grouped into micro-batches of at most `max_tokens` tokens (first-fit
+    decreasing; a single longer sequence gets a micro-batch of its own)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    bins, room = [], []
+    for i in order:
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(max_tokens - lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def micro_batch(items):
+    """Model inputs for one packed micro-batch. Each item: dict(ids, mask, pixel_values,
+    image_grid_thw) with ids/mask 1-D tensors and image tensors (or None)."""
+    pv = [it["pixel_values"] for it in items if it.get("pixel_values") is not None]
+    grid = [it["image_grid_thw"] for it in items if it.get("image_grid_thw") is not None]
+    return dict(seqs=[it["ids"] for it in items], loss_masks=[it["mask"] for it in items],
+                pixel_values=torch.cat(pv) if pv else None, image_grid_thw=torch.cat(grid) if grid else None)
+
+
+def dp_shard(items, run):
+    """This data-parallel rank's share of a global batch (strided, so lengths stay balanced)."""
+    return items[run.dp_rank::run.dp]
+
+
+class Timer:
+    def __init__(self):
+        self.t = {}
+
+    def __call__(self, name):
+        timer = self
+
+        class _Ctx:
+            def __enter__(self):
+                self.start = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.t[name] = timer.t.get(name, 0.0) + time.perf_counter() - self.start
+        return _Ctx()
