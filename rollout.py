@@ -266,7 +266,8 @@ def make_engine(args, hf_dir, run_dir, processor=None):
         return LocalEngine(hf_dir, "cuda" if torch.cuda.is_available() else "cpu", processor=processor)
     from sglang_engine import SGLangEngine
     server_args = list(getattr(args, "sglang_args", None) or [])
-    if torch.cuda.get_device_capability()[0] >= 10 and "--mm-attention-backend" not in server_args:
+    if (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 10
+            and "--mm-attention-backend" not in server_args):
         server_args += ["--mm-attention-backend", "sdpa"]  # Blackwell: the published recipe's setting
     return SGLangEngine(hf_dir, run_dir, server_args=server_args,
                         timeout=getattr(args, "sglang_server_timeout", 900.0))
@@ -309,8 +310,8 @@ def _finish_turn(s, env, out, processor, args, multi, stops):
     s.turns += 1
     text = tok.decode([t for t in ids if t not in stops], skip_special_tokens=False)
     s.response_text += ("\n" if s.turns > 1 else "") + text
-    if out["finish"] == "abort":
-        s.status = "aborted"
+    if out["finish"] == "abort":  # cut short by the server: incomplete, never trained on
+        s.status, s.loss_mask = "aborted", [0] * len(s.response_ids)
         return False
     if out["finish"] == "length":
         s.status = "truncated"

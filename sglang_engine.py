@@ -25,7 +25,11 @@ step (put --run dir, or `weights_dir`, on local NVMe or /dev/shm for big models)
 
 Process hygiene: the server starts in its own session (process group) with its log in
 <run_dir>/sglang.log; shutdown() sends SIGTERM to the whole group, then SIGKILL after a grace
-period; atexit and SIGINT/SIGTERM handlers do the same. Nothing is ever killed by name.
+period; atexit and SIGINT/SIGTERM handlers do the same, and PR_SET_PDEATHSIG covers a SIGKILLed
+trainer (create the engine in the main thread: the signal follows the thread that started the
+server). Nothing is ever killed by name. A server that dies is restarted (from the latest
+synced weights) and the requests in flight are retried; an HTTP error on one request fails
+only that sample. Call on rank 0 only.
 release()/resume() need the server launched with --enable-memory-saver (trainer flag
 --sglang-enable-memory-saver). On Blackwell GPUs the published recipe needs
 --sglang-mm-attention-backend sdpa.
@@ -57,6 +61,18 @@ class ServerDown(Exception):
     """The server did not answer (dead, restarting, connection reset)."""
 
 
+class ServerError(RuntimeError):
+    """The server answered with an HTTP error: a bad request of ours, not a crash."""
+
+
+# Exec shim: arm PR_SET_PDEATHSIG (SIGKILL when the thread that started us dies), then become
+# the server. SGLang's own subprocesses arm it too, so even a SIGKILLed trainer (OOM) leaves no
+# server behind. A shim rather than preexec_fn, which is unsafe with threads running.
+_DIE_WITH_PARENT = ("import ctypes, os, sys; ctypes.CDLL(None).prctl(1, 9); "
+                    "os.getppid() == int(sys.argv[1]) or sys.exit('launcher: parent already gone'); "
+                    "os.execvp(sys.argv[2], sys.argv[2:])")
+
+
 def _shutdown_all():
     for engine in list(_LIVE):
         engine.shutdown()
@@ -68,6 +84,8 @@ def _install_handlers():
     atexit.register(_shutdown_all)
     for sig in (signal.SIGINT, signal.SIGTERM):
         prev = signal.getsignal(sig)
+        if prev == signal.SIG_IGN:
+            continue
 
         def handler(signum, frame, prev=prev):
             _shutdown_all()
@@ -133,6 +151,8 @@ class SGLangEngine(Engine):
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [*self.launch_cmd, "--model-path", self.model_path, "--host", "127.0.0.1",
                "--port", str(self.port), *self.server_args]
+        if sys.platform == "linux":
+            cmd = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== {time.strftime('%H:%M:%S')} starting: {' '.join(cmd)}\n".encode())
             log.flush()
@@ -200,8 +220,8 @@ class SGLangEngine(Engine):
         try:
             with urllib.request.urlopen(req, timeout=timeout or self.request_timeout) as r:
                 body = r.read().decode()
-        except urllib.error.HTTPError as e:  # the server answered: an error of ours, not a crash
-            raise RuntimeError(f"SGLang {path} -> HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}")
+        except urllib.error.HTTPError as e:
+            raise ServerError(f"SGLang {path} -> HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}")
         except (OSError, http.client.HTTPException) as e:
             raise ServerDown(f"{type(e).__name__}: {e}") from None
         try:
@@ -233,7 +253,10 @@ class SGLangEngine(Engine):
         payload = {"input_ids": list(item["input_ids"]), "sampling_params": params, "return_logprob": True}
         if item.get("images"):
             payload["image_data"] = [data.image_to_data_uri(im) for im in item["images"]]
-        r = self._call("/generate", payload)
+        try:
+            r = self._call("/generate", payload)
+        except ServerError as e:  # e.g. an image the server refuses: this sample fails, not the run
+            return {"ids": [], "logprobs": [], "finish": "abort", "error": str(e)}
         meta = r["meta_info"]
         pairs = meta.get("output_token_logprobs") or []
         out = {"ids": [int(p[1]) for p in pairs], "logprobs": [float(p[0]) for p in pairs],
@@ -273,7 +296,7 @@ class SGLangEngine(Engine):
             try:
                 self._call("/flush_cache", {})
                 return
-            except RuntimeError as e:
+            except ServerError as e:
                 if "HTTP 400" not in str(e):
                     raise
                 time.sleep(0.5)

@@ -154,7 +154,9 @@ def main():
     print(f"fake sglang pid={os.getpid()} pgid={os.getpgid(0)} passthrough={json.dumps(passthrough)}", flush=True)
     if a.fake_startup < 0:  # a server that never comes up
         sys.exit("fake sglang: failing to start as asked (--fake-startup < 0)")
-    children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    # like SGLang's scheduler/detokenizer processes: SIGKILLed when their parent dies
+    child = "import ctypes, time; ctypes.CDLL(None).prctl(1, 9); time.sleep(3600)"
+    children = [subprocess.Popen([sys.executable, "-c", child])
                 for _ in range(a.fake_children)]
     print(f"fake sglang children={[c.pid for c in children]}", flush=True)
     time.sleep(a.fake_startup)
