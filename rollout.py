@@ -228,8 +228,9 @@ class LocalEngine(Engine):
         res = self.model.generate(**{k: v.to(self.device) for k, v in kw.items()}, generation_config=gc)
         new = res.sequences[:, L:].cpu()                                 # (B, N)
         scale = 1.0 if greedy else T
-        lp = torch.stack([torch.log_softmax(step.float() / scale, -1).gather(-1, new[:, j, None].to(step.device))[:, 0].cpu()
-                          for j, step in enumerate(res.logits)], 1)      # (B, N), raw logits / T
+        # res.logits[j]: (B, V) raw logits of step j; one step at a time, never (B, N, V) at once
+        lp = torch.stack([torch.log_softmax(step.float() / scale, -1)[torch.arange(B), new[:, j].to(step.device)].cpu()
+                          for j, step in enumerate(res.logits)], 1)      # (B, N)
         outs = []
         for i in range(B):
             row = new[i, :limits[i]].tolist()
@@ -250,7 +251,8 @@ class LocalEngine(Engine):
                     if name not in params:
                         raise KeyError(f"update_weights: {name!r} is not a weight of {type(self.model).__name__}")
                     if params[name].shape != t.shape:
-                        raise ValueError(f"update_weights: {name} is {tuple(t.shape)}, model has {tuple(params[name].shape)}")
+                        raise ValueError(f"update_weights: {name} is {tuple(t.shape)}, "
+                                         f"model has {tuple(params[name].shape)}")
                     params[name].copy_(t.to(params[name].device, params[name].dtype))
                     n += 1
         return n
@@ -279,12 +281,12 @@ def _fail(s, reason):
     s.loss_mask = [0] * len(s.response_ids)  # never trained on, even by a trainer that forgets
 
 
-def _episode(processor, rec, args, group, pos, multi):
+def _episode(processor, rec, args, group, multi):
     import data
     images = list(rec["images"])
     s = Sample(prompt_ids=encode_prompt(processor, data.prompt_messages(rec, multi_turn=multi), images),
                images=images, image_turns=[0] * len(images), label=str(rec["answer"]),
-               group=group, index=rec.get("index", pos), metadata={"steps": []})
+               group=group, index=rec.get("index", group), metadata={"steps": []})
     env = None
     if multi:
         import env_geo3k
@@ -338,15 +340,14 @@ def _finish_turn(s, env, out, processor, args, multi, stops):
     return True
 
 
-def run_episodes(engine, processor, records, args, groups=None, positions=None):
+def run_episodes(engine, processor, records, args, groups=None):
     """n_samples_per_prompt episodes per record, turn by turn: each round sends every active
     episode's tokens to the engine at once (SGLang keeps them all in flight)."""
     from tqdm import tqdm
     multi = getattr(args, "max_turns", 1) > 1
     n = getattr(args, "n_samples_per_prompt", 1)
     groups = groups if groups is not None else list(range(len(records)))
-    positions = positions if positions is not None else groups
-    eps = [_episode(processor, rec, args, g, p, multi) for rec, g, p in zip(records, groups, positions) for _ in range(n)]
+    eps = [_episode(processor, rec, args, g, multi) for rec, g in zip(records, groups) for _ in range(n)]
     stops = [token_id(processor, IM_END), token_id(processor, ENDOFTEXT)]
     T = getattr(args, "rollout_temperature", 1.0)
     sampling = dict(temperature=T, top_p=getattr(args, "rollout_top_p", 1.0),
@@ -365,7 +366,8 @@ def run_episodes(engine, processor, records, args, groups=None, positions=None):
                 continue
             live.append(i)
             reqs.append({"input_ids": s.tokens, "images": s.images, "max_new_tokens": room})
-        outs = engine.generate(reqs, dict(sampling, max_new_tokens=max([r["max_new_tokens"] for r in reqs], default=1))) if reqs else []
+        longest = max([r["max_new_tokens"] for r in reqs], default=0)
+        outs = engine.generate(reqs, dict(sampling, max_new_tokens=longest)) if reqs else []
         active = []
         for i, out in zip(live, outs):
             s, env = eps[i]
