@@ -210,6 +210,7 @@ POLYGON_QUESTIONS = {  # question -> answer as a function of the number of sides
     "Find the sum of the interior angles of the polygon.": lambda n: 180 * (n - 2),
     "Find the measure of each interior angle of the regular polygon.": lambda n: 180 * (n - 2) / n,
 }
+SIDES_QUESTIONS = {"How many sides does the polygon have?": lambda n: n}
 SHAPE_COLOURS = ["black", "navy", "darkgreen", "maroon"]
 
 
@@ -217,10 +218,10 @@ def _num(x):
     return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
-def _polygon(rng, size, jitter):
+def _polygon(rng, size, jitter, questions=POLYGON_QUESTIONS):
     """A regular polygon of 3-6 sides; the answer depends on the sides, read from the image."""
     n = rng.randint(3, 6)
-    question = rng.choice(sorted(POLYGON_QUESTIONS))
+    question = rng.choice(sorted(questions))
     img = Image.new("RGB", (size, size), "white")
     draw = ImageDraw.Draw(img)
     c = size / 2 + rng.uniform(-1, 1) * jitter * size / 8
@@ -229,7 +230,7 @@ def _polygon(rng, size, jitter):
     pts = [(c + r * math.cos(rot + 2 * math.pi * k / n), c + r * math.sin(rot + 2 * math.pi * k / n))
            for k in range(n)]
     draw.polygon(pts, outline=rng.choice(SHAPE_COLOURS) if jitter else "black", width=3)
-    return question, _num(POLYGON_QUESTIONS[question](n)), img
+    return question, _num(questions[question](n)), img
 
 
 def _triangle(rng, size, jitter):
@@ -252,7 +253,8 @@ def _triangle(rng, size, jitter):
     return "Find x, the measure of the unlabelled angle in degrees.", _num(180 - a - b), img
 
 
-KINDS = {"polygon": _polygon, "triangle": _triangle}
+KINDS = {"sides": lambda rng, size, jitter: _polygon(rng, size, jitter, SIDES_QUESTIONS),
+         "polygon": _polygon, "triangle": _triangle}  # easiest first: one-token answers, 4 classes
 
 
 def synth_records(n, seed=0, kinds=("polygon",), size=128, jitter=0.0):

@@ -23,9 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():  # on CPU, Megatron's "no Apex / Transformer Engine" notes are expected
-    import warnings
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope|full scope).*")
+if not torch.cuda.is_available():  # Megatron's "no Apex / Transformer Engine" notes are expected on CPU
+    __import__("warnings").filterwarnings("ignore", message=".*(Apex|Transformer Engine|full scope).*")
 CHUNK = 16384  # vocabulary columns per LM-head chunk: bounds the (N, CHUNK) logits held at once
 
 

@@ -1,12 +1,73 @@
 #!/usr/bin/env bash
-# run.sh: the recipe. On a CPU machine it sets itself up and runs the pipeline on a tiny
-# Qwen3-VL and the synthetic geometry set.
+# run.sh: the whole recipe, top to bottom.
+#
 #   bash run.sh
-# (The trainers land in later steps; for now this prepares data and checks the model.)
+#       CPU demo (no GPU, no network): a tiny random Qwen3-VL learns the synthetic geometry set:
+#       SFT warm start -> GRPO single-turn -> GRPO multi-turn (calc_score + crop tools) -> eval.
+#       Writes runs/cpu-demo/: each stage's metrics.jsonl and checkpoints, summary.md, reward_curve.png.
+#
+#   MODEL=Qwen/Qwen3-VL-2B-Instruct DATA=hiyouga/geometry3k NUM_GPUS=4 MODE=multi_turn bash run.sh
+#       The published geo3k recipe on GPUs: SGLang rollouts on rank 0, Megatron on every rank.
+#       MODEL and DATA may be hub ids (fetched where the network allows) or local folders.
+#       MODE=single_turn|multi_turn; TP=2 sets tensor parallel; NUM_ROLLOUT, NAME as you like.
+#       Several nodes: NNODES=2 NODE_RANK=<r> MASTER_ADDR=<host> on every node.
+#       Extra arguments go to train_grpo.py as they are (e.g. --sglang-mem-fraction-static 0.5).
 source "$(dirname "$0")/setup.sh"
-export HF_HUB_OFFLINE=1
-RUN=${RUN:-runs/cpu-demo}
-mkdir -p "$RUN"
-.venv/bin/python data.py synth --n 512 --n-test 64 --out "$RUN/data"
-.venv/bin/python model.py tiny --arch qwen3_vl --out "$RUN/tiny-qwen3-vl"
-.venv/bin/python data.py show "$RUN/data" --split test
+MODEL=${MODEL:-tiny}
+DATA=${DATA:-synth}
+NUM_GPUS=${NUM_GPUS:-0}
+MODE=${MODE:-demo}
+die() { echo "run.sh: $*" >&2; exit 2; }
+
+if [[ "$NUM_GPUS" == 0 ]]; then
+  # ---------------------------------------------------------------- the CPU demo
+  [[ "$MODEL" == tiny && "$DATA" == synth ]] || die "MODEL=$MODEL DATA=$DATA needs GPUs: set NUM_GPUS (the CPU demo uses MODEL=tiny DATA=synth)"
+  export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+  RUN=runs/${NAME:-cpu-demo}
+  rm -rf "$RUN"; mkdir -p "$RUN"
+  PY=.venv/bin/python
+  $PY data.py synth --n 1024 --n-test 64 --out "$RUN/data"                  # regular 3-6-gons, two questions
+  $PY model.py tiny --arch qwen3_vl --out "$RUN/base"                        # random weights, real tokenizer
+  EVAL=(--eval-prompt-data "$RUN/data" --eval-split test --eval-samples 64)
+  $PY train_grpo.py --hf-checkpoint "$RUN/base" --prompt-data "$RUN/data" --save "$RUN/base_eval" \
+      "${EVAL[@]}" --num-rollout 0 --rollout-engine local                    # accuracy of the random model
+  $PY sft.py --hf-checkpoint "$RUN/base" --prompt-data "$RUN/data" --save "$RUN/sft" "${EVAL[@]}" \
+      --lr 2e-3 --lr-decay-style constant --global-batch-size 16 --num-epoch 1 --save-interval 0
+  GRPO=(--prompt-data "$RUN/data" "${EVAL[@]}" --rollout-engine local --rollout-batch-size 8
+        --n-samples-per-prompt 8 --rollout-max-response-len 48 --rollout-temperature 1.0
+        --lr 5e-4 --eval-interval 10 --save-interval 10)
+  $PY train_grpo.py --hf-checkpoint "$RUN/sft/$(cat "$RUN/sft/latest")" --save "$RUN/grpo" \
+      "${GRPO[@]}" --num-rollout 30
+  $PY train_grpo.py --hf-checkpoint "$RUN/grpo/$(cat "$RUN/grpo/latest")" --save "$RUN/grpo_mt" \
+      "${GRPO[@]}" --num-rollout 10 --max-turns 3
+  $PY report.py "$RUN"
+  echo "final Hugging Face checkpoint: $RUN/grpo_mt/$(cat "$RUN/grpo_mt/latest")"
+  exit 0
+fi
+
+# -------------------------------------------------------------------- the GPU recipe
+command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 || die "NUM_GPUS=$NUM_GPUS but no NVIDIA GPU is visible (nvidia-smi failed)"
+have=$(nvidia-smi -L | wc -l)
+(( have >= NUM_GPUS )) || die "NUM_GPUS=$NUM_GPUS but this node has $have GPU(s)"
+.venv/bin/python -c "import sglang" 2>/dev/null || die "SGLang is not installed: .venv/bin/pip install -r requirements-gpu.txt"
+[[ "$MODE" == single_turn || "$MODE" == multi_turn ]] || die "MODE=$MODE: use single_turn or multi_turn on GPUs"
+[[ "$DATA" != synth ]] || DATA=hiyouga/geometry3k
+if [[ ! -d "$MODEL" ]]; then  # a hub id: fetch it once (needs the network)
+  MODEL=$(.venv/bin/python -c "import sys; from huggingface_hub import snapshot_download as s; print(s(sys.argv[1]))" "$MODEL") \
+    || die "cannot fetch MODEL from the hub; download it and set MODEL=<local folder>"
+fi
+family=$(.venv/bin/python -c "import json,sys; print(json.load(open(sys.argv[1] + '/config.json'))['model_type'])" "$MODEL") \
+  || die "$MODEL has no readable config.json"
+[[ "$family" == qwen3_vl || "$family" == qwen2_5_vl ]] || die "model family '$family' is not supported (qwen3_vl, qwen2_5_vl)"
+TURNS=1; TEMP=0.8
+[[ "$MODE" == multi_turn ]] && { TURNS=3; TEMP=1.0; }
+RUN=runs/${NAME:-geo3k-$MODE}
+exec .venv/bin/torchrun --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \
+    --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}" --nproc-per-node "$NUM_GPUS" \
+  train_grpo.py --hf-checkpoint "$MODEL" --prompt-data "$DATA" --eval-prompt-data "$DATA" --eval-split test \
+    --save "$RUN" --load "$RUN" --rollout-engine sglang --tensor-model-parallel-size "${TP:-1}" \
+    --rollout-batch-size 64 --n-samples-per-prompt 8 --rollout-max-response-len 4096 \
+    --rollout-temperature "$TEMP" --max-turns "$TURNS" --lr 1e-6 --eps-clip 0.2 --eps-clip-high 0.28 \
+    --kl-loss-coef 0 --entropy-coef 0 --adam-beta1 0.9 --adam-beta2 0.98 --weight-decay 0.1 \
+    --max-tokens-per-gpu 9216 --num-rollout "${NUM_ROLLOUT:-300}" --save-interval 20 --eval-interval 10 \
+    "$@"

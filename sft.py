@@ -64,10 +64,8 @@ def main(argv=None):
     run = T.Run(args, "sft")
     from transformers import AutoProcessor
     processor = AutoProcessor.from_pretrained(args.hf_checkpoint)
-    load = lambda src: data.load_geo3k(src, args.split, args.input_key, args.label_key,  # noqa: E731
-                                       args.max_bad_frac, verbose=run.rank == 0)
-    train = [encode(processor, r) for r in load(args.prompt_data)]
-    evals = [encode(processor, r) for r in load(args.eval_prompt_data)] if args.eval_prompt_data else []
+    train = [encode(processor, r) for r in T.load_data(args, verbose=run.rank == 0)]
+    evals = [encode(processor, r) for r in T.load_data(args, evaluation=True, verbose=run.rank == 0)]
 
     ckpt = run.resume_dir()
     model = M.load_model(ckpt or args.hf_checkpoint, freeze_vit=args.freeze_vit)

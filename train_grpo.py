@@ -27,18 +27,18 @@ import sys
 import torch
 from tqdm import tqdm
 
-import data
 import model as M
 import rollout as R
 import trainer as T
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)  # no --sglang-* flag may pass as an abbreviation
     T.add_train_args(p)
     R.add_rollout_args(p)
     a = p.add_argument
-    a("--num-rollout", type=int, default=100, help="GRPO steps (rollout + update)")
+    a("--num-rollout", type=int, default=100, help="GRPO steps (rollout + update); 0: evaluate only")
     a("--advantage-estimator", default="grpo", choices=["grpo", "dr_grpo"], help="dr_grpo: no std division")
     a("--eps-clip", type=float, default=0.2, help="PPO clip below 1")
     a("--eps-clip-high", type=float, default=0.28, help="PPO clip above 1")
@@ -182,13 +182,13 @@ def main(argv=None):
 
     records = eval_records = engine = None
     if run.rank == 0:  # rank 0 owns the data, the engine and the rewards
-        load = lambda src: data.load_geo3k(src, args.split, args.input_key, args.label_key, args.max_bad_frac)  # noqa
-        records = load(args.prompt_data)
-        eval_records = load(args.eval_prompt_data)[:args.eval_samples] if args.eval_prompt_data else []
+        records, eval_records = T.load_data(args), T.load_data(args, evaluation=True)[:args.eval_samples]
         engine = R.make_engine(args, str(ckpt or args.hf_checkpoint), str(run.save))
     try:
         if run.rank == 0 and eval_records and start == 0:
             evaluate(engine, processor, eval_records, args, 0, run)
+        if args.num_rollout == 0:  # evaluation only
+            return
         bar = tqdm(range(start, args.num_rollout), desc="grpo", disable=run.rank != 0,
                    initial=start, total=args.num_rollout)
         for step in bar:
@@ -199,7 +199,7 @@ def main(argv=None):
                     batch = draw(records, step, args)
                     samples = R.generate_group_samples(engine, processor, batch, args)
                     metrics = R.rollout_metrics(samples)
-                    good = [s for s in samples if s.status != "failed"]  # failed: counted, never trained on
+                    good = [s for s in samples if s.status not in ("failed", "aborted")]  # counted, never trained on
                     adv = advantages([s.reward for s in good], [s.group for s in good], args.advantage_estimator)
                     payload = [([to_item(s, processor, a) for s, a in zip(good, adv)], metrics)]
             T.broadcast_objects(payload, run)

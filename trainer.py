@@ -28,6 +28,7 @@ def add_train_args(p):
     a("--input-key", default="problem", help="column holding the problem text")
     a("--label-key", default="answer", help="column holding the answer")
     a("--split", default=None, help="split of a hub id or folder (default: train)")
+    a("--eval-split", default="test", help="split of --eval-prompt-data when it is a hub id or folder")
     a("--max-bad-frac", type=float, default=0.01, help="stop when more data rows than this are unusable")
     a("--eval-prompt-data", default=None, help="evaluation data (same forms as --prompt-data)")
     a("--eval-interval", type=int, default=0, help="evaluate every N steps (0: only at the end)")
@@ -143,6 +144,16 @@ class Run:
         if self.rank == 0:
             print(f"[run] resumed from {ckpt} at step {meta['step']}", flush=True)
         return meta
+
+
+def load_data(args, evaluation=False, verbose=True):
+    """The training (or evaluation) records named by the flags; [] when no eval data is given."""
+    import data
+    source = args.eval_prompt_data if evaluation else args.prompt_data
+    if not source:
+        return []
+    return data.load_geo3k(source, args.eval_split if evaluation else args.split, args.input_key,
+                           args.label_key, args.max_bad_frac, verbose=verbose)
 
 
 def atomic_write(path, text):

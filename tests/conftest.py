@@ -5,12 +5,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One torch thread per process: the tiny models' matmuls are far slower with two threads on a
+# 2-core machine that also runs torchrun workers (and subprocesses inherit this).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 GEO3K_REAL = ROOT.parent / "shared" / "geo3k_real"
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")

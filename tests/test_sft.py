@@ -43,8 +43,8 @@ def trained(tiny_ckpt, geo3k_real, tmp_path_factory):
     """The tiny Qwen3-VL trained on the ten real problems (about a minute on 2 cores)."""
     out = tmp_path_factory.mktemp("sft_real")
     sft("--hf-checkpoint", tiny_ckpt("qwen3_vl"), "--prompt-data", geo3k_real / "test.parquet",
-        "--save", out, "--lr", "3e-3", "--global-batch-size", "10", "--num-epoch", "100",
-        "--lr-warmup-iters", "5", "--min-lr", "3e-4")
+        "--save", out, "--lr", "5e-3", "--global-batch-size", "10", "--num-epoch", "100",
+        "--lr-warmup-iters", "5", "--lr-decay-style", "constant")
     return out
 
 

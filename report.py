@@ -1,0 +1,57 @@
+"""report.py: the summary of a run.sh pipeline: a table of reward and accuracy before and
+after each stage, and a reward-curve PNG.
+
+    python report.py runs/cpu-demo            # reads <run>/<stage>/metrics.jsonl
+"""
+import json
+import sys
+from pathlib import Path
+
+STAGES = [("sft", "SFT"), ("grpo", "GRPO single-turn"), ("grpo_mt", "GRPO multi-turn")]
+
+
+def read(path):
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def main(run):
+    run = Path(run)
+    base = read(run / "base_eval" / "metrics.jsonl")
+    before = base[0].get("eval_accuracy") if base else None
+    rows, curves = [], []
+    for name, title in STAGES:
+        m = read(run / name / "metrics.jsonl")
+        if not m:
+            continue
+        evals = [x for x in m if "eval_accuracy" in x]
+        rewards = [(x["step"], x["reward"]) for x in m if "reward" in x]
+        first = evals[0]["eval_accuracy"] if evals and evals[0]["step"] == 0 else before
+        after = evals[-1]["eval_accuracy"] if evals else None
+        r0, r1 = (rewards[0][1], sum(r for _, r in rewards[-5:]) / len(rewards[-5:])) if rewards else (None, None)
+        rows.append((title, r0, r1, first, after))
+        before = after if after is not None else before
+        if rewards:
+            curves.append((title, rewards))
+    fmt = lambda v: "  -  " if v is None else f"{v:5.3f}"  # noqa: E731
+    lines = ["| stage | train reward first step | last 5 steps | eval accuracy before | after |",
+             "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {t} | {fmt(a)} | {fmt(b)} | {fmt(c)} | {fmt(d)} |" for t, a, b, c, d in rows]
+    (run / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    if curves:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for title, pts in curves:
+            ax.plot([s for s, _ in pts], [r for _, r in pts], marker=".", label=title)
+        ax.set(xlabel="GRPO step", ylabel="mean reward", ylim=(-0.02, 1.02), title=f"{run.name}: reward")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(run / "reward_curve.png", dpi=120)
+        print(f"wrote {run / 'summary.md'} and {run / 'reward_curve.png'}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "runs/cpu-demo")
