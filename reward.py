@@ -1,0 +1,283 @@
+"""Pure reward functions for geo3k GRPO: binary math reward, geo3k tolerance reward, format check.
+
+    from reward import get_reward_fn, batch_rewards, format_ok
+    r = get_reward_fn("geo3k")(response, "5 \\sqrt { 3 }")       # 1.0 or 0.0, never raises
+    rs = batch_rewards(responses, labels, rm_type="math")        # process pool for big batches
+
+Tests: `.venv/bin/pytest -q tests/test_reward.py`. Speed: `.venv/bin/python bench/reward_bench.py`.
+Rewards are exactly 0.0 or 1.0, so a group of equal rewards gets an advantage of exactly 0;
+format_ok is a metric and is deliberately not mixed into the reward.
+"""
+import atexit
+import ctypes
+import functools
+import itertools
+import json
+import logging
+import math
+import multiprocessing as mp
+import os
+import re
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager, suppress
+
+import sympy
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+# We disable math-verify's own timeouts (signals: main thread only) and bound time ourselves,
+# so its once-per-process "timeout is disabled" warning is noise.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+MAX_BOX_CHARS = 1000  # a real answer is < 100 chars; longer boxes are junk and slow to parse
+MAX_DEPTH = 8         # geo3k answers nest <= 3 deep; sympy's set/evalf code is exponential in depth
+MAX_BITS = 20000      # biggest exact integer we let sympy build (C bigint math ignores timeouts)
+CPU_LIMIT_S = 0.4     # per-call budget of the thread's own CPU time: warm real answers need
+                      # < 0.25 s (most ~5 ms), and it does not shrink when the machine is busy
+WALL_LIMIT_S = 0.8    # the 1 s spec, with room to unwind; binds only under > 2x CPU contention
+_BOX_START = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_TEXT_CMD = re.compile(r"\\(?:text|textrm|textbf|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
+_UNIT = re.compile(r"\\(?:text|textrm|mathrm|mbox)\s*\{\s*[A-Za-z][A-Za-z .]+\}(?:\s*\^\s*\{?\s*[23]\s*\}?)?")
+_LETTER = re.compile(r"\(?([A-Za-z])\)?\.?")
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+_PARSE_CFG = [LatexExtractionConfig(), ExprExtractionConfig()]
+
+
+class _Timeout(BaseException):
+    """BaseException so that math-verify's and sympy's `except Exception` cannot swallow it."""
+
+
+# Time bound: a watchdog thread raises _Timeout inside an over-budget scoring thread with
+# PyThreadState_SetAsyncExc. Unlike SIGALRM (math-verify's way) this works on any thread. It lands
+# between bytecodes, which covers sympy's and the LaTeX parser's pure-Python loops; long C calls
+# (bigint powers) cannot be interrupted, so _parse keeps them out. The budget counts the thread's
+# own CPU time, so a verdict does not flip when the machine is busy.
+_LOCK = threading.Lock()  # a plain Lock: its C-level enter/exit cannot be split by _Timeout
+_ARMED = {}               # thread id -> (its CPU clock, CPU deadline, wall deadline)
+_WATCHDOG = [False]
+
+
+def _async_raise(tid, exc):  # exc=None clears one set but not yet raised
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), exc)
+
+
+def _watchdog():
+    while True:
+        time.sleep(0.01)
+        with _LOCK:  # fires every tick while armed, in case some code swallowed one
+            for tid, (clock, cpu_end, wall_end) in _ARMED.items():
+                if clock() > cpu_end or time.monotonic() > wall_end:
+                    _async_raise(tid, ctypes.py_object(_Timeout))
+
+
+def _after_fork():  # the watchdog thread does not survive fork, and _LOCK may have been held
+    global _LOCK, _ARMED
+    _LOCK, _ARMED, _WATCHDOG[0] = threading.Lock(), {}, False
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+@contextmanager
+def _deadline(cpu_s, wall_s):
+    tid = threading.get_ident()
+    try:
+        clock = functools.partial(time.clock_gettime, time.pthread_getcpuclockid(tid))
+    except (AttributeError, OSError):  # no per-thread CPU clock on this OS: count wall time
+        clock = time.monotonic
+    with _LOCK:
+        if not _WATCHDOG[0]:
+            threading.Thread(target=_watchdog, name="reward-watchdog", daemon=True).start()
+            _WATCHDOG[0] = True
+        _ARMED[tid] = (clock, clock() + cpu_s, time.monotonic() + wall_s)
+    try:
+        yield
+    finally:
+        while True:  # _Timeout may land in this cleanup too; leave only once disarmed and clear
+            try:
+                with _LOCK:
+                    _ARMED.pop(tid, None)
+                    _async_raise(tid, None)
+                break
+            except _Timeout:
+                pass
+
+
+def last_boxed(text):
+    """Content of the last \\boxed{...} / \\fbox{...}; None if absent, unclosed or too long."""
+    if not isinstance(text, str):
+        return None
+    starts = [m.end() for m in _BOX_START.finditer(text)]
+    if not starts:
+        return None
+    i, depth, start = starts[-1], 1, starts[-1]
+    while i < len(text) and i - start <= MAX_BOX_CHARS:
+        c = text[i]
+        if c == "\\":  # skip the escaped char: \{ and \} do not count as grouping
+            i += 2
+            continue
+        depth += (c == "{") - (c == "}")
+        if depth == 0:
+            return text[start:i]
+        i += 1
+    return None
+
+
+def _clean(s):
+    """Light pre-clean math-verify does not do: drop word units with their power
+    (`\\text{ cm}^2`), unwrap `\\text{80 degrees}`, drop $ delimiters."""
+    s = _UNIT.sub(" ", s)
+    s = _TEXT_CMD.sub(lambda m: " " + m.group(1) + " ", s.replace("\\$", " "))
+    return s.replace("$", " ").replace("\\!", "").strip()
+
+
+def _letter(s):
+    """The choice letter if s is one (`B`, `(b)`, `\\text{B}`, `B.`), else None."""
+    m = _LETTER.fullmatch(s.replace(" ", ""))
+    return m.group(1).upper() if m else None
+
+
+def _bits(e):
+    """Upper bound on log2 of the largest exact number building/evaluating e can create."""
+    if e.is_Rational:
+        return max(int(e.p).bit_length(), int(e.q).bit_length())
+    if e.is_Float or not e.args:
+        return 64
+    sizes = [_bits(a) for a in e.args]
+    if e.is_Pow:
+        base, exp = sizes
+        if e.exp.is_Rational:  # exact power: b^p has bits(b) * |p| bits
+            return base * max(1, abs(int(e.exp.p)))
+        if e.exp.free_symbols:  # symbolic exponent: never evaluated to a number
+            return max(sizes)
+        return base * 2.0 ** exp if exp < 64 else math.inf  # 10^{10^{10}}: tower
+    if isinstance(e, (sympy.factorial, sympy.factorial2, sympy.gamma, sympy.binomial, sympy.subfactorial)):
+        return max(sizes) * 2.0 ** max(sizes) if max(sizes) < 32 else math.inf
+    return sum(sizes) if e.is_Mul else max(sizes) + 1
+
+
+def _parse(s):
+    """math-verify parse of one answer string, [] when the string is unsafe to hand to sympy."""
+    depth = itertools.accumulate((c in "{([") - (c in "})]") for c in s)
+    if len(s) > MAX_BOX_CHARS or max(depth, default=0) > MAX_DEPTH:
+        return []
+    parsed = parse("$" + s + "$", _PARSE_CFG, parsing_timeout=None)
+    for p in parsed:  # a matrix is not a sympy Basic: check its entries
+        if any(_bits(e) > MAX_BITS for e in (p if isinstance(p, sympy.MatrixBase) else [p])
+               if isinstance(e, sympy.Basic)):
+            return []
+    return parsed
+
+
+def _number(parsed):
+    """The real float value of the parsed expression (`x = 13` -> 13), else None."""
+    e = parsed[0]  # math-verify puts the sympy object first, its source string after
+    if isinstance(e, sympy.Eq):  # `x = 13`, `m \\angle Q = 120`
+        e = e.rhs
+    if not isinstance(e, sympy.Expr) or e.free_symbols:
+        return None
+    z = complex(sympy.N(e, 20))
+    return z.real if z.imag == 0 and math.isfinite(z.real) else None
+
+
+def _judge(response, label, tol):
+    pred, gold = last_boxed(response), _clean(str(label)) if label is not None else ""
+    pred = _clean(pred) if pred is not None else ""
+    if not pred or not gold:
+        return False
+    if _letter(pred) or _letter(gold):  # a choice letter only ever matches the same letter
+        return _letter(pred) == _letter(gold)
+    gold_p, pred_p = _parse(gold), _parse(pred)
+    if not gold_p or not pred_p:
+        return False
+    if verify(gold_p, pred_p, timeout_seconds=None):
+        return True
+    if tol is None:
+        return False
+    a, b = _number(pred_p), _number(gold_p)
+    if a is None or b is None:
+        return False
+    return a == 0 if b == 0 else abs(a - b) <= tol * abs(b)
+
+
+def _score(response, label, tol):
+    try:
+        with _deadline(CPU_LIMIT_S, WALL_LIMIT_S):
+            return 1.0 if _judge(response, label, tol) else 0.0
+    except (Exception, _Timeout):  # a reward must never crash a training step
+        return 0.0
+
+
+def math_reward(response, label):
+    """1.0 if the last \\boxed{} of response equals label mathematically, else 0.0."""
+    return _score(response, label, None)
+
+
+def geo3k_reward(response, label, tol=0.05):
+    """math_reward, or 1.0 when both sides are real numbers within relative tol (label 0: exact)."""
+    return _score(response, label, tol)
+
+
+def format_ok(response):
+    """A non-empty box or a tool call is present, and every <tool_call> holds strict JSON
+    {"name": str, "arguments": {...}}. A metric, not part of the reward."""
+    try:
+        calls = _TOOL_CALL.findall(response)
+        if response.count("<tool_call>") != len(calls) or response.count("</tool_call>") != len(calls):
+            return False  # an unclosed or stray tag is broken syntax
+        for body in calls:
+            call = json.loads(body, parse_constant=lambda c: 1 / 0)  # strict: no NaN/Infinity
+            if not (isinstance(call, dict) and isinstance(call.get("name"), str)
+                    and isinstance(call.get("arguments"), dict)):
+                return False
+        return bool(calls) or bool((last_boxed(response) or "").strip())
+    except Exception:
+        return False
+
+
+REWARDS = {"math": math_reward, "geo3k": geo3k_reward}
+
+# sympy imports much of itself lazily on first use (solvers, sets, evalf). Pay that here, once a
+# process (~0.5 s), so no scored call spends its budget on an import or is interrupted inside one.
+for _warm in [("x = 13", "13"), ("8.66", "5\\sqrt{3}"), ("(1,2]", "\\{1,2\\}"), ("x<3", "3>x"),
+              ("\\sqrt{-9}", "\\frac{5\\pi}{3}")]:
+    with suppress(Exception):  # best effort: scoring works without it
+        _judge("\\boxed{%s}" % _warm[0], _warm[1], 0.05)
+
+
+def get_reward_fn(rm_type):
+    """The reward function for --rm-type (math | geo3k)."""
+    if rm_type not in REWARDS:
+        raise ValueError(f"unknown --rm-type {rm_type!r}; choose one of {sorted(REWARDS)}")
+    return REWARDS[rm_type]
+
+
+def _score_chunk(rm_type, responses, labels):
+    fn = REWARDS[rm_type]
+    return [fn(r, l) for r, l in zip(responses, labels)]
+
+
+_POOLS = {}  # workers -> ProcessPoolExecutor, kept alive: a worker pays sympy's import once
+atexit.register(lambda: [p.shutdown(wait=False, cancel_futures=True) for p in _POOLS.values()])
+
+
+def batch_rewards(responses, labels, rm_type="math", workers=None, min_parallel=64):
+    """Rewards for a batch, in order; a process pool for batches of >= min_parallel items."""
+    get_reward_fn(rm_type)
+    responses, labels = list(responses), list(labels)
+    if len(responses) != len(labels):
+        raise ValueError(f"{len(responses)} responses but {len(labels)} labels")
+    workers = workers or min(8, len(os.sched_getaffinity(0)))
+    if workers <= 1 or len(responses) < min_parallel:
+        return _score_chunk(rm_type, responses, labels)
+    step = -(-len(responses) // (4 * workers))  # 4 chunks a worker evens out slow answers
+    spans = [(i, i + step) for i in range(0, len(responses), step)]
+    try:
+        if workers not in _POOLS:  # spawn, not fork: forking the trainer's threads can deadlock
+            _POOLS[workers] = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
+        futures = [_POOLS[workers].submit(_score_chunk, rm_type, responses[a:b], labels[a:b]) for a, b in spans]
+        return [r for f in futures for r in f.result()]
+    except Exception:  # broken pool, or no child processes allowed here: score in this process
+        _POOLS.pop(workers, None)
+        return _score_chunk(rm_type, responses, labels)

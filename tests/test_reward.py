@@ -1,0 +1,311 @@
+"""Table-driven tests of reward.py: math / geo3k rewards, format_ok, last_boxed, threads,
+time bounds, batch scoring.
+
+    .venv/bin/pytest -q tests/test_reward.py        # 8-20 s on 2 shared cores (spawns 2 workers once)
+"""
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+import reward
+from reward import batch_rewards, format_ok, geo3k_reward, get_reward_fn, last_boxed, math_reward
+
+S3 = "5 \\sqrt { 3 }"                        # the real geo3k spellings of labels
+F22 = "\\frac { 2 \\sqrt { 2 } } { 5 }"
+PI53 = "\\frac { 5 \\pi } { 3 }"
+B = "\\boxed{%s}"
+
+# (response, label, math_reward, geo3k_reward)
+CASES = [
+    # the ten real geo3k answers, equivalent spellings
+    (B % "80", "80", 1.0, 1.0),
+    (B % "80^\\circ", "80", 1.0, 1.0),
+    (B % "80^{\\circ}", "80", 1.0, 1.0),
+    (B % "80°", "80", 1.0, 1.0),
+    (B % "\\text{80 degrees}", "80", 1.0, 1.0),
+    (B % "x = 13", "13", 1.0, 1.0),
+    (B % "x=13^\\circ", "13", 1.0, 1.0),
+    (B % "13.00", "13", 1.0, 1.0),
+    (B % "y = 9", "9", 1.0, 1.0),
+    (B % " 9 ", "9", 1.0, 1.0),
+    (B % "\\text{48}", "48", 1.0, 1.0),
+    (B % "48.0", "48", 1.0, 1.0),
+    (B % S3, S3, 1.0, 1.0),
+    (B % "5\\sqrt{3}", S3, 1.0, 1.0),
+    (B % "5\\sqrt3", S3, 1.0, 1.0),
+    (B % "\\sqrt{75}", S3, 1.0, 1.0),
+    (B % "5 \\cdot \\sqrt{3}", S3, 1.0, 1.0),
+    (B % "10 \\text{ cm}", "10", 1.0, 1.0),
+    (B % "10\\,\\mathrm{cm}", "10", 1.0, 1.0),
+    (B % "\\angle Q = 120^\\circ", "120", 1.0, 1.0),
+    (B % "120", "120^\\circ", 1.0, 1.0),
+    (B % "22", "22", 1.0, 1.0),
+    (B % "22 \\text{ units}^2", "22", 1.0, 1.0),
+    (B % "\\frac{2\\sqrt{2}}{5}", F22, 1.0, 1.0),
+    (B % "\\dfrac{2\\sqrt{2}}{5}", F22, 1.0, 1.0),
+    (B % "2\\sqrt{2}/5", F22, 1.0, 1.0),
+    (B % "\\frac{\\sqrt{8}}{5}", F22, 1.0, 1.0),
+    (B % "\\frac{2}{5}\\sqrt{2}", F22, 1.0, 1.0),
+    (B % "16", "16", 1.0, 1.0),
+    (B % "\\$16", "16", 1.0, 1.0),
+    ("$\\boxed{16}$.", "16", 1.0, 1.0),
+    # fractions, decimals, trailing zeros, pi
+    (B % "\\frac{27}{2}", "13.5", 1.0, 1.0),
+    (B % "27/2", "13.5", 1.0, 1.0),
+    (B % "13.50", "13.5", 1.0, 1.0),
+    (B % "13.5", "\\frac{27}{2}", 1.0, 1.0),
+    (B % "\\frac{5\\pi}{3}", PI53, 1.0, 1.0),
+    # non-equivalent: wrong values, wrong choices of the real problems
+    (B % "60", "80", 0.0, 0.0),
+    (B % "12", "13", 0.0, 0.0),
+    (B % "-13", "13", 0.0, 0.0),
+    (B % "13x", "13", 0.0, 0.0),
+    (B % "13 \\pm 1", "13", 0.0, 0.0),
+    (B % "18", "9", 0.0, 0.0),
+    (B % "5\\sqrt{2}", S3, 0.0, 0.0),
+    (B % "10", S3, 0.0, 0.0),
+    (B % "8", "10", 0.0, 0.0),
+    (B % "20", "22", 0.0, 0.0),
+    (B % "\\frac{\\sqrt{2}}{5}", F22, 0.0, 0.0),
+    (B % "\\frac{\\sqrt{5}}{5}", F22, 0.0, 0.0),
+    (B % "300^\\circ", PI53, 0.0, 0.0),
+    (B % "\\infty", "13", 0.0, 0.0),
+    (B % "\\sqrt{-169}", "13", 0.0, 0.0),
+    (B % "\\text{thirteen}", "13", 0.0, 0.0),
+    # tolerance (geo3k only), both directions; label 0 needs exact 0
+    (B % "8.66", S3, 0.0, 1.0),
+    (B % "8.7", S3, 0.0, 1.0),
+    (B % "8.2", S3, 0.0, 0.0),          # 5.3 % low
+    (B % "0.566", F22, 0.0, 1.0),
+    (B % "5.236", PI53, 0.0, 1.0),
+    (B % "13", "13.5", 0.0, 1.0),       # 3.7 % low
+    (B % "95.1", "100", 0.0, 1.0),
+    (B % "104.9", "100", 0.0, 1.0),
+    (B % "94.9", "100", 0.0, 0.0),
+    (B % "105.1", "100", 0.0, 0.0),
+    (B % "x = 104", "100", 0.0, 1.0),
+    (B % "0", "0", 1.0, 1.0),
+    (B % "0.0", "0", 1.0, 1.0),
+    (B % "0.001", "0", 0.0, 0.0),
+    # choice letters never match a value; a letter label is compared as text
+    (B % "B", "13", 0.0, 0.0),
+    (B % "D", "80", 0.0, 0.0),
+    (B % "(C)", S3, 0.0, 0.0),
+    (B % "E", "2.718281828", 0.0, 0.0),  # not sympy's E
+    (B % "B", "B", 1.0, 1.0),
+    (B % "\\text{(B)}", "B", 1.0, 1.0),
+    (B % "C", "B", 0.0, 0.0),
+    (B % "13", "B", 0.0, 0.0),
+    # last box wins, \fbox, nesting
+    ("first \\boxed{12}, no wait: \\boxed{13}", "13", 1.0, 1.0),
+    ("\\boxed{13} hmm, so \\boxed{12}", "13", 0.0, 0.0),
+    ("\\boxed{13} then \\boxed{13", "13", 0.0, 0.0),     # the last box is unclosed
+    ("\\fbox{13}", "13", 1.0, 1.0),
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0, 1.0),
+    ("\\boxed{13}}}}", "13", 1.0, 1.0),
+    # malformed
+    ("", "13", 0.0, 0.0),
+    ("13", "13", 0.0, 0.0),                 # no box
+    (B % "", "13", 0.0, 0.0),
+    (B % "  ", "13", 0.0, 0.0),
+    ("\\boxed{13", "13", 0.0, 0.0),
+    ("\\boxed13", "13", 0.0, 0.0),
+    ("\x00\xff\ufffd\\boxed{\x00\xff}", "13", 0.0, 0.0),
+    ("\x00\xff\ufffd \\boxed{13}", "13", 1.0, 1.0),
+    ("a" * 100_000 + "\\boxed{13}", "13", 1.0, 1.0),
+    (B % ("1" * 2000), "1" * 2000, 0.0, 0.0),  # over the box cap
+    (None, "13", 0.0, 0.0),
+    (b"\\boxed{13}", "13", 0.0, 0.0),
+    (B % "13", "", 0.0, 0.0),
+    (B % "13", None, 0.0, 0.0),
+    (B % "13", 13, 1.0, 1.0),               # a numeric label is fine
+    (B % "8.66", 8.660254037844386, 0.0, 1.0),
+]
+
+
+def _id(case):
+    return repr(case[0])[:40] + "|" + repr(case[1])[:20]
+
+
+@pytest.mark.parametrize("response,label,want_math,want_geo3k", CASES, ids=[_id(c) for c in CASES])
+def test_rewards(response, label, want_math, want_geo3k):
+    got_math, got_geo3k = math_reward(response, label), geo3k_reward(response, label)
+    assert type(got_math) is float and type(got_geo3k) is float
+    assert (got_math, got_geo3k) == (want_math, want_geo3k)
+
+
+@pytest.mark.parametrize("response,label,tol,want", [
+    (B % "8.66", S3, 0.0, 0.0),
+    (B % "8.66", S3, 0.001, 1.0),
+    (B % "9", "10", 0.05, 0.0),
+    (B % "9", "10", 0.1, 1.0),
+    (B % "0.1", "0", 1.0, 0.0),      # label 0: exact 0 whatever tol
+    (B % "9", "10", float("nan"), 0.0),
+])
+def test_geo3k_tol(response, label, tol, want):
+    assert geo3k_reward(response, label, tol=tol) == want
+
+
+def test_real_geo3k_answers(geo3k_real):
+    """Each real answer matches itself and precise_value (within tol); other choices and the
+    answer letter do not."""
+    rows = [json.loads(line) for line in (Path(geo3k_real) / "test.jsonl").read_text().splitlines() if line]
+    assert len(rows) == 10
+    for row in rows:
+        ans = row["answer"]
+        assert math_reward(f"So \\boxed{{{ans}}}.", ans) == 1.0, ans
+        assert geo3k_reward(f"\\boxed{{{row['precise_value']:.4f}}}", ans) == 1.0, ans
+        assert math_reward(f"\\boxed{{{row['answer_letter']}}}", ans) == 0.0, ans
+        for choice in row["choices"]:
+            if choice != ans:
+                assert geo3k_reward(f"\\boxed{{{choice}}}", ans) == 0.0, (choice, ans)
+
+
+@pytest.mark.parametrize("text,want", [
+    ("a \\boxed{1} b \\boxed{2} c", "2"),
+    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+    ("\\fbox{x}", "x"),
+    ("\\boxed {3}", "3"),
+    ("\\boxed{\\{1,2\\}}", "\\{1,2\\}"),   # escaped braces do not close the box
+    ("\\boxed{1", None),
+    ("no box", None),
+    ("\\boxed{" + "1" * 2000 + "}", None),
+    (None, None),
+])
+def test_last_boxed(text, want):
+    assert last_boxed(text) == want
+
+
+CALL = '<tool_call>{"name": "calc", "arguments": {"expr": "1+1"}}</tool_call>'
+
+
+@pytest.mark.parametrize("response,want", [
+    ("\\boxed{5}", True),
+    ("the answer is 5", False),
+    ("", False),
+    ("\\boxed{}", False),
+    ("\\boxed{5", False),
+    (CALL, True),
+    (CALL + " and " + CALL, True),
+    ('<tool_call> {"name": "a", "arguments": {}} </tool_call> \\boxed{3}', True),
+    ('<tool_call>{"name": "calc", "arguments": {expr: 1}}</tool_call>', False),
+    ('<tool_call>{"name": "calc", "arguments": {"x": NaN}}</tool_call>', False),
+    ('<tool_call>{"name": "calc"}</tool_call>', False),
+    ('<tool_call>{"name": 3, "arguments": {}}</tool_call>', False),
+    ('<tool_call>[1, 2]</tool_call>', False),
+    ('<tool_call>{"name": "calc", "arguments": {}}', False),   # unclosed
+    ("\\boxed{5} " + '<tool_call>{bad}</tool_call>', False),
+    ("\\boxed{5} </tool_call>", False),
+    (None, False),
+])
+def test_format_ok(response, want):
+    assert format_ok(response) is want
+
+
+def test_get_reward_fn():
+    assert get_reward_fn("math") is math_reward and get_reward_fn("geo3k") is geo3k_reward
+    assert reward.REWARDS == {"math": math_reward, "geo3k": geo3k_reward}
+    with pytest.raises(ValueError, match="geo3k.*math|math.*geo3k"):
+        get_reward_fn("bogus")
+
+
+def test_worker_threads():
+    """math-verify's signal timeouts fail off the main thread; ours must not."""
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda c: (math_reward(c[0], c[1]), geo3k_reward(c[0], c[1])), CASES))
+    assert got == [(c[2], c[3]) for c in CASES]
+    out = []
+    t = threading.Thread(target=lambda: out.append(geo3k_reward(B % "8.66", S3)))
+    t.start()
+    t.join()
+    assert out == [1.0]
+
+
+# Kept out by cheap guards before sympy sees them: each must return well within 1 s.
+GUARDED = {
+    "1MB": ("x" * 1_000_000 + "\\boxed{13}", "13", 1.0),
+    "tower": (B % "10^{10^{10^{10}}}", "13", 0.0),
+    "nested10k": (B % ("{" * 10_000 + "13" + "}" * 10_000), "13", 0.0),
+    "deep_sets": (B % ("{" * 20 + "5" + "}" * 20), "5", 0.0),
+    "factorial": (B % "(10^{100000})!", "13", 0.0),
+    "matrix_tower": (B % "\\begin{pmatrix}10^{10^{10}} & 2\\end{pmatrix}", "13", 0.0),
+}
+# Slow only inside math-verify's pure-Python LaTeX parser (seconds each without a limit): cut
+# by the deadline, which counts the thread's CPU time (0.4 s), with a 0.8 s wall-clock cap.
+DEADLINE = {
+    "power_chain": (B % ("x^" * 400 + "2"), "13", 0.0),
+    "eq_chain": (B % ("x=" * 400 + "5"), "13", 0.0),
+}
+
+
+def _timed_call(response, label, where):
+    def timed():
+        t, c = time.perf_counter(), time.thread_time()
+        r = geo3k_reward(response, label)
+        return r, time.perf_counter() - t, time.thread_time() - c
+    if where == "main":
+        return timed()
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(timed).result()
+
+
+@pytest.mark.parametrize("name", list(GUARDED))
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_bounded_time_guarded(name, where):
+    response, label, want = GUARDED[name]
+    r, wall, _ = _timed_call(response, label, where)
+    assert r == want and wall < 1.0, (r, wall)
+
+
+@pytest.mark.parametrize("name", list(DEADLINE))
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_bounded_time_deadline(name, where):
+    """The 1 s holds in CPU time always, and in wall time on a machine that is not
+    oversubscribed; under a load of 4 per core unwinding alone can take ~0.5 s of wall time,
+    so wall time gets a hang detector's bound here."""
+    response, label, want = DEADLINE[name]
+    r, wall, cpu = _timed_call(response, label, where)
+    assert r == want and cpu < 1.0 and wall < 3.0, (r, cpu, wall)
+
+
+def test_timeouts_never_leak(monkeypatch):
+    """Threads that keep hitting the time limit get 0.0, their other calls stay right, and no
+    _Timeout escapes into the caller's code afterwards."""
+    monkeypatch.setattr(reward, "CPU_LIMIT_S", 0.05)
+    slow, errors = DEADLINE["power_chain"][0], []
+
+    def work(k):
+        try:
+            for i in range(12):
+                if (i + k) % 3 == 0:
+                    assert math_reward(slow, "13") == 0.0
+                else:
+                    assert (math_reward(B % "x = 13", "13"), math_reward(B % "12", "13")) == (1.0, 0.0)
+                sum(range(20_000))  # caller's code: a late _Timeout would land here
+        except BaseException as e:  # noqa: B036 (the point is to see anything that escapes)
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    time.sleep(0.05)
+    assert errors == [] and reward._ARMED == {}
+
+
+def test_batch_rewards_match_serial():
+    cases = [c for c in CASES if isinstance(c[0], str) and len(c[0]) < 10_000] * 2
+    responses, labels = [c[0] for c in cases], [c[1] for c in cases]
+    assert len(cases) >= 64  # large enough to go through the process pool
+    for rm_type, col in (("math", 2), ("geo3k", 3)):
+        want = [c[col] for c in cases]
+        assert batch_rewards(responses, labels, rm_type, workers=2) == want
+        assert batch_rewards(responses[:5], labels[:5], rm_type) == want[:5]  # serial path
+    assert batch_rewards([], [], "math", workers=2) == []
+    with pytest.raises(ValueError):
+        batch_rewards(["a"], ["1", "2"])
+    with pytest.raises(ValueError, match="math"):
+        batch_rewards(["a"], ["1"], rm_type="bogus")
