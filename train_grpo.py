@@ -127,7 +127,7 @@ def policy_loss(model, ref, run, items, args, measure):
         loss = (loss_tok * w).sum()
         loss.backward()
         stats["loss"] += loss.item()
-        stats["clipfrac"] += ((ratio.detach() != clipped.detach()).float() * w).sum().item()
+        stats["clipfrac"] += ((clipped * adv < ratio * adv).float() * w).sum().item()  # the clip cut the gradient
         stats["entropy"] += (ent.detach() * w).sum().item()
         if measure:  # weights are still those the engine sampled with: logprobs must agree
             diff = (logp.detach() - torch.cat([it.get("rollout_old", it["old"]) for it in mb])).abs()
