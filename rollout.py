@@ -6,24 +6,16 @@
 
 Tests: `.venv/bin/pytest tests/test_rollout.py -q` (CPU, tiny checkpoint, fake SGLang server).
 
-Token-in/token-out: a sample's token list is built once, here, and is what the engine is sent
-each turn and what the trainer reads. Nothing the model wrote is ever re-tokenised: the prompt
-is the chat template run through the processor (which expands each `<|image_pad|>` to its
-grid's count), each model turn is the engine's ids as returned, each observation turn is
-`\\n` + the template's rendering of that one tool message (+ the next assistant header) run
-through the processor with its new images. Each turn checks that the engine saw exactly the
-tokens sent (SGLang re-expanding image tokens shows as a prompt length mismatch), and each
-sample that the placeholder runs match the images' grids as the trainer's image processor
-computes them. A sample failing a check is `failed` with its reason, has an all-zero loss
-mask, is counted in the metrics, and must not be trained on (nor `aborted` ones).
-
-Engines: `LocalEngine` (transformers in process: `model.generate` with KV cache, left-padded
-batches; HF computes the MRoPE positions) and `SGLangEngine` (sglang_engine.py: a stock
-`sglang.launch_server` subprocess on rank 0). Both return, per request, the new ids, their
-log-probabilities log_softmax(logits / T) (T = 1 for greedy, before top-p/top-k, as SGLang
-reports them) and the finish reason.
+Token-in/token-out: a sample's token list is built once, here; it is what the engine is sent
+each turn and what the trainer reads, and nothing the model wrote is ever re-tokenised. The
+prompt is the chat template run through the processor (which expands each `<|image_pad|>` to
+its grid's count), a model turn is the engine's ids as returned, an observation turn is `\\n` +
+the template's rendering of that one tool message (+ the next assistant header) with its images.
+Each turn checks that the engine saw exactly the tokens sent (SGLang re-expanding image tokens
+shows as a prompt length mismatch), each sample that its placeholder runs match the images'
+grids. A sample failing a check is `failed` with its reason and an all-zero loss mask, and is
+counted in the metrics; neither it nor an `aborted` one may be trained on.
 """
-import argparse
 import importlib.util
 import math
 import sys
@@ -83,19 +75,15 @@ def add_rollout_args(p):
 def sglang_server_args(argv):
     """Unknown trainer flags -> SGLang server flags: `--sglang-<name> [values]` -> `--<name> [values]`.
     Anything else is an error (a typo must not pass silently)."""
-    out, i = [], 0
-    while i < len(argv):
-        a = argv[i]
-        if not a.startswith("--sglang-"):
+    out = []
+    for a in argv:
+        if a.startswith("--sglang-"):
+            name, eq, value = a[len("--sglang-"):].partition("=")
+            out += ["--" + name] + [value] * bool(eq)
+        elif a.startswith("--") or not out:
             raise SystemExit(f"unknown argument {a!r} (server flags are passed as --sglang-<name> <value>)")
-        name, eq, value = a[len("--sglang-"):].partition("=")
-        out.append("--" + name)
-        if eq:
-            out.append(value)
-        i += 1
-        while i < len(argv) and not argv[i].startswith("--"):  # nargs='+' flags: --cuda-graph-bs 1 2 4
-            out.append(argv[i])
-            i += 1
+        else:
+            out.append(a)  # a flag's value; nargs='+' flags take several: --cuda-graph-bs 1 2 4
     return out
 
 
@@ -126,10 +114,10 @@ def encode_observation(processor, message, images):
     return list(processor(text=["\n" + text], images=list(images) or None)["input_ids"][0])
 
 
-def image_token_runs(processor, ids):
-    """Lengths of the <|image_pad|> runs between <|vision_start|> and <|vision_end|>."""
+def check_images(processor, ids, images):
+    """None if every image's placeholder count is what its grid implies, else the reason."""
     start, end, pad = (token_id(processor, t) for t in (VISION_START, VISION_END, IMAGE_PAD))
-    runs, n = [], None
+    runs, n = [], None  # lengths of the pad runs between <|vision_start|> and <|vision_end|>
     for t in ids:
         if t == start:
             n = 0
@@ -138,12 +126,7 @@ def image_token_runs(processor, ids):
         elif t == end and n is not None:
             runs.append(n)
             n = None
-    return runs, sum(t == pad for t in ids)
-
-
-def check_images(processor, ids, images):
-    """None if every image's placeholder count is what its grid implies, else the reason."""
-    runs, total = image_token_runs(processor, ids)
+    total = sum(t == pad for t in ids)
     _, grid = encode_images(processor, images)
     merge = processor.image_processor.merge_size
     want = [] if grid is None else [int(g.prod()) // merge ** 2 for g in grid]
@@ -156,7 +139,10 @@ def check_images(processor, ids, images):
 class Engine:
     """generate(batch, sampling) -> [{"ids", "logprobs", "finish", "prompt_tokens"[, "error"]}].
     batch items: {"input_ids": [int], "images": [PIL][, "max_new_tokens": int]};
-    sampling: {temperature, top_p, top_k, max_new_tokens, stop_token_ids}."""
+    sampling: {temperature, top_p, top_k, max_new_tokens, stop_token_ids}. logprobs are
+    log_softmax(logits / T) of the new ids (T = 1 for greedy; before top-p/top-k, as SGLang
+    reports them). `LocalEngine` runs transformers in process, `SGLangEngine` (sglang_engine.py)
+    a stock `sglang.launch_server` subprocess on rank 0."""
 
     def generate(self, batch, sampling):
         raise NotImplementedError
@@ -164,21 +150,14 @@ class Engine:
     def update_weights(self, buckets):
         raise NotImplementedError
 
-    def flush(self):
+    def flush(self):  # and release/resume/shutdown: nothing to do without a server
         pass
-
-    def release(self):
-        pass
-
-    def resume(self):
-        pass
-
-    def shutdown(self):
-        pass
+    release = resume = shutdown = flush
 
 
 class LocalEngine(Engine):
-    """A transformers model in process (fp32 by default), batched `generate` with KV cache."""
+    """A transformers model in process (fp32 by default): `generate` with KV cache on left-padded
+    batches; HF computes the MRoPE positions."""
 
     def __init__(self, hf_dir, device="cpu", dtype="float32", max_batch=16, processor=None):
         import torch
@@ -194,13 +173,9 @@ class LocalEngine(Engine):
         self.model.generation_config = GenerationConfig(pad_token_id=self.pad_id, eos_token_id=tok.eos_token_id)
         self.image_pad = token_id(self.processor, IMAGE_PAD)
 
-    def generate(self, batch, sampling):
-        import torch
-        out = []
-        with torch.no_grad():
-            for i in range(0, len(batch), self.max_batch):
-                out += self._generate(batch[i:i + self.max_batch], sampling)
-        return out
+    def generate(self, batch, sampling):  # HF's generate runs under no_grad
+        return [out for i in range(0, len(batch), self.max_batch)
+                for out in self._generate(batch[i:i + self.max_batch], sampling)]
 
     def _generate(self, batch, sp):
         import torch
@@ -220,9 +195,8 @@ class LocalEngine(Engine):
         T = float(sp.get("temperature", 1.0))
         greedy = T <= 0
         stop = list(sp.get("stop_token_ids") or [self.processor.tokenizer.eos_token_id])
-        top_k = sp.get("top_k", -1)
         warp = {} if greedy else dict(temperature=T, top_p=float(sp.get("top_p", 1.0)),
-                                      top_k=top_k if top_k and top_k > 0 else 0)
+                                      top_k=max(sp.get("top_k", -1) or 0, 0))
         gc = GenerationConfig(do_sample=not greedy, max_new_tokens=max(limits), eos_token_id=stop,
                               pad_token_id=self.pad_id, output_logits=True, return_dict_in_generate=True, **warp)
         res = self.model.generate(**{k: v.to(self.device) for k, v in kw.items()}, generation_config=gc)
@@ -237,24 +211,23 @@ class LocalEngine(Engine):
             cut = next((k for k, t in enumerate(row) if t in stop), None)
             n = len(row) if cut is None else cut + 1
             outs.append({"ids": row[:n], "logprobs": lp[i, :n].tolist(),
-                         "finish": "length" if cut is None else "stop", "prompt_tokens": int(mask[i].sum())})
+                         "finish": "length" if cut is None else "stop", "prompt_tokens": lens[i]})
         return outs
 
     def update_weights(self, buckets):
         """Copy (HF name, full tensor) buckets into the model; returns the number of tensors."""
         import torch
-        params = self.model.state_dict()
-        n = 0
+        params, n = self.model.state_dict(), 0
         with torch.no_grad():
-            for bucket in buckets:
-                for name, t in bucket:
-                    if name not in params:
-                        raise KeyError(f"update_weights: {name!r} is not a weight of {type(self.model).__name__}")
-                    if params[name].shape != t.shape:
-                        raise ValueError(f"update_weights: {name} is {tuple(t.shape)}, "
-                                         f"model has {tuple(params[name].shape)}")
-                    params[name].copy_(t.to(params[name].device, params[name].dtype))
-                    n += 1
+            for name, t in (item for bucket in buckets for item in bucket):
+                if name not in params:
+                    raise KeyError(f"update_weights: {name!r} is not a weight of {type(self.model).__name__}")
+                p = params[name]
+                if p.shape != t.shape:
+                    raise ValueError(f"update_weights: {name} is {tuple(t.shape)}, "
+                                     f"model has {tuple(p.shape)}")
+                p.copy_(t.to(p.device, p.dtype))
+                n += 1
         return n
 
 
@@ -295,9 +268,8 @@ def _episode(processor, rec, args, group, multi):
     return s, env
 
 
-def _finish_turn(s, env, out, processor, args, multi, stops):
+def _finish_turn(s, env, out, processor, args, stops):
     """Append one engine answer to `s`; run the env; append its observation. -> still active?"""
-    tok = processor.tokenizer
     ids, lps = list(out["ids"]), list(out["logprobs"])
     if out.get("error"):
         return _fail(s, out["error"])
@@ -310,7 +282,7 @@ def _finish_turn(s, env, out, processor, args, multi, stops):
     s.loss_mask += [1] * len(ids)
     s.rollout_logprobs += lps
     s.turns += 1
-    text = tok.decode([t for t in ids if t not in stops], skip_special_tokens=False)
+    text = processor.tokenizer.decode([t for t in ids if t not in stops], skip_special_tokens=False)
     s.response_text += ("\n" if s.turns > 1 else "") + text
     if out["finish"] == "abort":  # cut short by the server: incomplete, never trained on
         s.status, s.loss_mask = "aborted", [0] * len(s.response_ids)
@@ -318,7 +290,7 @@ def _finish_turn(s, env, out, processor, args, multi, stops):
     if out["finish"] == "length":
         s.status = "truncated"
         return False
-    if not multi:
+    if env is None:  # single-turn
         return False
     obs, done, info = env.step(text)
     s.metadata["steps"].append(dict(info, observation=obs["text"]))
@@ -349,11 +321,9 @@ def run_episodes(engine, processor, records, args, groups=None):
     groups = groups if groups is not None else list(range(len(records)))
     eps = [_episode(processor, rec, args, g, multi) for rec, g in zip(records, groups) for _ in range(n)]
     stops = [token_id(processor, IM_END), token_id(processor, ENDOFTEXT)]
-    T = getattr(args, "rollout_temperature", 1.0)
-    sampling = dict(temperature=T, top_p=getattr(args, "rollout_top_p", 1.0),
-                    top_k=getattr(args, "rollout_top_k", -1), stop_token_ids=stops)
-    budget = args.rollout_max_response_len
-    context = getattr(args, "max_context_len", 8192)
+    sampling = dict(temperature=getattr(args, "rollout_temperature", 1.0), stop_token_ids=stops,
+                    top_p=getattr(args, "rollout_top_p", 1.0), top_k=getattr(args, "rollout_top_k", -1))
+    budget, context = args.rollout_max_response_len, getattr(args, "max_context_len", 8192)
     active = list(range(len(eps)))
     bar = tqdm(total=len(eps), desc="rollout", file=sys.stderr, mininterval=1.0, leave=False)
     while active:
@@ -372,23 +342,18 @@ def run_episodes(engine, processor, records, args, groups=None):
         for i, out in zip(live, outs):
             s, env = eps[i]
             try:
-                more = _finish_turn(s, env, out, processor, args, multi, stops)
+                if _finish_turn(s, env, out, processor, args, stops):  # falsy once failed
+                    active.append(i)
             except Exception as e:  # noqa: BLE001 - one bad episode must not end the rollout
                 _fail(s, f"{type(e).__name__}: {e}")
-                more = False
-            if more and s.status != "failed":
-                active.append(i)
         bar.update(len(eps) - len(active) - bar.n)
     bar.close()
-    samples = [s for s, _ in eps]
     for s, env in eps:
         if env is not None:
             env.close()
-        if s.status != "failed":
-            reason = check_images(processor, s.tokens, s.images)
-            if reason:
-                _fail(s, reason)
-    return samples
+        if s.status != "failed" and (reason := check_images(processor, s.tokens, s.images)):
+            _fail(s, reason)
+    return [s for s, _ in eps]
 
 
 def _score(samples, args, reward_fn):
@@ -449,7 +414,3 @@ def rollout_metrics(samples):
     if samples and "ds_drawn_groups" in samples[0].metadata:
         m["ds_keep_frac"] = samples[0].metadata["ds_kept_groups"] / max(samples[0].metadata["ds_drawn_groups"], 1)
     return m
-
-
-if __name__ == "__main__":
-    print(add_rollout_args(argparse.ArgumentParser(description=__doc__)).parse_args())
