@@ -294,7 +294,7 @@ def _finish_turn(s, env, out, processor, args, stops):
         return False
     obs, done, info = env.step(text)
     s.metadata["steps"].append(dict(info, observation=obs["text"]))
-    s.tool_calls += int(bool(info.get("n_calls")))
+    s.tool_calls += int(bool(info.get("ran")))  # calls that ran, not every <tool_call> tag
     if done:
         return False
     im_end = token_id(processor, IM_END)

@@ -205,6 +205,16 @@ def test_multi_turn_max_turns_and_context_budget(processor, records):
     assert s.status == "truncated" and len(s.tokens) == P + 5
 
 
+def test_tool_calls_counts_calls_that_ran(processor, records):
+    pytest.importorskip("env_geo3k")
+    unknown = '<tool_call>\n{"name": "nope", "arguments": {"x": 1}}\n</tool_call>'
+    eng = ScriptedEngine(processor, [unknown, CROP_CALL, ANSWER])
+    (s,) = rollout.run_episodes(eng, processor, records[:1], make_args(max_turns=4, n_samples_per_prompt=1,
+                                                                      rollout_max_response_len=1000))
+    assert s.status == "completed" and s.turns == 3, s.fail_reason
+    assert [step["ran"] for step in s.metadata["steps"]] == [False, True, False] and s.tool_calls == 1
+
+
 class HybridEngine(rollout.LocalEngine):
     """Turn 1: a scripted crop call, its logprobs from the model by teacher forcing; later turns:
     real LocalEngine sampling, on a prompt that now holds two images."""
