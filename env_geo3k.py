@@ -102,16 +102,12 @@ TOOLS = {"calc_score": calc_score, "calc_geo3k_reward": calc_score, "crop": crop
 
 def usage():
     """The exact call format and each tool's usage line (aliases listed once)."""
-    lines, seen = [], set()
-    for name, fn in TOOLS.items():
-        if fn not in seen:
-            seen.add(fn)
-            lines.append("- " + fn.__doc__.strip().splitlines()[0])
+    lines = ["- " + fn.__doc__.strip().splitlines()[0] for fn in dict.fromkeys(TOOLS.values())]
     return ('Call one tool exactly like this:\n<tool_call>\n{"name": "calc_score", "arguments": '
             '{"answer": "42"}}\n</tool_call>\nTools:\n' + "\n".join(lines))
 
 
-def _field(sample, name):
+def _field(sample, name):  # sample: a dict, an object or None
     return sample.get(name) if isinstance(sample, dict) else getattr(sample, name, None)
 
 
@@ -134,57 +130,54 @@ class Geo3kEnv:
         self.images = list(self.problem_images)  # images seen so far: problem's, then crops
         return {"text": "", "images": []}, {"turn": 0}
 
-    def parse(self, text):
-        """-> (name, arguments, n_calls, error): the last call of `text`, or the reason it is bad."""
-        n_calls = text.count("<tool_call>")
-        if n_calls == 0:
-            return None, None, 0, None
+    def parse(self, text, info):
+        """The last <tool_call> of `text` -> (name, arguments), noted in `info` as far as they are
+        valid; ToolError says what is wrong with it."""
         start = text.rfind("<tool_call>") + len("<tool_call>")
         end = text.find("</tool_call>", start)
         if end < 0:
-            return None, None, n_calls, "unclosed <tool_call> (no </tool_call> after it)"
+            raise ToolError("unclosed <tool_call> (no </tool_call> after it)")
         payload = text[start:end].strip()
         if len(payload) > self.max_payload:
-            return None, None, n_calls, (f"tool call is {len(payload)} characters; "
-                                         f"the limit is {self.max_payload}")
+            raise ToolError(f"tool call is {len(payload)} characters; the limit is {self.max_payload}")
         try:
             call = json.loads(payload, parse_constant=_reject_constant)
         except (ValueError, RecursionError) as e:
             reason = str(e) if isinstance(e, ValueError) else "nested too deeply"
-            return None, None, n_calls, (f"invalid JSON in tool call ({reason}); use double "
-                                         "quotes, no trailing commas, and write \\\\ for a backslash")
+            raise ToolError(f"invalid JSON in tool call ({reason}); use double quotes, no trailing "
+                            "commas, and write \\\\ for a backslash") from None
         if not isinstance(call, dict):
-            return None, None, n_calls, f"tool call must be a JSON object, got {type(call).__name__}"
+            raise ToolError(f"tool call must be a JSON object, got {type(call).__name__}")
         name, arguments = call.get("name"), call.get("arguments")
         if not isinstance(name, str) or not name:
-            return None, None, n_calls, 'tool call needs a string "name"'
+            raise ToolError('tool call needs a string "name"')
+        info["tool"] = name
         if not isinstance(arguments, dict) or not arguments:
-            return name, None, n_calls, 'tool call needs a non-empty "arguments" object'
+            raise ToolError('tool call needs a non-empty "arguments" object')
+        info["arguments"] = arguments
         extra = sorted(set(call) - {"name", "arguments"})
         if extra:
-            return name, arguments, n_calls, f"unexpected key {extra[0][:80]!r} in tool call"
-        return name, arguments, n_calls, None
+            raise ToolError(f"unexpected key {extra[0][:80]!r} in tool call")
+        return name, arguments
 
     def step(self, response_text):
         self.turn += 1
-        name, arguments, n_calls, error = self.parse(response_text)
-        info = {"turn": self.turn, "tool": name, "arguments": arguments, "ran": False,
-                "error": error, "score": None, "n_calls": n_calls,
+        n_calls = response_text.count("<tool_call>")
+        info = {"turn": self.turn, "tool": None, "arguments": None, "ran": False, "error": None,
+                "score": None, "n_calls": n_calls,
                 "note": f"{n_calls} tool calls found; executed the last" if n_calls > 1 else None}
         if n_calls == 0:
             return {"text": "", "images": []}, True, info
-        text, images = "", []
-        if error is None and name not in TOOLS:
-            error = info["error"] = (f"unknown tool {name[:80]!r}; tools are "
-                                     f"{', '.join(TOOLS)}")
-        if error is None:
-            try:
-                text, images, info["score"] = TOOLS[name](self, arguments)
-                info["ran"] = True
-            except ToolError as e:
-                error = info["error"] = str(e)
-        if error is not None:
-            text = f"Error: {error}.\n{usage()}"
+        images = []
+        try:
+            name, arguments = self.parse(response_text, info)
+            if name not in TOOLS:
+                raise ToolError(f"unknown tool {name[:80]!r}; tools are {', '.join(TOOLS)}")
+            text, images, info["score"] = TOOLS[name](self, arguments)
+            info["ran"] = True
+        except ToolError as e:
+            info["error"] = str(e)
+            text = f"Error: {e}.\n{usage()}"
         if self.turn == self.max_turns - 1:  # every tool's feedback warns, not only calc_score's
             text += "\nThis is your last turn: give your final answer now as \\boxed{...}."
         return {"text": text, "images": images}, self.turn >= self.max_turns, info
@@ -203,7 +196,6 @@ def build_env(sample=None, args=None, **_):
     max_turns = getattr(args, "max_turns", None)
     if not isinstance(max_turns, int) or max_turns < 1:
         raise ValueError(f"build_env needs args.max_turns (a positive int), got {max_turns!r}")
-    sample = sample if sample is not None else {}
     label = _field(sample, "answer")
     label = label if label is not None else _field(sample, "label")
     images = _field(sample, "images")
