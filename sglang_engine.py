@@ -4,35 +4,26 @@
     outs = engine.generate([{"input_ids": ids, "images": [pil]}], sampling)   # rollout.Engine API
     engine.release(); ...train...; engine.resume(); engine.update_weights(buckets); engine.shutdown()
 
-Protocol (stock SGLang, no fork): POST /generate {"input_ids", "image_data": [data URIs],
-"sampling_params": {temperature, top_p, top_k, max_new_tokens, stop_token_ids,
-skip_special_tokens: false, no_stop_trim: true}, "return_logprob": true}; ids and logprobs are
-read from meta_info.output_token_logprobs [[logprob, token_id, text|null], ...], the finish
-from meta_info.finish_reason.type, and meta_info.prompt_tokens is returned so the rollout can
-check that the server expanded the image tokens exactly as we did.
+Protocol: stock SGLang, no fork. POST /generate with "input_ids", images as data URIs and
+"return_logprob"; ids and logprobs come from meta_info.output_token_logprobs, and
+meta_info.prompt_tokens lets the rollout check that the server expanded the image tokens as we did.
 
-Weight sync goes through the disk: each bucket of (HF name, full tensor) is saved as a
-safetensors shard in <run_dir>/weights (next to a copy of the checkpoint's config and
-processor files), then POST /update_weights_from_disk {"model_path": that folder} and
-/flush_cache (stale prefix/vision caches would otherwise serve old-weight results). Why not
-/update_weights_from_tensor: its `serialized_named_tensors` are SGLang's
-MultiprocessingSerializer output, i.e. CUDA IPC handles, one payload per server TP rank; that
-needs sglang importable in the trainer, the tensors alive on the same node until the server
-has copied them, and a shared IPC namespace. The disk path works with any server TP, any
-process layout and no sglang import, and it makes restarts correct for free: a restarted
-server is launched from the latest synced folder. Its cost is writing the weights once per
-step (put --run dir, or `weights_dir`, on local NVMe or /dev/shm for big models).
+Weight sync goes through the disk: the (HF name, full tensor) buckets become safetensors shards
+in <run_dir>/weights, next to the checkpoint's config and processor files, loaded by POST
+/update_weights_from_disk, then /flush_cache (stale prefix/vision caches would serve old-weight
+results). Not /update_weights_from_tensor: its payloads are CUDA IPC handles, one per server TP
+rank, which need sglang in the trainer, the tensors alive on the same node until the server has
+copied them, and a shared IPC namespace. The disk works with any server TP, any process layout
+and no sglang import, and a restarted server is launched from the latest synced folder. Cost:
+one write of the weights per step (put the run dir, or `weights_dir`, on local NVMe or /dev/shm).
 
-Process hygiene: the server starts in its own session (process group) with its log in
-<run_dir>/sglang.log; shutdown() sends SIGTERM to the whole group, then SIGKILL after a grace
-period; atexit and SIGINT/SIGTERM handlers do the same, and PR_SET_PDEATHSIG covers a SIGKILLed
-trainer (create the engine in the main thread: the signal follows the thread that started the
-server). Nothing is ever killed by name. A server that dies is restarted (from the latest
-synced weights) and the requests in flight are retried; an HTTP error on one request fails
-only that sample. Call on rank 0 only.
-release()/resume() need the server launched with --enable-memory-saver (trainer flag
---sglang-enable-memory-saver). On Blackwell GPUs the published recipe needs
---sglang-mm-attention-backend sdpa.
+Process hygiene: the server leads its own process group, logging to <run_dir>/sglang.log;
+shutdown(), atexit and SIGINT/SIGTERM handlers send the group SIGTERM, then SIGKILL after a
+grace period, and PR_SET_PDEATHSIG covers a SIGKILLed trainer (create the engine in the main
+thread: the signal follows the thread that started the server). Nothing is killed by name. A
+dead server is restarted (from the latest synced weights) and the requests in flight retried;
+an HTTP error on one request fails only that sample. Call on rank 0 only. release()/resume()
+need --sglang-enable-memory-saver (rollout.make_engine adds Blackwell's mm-attention backend).
 """
 import atexit
 import http.client
@@ -98,12 +89,6 @@ def _install_handlers():
     _HANDLERS.append(True)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def kill_group(proc, grace=15.0):
     """SIGTERM the process group of `proc` (its own session), SIGKILL what is left after `grace`."""
     pgid = proc.pid  # start_new_session=True: the server leads its own group
@@ -147,7 +132,9 @@ class SGLangEngine(Engine):
 
     # ------------------------------------------------------------------ server process
     def _start(self):
-        self.port = _free_port()
+        with socket.socket() as s:  # a free port
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [*self.launch_cmd, "--model-path", self.model_path, "--host", "127.0.0.1",
                "--port", str(self.port), *self.server_args]
