@@ -182,8 +182,7 @@ def _number(parsed):
 
 
 def _judge(response, label, tol):
-    pred, gold = last_boxed(response), _clean(str(label)) if label is not None else ""
-    pred = _clean(pred) if pred is not None else ""
+    pred, gold = _clean(last_boxed(response) or ""), _clean(str(label)) if label is not None else ""
     if not pred or not gold:
         return False
     if _letter(pred) or _letter(gold):  # a choice letter only ever matches the same letter
