@@ -212,6 +212,7 @@ POLYGON_QUESTIONS = {  # question -> answer as a function of the number of sides
 }
 SIDES_QUESTIONS = {"How many sides does the polygon have?": lambda n: n}
 SHAPE_COLOURS = ["black", "navy", "darkgreen", "maroon"]
+FILLS = ["lightsteelblue", "khaki", "lightpink", "palegreen"]
 
 
 def _num(x):
@@ -229,7 +230,8 @@ def _polygon(rng, size, jitter, questions=POLYGON_QUESTIONS):
     rot = -math.pi / 2 + jitter * rng.uniform(-math.pi, math.pi)
     pts = [(c + r * math.cos(rot + 2 * math.pi * k / n), c + r * math.sin(rot + 2 * math.pi * k / n))
            for k in range(n)]
-    draw.polygon(pts, outline=rng.choice(SHAPE_COLOURS) if jitter else "black", width=3)
+    colour = rng.choice(SHAPE_COLOURS) if jitter else "black"
+    draw.polygon(pts, fill="lightsteelblue" if not jitter else rng.choice(FILLS), outline=colour, width=3)
     return question, _num(questions[question](n)), img
 
 
