@@ -26,16 +26,16 @@ if [[ "$NUM_GPUS" == 0 ]]; then
   RUN=runs/${NAME:-cpu-demo}
   rm -rf "$RUN"; mkdir -p "$RUN"
   PY=.venv/bin/python
-  $PY data.py synth --n 1024 --n-test 64 --out "$RUN/data"                  # regular 3-6-gons, two questions
+  $PY data.py synth --n 1024 --n-test 64 --out "$RUN/data" --kinds sides    # regular 3-6-gons: how many sides?
   $PY model.py tiny --arch qwen3_vl --out "$RUN/base"                        # random weights, real tokenizer
   EVAL=(--eval-prompt-data "$RUN/data" --eval-split test --eval-samples 64)
   $PY train_grpo.py --hf-checkpoint "$RUN/base" --prompt-data "$RUN/data" --save "$RUN/base_eval" \
       "${EVAL[@]}" --num-rollout 0 --rollout-engine local                    # accuracy of the random model
   $PY sft.py --hf-checkpoint "$RUN/base" --prompt-data "$RUN/data" --save "$RUN/sft" "${EVAL[@]}" \
-      --lr 2e-3 --lr-decay-style constant --global-batch-size 16 --num-epoch 1 --save-interval 0
+      --lr 5e-3 --lr-decay-style constant --lr-warmup-iters 3 --global-batch-size 16 --num-epoch 1 --max-tokens-per-gpu 1024
   GRPO=(--prompt-data "$RUN/data" "${EVAL[@]}" --rollout-engine local --rollout-batch-size 8
         --n-samples-per-prompt 8 --rollout-max-response-len 48 --rollout-temperature 1.0
-        --lr 5e-4 --eval-interval 10 --save-interval 10)
+        --lr 2e-4 --eval-interval 10 --save-interval 10 --max-tokens-per-gpu 1024)
   $PY train_grpo.py --hf-checkpoint "$RUN/sft/$(cat "$RUN/sft/latest")" --save "$RUN/grpo" \
       "${GRPO[@]}" --num-rollout 30
   $PY train_grpo.py --hf-checkpoint "$RUN/grpo/$(cat "$RUN/grpo/latest")" --save "$RUN/grpo_mt" \
