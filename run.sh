@@ -2,8 +2,9 @@
 # run.sh: the whole recipe, top to bottom.
 #
 #   bash run.sh
-#       CPU demo (no GPU, no network): a tiny random Qwen3-VL learns the synthetic geometry set:
-#       SFT warm start -> GRPO single-turn -> GRPO multi-turn (calc_score + crop tools) -> eval.
+#       CPU demo (no GPU, no network): a tiny random Qwen3-VL goes through the whole pipeline on the
+#       synthetic geometry set: SFT warm start -> GRPO single-turn -> GRPO multi-turn (calc_score +
+#       crop tools) -> eval. The tiny model learns the answer format; see README "Known limits".
 #       Writes runs/cpu-demo/: each stage's metrics.jsonl and checkpoints, summary.md, reward_curve.png.
 #
 #   MODEL=Qwen/Qwen3-VL-2B-Instruct DATA=hiyouga/geometry3k NUM_GPUS=4 MODE=multi_turn bash run.sh
@@ -30,7 +31,7 @@ if [[ "$NUM_GPUS" == 0 ]]; then
   $PY model.py tiny --arch qwen3_vl --out "$RUN/base"                        # random weights, real tokenizer
   EVAL=(--eval-prompt-data "$RUN/data" --eval-split test --eval-samples 64)
   $PY train_grpo.py --hf-checkpoint "$RUN/base" --prompt-data "$RUN/data" --save "$RUN/base_eval" \
-      "${EVAL[@]}" --num-rollout 0 --rollout-engine local                    # accuracy of the random model
+      "${EVAL[@]}" --num-rollout 0 --rollout-engine local --rollout-max-response-len 48  # the random model
   $PY sft.py --hf-checkpoint "$RUN/base" --prompt-data "$RUN/data" --save "$RUN/sft" "${EVAL[@]}" \
       --lr 5e-3 --lr-decay-style constant --lr-warmup-iters 3 --global-batch-size 16 --num-epoch 1 --max-tokens-per-gpu 1024
   GRPO=(--prompt-data "$RUN/data" "${EVAL[@]}" --rollout-engine local --rollout-batch-size 8

@@ -48,7 +48,6 @@ def parse_args(argv=None):
     a("--loss-agg", default="token", choices=["token", "sequence"], help="mean over tokens or over sequences")
     a("--recompute-logprobs", action="store_true", help="old logprobs from the trainer, not the engine")
     a("--tis-cap", type=float, default=0.0, help="truncated importance sampling cap on trainer/rollout ratio (0: off)")
-    a("--eval-samples", type=int, default=64, help="eval problems per evaluation")
     p.set_defaults(global_batch_size=0)
     args, unknown = p.parse_known_args(argv)
     bad = [u for u in unknown if u.startswith("--") and not u.startswith("--sglang-")]
@@ -182,7 +181,7 @@ def main(argv=None):
 
     records = eval_records = engine = None
     if run.rank == 0:  # rank 0 owns the data, the engine and the rewards
-        records, eval_records = T.load_data(args), T.load_data(args, evaluation=True)[:args.eval_samples]
+        records, eval_records = T.load_data(args), T.load_data(args, evaluation=True)
         engine = R.make_engine(args, str(ckpt or args.hf_checkpoint), str(run.save))
     try:
         if run.rank == 0 and eval_records and start == 0:

@@ -32,6 +32,7 @@ def add_train_args(p):
     a("--max-bad-frac", type=float, default=0.01, help="stop when more data rows than this are unusable")
     a("--eval-prompt-data", default=None, help="evaluation data (same forms as --prompt-data)")
     a("--eval-interval", type=int, default=0, help="evaluate every N steps (0: only at the end)")
+    a("--eval-samples", type=int, default=64, help="evaluate on the first N eval problems")
     a("--save", required=True, help="run folder: metrics.jsonl, config, checkpoints")
     a("--load", default=None, help="resume from the latest checkpoint in this run folder")
     a("--save-interval", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
@@ -152,8 +153,9 @@ def load_data(args, evaluation=False, verbose=True):
     source = args.eval_prompt_data if evaluation else args.prompt_data
     if not source:
         return []
-    return data.load_geo3k(source, args.eval_split if evaluation else args.split, args.input_key,
-                           args.label_key, args.max_bad_frac, verbose=verbose)
+    records = data.load_geo3k(source, args.eval_split if evaluation else args.split, args.input_key,
+                              args.label_key, args.max_bad_frac, verbose=verbose)
+    return records[:args.eval_samples] if evaluation else records
 
 
 def atomic_write(path, text):
