@@ -59,7 +59,7 @@ def init_distributed(tp=1, seed=1234):
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if not dist.is_initialized():
-        if "MASTER_ADDR" not in os.environ:  # a plain process: a world of one on a free port
+        if "RANK" not in os.environ:  # a plain process (not torchrun): a world of one on a free port
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
@@ -491,8 +491,7 @@ def check(hf_dir):
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["tiny"]:
-        import tiny
-        tiny.main(sys.argv[2:])
+        __import__("tiny").main(sys.argv[2:])
     elif sys.argv[1:2] == ["check"]:
         p = argparse.ArgumentParser(description="Megatron vs transformers logits on one checkpoint")
         p.add_argument("--hf-checkpoint", required=True, help="Hugging Face checkpoint folder")
