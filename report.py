@@ -32,6 +32,9 @@ def main(run):
         before = after if after is not None else before
         if rewards:
             curves.append((title, rewards))
+    for i in range(len(rows) - 1):  # a stage without its own accuracy eval (SFT): the next stage's start
+        if rows[i][4] is None:
+            rows[i] = rows[i][:4] + (rows[i + 1][3],)
     fmt = lambda v: "  -  " if v is None else f"{v:5.3f}"  # noqa: E731
     lines = ["| stage | train reward first step | last 5 steps | eval accuracy before | after |",
              "| --- | --- | --- | --- | --- |"]
