@@ -47,7 +47,7 @@ def parse_args(argv=None):
     a("--entropy-coef", type=float, default=0.0, help="entropy bonus")
     a("--loss-agg", default="token", choices=["token", "sequence"], help="mean over tokens or over sequences")
     a("--recompute-logprobs", action="store_true", help="old logprobs from the trainer, not the engine")
-    a("--tis-cap", type=float, default=0.0, help="truncated importance sampling cap on trainer/rollout ratio (0: off)")
+    a("--tis-cap", type=float, default=0.0, help="with --recompute-logprobs: cap on the trainer/rollout ratio (TIS; 0: off)")
     p.set_defaults(global_batch_size=0)
     args, unknown = p.parse_known_args(argv)
     bad = [u for u in unknown if u.startswith("--") and not u.startswith("--sglang-")]
