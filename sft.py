@@ -13,7 +13,6 @@ image goes through the vision tower into the loss; `--freeze-vit` keeps the towe
 """
 import argparse
 import math
-import random
 
 import torch
 from tqdm import tqdm
@@ -87,8 +86,7 @@ def main(argv=None):
     model.train()
     for step in bar:
         epoch, pos = divmod(step, per_epoch)
-        order = list(range(len(train)))
-        random.Random(args.seed + epoch).shuffle(order)  # data order depends only on (seed, epoch)
+        order = T.epoch_order(len(train), args.seed, epoch)
         batch = [train[i] for i in order[pos * args.global_batch_size:(pos + 1) * args.global_batch_size]]
         timer = T.Timer()
         with timer("train"):

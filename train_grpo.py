@@ -241,13 +241,12 @@ def main(argv=None):
 
 def draw(records, step, args):
     """The prompts of a step: a fixed function of (seed, step), so a resumed run sees the same."""
-    n, k = len(records), args.rollout_batch_size
-    out = []
+    n, k, orders, out = len(records), args.rollout_batch_size, {}, []
     for j in range(step * k, (step + 1) * k):
         epoch, pos = divmod(j, n)
-        order = list(range(n))
-        random.Random(args.seed + epoch).shuffle(order)
-        out.append(dict(records[order[pos]], index=order[pos]))
+        if epoch not in orders:
+            orders[epoch] = T.epoch_order(n, args.seed, epoch)
+        out.append(dict(records[orders[epoch][pos]], index=orders[epoch][pos]))
     return out
 
 

@@ -303,6 +303,13 @@ def micro_batch(items):
                 pixel_values=torch.cat(pv) if pv else None, image_grid_thw=torch.cat(grid) if grid else None)
 
 
+def epoch_order(n, seed, epoch):
+    """The data order of an epoch: a function of (seed, epoch) only, so a resumed run sees the same."""
+    order = list(range(n))
+    random.Random(seed + epoch).shuffle(order)
+    return order
+
+
 def dp_shard(items, run):
     """This data-parallel rank's share of a global batch (strided, so lengths stay balanced)."""
     return items[run.dp_rank::run.dp]
