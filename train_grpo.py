@@ -102,9 +102,11 @@ def policy_loss(model, ref, run, items, args, measure):
     stats = dict(loss=0.0, clipfrac=0.0, kl=0.0, entropy=0.0, diff_sum=0.0, diff_max=0.0)
     bins = T.pack([len(it["ids"]) for it in items], args.max_tokens_per_gpu)
     stats["packing_fill"] = sum(len(it["ids"]) for it in items) / max(1, len(bins) * args.max_tokens_per_gpu)
+    temp = args.rollout_temperature or 1.0  # logprobs under the distribution the engine sampled from
     for idx in bins:
         mb = [items[i] for i in idx]
-        logp, ent = model(**T.micro_batch(mb), temperature=args.rollout_temperature or 1.0, with_entropy=True)
+        inputs = T.micro_batch(mb)
+        logp, ent = model(**inputs, temperature=temp, with_entropy=True)
         old = torch.cat([it["old"] for it in mb])
         adv = torch.cat([torch.full((len(it["old"]),), it["adv"]) for it in mb])
         # token weights: token-level mean over the global batch, or per-sequence mean then mean
@@ -119,7 +121,7 @@ def policy_loss(model, ref, run, items, args, measure):
         loss_tok = pg - args.entropy_coef * ent
         if ref is not None:
             with torch.no_grad():
-                ref_logp, _ = ref(**T.micro_batch(mb), temperature=args.rollout_temperature or 1.0)
+                ref_logp, _ = ref(**inputs, temperature=temp)
             kl = kl_term(logp, ref_logp, args.kl_loss_type)
             loss_tok = loss_tok + args.kl_loss_coef * kl
             stats["kl"] += (kl.detach() * w).sum().item()
@@ -136,7 +138,7 @@ def policy_loss(model, ref, run, items, args, measure):
     out["packing_fill"] = stats["packing_fill"]  # rank 0's micro-batches: real tokens / budget
     if measure:
         out["logprob_diff_mean"] = T.global_sum(stats["diff_sum"], run) / n_tok
-        out["logprob_diff_max"] = stats["diff_max"]
+        out["logprob_diff_max"] = T.global_sum(stats["diff_max"], run, op=torch.distributed.ReduceOp.MAX)
     return out
 
 
@@ -213,7 +215,7 @@ def main(argv=None):
                     chunk = items[u * args.global_batch_size:(u + 1) * args.global_batch_size]
                     s = policy_loss(model, ref, run, T.dp_shard(chunk, run), args, measure=u == 0)
                     s.update(T.optimizer_step(model, opt, sched, run, args))
-                    train_stats = {**s, **{k: v for k, v in train_stats.items() if k.startswith("logprob")}}
+                    train_stats.update(s)  # the last update's stats; logprob_diff_* from the first
             with timer("sync"):
                 buckets = M.export_hf(model)
                 if run.rank == 0:

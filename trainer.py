@@ -252,11 +252,11 @@ def allreduce_grads(model, run):
         off += g.numel()
 
 
-def global_sum(value, run):
-    """Sum a number over data-parallel ranks (e.g. loss tokens of the global batch)."""
+def global_sum(value, run, op=dist.ReduceOp.SUM):
+    """Sum a number over data-parallel ranks (e.g. loss tokens of the global batch); or max, by op."""
     t = torch.tensor(float(value), dtype=torch.float64)
     if run.dp > 1:
-        dist.all_reduce(t, group=run.dp_group)
+        dist.all_reduce(t, op=op, group=run.dp_group)
     return t.item()
 
 
