@@ -257,6 +257,18 @@ def _score_chunk(rm_type, responses, labels):
     return [fn(r, l) for r, l in zip(responses, labels)]
 
 
+def _die_with_parent(parent):
+    """Pool worker start-up: the kernel sends SIGTERM when the trainer dies, even by SIGKILL
+    (Linux PR_SET_PDEATHSIG, armed for the thread that created the pool); without it idle
+    workers outlive a killed trainer. Elsewhere this is a no-op."""
+    try:
+        ctypes.CDLL(None).prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM
+    except (AttributeError, OSError):
+        return
+    if os.getppid() != parent:  # the trainer died before the signal was armed
+        os._exit(0)
+
+
 _POOLS = {}  # workers -> ProcessPoolExecutor, kept alive: a worker pays sympy's import once
 atexit.register(lambda: [p.shutdown(wait=False, cancel_futures=True) for p in _POOLS.values()])
 
@@ -274,7 +286,8 @@ def batch_rewards(responses, labels, rm_type="math", workers=None, min_parallel=
     spans = [(i, i + step) for i in range(0, len(responses), step)]
     try:
         if workers not in _POOLS:  # spawn, not fork: forking the trainer's threads can deadlock
-            _POOLS[workers] = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
+            _POOLS[workers] = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
+                                                  initializer=_die_with_parent, initargs=(os.getpid(),))
         futures = [_POOLS[workers].submit(_score_chunk, rm_type, responses[a:b], labels[a:b]) for a, b in spans]
         return [r for f in futures for r in f.result()]
     except Exception:  # broken pool, or no child processes allowed here: score in this process

@@ -309,3 +309,30 @@ def test_batch_rewards_match_serial():
         batch_rewards(["a"], ["1", "2"])
     with pytest.raises(ValueError, match="math"):
         batch_rewards(["a"], ["1"], rm_type="bogus")
+
+
+def test_pool_workers_die_with_a_killed_trainer(tmp_path):
+    """A trainer SIGKILLed after scoring through the pool leaves no worker behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    script = (f"import os, sys; sys.path.insert(0, {str(root)!r}); import reward\n"
+              "assert reward.batch_rewards(['\\\\boxed{1}'] * 64, ['1'] * 64, workers=2) == [1.0] * 64\n"
+              "kids = [p for p in os.listdir('/proc') if p.isdigit() and\n"
+              "        open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[1] == str(os.getpid())]\n"
+              "print(' '.join(kids), flush=True)\n"
+              "import time; time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    kids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(kids) >= 2  # the two workers (and spawn's resource tracker)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and any(os.path.exists(f"/proc/{k}") for k in kids):
+        time.sleep(0.1)
+    alive = [k for k in kids if os.path.exists(f"/proc/{k}")]
+    for k in alive:  # clean up before failing
+        os.kill(k, signal.SIGKILL)
+    assert not alive, f"orphaned pool processes {alive}"
