@@ -203,7 +203,7 @@ class LocalEngine(Engine):
         new = res.sequences[:, L:].cpu()                                 # (B, N)
         scale = 1.0 if greedy else T
         # res.logits[j]: (B, V) raw logits of step j; one step at a time, never (B, N, V) at once
-        lp = torch.stack([torch.log_softmax(step.float() / scale, -1)[torch.arange(B), new[:, j].to(step.device)].cpu()
+        lp = torch.stack([torch.log_softmax(step.double() / scale, -1).float()[torch.arange(B), new[:, j].to(step.device)].cpu()
                           for j, step in enumerate(res.logits)], 1)      # (B, N)
         outs = []
         for i in range(B):

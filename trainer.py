@@ -40,6 +40,8 @@ def add_train_args(p):
     a("--max-tokens-per-gpu", type=int, default=4096, help="token budget of one packed micro-batch")
     a("--lr", type=float, default=1e-6, help="peak learning rate")
     a("--min-lr", type=float, default=0.0, help="floor of the cosine decay")
+    a("--decoupled-lr", type=float, default=None,
+      help="peak lr of the token embedding and output layer (Megatron's flag; default: --lr)")
     a("--lr-warmup-iters", type=int, default=0, help="linear warmup steps")
     a("--lr-decay-style", default="constant", choices=["constant", "cosine"], help="after warmup")
     a("--weight-decay", type=float, default=0.0, help="AdamW weight decay (not on norms/biases)")
@@ -195,12 +197,17 @@ def versions():
 
 # -------------------------------------------------------------------- optimizer
 def build_optimizer(model, args, total_steps):
-    """AdamW (no decay on norms and biases) with linear warmup then constant or cosine decay."""
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    decay = [p for n, p in params if p.ndim >= 2 and "norm" not in n]
-    no_decay = [p for n, p in params if not (p.ndim >= 2 and "norm" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
+    """AdamW (no decay on norms and biases) with linear warmup then constant or cosine decay;
+    the token embedding and output layer take --decoupled-lr when it is set."""
+    groups = {}
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            edge = args.decoupled_lr is not None and ("word_embeddings" in n or "output_layer" in n)
+            decay = p.ndim >= 2 and "norm" not in n
+            groups.setdefault((edge, decay), []).append(p)
+    opt = torch.optim.AdamW([{"params": ps, "lr": args.decoupled_lr if edge else args.lr,
+                              "weight_decay": args.weight_decay if decay else 0.0}
+                             for (edge, decay), ps in sorted(groups.items())],
                             lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=1e-8)
 
     def factor(step):  # multiplies --lr

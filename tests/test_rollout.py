@@ -78,7 +78,7 @@ def teacher_logprobs(model, processor, s, temperature):
     logits = model(input_ids=ids, pixel_values=pixels, image_grid_thw=grid,
                    mm_token_type_ids=(ids == pad).long()).logits[0]    # (L, V)
     P, T = len(s.prompt_ids), (temperature if temperature > 0 else 1.0)
-    return torch.log_softmax(logits[P - 1:-1] / T, -1).gather(-1, ids[0, P:, None])[:, 0]
+    return torch.log_softmax(logits[P - 1:-1].double() / T, -1).gather(-1, ids[0, P:, None])[:, 0].float()
 
 
 def max_logprob_diff(model, processor, samples, temperature):

@@ -40,10 +40,11 @@ def vision(ckpt):
 
 @pytest.fixture(scope="module")
 def trained(tiny_ckpt, geo3k_real, tmp_path_factory):
-    """The tiny Qwen3-VL trained on the ten real problems (about a minute on 2 cores)."""
+    """The tiny Qwen3-VL trained on the ten real problems (about four minutes on 2 cores): a fast
+    embedding/output layer and a slow body, as a random model needs (README, "Known limits")."""
     out = tmp_path_factory.mktemp("sft_real")
     sft("--hf-checkpoint", tiny_ckpt("qwen3_vl"), "--prompt-data", geo3k_real / "test.parquet",
-        "--save", out, "--lr", "5e-3", "--global-batch-size", "10", "--num-epoch", "100",
+        "--save", out, "--lr", "1e-4", "--decoupled-lr", "1e-2", "--global-batch-size", "10", "--num-epoch", "250",
         "--lr-warmup-iters", "5", "--lr-decay-style", "constant")
     return out
 
@@ -53,7 +54,7 @@ def test_sft_learns_real_problems_and_generates_their_answers(trained, geo3k_rea
     import data
     from transformers import AutoModelForImageTextToText, AutoProcessor
     assert metrics(trained)[-1]["loss"] < 0.05
-    ckpt = trained / "iter_0000100"
+    ckpt = trained / (trained / "latest").read_text().strip()
     proc = AutoProcessor.from_pretrained(ckpt)
     model = AutoModelForImageTextToText.from_pretrained(ckpt).eval()
     for rec in data.load_geo3k(geo3k_real / "test.parquet"):
@@ -66,16 +67,18 @@ def test_sft_learns_real_problems_and_generates_their_answers(trained, geo3k_rea
 
 @pytest.mark.slow
 def test_pixels_reach_the_loss(trained, tiny_ckpt, geo3k_real, tmp_path):
-    """Swapping images between problems raises the trained model's loss; the tower moved."""
+    """Swapping images between problems raises the trained model's loss, most of all where two
+    problems share their text ("Find x.") and only the picture tells the answers apart; the
+    tower moved."""
     import data
     from transformers import AutoModelForImageTextToText, AutoProcessor
-    ckpt = trained / "iter_0000100"
+    ckpt = trained / (trained / "latest").read_text().strip()
     proc = AutoProcessor.from_pretrained(ckpt)
     model = AutoModelForImageTextToText.from_pretrained(ckpt).eval()
     recs = data.load_geo3k(geo3k_real / "test.parquet")
 
-    def loss(images):
-        total = 0.0
+    def losses(images):
+        out = []
         for rec, imgs in zip(recs, images):
             msgs = data.sft_messages(rec)
             prompt = proc.apply_chat_template(msgs[:1], add_generation_prompt=True, tokenize=False)
@@ -85,11 +88,20 @@ def test_pixels_reach_the_loss(trained, tiny_ckpt, geo3k_real, tmp_path):
             labels = enc["input_ids"].clone()
             labels[:, :n_prompt] = -100
             with torch.no_grad():
-                total += model(**enc, labels=labels).loss.item()
-        return total / len(recs)
-    right = loss([r["images"] for r in recs])
-    swapped = loss([recs[(i + 1) % len(recs)]["images"] for i in range(len(recs))])
-    assert right < 0.05 and swapped > right + 1.0, (right, swapped)
+                out.append(model(**enc, labels=labels).loss.item())
+        return out
+    right = losses([r["images"] for r in recs])
+    swapped = losses([recs[(i + 1) % len(recs)]["images"] for i in range(len(recs))])
+    # problems that share their text ("Find x.", "Find y so that ..."): only the picture tells
+    # their answers apart, so each given its twin's picture must lose its own answer
+    texts = [r["problem"] for r in recs]
+    twin = {i: [j for j, t in enumerate(texts) if t == texts[i]] for i in range(len(recs))}
+    among = losses([recs[twin[i][(twin[i].index(i) + 1) % len(twin[i])]]["images"] for i in range(len(recs))])
+    twins = [i for i in twin if len(twin[i]) > 1]
+    print(f"loss, right images {right}\nswapped {swapped}\nswapped among twins {among}")
+    assert len(twins) == 5 and max(right) < 0.05
+    assert all(among[i] > 0.5 for i in twins), (right, among)
+    assert sum(swapped) > 100 * sum(right), (right, swapped)
     before, after = vision(tiny_ckpt("qwen3_vl")), vision(ckpt)
     assert sum(not torch.equal(before[k], after[k]) for k in before) > len(before) // 2
     frozen = tmp_path / "frozen"
@@ -135,3 +147,39 @@ def test_sigkill_then_load_resumes_on_the_same_data_order(tiny_ckpt, tmp_path):
     resumed = {m["step"]: m["loss"] for m in metrics(crash) if "loss" in m}
     for step in range(5, 13):
         assert abs(resumed[step] - full[step]) < 1e-6, (step, resumed[step], full[step])
+
+
+@pytest.mark.parametrize("decoupled", [None, 1e-2])
+def test_optimizer_groups_decoupled_lr_and_decay(decoupled):
+    """--decoupled-lr sets the token embedding and output layer apart; the schedule scales every
+    group alike; norms and biases never decay."""
+    import argparse
+    import trainer as T
+    p = argparse.ArgumentParser()
+    T.add_train_args(p)
+    args = p.parse_args(["--save", "x", "--hf-checkpoint", "x", "--prompt-data", "x", "--lr", "1e-4", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
+                         "--weight-decay", "0.1"] + (["--decoupled-lr", str(decoupled)] if decoupled else []))
+    m = torch.nn.Module()
+    m.embedding = torch.nn.Module()
+    m.embedding.word_embeddings = torch.nn.Embedding(8, 4)
+    m.output_layer = torch.nn.Linear(4, 8, bias=False)
+    m.linear_fc1 = torch.nn.Linear(4, 4)
+    m.final_norm = torch.nn.LayerNorm(4)
+    opt, sched = T.build_optimizer(m, args, total_steps=10)
+    edge = {id(m.embedding.word_embeddings.weight), id(m.output_layer.weight)}
+    seen = {}
+    for g in opt.param_groups:
+        for prm in g["params"]:
+            seen[id(prm)] = (g["lr"], g["weight_decay"], g["initial_lr"])
+    assert len(seen) == len(list(m.parameters()))
+    for name, prm in m.named_parameters():
+        lr, wd, base = seen[id(prm)]
+        assert base == (decoupled if decoupled and id(prm) in edge else 1e-4), name
+        assert lr == pytest.approx(base / 2)  # warmup step 1 of 2
+        assert wd == (0.1 if prm.ndim >= 2 and "norm" not in name else 0.0), name
+    for _ in range(6):
+        opt.step()
+        sched.step()
+    lrs = {seen[id(prm)][2]: g["lr"] for g in opt.param_groups for prm in g["params"]}
+    ratio = {round(lr / base, 9) for base, lr in lrs.items()}
+    assert len(ratio) == 1 and 0 < ratio.pop() < 1  # one cosine factor for all groups
