@@ -23,10 +23,11 @@ def main(run):
         m = read(run / name / "metrics.jsonl")
         if not m:
             continue
-        evals = [x for x in m if "eval_accuracy" in x]
+        key = "eval_multi_turn_accuracy" if any("eval_multi_turn_accuracy" in x for x in m) else "eval_accuracy"
+        evals = [x for x in m if key in x]  # a multi-turn stage is judged by its multi-turn eval
         rewards = [(x["step"], x["reward"]) for x in m if "reward" in x]
-        first = evals[0]["eval_accuracy"] if evals and evals[0]["step"] == 0 else before
-        after = evals[-1]["eval_accuracy"] if evals else None
+        first = evals[0][key] if evals and evals[0]["step"] == 0 else before
+        after = evals[-1][key] if evals else None
         r0, r1 = (rewards[0][1], sum(r for _, r in rewards[-5:]) / len(rewards[-5:])) if rewards else (None, None)
         rows.append((title, r0, r1, first, after))
         before = after if after is not None else before
@@ -45,7 +46,13 @@ def main(run):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, (ax, acc) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
+        stages = [("start", rows[0][3])] + [(t, after) for t, _, _, _, after in rows]
+        stages = [(t, a) for t, a in stages if a is not None]
+        acc.plot(range(len(stages)), [a for _, a in stages], marker="o")
+        acc.set_xticks(range(len(stages)), [t.replace("GRPO ", "GRPO\n") for t, _ in stages], fontsize=8)
+        acc.set(ylabel="greedy eval accuracy", ylim=(-0.02, 1.02), title="after each stage")
+        acc.grid(alpha=0.3)
         for title, pts in curves:
             ax.plot([s for s, _ in pts], [r for _, r in pts], marker=".", label=title)
         ax.set(xlabel="GRPO step", ylabel="mean reward", ylim=(-0.02, 1.02), title=f"{run.name}: reward")
