@@ -202,8 +202,11 @@ class LocalEngine(Engine):
         res = self.model.generate(**{k: v.to(self.device) for k, v in kw.items()}, generation_config=gc)
         new = res.sequences[:, L:].cpu()                                 # (B, N)
         scale = 1.0 if greedy else T
-        # res.logits[j]: (B, V) raw logits of step j; one step at a time, never (B, N, V) at once
-        lp = torch.stack([torch.log_softmax(step.double() / scale, -1).float()[torch.arange(B), new[:, j].to(step.device)].cpu()
+        # res.logits[j]: (B, V) raw logits of step j; one step at a time, never (B, N, V) at once.
+        # fp64 log-softmax: in fp32 the sum over 152k logits is off by ~1e-5, larger than the
+        # train-vs-rollout agreement we check (the trainer's chunked log-softmax is within 1e-6).
+        rows = torch.arange(B)
+        lp = torch.stack([torch.log_softmax(step.double() / scale, -1)[rows, new[:, j].to(step.device)].float().cpu()
                           for j, step in enumerate(res.logits)], 1)      # (B, N)
         outs = []
         for i in range(B):

@@ -41,7 +41,8 @@ def add_train_args(p):
     a("--lr", type=float, default=1e-6, help="peak learning rate")
     a("--min-lr", type=float, default=0.0, help="floor of the cosine decay")
     a("--decoupled-lr", type=float, default=None,
-      help="peak lr of the token embedding and output layer (Megatron's flag; default: --lr)")
+      help="peak lr of the token embedding and output layer (Megatron's flag; default: --lr); "
+           "the schedule scales it as it scales --lr")
     a("--lr-warmup-iters", type=int, default=0, help="linear warmup steps")
     a("--lr-decay-style", default="constant", choices=["constant", "cosine"], help="after warmup")
     a("--weight-decay", type=float, default=0.0, help="AdamW weight decay (not on norms/biases)")
