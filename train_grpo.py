@@ -81,13 +81,21 @@ def kl_term(logp, ref, kind):
         return -d
     if kind == "k2":
         return 0.5 * d * d
-    if kind == "low_var_kl":
+    if kind == "low_var_kl":  # k3, clamped for stability
         d = d.clamp(-20, 20)
-    return (torch.exp(d) - d - 1).clamp(max=10) if kind == "low_var_kl" else torch.exp(d) - d - 1
+        return (torch.exp(d) - d - 1).clamp(max=10)
+    return torch.exp(d) - d - 1
 
 
-def to_item(sample, processor, adv):
-    pv, grid = R.encode_images(processor, sample.images)
+def to_item(sample, processor, adv, encoded=None):
+    """A sample as trainer input. `encoded` caches image encodings by the images' identity: a
+    group's samples share their prompt's images, so those are encoded once, and pickled once
+    when rank 0 broadcasts the step (pickle keeps one copy of a shared tensor)."""
+    encoded = {} if encoded is None else encoded
+    key = tuple(map(id, sample.images))
+    if key not in encoded:
+        encoded[key] = R.encode_images(processor, sample.images)
+    pv, grid = encoded[key]
     mask = [0] * len(sample.prompt_ids) + list(sample.loss_mask)
     old = [0.0] * len(sample.prompt_ids) + list(sample.rollout_logprobs)
     return dict(ids=torch.tensor(sample.tokens), mask=torch.tensor(mask, dtype=torch.bool),
@@ -202,7 +210,8 @@ def main(argv=None):
                     metrics = R.rollout_metrics(samples)
                     good = [s for s in samples if s.status not in ("failed", "aborted")]  # counted, never trained on
                     adv = advantages([s.reward for s in good], [s.group for s in good], args.advantage_estimator)
-                    payload = [([to_item(s, processor, a) for s, a in zip(good, adv)], metrics)]
+                    encoded = {}
+                    payload = [([to_item(s, processor, a, encoded) for s, a in zip(good, adv)], metrics)]
             T.broadcast_objects(payload, run)
             items, metrics = payload[0]
             random.Random(args.seed + step).shuffle(items)

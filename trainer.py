@@ -142,10 +142,10 @@ class Run:
         set_rng_state(state["rng"])
         meta = json.loads((ckpt / "train_state" / "meta.json").read_text())
         log = self.save / "metrics.jsonl"
-        if self.rank == 0 and log.exists():  # drop what a killed run logged after its checkpoint
-            keep = [ln for ln in log.read_text().splitlines() if json.loads(ln)["step"] <= meta["step"]]
-            atomic_write(log, "".join(ln + "\n" for ln in keep))
         if self.rank == 0:
+            if log.exists():  # drop what a killed run logged after its checkpoint
+                keep = [ln for ln in log.read_text().splitlines() if json.loads(ln)["step"] <= meta["step"]]
+                atomic_write(log, "".join(ln + "\n" for ln in keep))
             print(f"[run] resumed from {ckpt} at step {meta['step']}", flush=True)
         return meta
 
