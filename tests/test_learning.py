@@ -102,8 +102,11 @@ def test_grpo_learns_the_picture_from_chance_and_the_shuffled_control_does_not(w
     finish(launch("train_grpo.py", runs[0], *common, "--prompt-data", real),
            launch("train_grpo.py", runs[1], *common, "--prompt-data", shuffled))
     key = "eval_multi_turn_accuracy" if turns > 1 else "eval_accuracy"
-    (got, evals), (ctrl, ctrl_evals) = [([m["reward"] for m in metrics(r) if "reward" in m],
-                                        [m[key] for m in metrics(r) if key in m]) for r in runs]
+
+    def curve(run):  # (reward per step, greedy accuracy per eval)
+        rows = metrics(run)
+        return [m["reward"] for m in rows if "reward" in m], [m[key] for m in rows if key in m]
+    (got, evals), (ctrl, ctrl_evals) = map(curve, runs)
     for name, xs, ev in (("real", got, evals), ("shuffled", ctrl, ctrl_evals)):
         print(f"turns={turns} {name}: reward per 10 steps",
               [round(mean(xs[i:i + 10]), 2) for i in range(0, len(xs), 10)], "greedy accuracy", ev)

@@ -157,8 +157,9 @@ def test_optimizer_groups_decoupled_lr_and_decay(decoupled):
     import trainer as T
     p = argparse.ArgumentParser()
     T.add_train_args(p)
-    args = p.parse_args(["--save", "x", "--hf-checkpoint", "x", "--prompt-data", "x", "--lr", "1e-4", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
-                         "--weight-decay", "0.1"] + (["--decoupled-lr", str(decoupled)] if decoupled else []))
+    args = p.parse_args(["--save", "x", "--hf-checkpoint", "x", "--prompt-data", "x", "--lr", "1e-4",
+                         "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--weight-decay", "0.1"]
+                        + (["--decoupled-lr", str(decoupled)] if decoupled else []))
     m = torch.nn.Module()
     m.embedding = torch.nn.Module()
     m.embedding.word_embeddings = torch.nn.Embedding(8, 4)
