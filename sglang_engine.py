@@ -42,7 +42,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from rollout import Engine
+from engines import Engine
 
 _LIVE = weakref.WeakSet()  # engines whose servers must die with us
 _HANDLERS = []

@@ -10,7 +10,6 @@ chat template is ours (ChatML): it renders images, tool calls and tool responses
 `AutoProcessor.from_pretrained(DIR).apply_chat_template(...)` works with no hub access.
 """
 import argparse
-import json
 import os
 from functools import lru_cache
 from pathlib import Path

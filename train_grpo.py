@@ -20,6 +20,7 @@ weights that sampled them), unless --recompute-logprobs. Then the weights go to 
 """
 import argparse
 import copy
+import importlib.util
 import math
 import random
 import sys
@@ -27,8 +28,10 @@ import sys
 import torch
 from tqdm import tqdm
 
+import engines
 import model as M
 import rollout as R
+import sglang_engine
 import trainer as T
 
 
@@ -192,7 +195,7 @@ def main(argv=None):
     records = eval_records = engine = None
     if run.rank == 0:  # rank 0 owns the data, the engine and the rewards
         records, eval_records = T.load_data(args), T.load_data(args, evaluation=True)
-        engine = R.make_engine(args, str(ckpt or args.hf_checkpoint), str(run.save))
+        engine = make_engine(args, str(ckpt or args.hf_checkpoint), str(run.save))
     try:
         if run.rank == 0 and eval_records and start == 0:
             evaluate(engine, processor, eval_records, args, 0, run)
@@ -248,6 +251,21 @@ def main(argv=None):
     finally:
         if engine is not None:
             engine.shutdown()
+
+
+def make_engine(args, hf_dir, run_dir, processor=None):
+    """The engine --rollout-engine names; auto = SGLang if importable and CUDA is present."""
+    kind = getattr(args, "rollout_engine", "auto")
+    if kind == "auto":
+        kind = "sglang" if importlib.util.find_spec("sglang") and torch.cuda.is_available() else "local"
+    if kind == "local":
+        return engines.LocalEngine(hf_dir, "cuda" if torch.cuda.is_available() else "cpu", processor=processor)
+    server_args = list(getattr(args, "sglang_args", None) or [])
+    if (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 10
+            and "--mm-attention-backend" not in server_args):
+        server_args += ["--mm-attention-backend", "sdpa"]  # Blackwell: the published recipe's setting
+    return sglang_engine.SGLangEngine(hf_dir, run_dir, server_args=server_args,
+                        timeout=getattr(args, "sglang_server_timeout", 900.0))
 
 
 def draw(records, step, args):

@@ -2,6 +2,7 @@
 ten real geo3k problems in ../shared/geo3k_real."""
 import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -37,3 +38,29 @@ def geo3k_real():
     if not GEO3K_REAL.exists():
         pytest.skip(f"{GEO3K_REAL} not found")
     return GEO3K_REAL
+
+
+# Shared by the rollout and SGLang-engine tests: a tiny Qwen3-VL, its processor, four synthetic problems.
+@pytest.fixture(scope="session")
+def ckpt(tiny_ckpt):
+    return tiny_ckpt("qwen3_vl")
+
+
+@pytest.fixture(scope="session")
+def processor(ckpt):
+    from transformers import AutoProcessor
+    return AutoProcessor.from_pretrained(ckpt)
+
+
+@pytest.fixture(scope="session")
+def records(tmp_path_factory):
+    import data
+    out = data.write_synth(tmp_path_factory.mktemp("synth"), n=4, n_test=1, seed=0)
+    return data.load_geo3k(out, "train")
+
+
+def rollout_args(**kw):
+    base = dict(max_turns=1, n_samples_per_prompt=2, rollout_max_response_len=10, rollout_temperature=0.8,
+                rollout_top_p=1.0, max_context_len=8192, rm_type="math", oracle=True,
+                dynamic_sampling=False, rollout_batch_size=None)
+    return types.SimpleNamespace(**{**base, **kw})

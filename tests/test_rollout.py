@@ -1,33 +1,20 @@
-"""rollout.py / sglang_engine.py on CPU: token bookkeeping, logprobs vs a teacher-forced forward,
-weight updates, multi-turn crop episodes, and SGLangEngine against tests/fake_sglang.py.
+"""rollout.py and engines.py on CPU: token bookkeeping, logprobs vs a teacher-forced forward,
+weight updates, multi-turn crop episodes (SGLangEngine: tests/test_sglang_engine.py).
 
     .venv/bin/pytest tests/test_rollout.py -q
 """
-import json
-import os
-import signal
-import sys
-import threading
-import time
-import types
 from pathlib import Path
 
 import pytest
 import torch
 
 import data
+import engines
 import rollout
-from fake_sglang import fake_output, weights_digest
+from conftest import rollout_args
 
 FAKE = str(Path(__file__).with_name("fake_sglang.py"))
 TOL = 1e-5
-
-
-def make_args(**kw):
-    base = dict(max_turns=1, n_samples_per_prompt=2, rollout_max_response_len=10, rollout_temperature=0.8,
-                rollout_top_p=1.0, max_context_len=8192, rm_type="math", oracle=True,
-                dynamic_sampling=False, rollout_batch_size=None)
-    return types.SimpleNamespace(**{**base, **kw})
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,25 +27,8 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def ckpt(tiny_ckpt):
-    return tiny_ckpt("qwen3_vl")
-
-
-@pytest.fixture(scope="module")
-def processor(ckpt):
-    from transformers import AutoProcessor
-    return AutoProcessor.from_pretrained(ckpt)
-
-
-@pytest.fixture(scope="module")
 def engine(ckpt, processor):
-    return rollout.LocalEngine(ckpt, processor=processor)
-
-
-@pytest.fixture(scope="module")
-def records(tmp_path_factory):
-    out = data.write_synth(tmp_path_factory.mktemp("synth"), n=4, n_test=1, seed=0)
-    return data.load_geo3k(out, "train")
+    return engines.LocalEngine(ckpt, processor=processor)
 
 
 def load_model(ckpt, state=None):
@@ -95,7 +65,7 @@ def max_logprob_diff(model, processor, samples, temperature):
 # ---------------------------------------------------------------------------------- local engine
 @pytest.mark.parametrize("temperature", [0.8, 0.0])
 def test_single_turn_local_masks_and_logprobs(engine, processor, ckpt, records, temperature):
-    args = make_args(rollout_temperature=temperature)
+    args = rollout_args(rollout_temperature=temperature)
     samples = rollout.run_episodes(engine, processor, records[:2], args)
     assert [s.group for s in samples] == [0, 0, 1, 1]
     for s, rec in zip(samples, [records[0]] * 2 + [records[1]] * 2):
@@ -118,7 +88,7 @@ def test_update_weights_logprobs_follow(engine, processor, ckpt, records):
     try:
         n = engine.update_weights(items[i:i + 16] for i in range(0, len(items), 16))  # buckets
         assert n == len(items)
-        samples = rollout.run_episodes(engine, processor, records[:1], make_args())
+        samples = rollout.run_episodes(engine, processor, records[:1], rollout_args())
         new_diff = max_logprob_diff(load_model(ckpt, perturbed), processor, samples, 0.8)
         old_diff = max_logprob_diff(load_model(ckpt), processor, samples, 0.8)
         print(f"after update: max diff vs perturbed teacher {new_diff:.2e}, vs old weights {old_diff:.2e}")
@@ -136,7 +106,7 @@ def test_logprobs_exact_when_logits_are_large(engine, processor, ckpt, records):
     big = {**original, "lm_head.weight": original["lm_head.weight"] * 30}  # logits ~N(0, 5)
     try:
         engine.update_weights([list(big.items())])
-        samples = rollout.run_episodes(engine, processor, records, make_args(rollout_temperature=1.0,
+        samples = rollout.run_episodes(engine, processor, records, rollout_args(rollout_temperature=1.0,
                                                                              n_samples_per_prompt=4))
         teacher = load_model(ckpt, big)
         diffs = torch.cat([(teacher_logprobs(teacher, processor, s, 1.0) - torch.tensor(s.rollout_logprobs)).abs()
@@ -152,7 +122,7 @@ CROP_CALL = '<tool_call>\n{"name": "crop", "arguments": {"bbox": [0, 0, 64, 64]}
 ANSWER = "The crop shows the polygon. \\boxed{360}"
 
 
-class ScriptedEngine(rollout.Engine):
+class ScriptedEngine(engines.Engine):
     """Answers turn k (counted per request by the number of assistant headers) with script[k]."""
 
     def __init__(self, processor, script, finish="stop"):
@@ -183,7 +153,7 @@ def test_multi_turn_crop_matches_full_render(processor, records):
     pytest.importorskip("env_geo3k")
     rec = records[0]
     eng = ScriptedEngine(processor, [CROP_CALL, ANSWER])
-    args = make_args(max_turns=3, n_samples_per_prompt=1, rollout_max_response_len=400)
+    args = rollout_args(max_turns=3, n_samples_per_prompt=1, rollout_max_response_len=400)
     (s,) = rollout.run_episodes(eng, processor, [rec], args)
     assert s.status == "completed" and s.turns == 2 and s.tool_calls == 1, s.fail_reason
     assert len(s.images) == 2 and s.images[1].size == (64, 64) and s.image_turns == [0, 1]
@@ -209,15 +179,15 @@ def test_multi_turn_crop_matches_full_render(processor, records):
 def test_multi_turn_max_turns_and_context_budget(processor, records):
     pytest.importorskip("env_geo3k")
     eng = ScriptedEngine(processor, [CROP_CALL])  # calls a tool every turn
-    (s,) = rollout.run_episodes(eng, processor, records[:1], make_args(max_turns=2, n_samples_per_prompt=1,
+    (s,) = rollout.run_episodes(eng, processor, records[:1], rollout_args(max_turns=2, n_samples_per_prompt=1,
                                                                       rollout_max_response_len=400))
     assert s.status == "completed" and s.turns == 2 and s.tool_calls == 2 and len(s.images) == 2
     assert s.loss_mask[-1] == 1  # no observation after the last allowed turn
-    (s,) = rollout.run_episodes(eng, processor, records[:1], make_args(max_turns=4, n_samples_per_prompt=1,
+    (s,) = rollout.run_episodes(eng, processor, records[:1], rollout_args(max_turns=4, n_samples_per_prompt=1,
                                                                       rollout_max_response_len=60))
     assert s.status == "truncated" and s.turns == 1 and len(s.response_ids) <= 60  # observation would not fit
     P = len(s.prompt_ids)
-    (s,) = rollout.run_episodes(eng, processor, records[:1], make_args(max_turns=4, n_samples_per_prompt=1,
+    (s,) = rollout.run_episodes(eng, processor, records[:1], rollout_args(max_turns=4, n_samples_per_prompt=1,
                                                                       rollout_max_response_len=400,
                                                                       max_context_len=P + 5))
     assert s.status == "truncated" and len(s.tokens) == P + 5
@@ -227,13 +197,13 @@ def test_tool_calls_counts_calls_that_ran(processor, records):
     pytest.importorskip("env_geo3k")
     unknown = '<tool_call>\n{"name": "nope", "arguments": {"x": 1}}\n</tool_call>'
     eng = ScriptedEngine(processor, [unknown, CROP_CALL, ANSWER])
-    (s,) = rollout.run_episodes(eng, processor, records[:1], make_args(max_turns=4, n_samples_per_prompt=1,
+    (s,) = rollout.run_episodes(eng, processor, records[:1], rollout_args(max_turns=4, n_samples_per_prompt=1,
                                                                       rollout_max_response_len=1000))
     assert s.status == "completed" and s.turns == 3, s.fail_reason
     assert [step["ran"] for step in s.metadata["steps"]] == [False, True, False] and s.tool_calls == 1
 
 
-class HybridEngine(rollout.LocalEngine):
+class HybridEngine(engines.LocalEngine):
     """Turn 1: a scripted crop call, its logprobs from the model by teacher forcing; later turns:
     real LocalEngine sampling, on a prompt that now holds two images."""
 
@@ -258,7 +228,7 @@ class HybridEngine(rollout.LocalEngine):
 def test_multi_turn_local_logprobs(ckpt, processor, records):
     pytest.importorskip("env_geo3k")
     eng = HybridEngine(ckpt, processor=processor)
-    args = make_args(max_turns=3, n_samples_per_prompt=2, rollout_max_response_len=160)
+    args = rollout_args(max_turns=3, n_samples_per_prompt=2, rollout_max_response_len=160)
     samples = rollout.run_episodes(eng, processor, records[:1], args)
     for s in samples:
         assert s.fail_reason is None and s.turns >= 2 and len(s.images) == 2 and s.image_turns == [0, 1]
@@ -278,7 +248,7 @@ def test_multi_turn_local_logprobs(ckpt, processor, records):
 
 def test_truncation_and_failures(processor, records):
     eng = ScriptedEngine(processor, ["word " * 50])
-    (s,) = rollout.run_episodes(eng, processor, records[:1], make_args(n_samples_per_prompt=1))
+    (s,) = rollout.run_episodes(eng, processor, records[:1], rollout_args(n_samples_per_prompt=1))
     assert s.status == "truncated" and len(s.response_ids) == 10
 
     class DoubleExpander(ScriptedEngine):  # a server that expanded the image tokens again
@@ -287,7 +257,7 @@ def test_truncation_and_failures(processor, records):
             for o, item in zip(outs, batch):
                 o["prompt_tokens"] = len(item["input_ids"]) + 15
             return outs
-    samples = rollout.run_episodes(DoubleExpander(processor, ["hi"]), processor, records[:1], make_args())
+    samples = rollout.run_episodes(DoubleExpander(processor, ["hi"]), processor, records[:1], rollout_args())
     assert all(s.status == "failed" and "expanded twice" in s.fail_reason for s in samples)
     assert all(set(s.loss_mask) <= {0} for s in samples)
     m = rollout.rollout_metrics(samples)
@@ -314,10 +284,10 @@ def test_group_samples_rewards_and_dynamic_sampling(processor, records):
                              "prompt_tokens": len(item["input_ids"])})
             return outs
     fn = lambda response, label: float(label == "mixed" and int(response) % 2 == 1)  # noqa: E731
-    args = make_args(n_samples_per_prompt=2)
+    args = rollout_args(n_samples_per_prompt=2)
     plain = rollout.generate_group_samples(Counting(processor, []), processor, recs[:2], args, reward_fn=fn)
     assert [s.group for s in plain] == [0, 0, 1, 1] and [s.reward for s in plain] == [0, 0, 0, 1]
-    args = make_args(n_samples_per_prompt=2, dynamic_sampling=True, rollout_batch_size=2)
+    args = rollout_args(n_samples_per_prompt=2, dynamic_sampling=True, rollout_batch_size=2)
     kept = rollout.generate_group_samples(Counting(processor, []), processor, recs, args, reward_fn=fn)
     assert sorted({s.group for s in kept}) == [1, 3] and len(kept) == 4
     m = rollout.rollout_metrics(kept)
@@ -329,158 +299,5 @@ def test_group_samples_default_reward(processor, records):
     pytest.importorskip("reward")
     recs = [dict(records[0], answer="360")]
     samples = rollout.generate_group_samples(ScriptedEngine(processor, ["So \\boxed{360}"]), processor, recs,
-                                             make_args(n_samples_per_prompt=2))
+                                             rollout_args(n_samples_per_prompt=2))
     assert [s.reward for s in samples] == [1.0, 1.0] and all(s.metadata["format_ok"] for s in samples)
-
-
-def test_sglang_server_args():
-    assert rollout.sglang_server_args([]) == []
-    assert rollout.sglang_server_args(["--sglang-mem-fraction-static", "0.7", "--sglang-tp-size=2",
-                                       "--sglang-cuda-graph-bs", "1", "2", "4", "--sglang-enable-memory-saver",
-                                       "--sglang-mm-attention-backend", "sdpa"]) == [
-        "--mem-fraction-static", "0.7", "--tp-size", "2", "--cuda-graph-bs", "1", "2", "4",
-        "--enable-memory-saver", "--mm-attention-backend", "sdpa"]
-    with pytest.raises(SystemExit, match="--lr-typo"):
-        rollout.sglang_server_args(["--lr-typo", "1"])
-    import argparse
-    p = rollout.add_rollout_args(argparse.ArgumentParser(allow_abbrev=False))
-    a, rest = p.parse_known_args(["--max-turns", "3", "--sglang-tp-size", "2", "--rollout-engine", "local"])
-    assert a.max_turns == 3 and a.rollout_engine == "local" and rollout.sglang_server_args(rest) == ["--tp-size", "2"]
-
-
-# ---------------------------------------------------------------------------------- SGLang engine
-def group_members(pgid, wait=5.0):
-    """Live pids whose process group is `pgid`, from /proc; waits up to `wait` s for it to empty.
-    (Zombies are dead: an orphan's wait status is reaped by PID 1, if this container's does.)"""
-    deadline = time.time() + wait
-    while True:
-        out = []
-        for d in Path("/proc").iterdir():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split() if d.name.isdigit() else None
-            except OSError:
-                continue
-            if fields and int(fields[2]) == pgid and fields[0] != "Z":
-                out.append(int(d.name))
-        if not out or time.time() > deadline:
-            return out
-
-
-def read_record(path):
-    return [json.loads(line) for line in Path(path).read_text().splitlines()] if Path(path).exists() else []
-
-
-def sglang(ckpt, run_dir, *extra, **kw):
-    from sglang_engine import SGLangEngine
-    rec = Path(run_dir) / "requests.jsonl"
-    eng = SGLangEngine(ckpt, run_dir, server_args=["--fake-record", str(rec), *extra],
-                       launch_cmd=[sys.executable, FAKE], timeout=kw.pop("timeout", 30), **kw)
-    return eng, rec
-
-
-def test_sglang_protocol_and_weight_sync(ckpt, processor, records, tmp_path):
-    eng, rec = sglang(ckpt, tmp_path, "--mem-fraction-static", "0.5", "--cuda-graph-bs", "1", "2")
-    try:
-        assert "passthrough=[\"--mem-fraction-static\", \"0.5\", \"--cuda-graph-bs\", \"1\", \"2\"]" in eng.log_tail()
-        samples = rollout.run_episodes(eng, processor, records[:2], make_args(rollout_max_response_len=64))
-        digest = weights_digest(ckpt)
-        for s in samples:
-            ids, lps, finish = fake_output(s.prompt_ids, 64, digest)
-            assert s.response_ids == ids and s.rollout_logprobs == lps and s.status == "completed"
-        gens = [r for r in read_record(rec) if r["path"] == "/generate"]
-        assert len(gens) == 4
-        for r in gens:
-            body = r["json"]
-            assert set(body) == {"input_ids", "image_data", "sampling_params", "return_logprob"}
-            assert len(body["image_data"]) == 1 and body["image_data"][0].startswith("data:image/png;base64,")
-            assert body["sampling_params"] == {"temperature": 0.8, "top_p": 1.0, "top_k": -1, "max_new_tokens": 64,
-                                               "stop_token_ids": [151645, 151643], "skip_special_tokens": False,
-                                               "no_stop_trim": True}
-        state = load_model(ckpt).state_dict()
-        items = [(k, v + 0.01) for k, v in state.items()]
-        assert eng.update_weights([items[:30], items[30:]]) == len(items)
-        paths = [r["path"] for r in read_record(rec)]
-        assert paths[-2:] == ["/update_weights_from_disk", "/flush_cache"]
-        bad = eng.generate([{"input_ids": [1, 2, 3], "images": samples[0].images}], dict(max_new_tokens=4))[0]
-        assert bad["finish"] == "abort" and "HTTP 400" in bad["error"]  # refused: that sample fails, not the run
-        sync = [r for r in read_record(rec) if r["path"] == "/update_weights_from_disk"][-1]["json"]
-        assert sync == {"model_path": str(tmp_path / "weights")}
-        new = eng.generate([{"input_ids": samples[0].prompt_ids, "images": samples[0].images}],
-                           dict(temperature=1.0, max_new_tokens=64))[0]
-        assert new["ids"] == fake_output(samples[0].prompt_ids, 64, weights_digest(tmp_path / "weights"))[0]
-        assert new["ids"] != samples[0].response_ids  # the server now runs the new weights
-        eng.release()
-        eng.resume()
-        assert [r["path"] for r in read_record(rec)][-2:] == ["/release_memory_occupation", "/resume_memory_occupation"]
-    finally:
-        eng.shutdown()
-
-
-def test_sglang_killed_mid_rollout_restarts_and_retries(ckpt, tmp_path):
-    eng, rec = sglang(ckpt, tmp_path, "--fake-delay", "1.5", "--fake-children", "2")
-    pgids = [eng.proc.pid]
-    try:
-        items = [(k, v * 1.01) for k, v in load_model(ckpt).state_dict().items()]
-        eng.update_weights([items])
-        digest = weights_digest(tmp_path / "weights")
-        batch = [{"input_ids": [151644, 100 + i, 151645], "images": []} for i in range(8)]
-        killer = threading.Timer(0.6, lambda: os.killpg(pgids[0], signal.SIGKILL))
-        killer.start()
-        outs = eng.generate(batch, dict(temperature=1.0, max_new_tokens=16))
-        killer.join()
-        assert eng.restarts == 1
-        pgids.append(eng.proc.pid)
-        for item, out in zip(batch, outs):  # every request answered once, in order, by the new weights
-            assert out["ids"] == fake_output(item["input_ids"], 16, digest)[0] and out["finish"] == "stop"
-        gens = [r for r in read_record(rec) if r["path"] == "/generate"]
-        assert len({r["pid"] for r in gens}) == 2 and 8 < len(gens) <= 16  # retried on the new server
-        assert eng.model_path == str(tmp_path / "weights")  # restarted from the synced weights
-    finally:
-        eng.shutdown()
-    assert all(group_members(g) == [] for g in pgids), [group_members(g) for g in pgids]
-
-
-def test_sglang_start_failures_quote_log_and_leave_nothing(ckpt, tmp_path):
-    with pytest.raises(RuntimeError, match="failing to start as asked"):
-        sglang(ckpt, tmp_path / "a", "--fake-startup", "-1")
-    from sglang_engine import _LIVE
-    before = set(_LIVE)
-    with pytest.raises(RuntimeError, match="not healthy after 2s") as e:
-        sglang(ckpt, tmp_path / "b", "--fake-startup", "30", "--fake-children", "1", timeout=2)
-    assert "fake sglang children=" in str(e.value)
-    log = (tmp_path / "b" / "sglang.log").read_text()
-    pid = int(log.split("pid=")[1].split()[0])
-    assert group_members(pid) == [] and set(_LIVE) <= before
-
-
-CHILD = """
-import sys, time
-sys.path[:0] = [{root!r}]
-from sglang_engine import SGLangEngine
-eng = SGLangEngine({ckpt!r}, sys.argv[2], server_args=["--fake-children", "1"],
-                   launch_cmd=[sys.executable, {fake!r}], timeout=60)
-print(eng.proc.pid, flush=True)
-if sys.argv[1] == "exit":
-    sys.exit(0)
-if sys.argv[1] == "error":
-    raise RuntimeError("trainer crashed")
-time.sleep(120)
-"""
-
-
-def test_sglang_server_dies_with_its_parent(ckpt, tmp_path):
-    """Normal exit, an exception, Ctrl-C and SIGTERM in the trainer all end the server's group."""
-    import subprocess
-    script = tmp_path / "child.py"
-    script.write_text(CHILD.format(root=str(Path(rollout.__file__).parent), ckpt=str(ckpt), fake=FAKE))
-    modes = {"exit": None, "error": None, "sigint": signal.SIGINT, "sigterm": signal.SIGTERM,
-             "sigkill": signal.SIGKILL}  # SIGKILL (OOM): no handler runs; PR_SET_PDEATHSIG does it
-    procs = {m: subprocess.Popen([sys.executable, str(script), m, str(tmp_path / m)], stdout=subprocess.PIPE,
-                                 text=True) for m in modes}
-    for mode, proc in procs.items():
-        pgid = int(proc.stdout.readline())
-        if modes[mode] is not None:
-            assert group_members(pgid, wait=0)  # the server is up until we signal its parent
-            proc.send_signal(modes[mode])
-        proc.wait(timeout=60)
-        assert group_members(pgid) == [], (mode, group_members(pgid))

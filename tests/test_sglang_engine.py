@@ -1,0 +1,173 @@
+"""sglang_engine.py on CPU against tests/fake_sglang.py: protocol, weight sync, restarts, process
+hygiene. The same engine against the REAL server: tests/test_sglang_real.py (opt-in).
+
+    .venv/bin/pytest tests/test_sglang_engine.py -q
+"""
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import rollout
+from fake_sglang import fake_output, weights_digest
+from conftest import rollout_args
+from test_rollout import load_model
+
+FAKE = str(Path(__file__).with_name("fake_sglang.py"))
+
+def test_sglang_server_args():
+    assert rollout.sglang_server_args([]) == []
+    assert rollout.sglang_server_args(["--sglang-mem-fraction-static", "0.7", "--sglang-tp-size=2",
+                                       "--sglang-cuda-graph-bs", "1", "2", "4", "--sglang-enable-memory-saver",
+                                       "--sglang-mm-attention-backend", "sdpa"]) == [
+        "--mem-fraction-static", "0.7", "--tp-size", "2", "--cuda-graph-bs", "1", "2", "4",
+        "--enable-memory-saver", "--mm-attention-backend", "sdpa"]
+    with pytest.raises(SystemExit, match="--lr-typo"):
+        rollout.sglang_server_args(["--lr-typo", "1"])
+    import argparse
+    p = rollout.add_rollout_args(argparse.ArgumentParser(allow_abbrev=False))
+    a, rest = p.parse_known_args(["--max-turns", "3", "--sglang-tp-size", "2", "--rollout-engine", "local"])
+    assert a.max_turns == 3 and a.rollout_engine == "local" and rollout.sglang_server_args(rest) == ["--tp-size", "2"]
+
+
+# ---------------------------------------------------------------------------------- SGLang engine
+def group_members(pgid, wait=5.0):
+    """Live pids whose process group is `pgid`, from /proc; waits up to `wait` s for it to empty.
+    (Zombies are dead: an orphan's wait status is reaped by PID 1, if this container's does.)"""
+    deadline = time.time() + wait
+    while True:
+        out = []
+        for d in Path("/proc").iterdir():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split() if d.name.isdigit() else None
+            except OSError:
+                continue
+            if fields and int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(d.name))
+        if not out or time.time() > deadline:
+            return out
+
+
+def read_record(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()] if Path(path).exists() else []
+
+
+def sglang(ckpt, run_dir, *extra, **kw):
+    from sglang_engine import SGLangEngine
+    rec = Path(run_dir) / "requests.jsonl"
+    eng = SGLangEngine(ckpt, run_dir, server_args=["--fake-record", str(rec), *extra],
+                       launch_cmd=[sys.executable, FAKE], timeout=kw.pop("timeout", 30), **kw)
+    return eng, rec
+
+
+def test_sglang_protocol_and_weight_sync(ckpt, processor, records, tmp_path):
+    eng, rec = sglang(ckpt, tmp_path, "--mem-fraction-static", "0.5", "--cuda-graph-bs", "1", "2")
+    try:
+        assert "passthrough=[\"--mem-fraction-static\", \"0.5\", \"--cuda-graph-bs\", \"1\", \"2\"]" in eng.log_tail()
+        samples = rollout.run_episodes(eng, processor, records[:2], rollout_args(rollout_max_response_len=64))
+        digest = weights_digest(ckpt)
+        for s in samples:
+            ids, lps, finish = fake_output(s.prompt_ids, 64, digest)
+            assert s.response_ids == ids and s.rollout_logprobs == lps and s.status == "completed"
+        gens = [r for r in read_record(rec) if r["path"] == "/generate"]
+        assert len(gens) == 4
+        for r in gens:
+            body = r["json"]
+            assert set(body) == {"input_ids", "image_data", "sampling_params", "return_logprob"}
+            assert len(body["image_data"]) == 1 and body["image_data"][0].startswith("data:image/png;base64,")
+            assert body["sampling_params"] == {"temperature": 0.8, "top_p": 1.0, "top_k": -1, "max_new_tokens": 64,
+                                               "stop_token_ids": [151645, 151643], "skip_special_tokens": False,
+                                               "no_stop_trim": True}
+        state = load_model(ckpt).state_dict()
+        items = [(k, v + 0.01) for k, v in state.items()]
+        assert eng.update_weights([items[:30], items[30:]]) == len(items)
+        paths = [r["path"] for r in read_record(rec)]
+        assert paths[-2:] == ["/update_weights_from_disk", "/flush_cache"]
+        bad = eng.generate([{"input_ids": [1, 2, 3], "images": samples[0].images}], dict(max_new_tokens=4))[0]
+        assert bad["finish"] == "abort" and "HTTP 400" in bad["error"]  # refused: that sample fails, not the run
+        sync = [r for r in read_record(rec) if r["path"] == "/update_weights_from_disk"][-1]["json"]
+        assert sync == {"model_path": str(tmp_path / "weights")}
+        new = eng.generate([{"input_ids": samples[0].prompt_ids, "images": samples[0].images}],
+                           dict(temperature=1.0, max_new_tokens=64))[0]
+        assert new["ids"] == fake_output(samples[0].prompt_ids, 64, weights_digest(tmp_path / "weights"))[0]
+        assert new["ids"] != samples[0].response_ids  # the server now runs the new weights
+        eng.release()
+        eng.resume()
+        assert [r["path"] for r in read_record(rec)][-2:] == ["/release_memory_occupation", "/resume_memory_occupation"]
+    finally:
+        eng.shutdown()
+
+
+def test_sglang_killed_mid_rollout_restarts_and_retries(ckpt, tmp_path):
+    eng, rec = sglang(ckpt, tmp_path, "--fake-delay", "1.5", "--fake-children", "2")
+    pgids = [eng.proc.pid]
+    try:
+        items = [(k, v * 1.01) for k, v in load_model(ckpt).state_dict().items()]
+        eng.update_weights([items])
+        digest = weights_digest(tmp_path / "weights")
+        batch = [{"input_ids": [151644, 100 + i, 151645], "images": []} for i in range(8)]
+        killer = threading.Timer(0.6, lambda: os.killpg(pgids[0], signal.SIGKILL))
+        killer.start()
+        outs = eng.generate(batch, dict(temperature=1.0, max_new_tokens=16))
+        killer.join()
+        assert eng.restarts == 1
+        pgids.append(eng.proc.pid)
+        for item, out in zip(batch, outs):  # every request answered once, in order, by the new weights
+            assert out["ids"] == fake_output(item["input_ids"], 16, digest)[0] and out["finish"] == "stop"
+        gens = [r for r in read_record(rec) if r["path"] == "/generate"]
+        assert len({r["pid"] for r in gens}) == 2 and 8 < len(gens) <= 16  # retried on the new server
+        assert eng.model_path == str(tmp_path / "weights")  # restarted from the synced weights
+    finally:
+        eng.shutdown()
+    assert all(group_members(g) == [] for g in pgids), [group_members(g) for g in pgids]
+
+
+def test_sglang_start_failures_quote_log_and_leave_nothing(ckpt, tmp_path):
+    with pytest.raises(RuntimeError, match="failing to start as asked"):
+        sglang(ckpt, tmp_path / "a", "--fake-startup", "-1")
+    from sglang_engine import _LIVE
+    before = set(_LIVE)
+    with pytest.raises(RuntimeError, match="not healthy after 2s") as e:
+        sglang(ckpt, tmp_path / "b", "--fake-startup", "30", "--fake-children", "1", timeout=2)
+    assert "fake sglang children=" in str(e.value)
+    log = (tmp_path / "b" / "sglang.log").read_text()
+    pid = int(log.split("pid=")[1].split()[0])
+    assert group_members(pid) == [] and set(_LIVE) <= before
+
+
+CHILD = """
+import sys, time
+sys.path[:0] = [{root!r}]
+from sglang_engine import SGLangEngine
+eng = SGLangEngine({ckpt!r}, sys.argv[2], server_args=["--fake-children", "1"],
+                   launch_cmd=[sys.executable, {fake!r}], timeout=60)
+print(eng.proc.pid, flush=True)
+if sys.argv[1] == "exit":
+    sys.exit(0)
+if sys.argv[1] == "error":
+    raise RuntimeError("trainer crashed")
+time.sleep(120)
+"""
+
+
+def test_sglang_server_dies_with_its_parent(ckpt, tmp_path):
+    """Normal exit, an exception, Ctrl-C and SIGTERM in the trainer all end the server's group."""
+    import subprocess
+    script = tmp_path / "child.py"
+    script.write_text(CHILD.format(root=str(Path(rollout.__file__).parent), ckpt=str(ckpt), fake=FAKE))
+    modes = {"exit": None, "error": None, "sigint": signal.SIGINT, "sigterm": signal.SIGTERM,
+             "sigkill": signal.SIGKILL}  # SIGKILL (OOM): no handler runs; PR_SET_PDEATHSIG does it
+    procs = {m: subprocess.Popen([sys.executable, str(script), m, str(tmp_path / m)], stdout=subprocess.PIPE,
+                                 text=True) for m in modes}
+    for mode, proc in procs.items():
+        pgid = int(proc.stdout.readline())
+        if modes[mode] is not None:
+            assert group_members(pgid, wait=0)  # the server is up until we signal its parent
+            proc.send_signal(modes[mode])
+        proc.wait(timeout=60)
+        assert group_members(pgid) == [], (mode, group_members(pgid))
