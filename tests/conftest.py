@@ -1,5 +1,6 @@
-"""Shared fixtures: tiny random Qwen-VL checkpoints (built once a session, offline) and the
-ten real geo3k problems in ../shared/geo3k_real."""
+"""Shared fixtures: tiny random Qwen-VL checkpoints (built once a session, offline), the ten
+real geo3k problems shipped in tests/data/geo3k_real (README there names their source), and the
+rollout tests' tiny model, processor and synthetic problems."""
 import os
 import sys
 import types
@@ -15,7 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-GEO3K_REAL = ROOT.parent / "shared" / "geo3k_real"
+GEO3K_REAL = ROOT / "tests" / "data" / "geo3k_real"
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
@@ -35,8 +36,6 @@ def tiny_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def geo3k_real():
-    if not GEO3K_REAL.exists():
-        pytest.skip(f"{GEO3K_REAL} not found")
     return GEO3K_REAL
 
 
