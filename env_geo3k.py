@@ -7,11 +7,14 @@
 
 Tests: `.venv/bin/pytest tests/test_env.py -q`.
 
-A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in strict JSON, as Qwen
-chat templates emit it. Tools are plain functions `(env, arguments) -> (text, images, score)`
-that raise ToolError on bad arguments; a fork adds a tool with one function and one TOOLS
-entry (its docstring's first line is the usage shown to the model on errors). Nothing the
-model writes is evaluated or executed: arguments are parsed as JSON and checked as data.
+A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in strict JSON, as Qwen2.5-VL
+and Qwen3-VL write it, or Qwen3.5's XML form `<tool_call>\n<function=NAME>\n<parameter=K>\nV\n
+</parameter>\n</function>\n</tool_call>` (V is text for a string parameter, else JSON). Tools are
+plain functions `(env, arguments) -> (text, images, score)` that raise ToolError on bad arguments;
+a fork adds a tool with one function, one TOOLS entry and one TOOL_SPECS entry (the JSON-schema
+spec chat templates render as `tools=`; the docstring's first line is the usage shown to the model
+on errors and in prompts of templates without tools). Nothing the model writes is evaluated or
+executed: arguments are parsed as JSON or text and checked as data.
 Options read from args: max_turns (required), oracle (default True; False makes calc_score
 only record the answer, as evaluation must: an oracle tool inflates multi-turn accuracy),
 rm_type ("math"), min_pixels (crop area floor, default 56*56), max_payload (4096 chars).
@@ -100,11 +103,46 @@ def crop(env, arguments):
 TOOLS = {"calc_score": calc_score, "calc_geo3k_reward": calc_score, "crop": crop}
 
 
-def usage():
-    """The exact call format and each tool's usage line (aliases listed once)."""
+def _spec(name, description, properties, required):
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": properties, "required": required}}}
+
+
+# What `apply_chat_template(..., tools=TOOL_SPECS)` shows the model, in its trained format
+# (Qwen3-VL, Qwen3.5). The alias calc_geo3k_reward still runs but is not advertised.
+TOOL_SPECS = [
+    _spec("calc_score", "Check a candidate answer to the problem and say whether it is right.",
+          {"answer": {"type": "string", "description": "the answer, such as 5\\sqrt{3} or 42"}},
+          ["answer"]),
+    _spec("crop", "Zoom into a pixel region of an image seen so far; the region comes back enlarged "
+          "so that small labels can be read, as a new image.",
+          {"bbox": {"type": "array", "items": {"type": "number"}, "minItems": 4, "maxItems": 4,
+                    "description": "[x1, y1, x2, y2] in pixels of that image"},
+           "image": {"type": "integer", "description": "0 is the problem's diagram (the default); "
+                     "crops are numbered after it in the order they were made"}},
+          ["bbox"]),
+]
+JSON_EXAMPLE = '<tool_call>\n{"name": "calc_score", "arguments": {"answer": "42"}}\n</tool_call>'
+XML_EXAMPLE = "<tool_call>\n<function=calc_score>\n<parameter=answer>\n42\n</parameter>\n</function>\n</tool_call>"
+
+
+def usage(xml=False):
+    """The exact call format (Qwen3.5's XML form if the model used it) and each tool's usage line
+    (aliases listed once)."""
     lines = ["- " + fn.__doc__.strip().splitlines()[0] for fn in dict.fromkeys(TOOLS.values())]
-    return ('Call one tool exactly like this:\n<tool_call>\n{"name": "calc_score", "arguments": '
-            '{"answer": "42"}}\n</tool_call>\nTools:\n' + "\n".join(lines))
+    example = XML_EXAMPLE if xml else JSON_EXAMPLE
+    return f"Call one tool exactly like this:\n{example}\nTools:\n" + "\n".join(lines)
+
+
+def _param_type(tool, key):
+    """The JSON-schema type TOOL_SPECS gives parameter `key` of `tool`, or None if unknown."""
+    for spec in TOOL_SPECS:
+        if spec["function"]["name"] == tool:
+            return spec["function"]["parameters"]["properties"].get(key, {}).get("type")
+    return None
+
+
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]*)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
 
 def _field(sample, name):  # sample: a dict, an object or None
@@ -140,6 +178,8 @@ class Geo3kEnv:
         payload = text[start:end].strip()
         if len(payload) > self.max_payload:
             raise ToolError(f"tool call is {len(payload)} characters; the limit is {self.max_payload}")
+        if payload.startswith("<function="):
+            return self.parse_xml(payload, info)
         try:
             call = json.loads(payload, parse_constant=_reject_constant)
         except (ValueError, RecursionError) as e:
@@ -160,6 +200,43 @@ class Geo3kEnv:
             raise ToolError(f"unexpected key {extra[0][:80]!r} in tool call")
         return name, arguments
 
+    def parse_xml(self, payload, info):
+        """Qwen3.5's form, `<function=NAME>` and `<parameter=K>\\nV\\n</parameter>` blocks, as its chat
+        template writes it: V is taken as text where TOOL_SPECS says the parameter is a string,
+        else as JSON (the template writes lists with tojson); V that is not JSON stays text, and
+        the tool's own checks say what is wrong with it."""
+        m = re.fullmatch(r"<function=([^>\n]*)>(.*)</function>", payload, re.DOTALL)
+        if m is None:
+            raise ToolError("unclosed <function=...> (no </function> at the end of the tool call)")
+        name, body = m.group(1).strip(), m.group(2)
+        if not name:
+            raise ToolError("tool call needs a function name: <function=NAME>")
+        info["tool"] = name
+        arguments, pos = {}, 0
+        for p in _XML_PARAMETER.finditer(body):
+            between = body[pos:p.start()].strip()
+            if between:
+                raise ToolError(f"unexpected text {between[:80]!r} in tool call; each argument "
+                                "goes in <parameter=NAME>...</parameter>")
+            key, raw = p.group(1).strip(), p.group(2)
+            if key in arguments:
+                raise ToolError(f"parameter {key[:80]!r} given twice")
+            arguments[key] = raw
+            if _param_type(name, key) != "string":
+                try:
+                    arguments[key] = json.loads(raw, parse_constant=_reject_constant)
+                except (ValueError, RecursionError):
+                    pass
+            pos = p.end()
+        rest = body[pos:].strip()
+        if rest:
+            raise ToolError(f"unexpected text {rest[:80]!r} in tool call; each argument goes "
+                            "in <parameter=NAME>...</parameter>")
+        if not arguments:
+            raise ToolError("tool call needs at least one <parameter=NAME> argument")
+        info["arguments"] = arguments
+        return name, arguments
+
     def step(self, response_text):
         self.turn += 1
         n_calls = response_text.count("<tool_call>")
@@ -177,7 +254,8 @@ class Geo3kEnv:
             info["ran"] = True
         except ToolError as e:
             info["error"] = str(e)
-            text = f"Error: {e}.\n{usage()}"
+            xml = "<function=" in response_text[response_text.rfind("<tool_call>"):]
+            text = f"Error: {e}.\n{usage(xml)}"
         if self.turn == self.max_turns - 1:  # every tool's feedback warns, not only calc_score's
             text += "\nThis is your last turn: give your final answer now as \\boxed{...}."
         return {"text": text, "images": images}, self.turn >= self.max_turns, info

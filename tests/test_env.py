@@ -24,6 +24,16 @@ def calc(answer):
     return call("calc_score", {"answer": answer})
 
 
+def xml(name, **params):
+    """A call in Qwen3.5's XML form, as its chat template writes one (raw strings, JSON lists)."""
+    body = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+                   for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+XML_FORMAT = "<tool_call>\n<function=calc_score>\n<parameter=answer>\n42\n</parameter>\n</function>\n</tool_call>"
+
+
 def picture(w=200, h=100):
     """Every pixel distinct, so a crop at the wrong offset cannot pass."""
     y, x = np.mgrid[0:h, 0:w]
@@ -162,6 +172,38 @@ CASES = [
      bad('"image" must be')),
     ("crop_missing_bbox", call("crop", {"box": [0, 0, 10, 10]}), "missing argument 'bbox'",
      bad("missing argument")),
+    # Qwen3.5's XML form: string parameters stay text, others are JSON
+    ("xml_calc_right", xml("calc_score", answer="80"), "Correct: 80",
+     dict(OK, tool="calc_score", score=1.0, arguments={"answer": "80"})),
+    ("xml_alias", xml("calc_geo3k_reward", answer="81"), "Incorrect: 81", dict(OK, score=0.0)),
+    ("xml_latex_raw", xml("calc_score", answer="\\frac{160}{2}"), "Correct: \\frac{160}{2}",
+     dict(OK, score=1.0, arguments={"answer": "\\frac{160}{2}"})),
+    ("xml_answer_json_looking", xml("calc_score", answer="[1, 2]"), "Incorrect: [1, 2]",
+     dict(OK, arguments={"answer": "[1, 2]"})),
+    ("xml_crop", xml("crop", bbox=[10, 20, 110, 70], image=0), "Crop of image 0 at [10, 20, 110, 70]",
+     dict(OK, tool="crop", arguments={"bbox": [10, 20, 110, 70], "image": 0}, n_images=1)),
+    ("xml_compact", "<tool_call><function=calc_score><parameter=answer>80</parameter></function></tool_call>",
+     "Correct", dict(OK, score=1.0)),
+    ("xml_text_around", "Let me check.\n" + xml("calc_score", answer="80") + "\n", "Correct", dict(OK)),
+    ("xml_after_json", calc("30") + xml("calc_score", answer="80"), "Correct: 80", dict(OK, n_calls=2)),
+    ("xml_bbox_not_json", xml("crop", bbox="0 0 10 10"), "4 numbers", bad("4 numbers", tool="crop")),
+    ("xml_bbox_nan", xml("crop", bbox="[NaN, 0, 1, 1]"), "4 numbers", bad("4 numbers")),
+    ("xml_image_as_text", xml("crop", bbox=[0, 0, 10, 10], image="first"), "from 0 to 0",
+     bad('"image" must be')),
+    ("xml_unknown_tool", xml("search", query="x"), "unknown tool 'search'", bad("unknown tool", tool="search")),
+    ("xml_missing_required", xml("crop", image=0), "missing argument 'bbox'", bad("missing argument")),
+    ("xml_unclosed_function", "<tool_call>\n<function=calc_score>\n<parameter=answer>\n80\n</parameter>\n"
+     "</tool_call>", "unclosed <function", bad("unclosed <function", tool=None)),
+    ("xml_no_name", "<tool_call><function=><parameter=answer>80</parameter></function></tool_call>",
+     "function name", bad("function name", tool=None)),
+    ("xml_no_parameters", "<tool_call><function=calc_score></function></tool_call>", "at least one",
+     bad("at least one <parameter", tool="calc_score")),
+    ("xml_duplicate", "<tool_call><function=calc_score><parameter=answer>1</parameter>"
+     "<parameter=answer>80</parameter></function></tool_call>", "given twice", bad("given twice")),
+    ("xml_stray_text", "<tool_call><function=calc_score>answer: 80<parameter=answer>80</parameter>"
+     "</function></tool_call>", "unexpected text 'answer: 80'", bad("unexpected text")),
+    ("xml_unclosed_parameter", "<tool_call><function=calc_score><parameter=answer>80</function></tool_call>",
+     "unexpected text", bad("unexpected text")),
 ]
 
 
@@ -185,16 +227,35 @@ def test_step_table(response, text, expect):
             assert want in info["error"], info["error"]
         else:
             assert info[key] == want, (key, info)
-    if info["error"]:  # every error shows the exact call format and the tools
-        assert obs["text"].startswith("Error: ") and FORMAT in obs["text"]
+    if info["error"]:  # every error shows the exact call format (the one the model used) and the tools
+        used_xml = "<function=" in response.rsplit("<tool_call>", 1)[-1]
+        assert obs["text"].startswith("Error: ") and (XML_FORMAT if used_xml else FORMAT) in obs["text"]
         assert "- crop {" in obs["text"] and obs["images"] == [] and info["score"] is None
     if info["ran"] and info["tool"] != "crop":
         assert obs["images"] == []
     assert len(obs["text"]) < 2000  # feedback stays short, whatever the model sent
 
 
-def test_table_size():
-    assert len(CASES) >= 40
+def test_table_runs_every_tool_in_both_call_formats():
+    """A tool (or call format) added without table cases that run it fails here."""
+    ran = set()
+    for _, response, _, _ in CASES:
+        env = make_env()
+        _, _, info = env.step(response)
+        if info["ran"]:
+            ran.add((info["tool"], "xml" if "<function=" in response.rsplit("<tool_call>", 1)[-1] else "json"))
+    assert ran == {(name, form) for name in env_geo3k.TOOLS for form in ("json", "xml")}
+
+
+def test_tool_specs_match_the_tools():
+    """Every advertised spec names a tool, and every tool function is advertised once."""
+    names = [spec["function"]["name"] for spec in env_geo3k.TOOL_SPECS]
+    assert set(names) <= set(env_geo3k.TOOLS) and len(names) == len(set(names))
+    assert {env_geo3k.TOOLS[n] for n in names} == set(env_geo3k.TOOLS.values())
+    for spec in env_geo3k.TOOL_SPECS:
+        params = spec["function"]["parameters"]
+        assert spec["type"] == "function" and params["type"] == "object"
+        assert set(params["required"]) <= set(params["properties"])
 
 
 def test_answers_and_scores_recorded_and_reset():
