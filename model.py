@@ -1,21 +1,19 @@
-"""model.py: the Megatron VLM, Hugging Face <-> Megatron weight conversion, parity checks.
+"""model.py: the Megatron VLM (Megatron-core language model + Hugging Face vision tower) and its
+parity check against transformers. Weight conversion: convert.py; process groups: parallel.py.
 
     python model.py tiny --arch qwen3_vl --out ckpt/tiny                # tiny random checkpoint
     python model.py check --hf-checkpoint ckpt/tiny                     # Megatron vs transformers, TP=1
     torchrun --nproc_per_node 2 model.py check --hf-checkpoint DIR      # the same at TP=2 (TP = world)
 
-The language model is megatron.core's GPTModel (local layer spec; Transformer Engine's when it is
-installed and CUDA is present); the vision tower is transformers' own module, replicated on every TP
+The language model is megatron.core's GPTModel (Transformer Engine's layer spec on CUDA, the local
+spec on CPU: --transformer-impl); the vision tower is transformers' own module, replicated on every TP
 rank. We use GPTModel's modules but run the decoder loop here: MRoPE angles are computed here
 (Megatron's MultimodalRotaryEmbedding has no Qwen3-VL interleaved layout) and Qwen3-VL's deepstack
 features are added to the first layers' outputs at image positions, as transformers does.
 Packed sequences: one row of T tokens; a block-diagonal causal mask on CPU, THD + cu_seqlens with TE.
 """
 import argparse
-import json
 import os
-import shutil
-import socket
 import sys
 from pathlib import Path
 
@@ -23,55 +21,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():  # Megatron's "no Apex / Transformer Engine" notes are expected on CPU
-    __import__("warnings").filterwarnings("ignore", message=".*(Apex|Transformer Engine|full scope).*")
+import convert
+import parallel
+from parallel import all_reduce as _all_reduce
+
 CHUNK = 16384  # vocabulary columns per LM-head chunk: bounds the (N, CHUNK) logits held at once
-
-
-def _all_reduce(t, group, op=dist.ReduceOp.SUM):
-    dist.all_reduce(t, op, group=group)
-    return t
-
-
-def cpu_shim():
-    """What megatron-core 0.16 needs to run on CPU over gloo; does nothing when CUDA is present.
-    1. Layers place parameters with `device=torch.cuda.current_device()`: answer "cpu".
-    2. The model-parallel RNG tracker (tensor_parallel.random) saves, seeds and restores CUDA
-       generator states: let it track the CPU generator instead (seeding the CPU RNG, as it would
-       seed the CUDA one).
-    3. GPTModel's default causal mask is built on "cuda": `_hidden` always passes an explicit one.
-    Megatron's optimizer and clip_grads need CUDA: the trainer uses torch.optim instead."""
-    if torch.cuda.is_available():
-        return
-    from megatron.core.tensor_parallel import random as mrandom
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.manual_seed = torch.manual_seed
-    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-
-
-def init_distributed(tp=1, seed=1234):
-    """torchrun's environment (or a plain single process) -> (rank, world_size, device).
-    gloo on CPU, nccl on GPU; Megatron's parallel state with TP=tp. A second call is a no-op."""
-    from megatron.core import parallel_state as ps, tensor_parallel
-    cuda = torch.cuda.is_available()
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:  # a plain process (not torchrun): a world of one on a free port
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-        if cuda:
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if cuda else "gloo", rank=int(os.environ.get("RANK", 0)),
-                                world_size=int(os.environ.get("WORLD_SIZE", 1)))
-    cpu_shim()
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    return dist.get_rank(), dist.get_world_size(), device
 
 
 def rope_positions(hf_config, input_ids, image_grid_thw=None):
@@ -149,35 +103,43 @@ class _LogprobEntropy(torch.autograd.Function):
             local = target - start - c
             hit = (local >= 0) & (local < z.shape[1])
             gz[hit, local[hit]] += g_lp[hit]
-            gh += (gz := gz / temp) @ wc
+            gz = gz / temp
+            gh += gz @ wc
             gw[c:c + wc.shape[0]] = gz.T @ h
         return _all_reduce(gh, group), gw, None, None, None, None, None  # each rank had part of the vocab
 
 
-# Megatron name inside decoder.layers.{i}. -> (how it is split over TP, HF names inside layers.{i}.)
-# rep: replicated; col: split along dim 1; fc1: [gate; up] rows; qkv: per query group [q, k, v].
-_LAYER = {
-    "input_layernorm.weight": ("rep", ["input_layernorm.weight"]),
-    "self_attention.linear_qkv.layer_norm_weight": ("rep", ["input_layernorm.weight"]),  # TE fuses
-    "self_attention.linear_qkv.weight": ("qkv", [f"self_attn.{x}_proj.weight" for x in "qkv"]),
-    "self_attention.linear_qkv.bias": ("qkv", [f"self_attn.{x}_proj.bias" for x in "qkv"]),
-    "self_attention.q_layernorm.weight": ("rep", ["self_attn.q_norm.weight"]),
-    "self_attention.k_layernorm.weight": ("rep", ["self_attn.k_norm.weight"]),
-    "self_attention.linear_proj.weight": ("col", ["self_attn.o_proj.weight"]),
-    "pre_mlp_layernorm.weight": ("rep", ["post_attention_layernorm.weight"]),
-    "mlp.linear_fc1.layer_norm_weight": ("rep", ["post_attention_layernorm.weight"]),
-    "mlp.linear_fc1.weight": ("fc1", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
-    "mlp.linear_fc2.weight": ("col", ["mlp.down_proj.weight"]),
-}
-_TOP = {"embedding.word_embeddings.weight": ("vocab", ["embed_tokens.weight"]),
-        "decoder.final_layernorm.weight": ("rep", ["norm.weight"])}
-_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+def layer_impl(impl=None):
+    """Megatron's --transformer-impl: "transformer_engine" (fused kernels, THD packing; the default
+    on CUDA) or "local" (plain torch, a dense T x T mask; the CPU path). Asking for Transformer
+    Engine where it cannot run is an error that says why: a broken TE import must not silently
+    fall back to the local spec (megatron-core swallows the ImportError and sets HAVE_TE=False)."""
+    if impl is None:
+        impl = "transformer_engine" if torch.cuda.is_available() else "local"
+    if impl not in ("transformer_engine", "local"):
+        raise SystemExit(f"--transformer-impl {impl!r}: choose transformer_engine or local")
+    if impl == "local":
+        return impl
+    if not torch.cuda.is_available():
+        raise SystemExit("--transformer-impl transformer_engine needs CUDA; use --transformer-impl local on CPU")
+    try:
+        import transformer_engine.pytorch  # noqa: F401 - only to surface its ImportError
+    except Exception as e:  # noqa: BLE001 - a missing or broken build: say which
+        raise SystemExit(f"Transformer Engine cannot be imported ({type(e).__name__}: {e}). Install it after "
+                         "torch with `pip install --no-build-isolation transformer-engine[pytorch]==2.20.2` "
+                         "(README, GPU set-up), or pass --transformer-impl local (unfused attention with a "
+                         "dense T x T mask: slow and memory-hungry on long packed sequences).")
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    if not specs.HAVE_TE:
+        raise SystemExit("megatron-core did not find Transformer Engine's layers although it imports; "
+                         "check the versions (README, GPU set-up) or pass --transformer-impl local")
+    return impl
 
 
 class MegatronVLM(torch.nn.Module):
     """HF vision tower (.visual) + Megatron GPTModel (.language_model), on the current parallel state."""
 
-    def __init__(self, hf_config, hf_dir):
+    def __init__(self, hf_config, hf_dir, transformer_impl=None):
         super().__init__()
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
@@ -194,7 +156,8 @@ class MegatronVLM(torch.nn.Module):
         self.padded_vocab = -(-self.vocab // self.tp) * self.tp  # VocabParallelEmbedding splits evenly
         self.tie = bool(getattr(hf_config, "tie_word_embeddings", False))
         qwen3 = hf_config.model_type.startswith("qwen3")
-        self.te = torch.cuda.is_available() and specs.HAVE_TE
+        self.impl = layer_impl(transformer_impl)
+        self.te = self.impl == "transformer_engine"
         cfg = TransformerConfig(  # Qwen2.5 / Qwen3 decoder: RMSNorm, SwiGLU, GQA, QKV bias or QK-norm
             num_layers=tc.num_hidden_layers, hidden_size=tc.hidden_size, ffn_hidden_size=tc.intermediate_size,
             num_attention_heads=self.heads, num_query_groups=self.groups, kv_channels=self.head_dim,
@@ -207,9 +170,10 @@ class MegatronVLM(torch.nn.Module):
             gradient_accumulation_fusion=False, persist_layer_norm=False)
         spec = (specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qwen3) if self.te else
                 specs.get_gpt_layer_local_spec(qk_layernorm=qwen3, normalization="RMSNorm"))
-        self.language_model = GPTModel(
-            cfg, spec, vocab_size=self.padded_vocab, max_sequence_length=tc.max_position_embeddings,
-            share_embeddings_and_output_weights=self.tie, position_embedding_type="none")
+        with parallel.megatron_on_cpu():
+            self.language_model = GPTModel(
+                cfg, spec, vocab_size=self.padded_vocab, max_sequence_length=tc.max_position_embeddings,
+                share_embeddings_and_output_weights=self.tie, position_embedding_type="none")
         self.visual = AutoModel.from_config(hf_config.vision_config)
         for name, p in self.language_model.named_parameters():
             if self.tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
@@ -264,10 +228,11 @@ class MegatronVLM(torch.nn.Module):
             mask = ~((seg[:, None] == seg[None]) & torch.ones(len(seg), len(seg), dtype=torch.bool, device=dev).tril())
             mask = mask[None, None]
         rot = self._rotary(pos)
-        for i, layer in enumerate(lm.decoder.layers):
-            h, _ = layer(hidden_states=h, attention_mask=mask, rotary_pos_emb=rot, packed_seq_params=psp)
-            if i < len(deep):  # deepstack: add layer i's visual features at the image tokens
-                h = h.index_put((img,), deep[i][:, None].to(h.dtype), accumulate=True)
+        with parallel.megatron_on_cpu():
+            for i, layer in enumerate(lm.decoder.layers):
+                h, _ = layer(hidden_states=h, attention_mask=mask, rotary_pos_emb=rot, packed_seq_params=psp)
+                if i < len(deep):  # deepstack: add layer i's visual features at the image tokens
+                    h = h.index_put((img,), deep[i][:, None].to(h.dtype), accumulate=True)
         return lm.decoder.final_layernorm(h)[:, 0]
 
     def forward(self, seqs, pixel_values=None, image_grid_thw=None, loss_masks=None, temperature=1.0,
@@ -294,144 +259,22 @@ class MegatronVLM(torch.nn.Module):
         """[(T_i, V) fp32 full logits] per sequence, gathered over TP: for parity checks only."""
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
         h = self._hidden(seqs, pixel_values, image_grid_thw)
-        z = gather_from_tensor_model_parallel_region(h @ self._head_weight().T)[:, :self.vocab]
+        with parallel.megatron_on_cpu():  # the gather allocates on torch.cuda.current_device()
+            z = gather_from_tensor_model_parallel_region(h @ self._head_weight().T)[:, :self.vocab]
         return list(z.float().split([len(s) for s in seqs]))
 
-    # --- conversion ---------------------------------------------------------------------------
-    def _rule(self, name):
-        """Megatron parameter name -> (kind, [full HF names as in the source checkpoint])."""
-        if name.startswith("visual."):
-            return "rep", [self.vis_prefix + name[len("visual."):]]
-        name = name[len("language_model."):]
-        if name == "output_layer.weight":
-            return "vocab", ["lm_head.weight"]
-        if name.startswith("decoder.layers."):
-            i, rest = name[len("decoder.layers."):].split(".", 1)
-            kind, hf = _LAYER[rest]
-            return kind, [f"{self.lm_prefix}layers.{i}.{x}" for x in hf]
-        kind, hf = _TOP[name]
-        return kind, [self.lm_prefix + x for x in hf]
-
-    def _shard(self, kind, sl):
-        """Lazy safetensors slices of the HF tensors -> this rank's Megatron tensor (reads only it)."""
-        r, tp = self.tp_rank, self.tp
-
-        def rows(s):  # this rank's 1/tp of s along dim 0
-            k = s.get_shape()[0] // tp
-            return s[r * k:(r + 1) * k]
-        if kind in ("rep", "col"):
-            k = sl[0].get_shape()[-1] // tp
-            return sl[0][:] if kind == "rep" else sl[0][:, r * k:(r + 1) * k]
-        if kind == "fc1":  # [gate_r; up_r]
-            return torch.cat([rows(s) for s in sl])
-        if kind == "qkv":  # per local query group g: [q heads of g; k_g; v_g]
-            g = self.groups // tp
-            return torch.cat([(x := rows(s)).reshape(g, -1, *x.shape[1:]) for s in sl], 1).flatten(0, 1)
-        k = self.padded_vocab // tp  # vocab: rows of the padded vocabulary, padding = 0
-        x = sl[0][min(r * k, self.vocab):min((r + 1) * k, self.vocab)]
-        return torch.cat([x, x.new_zeros(k - len(x), *x.shape[1:])])
-
-    def _full(self, kind, t):
-        """This rank's Megatron tensor -> [full HF tensors] (gathers over TP)."""
-        if kind == "rep":
-            return [t]
-        parts = [t]
-        if self.tp > 1:
-            parts = [torch.empty_like(t) for _ in range(self.tp)]
-            dist.all_gather(parts, t.contiguous(), group=self.tp_group)
-        if kind in ("col", "vocab"):
-            return [torch.cat(parts, 1)] if kind == "col" else [torch.cat(parts)[:self.vocab]]
-        if kind == "fc1":  # [gate_r; up_r] of every rank -> gate, up
-            return [torch.cat(x) for x in zip(*(p.chunk(2) for p in parts))]
-        x = torch.cat(parts)  # qkv: rank order = query-group order
-        x, d = x.reshape(self.groups, -1, *x.shape[1:]), self.head_dim
-        return [y.flatten(0, 1) for y in x.split([self.heads // self.groups * d, d, d], 1)]
-
-
-def _weight_files(hf_dir):
-    """{HF tensor name: safetensors file} of a checkpoint folder."""
-    hf_dir = Path(hf_dir)
-    index = hf_dir / "model.safetensors.index.json"
-    if index.exists():
-        return {k: hf_dir / v for k, v in json.loads(index.read_text())["weight_map"].items()}
-    from safetensors import safe_open
-    return {k: f for f in sorted(hf_dir.glob("*.safetensors")) for k in safe_open(f, "pt").keys()}
-
-
-def load_model(hf_dir, freeze_vit=False):
+def load_model(hf_dir, freeze_vit=False, transformer_impl=None):
     """MegatronVLM on the current parallel state (initialised if needed), weights from the HF
     safetensors, each TP rank reading only its slices. Parameters are fp32 (CPU and GPU alike)."""
-    from safetensors import safe_open
     from transformers import AutoConfig
-    _, _, device = init_distributed()
-    cfg = AutoConfig.from_pretrained(hf_dir)
-    model = MegatronVLM(cfg, hf_dir)
-    files = _weight_files(hf_dir)
-    handles = {f: safe_open(f, "pt") for f in set(files.values())}
-    model.src = {k: (handles[f].get_slice(k).get_shape(), _DTYPES[handles[f].get_slice(k).get_dtype()])
-                 for k, f in files.items()}  # name -> (shape, dtype): what export gives back
-    model.lm_prefix = next(k for k in files if k.endswith("embed_tokens.weight"))[:-len("embed_tokens.weight")]
-    model.vis_prefix = next(k for k in files if k.endswith("patch_embed.proj.weight"))[:-len("patch_embed.proj.weight")]
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            kind, hf = model._rule(name)
-            p.copy_(model._shard(kind, [handles[files[n]].get_slice(n) for n in hf]))
-            if kind != "rep" and not getattr(p, "tensor_model_parallel", False):
-                # what Megatron's weight init would have marked: the trainer's grad norm counts
-                # sharded tensors on every TP rank, the others once
-                p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, int(kind == "col"), 1
+    rank, _, device = parallel.init_distributed()
+    model = MegatronVLM(AutoConfig.from_pretrained(hf_dir), hf_dir, transformer_impl)
+    convert.load_weights(model, hf_dir)
     model.visual.requires_grad_(not freeze_vit)
+    if rank == 0:
+        print(f"[model] {hf_dir}: layer spec {model.impl}, parameters {next(model.parameters()).dtype}, "
+              f"device {device}, TP {model.tp}", flush=True)
     return model.to(device)
-
-
-def _hf_tensors(model, grad=False):
-    """(HF name, full tensor) for every tensor of the source checkpoint; grad=True: their gradients
-    (None-grads as zeros). Collective over TP: every rank gets every full tensor."""
-    for name, p in model.named_parameters():
-        t = p.detach() if not grad else (p.grad if p.grad is not None else torch.zeros_like(p))
-        kind, hf = model._rule(name)
-        full = model._full(kind, t)
-        if name.endswith("word_embeddings.weight") and model.tie:  # tied: emit lm_head if the source has it
-            hf, full = hf + ["lm_head.weight"], full + full
-        for n, x in zip(hf, full):
-            if n in model.src:
-                yield n, x.to(model.src[n][1])
-
-
-def export_hf(model, bucket_bytes=256 << 20):
-    """Buckets [(HF name, full tensor)] of about bucket_bytes, names/shapes/dtypes as in the source
-    checkpoint. Call on every TP rank (it gathers); every rank receives the full tensors."""
-    bucket, size = [], 0
-    for n, t in _hf_tensors(model):
-        bucket.append((n, t))
-        if (size := size + t.numel() * t.element_size()) >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket
-
-
-def save_hf(model, out_dir, shard_bytes=4 << 30):
-    """A checkpoint transformers and SGLang load as they are: safetensors from export_hf plus the
-    source's config / tokenizer / processor / template files. Call on every rank; rank 0 writes."""
-    from safetensors.torch import save_file
-    out, rank0, weight_map = Path(out_dir), dist.get_rank() == 0, {}
-    out.mkdir(parents=True, exist_ok=True)
-    for i, bucket in enumerate(export_hf(model, shard_bytes)):
-        if rank0:
-            name = f"model-{i + 1:05d}.safetensors"
-            save_file({n: t.cpu().contiguous() for n, t in bucket}, out / name, metadata={"format": "pt"})
-            weight_map.update({n: name for n, _ in bucket})
-    if rank0:
-        names = sorted(set(weight_map.values()))
-        if len(names) == 1:  # one shard: the plain single-file layout
-            (out / names[0]).rename(out / "model.safetensors")
-        else:
-            (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
-        for f in model.hf_dir.iterdir():
-            if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
-                shutil.copy2(f, out / f.name)
-    dist.barrier()
 
 
 # --- parity check ---------------------------------------------------------------------------------
@@ -470,31 +313,42 @@ def hf_logits(hf, seqs, pixel_values=None, image_grid_thw=None):
     return out
 
 
-def check(hf_dir):
+def check(hf_dir, transformer_impl=None):
     """Megatron vs transformers (fp32) on check_inputs, and the export round trip; TP = world size.
+    Both models and all inputs sit on this rank's device (cuda:LOCAL_RANK or cpu).
     Returns the max abs logit diff (inf when the export does not reproduce the checkpoint)."""
     from safetensors import safe_open
     from transformers import AutoModelForImageTextToText
-    rank, world, _ = init_distributed(int(os.environ.get("WORLD_SIZE", 1)))
-    model, files = load_model(hf_dir), _weight_files(hf_dir)
-    same = {n: torch.equal(t, safe_open(files[n], "pt").get_tensor(n)) for n, t in _hf_tensors(model)}
+    rank, world, device = parallel.init_distributed(int(os.environ.get("WORLD_SIZE", 1)))
+    model, files = load_model(hf_dir, transformer_impl=transformer_impl), convert.weight_files(hf_dir)
+    same = {}
+    for n, t in convert.hf_tensors(model):
+        with safe_open(files[n], "pt") as f:
+            same[n] = torch.equal(t.cpu(), f.get_tensor(n))
     exact = same.keys() == files.keys() and all(same.values())
     seqs, pv, grid = check_inputs(hf_dir)
-    hf = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32)
+    seqs, pv, grid = [s.to(device) for s in seqs], pv.to(device), grid.to(device)
+    hf = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).to(device)
     with torch.no_grad():
-        diff = max((x - y).abs().max().item() for x, y in zip(model.logits(seqs, pv, grid), hf_logits(hf, seqs, pv, grid)))
+        ours, theirs = model.logits(seqs, pv, grid), hf_logits(hf, seqs, pv, grid)
+        diff = max((x - y).abs().max().item() for x, y in zip(ours, theirs))
     if rank == 0:
-        print(f"tp={world} sequences={[len(s) for s in seqs]} image_grid_thw={grid.tolist()} export_exact={exact}")
+        print(f"tp={world} device={device} spec={model.impl} sequences={[len(s) for s in seqs]} "
+              f"image_grid_thw={grid.tolist()} export_exact={exact}")
         print(f"max_abs_logit_diff={diff:.3g}")
     return diff if exact else float("inf")
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["tiny"]:
-        __import__("tiny").main(sys.argv[2:])
+        import tiny
+        tiny.main(sys.argv[2:])
     elif sys.argv[1:2] == ["check"]:
         p = argparse.ArgumentParser(description="Megatron vs transformers logits on one checkpoint")
         p.add_argument("--hf-checkpoint", required=True, help="Hugging Face checkpoint folder")
-        sys.exit(0 if check(p.parse_args(sys.argv[2:]).hf_checkpoint) <= 1e-4 else 1)
+        p.add_argument("--transformer-impl", default=None, choices=["transformer_engine", "local"],
+                       help="Megatron layer spec (default: transformer_engine on CUDA, local on CPU)")
+        a = p.parse_args(sys.argv[2:])
+        sys.exit(0 if check(a.hf_checkpoint, a.transformer_impl) <= 1e-4 else 1)
     else:
         sys.exit(__doc__)

@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import convert  # noqa: E402
 import model as M  # noqa: E402
+import parallel  # noqa: E402
 
 
 def canonical(name):
@@ -42,8 +44,8 @@ def grad_errors(model, hf, seqs, pv, grid, temp=0.7):
     ((ref_lp * w).sum() + 0.3 * ref_ent.sum()).backward()
     ref = {canonical(n): p.grad for n, p in hf.named_parameters()}
     rel = {canonical(n): ((g - ref[canonical(n)]).norm() / ref[canonical(n)].norm()).item()
-           for n, g in M._hf_tensors(model, grad=True)}
-    agree = all(torch.equal(M._all_reduce(p.grad.clone(), model.tp_group, torch.distributed.ReduceOp.MAX), p.grad)
+           for n, g in convert.hf_tensors(model, grad=True)}
+    agree = all(torch.equal(parallel.all_reduce(p.grad.clone(), model.tp_group, torch.distributed.ReduceOp.MAX), p.grad)
                 for p in model.parameters() if not getattr(p, "tensor_model_parallel", False))
     model.zero_grad(set_to_none=True)
     return rel, ref, max((lp - ref_lp).abs().max().item(), (ent - ref_ent).abs().max().item()), agree
@@ -51,7 +53,7 @@ def grad_errors(model, hf, seqs, pv, grid, temp=0.7):
 
 if __name__ == "__main__":
     from transformers import AutoModelForImageTextToText
-    rank, world, _ = M.init_distributed(int(os.environ.get("WORLD_SIZE", 1)))
+    rank, world, _ = parallel.init_distributed(int(os.environ.get("WORLD_SIZE", 1)))
     for d in sys.argv[1:]:
         hf = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32)
         rel, ref, lp_diff, agree = grad_errors(M.load_model(d), hf, *M.check_inputs(d))

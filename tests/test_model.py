@@ -14,7 +14,9 @@ from safetensors import safe_open
 
 from conftest import ROOT
 
+import convert
 import model as M
+import parallel
 from _model_tp_worker import grad_errors
 
 ARCHS = ["qwen3_vl", "qwen2_5_vl"]
@@ -24,7 +26,7 @@ ARCHS = ["qwen3_vl", "qwen2_5_vl"]
 def setup(tiny_ckpt):
     """arch -> (checkpoint dir, Megatron model, transformers model, (seqs, pixel_values, grid))."""
     from transformers import AutoModelForImageTextToText
-    M.init_distributed(1)
+    parallel.init_distributed(1)
     made = {}
 
     def get(arch, **sizes):
@@ -38,7 +40,7 @@ def setup(tiny_ckpt):
 
 
 def source_tensors(d):
-    files = M._weight_files(d)
+    files = convert.weight_files(d)
     return {n: safe_open(f, "pt").get_tensor(n) for n, f in files.items()}
 
 
@@ -120,7 +122,7 @@ def test_export_reproduces_checkpoint_bit_exactly(setup, arch, sizes):
     src = source_tensors(d)
     assert ("lm_head.weight" in src) != sizes.get("tie", False)
     bucket_bytes = 1 << 20
-    buckets = list(M.export_hf(model, bucket_bytes=bucket_bytes))
+    buckets = list(convert.export_hf(model, bucket_bytes=bucket_bytes))
     got = [x for b in buckets for x in b]
     assert len(buckets) > 1 and all(sum(t.numel() * t.element_size() for _, t in b[:-1]) < bucket_bytes for b in buckets)
     assert sorted(n for n, _ in got) == sorted(src)
@@ -132,8 +134,8 @@ def test_export_reproduces_checkpoint_bit_exactly(setup, arch, sizes):
 def test_save_hf_loads_in_transformers(setup, arch, tmp_path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
     d, model, hf, (seqs, pv, grid) = setup(arch)
-    M.save_hf(model, tmp_path / "one")
-    M.save_hf(model, tmp_path / "sharded", shard_bytes=1 << 20)
+    convert.save_hf(model, tmp_path / "one")
+    convert.save_hf(model, tmp_path / "sharded", shard_bytes=1 << 20)
     assert (tmp_path / "one" / "model.safetensors").exists()
     assert len(json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())["weight_map"]) == len(source_tensors(d))
     AutoProcessor.from_pretrained(tmp_path / "one")  # tokenizer, processor and template came along
@@ -144,7 +146,7 @@ def test_save_hf_loads_in_transformers(setup, arch, tmp_path):
             for a, b in zip(M.hf_logits(again, seqs, pv, grid), ref):
                 assert torch.equal(a, b)
     src = source_tensors(d)  # and our own loader reads the sharded layout back
-    assert all(torch.equal(t, src[n]) for n, t in M._hf_tensors(M.load_model(tmp_path / "sharded")))
+    assert all(torch.equal(t, src[n]) for n, t in convert.hf_tensors(M.load_model(tmp_path / "sharded")))
 
 
 def test_image_token_mismatch_is_an_error(setup):
@@ -159,7 +161,7 @@ def test_image_token_mismatch_is_an_error(setup):
 
 def test_init_is_idempotent_and_tp_attributes(setup):
     d, model, _, _ = setup("qwen3_vl")
-    assert M.init_distributed(1) == M.init_distributed(2) == (0, 1, torch.device("cpu"))
+    assert parallel.init_distributed(1) == parallel.init_distributed(2) == (0, 1, torch.device("cpu"))
     par = {n for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)}
     assert any("linear_qkv.weight" in n for n in par) and any("word_embeddings" in n for n in par)
     assert not any(n.startswith("visual.") or "layernorm" in n for n in par)

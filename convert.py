@@ -1,0 +1,209 @@
+"""Hugging Face <-> Megatron weights: one name map, loading each TP rank's slices, exporting full
+HF tensors (for checkpoints and for the rollout engine), and the one safetensors folder writer.
+
+    load_weights(model, hf_dir)                   # model: model.MegatronVLM on the current TP state
+    for bucket in export_hf(model): ...           # [(HF name, full tensor)], names as in the source
+    save_hf(model, out_dir)                        # a folder transformers and SGLang load as it is
+
+The vision tower keeps its HF names (replicated on every TP rank); language-model tensors are
+split over TP as Megatron's layers hold them and gathered back on export.
+"""
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# Megatron name inside decoder.layers.{i}. -> (how it is split over TP, HF names inside layers.{i}.)
+# rep: replicated; col: split along dim 1; fc1: [gate; up] rows; qkv: per query group [q, k, v].
+_LAYER = {
+    "input_layernorm.weight": ("rep", ["input_layernorm.weight"]),
+    "self_attention.linear_qkv.layer_norm_weight": ("rep", ["input_layernorm.weight"]),  # TE fuses
+    "self_attention.linear_qkv.weight": ("qkv", [f"self_attn.{x}_proj.weight" for x in "qkv"]),
+    "self_attention.linear_qkv.bias": ("qkv", [f"self_attn.{x}_proj.bias" for x in "qkv"]),
+    "self_attention.q_layernorm.weight": ("rep", ["self_attn.q_norm.weight"]),
+    "self_attention.k_layernorm.weight": ("rep", ["self_attn.k_norm.weight"]),
+    "self_attention.linear_proj.weight": ("col", ["self_attn.o_proj.weight"]),
+    "pre_mlp_layernorm.weight": ("rep", ["post_attention_layernorm.weight"]),
+    "mlp.linear_fc1.layer_norm_weight": ("rep", ["post_attention_layernorm.weight"]),
+    "mlp.linear_fc1.weight": ("fc1", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
+    "mlp.linear_fc2.weight": ("col", ["mlp.down_proj.weight"]),
+}
+_TOP = {"embedding.word_embeddings.weight": ("vocab", ["embed_tokens.weight"]),
+        "decoder.final_layernorm.weight": ("rep", ["norm.weight"])}
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+# Files of a checkpoint folder that are not weights: copied next to exported weights.
+_WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth")
+
+
+def weight_files(hf_dir):
+    """{HF tensor name: safetensors file} of a checkpoint folder."""
+    from safetensors import safe_open
+    hf_dir = Path(hf_dir)
+    index = hf_dir / "model.safetensors.index.json"
+    if index.exists():
+        return {k: hf_dir / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+    out = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        with safe_open(f, "pt") as handle:
+            out.update(dict.fromkeys(handle.keys(), f))
+    return out
+
+
+def rule(model, name):
+    """Megatron parameter name -> (kind, [full HF names as in the source checkpoint])."""
+    if name.startswith("visual."):
+        return "rep", [model.vis_prefix + name[len("visual."):]]
+    name = name[len("language_model."):]
+    if name == "output_layer.weight":
+        return "vocab", ["lm_head.weight"]
+    if name.startswith("decoder.layers."):
+        i, rest = name[len("decoder.layers."):].split(".", 1)
+        kind, hf = _LAYER[rest]
+        return kind, [f"{model.lm_prefix}layers.{i}.{x}" for x in hf]
+    kind, hf = _TOP[name]
+    return kind, [model.lm_prefix + x for x in hf]
+
+
+def _rows(s, r, tp):
+    """Rank r's 1/tp of a lazy safetensors slice along dim 0."""
+    k = s.get_shape()[0] // tp
+    return s[r * k:(r + 1) * k]
+
+
+def shard(model, kind, slices):
+    """Lazy safetensors slices of the HF tensors -> this rank's Megatron tensor (reads only it)."""
+    r, tp = model.tp_rank, model.tp
+    if kind == "rep":
+        return slices[0][:]
+    if kind == "col":
+        k = slices[0].get_shape()[-1] // tp
+        return slices[0][:, r * k:(r + 1) * k]
+    if kind == "fc1":  # [gate_r; up_r]
+        return torch.cat([_rows(s, r, tp) for s in slices])
+    if kind == "qkv":  # per local query group g: [q heads of g; k_g; v_g]
+        g = model.groups // tp
+        parts = []
+        for s in slices:
+            x = _rows(s, r, tp)
+            parts.append(x.reshape(g, -1, *x.shape[1:]))
+        return torch.cat(parts, 1).flatten(0, 1)
+    k = model.padded_vocab // tp  # vocab: rows of the padded vocabulary, padding = 0
+    x = slices[0][min(r * k, model.vocab):min((r + 1) * k, model.vocab)]
+    return torch.cat([x, x.new_zeros(k - len(x), *x.shape[1:])])
+
+
+def full(model, kind, t):
+    """This rank's Megatron tensor -> [full HF tensors] (gathers over TP)."""
+    if kind == "rep":
+        return [t]
+    parts = [t]
+    if model.tp > 1:
+        parts = [torch.empty_like(t) for _ in range(model.tp)]
+        dist.all_gather(parts, t.contiguous(), group=model.tp_group)
+    if kind == "col":
+        return [torch.cat(parts, 1)]
+    if kind == "vocab":
+        return [torch.cat(parts)[:model.vocab]]
+    if kind == "fc1":  # [gate_r; up_r] of every rank -> gate, up
+        halves = [p.chunk(2) for p in parts]
+        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    x = torch.cat(parts)  # qkv: rank order = query-group order
+    x, d = x.reshape(model.groups, -1, *x.shape[1:]), model.head_dim
+    return [y.flatten(0, 1) for y in x.split([model.heads // model.groups * d, d, d], 1)]
+
+
+def load_weights(model, hf_dir):
+    """Copy the HF checkpoint's tensors into `model` (each TP rank reads only its slices) and
+    remember the source's names, shapes and dtypes, which export gives back."""
+    from safetensors import safe_open
+    files = weight_files(hf_dir)
+    if not files:
+        raise FileNotFoundError(f"{hf_dir}: no *.safetensors weights")
+    handles = {f: safe_open(f, "pt") for f in set(files.values())}
+    model.src = {}  # HF name -> (shape, dtype)
+    for k, f in files.items():
+        sl = handles[f].get_slice(k)
+        model.src[k] = (sl.get_shape(), _DTYPES[sl.get_dtype()])
+    model.lm_prefix = next(k for k in files if k.endswith("embed_tokens.weight"))[:-len("embed_tokens.weight")]
+    model.vis_prefix = next(k for k in files if k.endswith("patch_embed.proj.weight"))[:-len("patch_embed.proj.weight")]
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            kind, hf = rule(model, name)
+            p.copy_(shard(model, kind, [handles[files[n]].get_slice(n) for n in hf]))
+            if kind != "rep" and not getattr(p, "tensor_model_parallel", False):
+                # what Megatron's weight init would have marked: the trainer's grad norm counts
+                # sharded tensors on every TP rank, the others once
+                p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, int(kind == "col"), 1
+
+
+def hf_tensors(model, grad=False):
+    """(HF name, full tensor) for every tensor of the source checkpoint; grad=True: their gradients
+    (None-grads as zeros). Collective over TP: every rank gets every full tensor."""
+    for name, p in model.named_parameters():
+        if grad:
+            t = p.grad if p.grad is not None else torch.zeros_like(p)
+        else:
+            t = p.detach()
+        kind, hf = rule(model, name)
+        tensors = full(model, kind, t)
+        if name.endswith("word_embeddings.weight") and model.tie:  # tied: emit lm_head if the source has it
+            hf, tensors = hf + ["lm_head.weight"], tensors + tensors
+        for n, x in zip(hf, tensors):
+            if n in model.src:
+                yield n, x.to(model.src[n][1])
+
+
+def export_hf(model, bucket_bytes=256 << 20):
+    """Buckets [(HF name, full tensor)] of about bucket_bytes, names/shapes/dtypes as in the source
+    checkpoint. Call on every TP rank (it gathers); every rank receives the full tensors."""
+    bucket, size = [], 0
+    for n, t in hf_tensors(model):
+        bucket.append((n, t))
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def write_hf(buckets, out_dir, src_dir):
+    """Write (HF name, tensor) buckets as a checkpoint folder: one safetensors file a bucket
+    (a single one named model.safetensors, else with an index), plus the source folder's
+    config, tokenizer, processor and template files. Old weight files there are removed first.
+    -> number of tensors written."""
+    from safetensors.torch import save_file
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in out.iterdir():
+        if f.is_file() and f.name.endswith(_WEIGHT_SUFFIXES):
+            f.unlink()
+    weight_map = {}
+    for i, bucket in enumerate(buckets):
+        name = f"model-{i + 1:05d}.safetensors"
+        save_file({n: t.detach().cpu().contiguous() for n, t in bucket}, str(out / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys((n for n, _ in bucket), name))
+    names = sorted(set(weight_map.values()))
+    if len(names) == 1:  # one shard: the plain single-file layout
+        (out / names[0]).rename(out / "model.safetensors")
+    else:
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    for f in Path(src_dir).iterdir():
+        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(f, out / f.name)
+    return len(weight_map)
+
+
+def save_hf(model, out_dir, shard_bytes=4 << 30):
+    """A checkpoint transformers and SGLang load as they are. Call on every rank (export gathers
+    over TP); global rank 0 writes."""
+    buckets = export_hf(model, shard_bytes)
+    if dist.get_rank() == 0:
+        write_hf(buckets, out_dir, model.hf_dir)
+    else:
+        for _ in buckets:  # take part in the gathers
+            pass
+    dist.barrier()

@@ -1,0 +1,102 @@
+"""Parallel state: torchrun's environment -> the process group and Megatron's tensor/data-parallel
+groups, and the few collectives the trainers use. Nothing else lives here.
+
+    rank, world, device = parallel.init_distributed(tp=2)   # under torchrun, or a plain process
+    with parallel.megatron_on_cpu():                          # only where Megatron code runs
+        ...
+
+A plain process (no RANK from torchrun) is a world of one with an in-memory store: no port is
+opened. Under torchrun the backend is gloo on CPU and NCCL on GPU, with an explicit timeout:
+rank 0 loads data, starts SGLang (up to --sglang-server-timeout) and evaluates before the first
+collective, longer than NCCL's 10-minute default.
+"""
+import contextlib
+import datetime
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+if not torch.cuda.is_available():  # Megatron's "no Apex / Transformer Engine" notes are expected on CPU
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|full scope).*")
+
+
+@contextlib.contextmanager
+def megatron_on_cpu():
+    """What megatron-core 0.16 needs to build and run its layers on CPU over gloo, for the duration
+    of the block only; does nothing when CUDA is present.
+    1. Layers place tensors with `device=torch.cuda.current_device()`: answer "cpu".
+    2. The model-parallel RNG tracker (tensor_parallel.random) saves, seeds and restores CUDA
+       generator states: let it use the CPU generator (seeding it as it would seed the CUDA one).
+    3. GPTModel's default causal mask is built on "cuda": model.py always passes an explicit one.
+    Megatron's optimizer and clip_grads need CUDA: trainer.py uses torch.optim instead."""
+    if torch.cuda.is_available():
+        yield
+        return
+    from megatron.core.tensor_parallel import random as mrandom
+    patches = [(torch.cuda, "current_device", lambda: "cpu"),
+               (torch.cuda, "manual_seed", torch.manual_seed),
+               (torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state()),
+               (mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),
+               (mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for obj, name, fn in patches:
+        setattr(obj, name, fn)
+    try:
+        yield
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+
+
+def init_distributed(tp=1, seed=1234, timeout_minutes=60):
+    """torchrun's environment (or a plain single process) -> (rank, world_size, device), with
+    Megatron's parallel state at TP=tp (DP = world / tp). A second call is a no-op."""
+    from megatron.core import parallel_state as ps, tensor_parallel
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if not dist.is_initialized():
+        if cuda:
+            torch.cuda.set_device(device)
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        backend = "nccl" if cuda else "gloo"
+        if "RANK" in os.environ:  # torchrun: its rendezvous store
+            dist.init_process_group(backend, timeout=timeout)
+        else:  # a plain process: a world of one, no network port
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    if not ps.model_parallel_is_initialized():
+        world = dist.get_world_size()
+        if tp < 1 or world % tp:
+            raise SystemExit(f"--tensor-model-parallel-size {tp} must divide the world size {world}")
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+        with megatron_on_cpu():
+            tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def tp_group():
+    from megatron.core import parallel_state as ps
+    return ps.get_tensor_model_parallel_group()
+
+
+def tp_rank_size():
+    from megatron.core import parallel_state as ps
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+def dp_group():
+    from megatron.core import parallel_state as ps
+    return ps.get_data_parallel_group()
+
+
+def dp_rank_size():
+    from megatron.core import parallel_state as ps
+    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+
+
+def all_reduce(t, group, op=dist.ReduceOp.SUM):
+    """In-place all-reduce over `group` that returns its tensor; a no-op in a group of one."""
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op, group=group)
+    return t
