@@ -260,13 +260,11 @@ def _score_chunk(rm_type, responses, labels):
 def _die_with_parent(parent):
     """Pool worker start-up: the kernel sends SIGTERM when the trainer dies, even by SIGKILL
     (Linux PR_SET_PDEATHSIG, armed for the thread that created the pool); without it idle
-    workers outlive a killed trainer. Elsewhere this is a no-op."""
-    try:
-        ctypes.CDLL(None).prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM
-    except (AttributeError, OSError):
-        return
-    if os.getppid() != parent:  # the trainer died before the signal was armed
-        os._exit(0)
+    workers outlive a killed trainer. Elsewhere this is a no-op. A worker whose trainer died
+    before the arming exits at once (proc.die_with_parent checks the parent pid)."""
+    import signal
+    import proc
+    proc.die_with_parent(signal.SIGTERM, parent)
 
 
 _POOLS = {}  # workers -> ProcessPoolExecutor, kept alive: a worker pays sympy's import once
