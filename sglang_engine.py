@@ -5,13 +5,18 @@
     engine.release(); ...train...; engine.resume(); engine.update_weights(buckets); engine.shutdown()
 
 Protocol: stock SGLang, no fork. POST /generate with "input_ids", images as data URIs and
-"return_logprob"; ids and logprobs come from meta_info.output_token_logprobs, and
-meta_info.prompt_tokens lets the rollout check that the server expanded the image tokens as we did.
+"return_logprob"; ids and logprobs come from meta_info.output_token_logprobs. The rollout keeps
+each image's placeholder EXPANDED to its grid's count, but SGLang wants ONE image pad per image
+and expands it itself (sglang 0.5.23 multimodal/processors/base_processor.py:586 build_input_ids;
+an expanded run makes it index past the image grids: HTTP 500 IndexError). So each run of image
+pads is collapsed to one pad here, and the server's meta_info.prompt_tokens (its own expansion)
+is returned for the rollout to check against the expanded length it holds.
 
 Weight sync goes through the disk: the (HF name, full tensor) buckets become safetensors shards
 in <run_dir>/weights, next to the checkpoint's config and processor files, loaded by POST
-/update_weights_from_disk, then /flush_cache (stale prefix/vision caches would serve old-weight
-results). Not /update_weights_from_tensor: its payloads are CUDA IPC handles, one per server TP
+/update_weights_from_disk. The server flushes its cache after that load by itself
+(UpdateWeightFromDiskReqInput.flush_cache defaults to True, managers/io_struct.py:1970), so we do
+not flush again; a failed load answers HTTP 400 {"success": false, "message"}, raised here. Not /update_weights_from_tensor: its payloads are CUDA IPC handles, one per server TP
 rank, which need sglang in the trainer, the tensors alive on the same node until the server has
 copied them, and a shared IPC namespace. The disk works with any server TP, any process layout
 and no sglang import, and a restarted server is launched from the latest synced folder. Cost:
@@ -19,11 +24,15 @@ one write of the weights per step (put the run dir, or `weights_dir`, on local N
 
 Process hygiene: the server leads its own process group, logging to <run_dir>/sglang.log;
 shutdown(), atexit and SIGINT/SIGTERM handlers send the group SIGTERM, then SIGKILL after a
-grace period, and PR_SET_PDEATHSIG covers a SIGKILLed trainer (create the engine in the main
-thread: the signal follows the thread that started the server). Nothing is killed by name. A
-dead server is restarted (from the latest synced weights) and the requests in flight retried;
-an HTTP error on one request fails only that sample. Call on rank 0 only. release()/resume()
-need --sglang-enable-memory-saver (rollout.make_engine adds Blackwell's mm-attention backend).
+grace period (proc.kill_group), and PR_SET_PDEATHSIG covers a SIGKILLed trainer: the server is
+started through `python proc.py <our pid> cmd...`, which arms it and execs the server (create
+the engine in the main thread: the signal follows the thread that started the server). Nothing
+is killed by name. A dead server is restarted (from the latest synced weights) and the requests
+in flight retried; an HTTP error on one request fails only that sample. Call on rank 0 only.
+`env` adds variables to the server's environment (CUDA_VISIBLE_DEVICES for a server on its own
+GPUs). release()/resume() (POST /release_memory_occupation, /resume_memory_occupation; body
+ReleaseMemoryOccupationReqInput / ResumeMemoryOccupationReqInput, io_struct.py:2177/2187, whose
+only field `tags` we leave unset = all memory) need --sglang-enable-memory-saver.
 """
 import atexit
 import http.client
@@ -42,6 +51,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import proc
 from engines import Engine
 
 _LIVE = weakref.WeakSet()  # engines whose servers must die with us
@@ -55,13 +65,45 @@ class ServerDown(Exception):
 class ServerError(RuntimeError):
     """The server answered with an HTTP error: a bad request of ours, not a crash."""
 
+    def __init__(self, path, code, body):
+        super().__init__(f"SGLang {path} -> HTTP {code}: {body[:2000]}")
+        self.code, self.body = code, body
 
-# Exec shim: arm PR_SET_PDEATHSIG (SIGKILL when the thread that started us dies), then become
-# the server. SGLang's own subprocesses arm it too, so even a SIGKILLed trainer (OOM) leaves no
-# server behind. A shim rather than preexec_fn, which is unsafe with threads running.
-_DIE_WITH_PARENT = ("import ctypes, os, sys; ctypes.CDLL(None).prctl(1, 9); "
-                    "os.getppid() == int(sys.argv[1]) or sys.exit('launcher: parent already gone'); "
-                    "os.execvp(sys.argv[2], sys.argv[2:])")
+    def message(self):
+        """The server's own "message" field when the body is JSON carrying one, else the body."""
+        try:
+            obj = json.loads(self.body)
+        except ValueError:
+            return self.body
+        if isinstance(obj, dict) and obj.get("message"):
+            return str(obj["message"])
+        return self.body
+
+
+# The launcher that arms PR_SET_PDEATHSIG (SIGKILL when the thread that started it dies) and
+# execs the server. SGLang's own subprocesses arm it too, so even a SIGKILLed trainer (OOM)
+# leaves no server behind.
+_LAUNCHER = str(Path(__file__).resolve().with_name("proc.py"))
+
+
+def read_image_token_id(hf_dir):
+    """The checkpoint's image pad id (config.json `image_token_id`: 151655 for Qwen2.5/3-VL,
+    248056 for Qwen3.5), or None for a checkpoint without images."""
+    cfg = json.loads((Path(hf_dir) / "config.json").read_text())
+    value = cfg.get("image_token_id")
+    if value is None:
+        return None
+    return int(value)
+
+
+def collapse_image_pads(ids, pad):
+    """Each run of `pad` ids -> one `pad`: the form SGLang expands by itself."""
+    out = []
+    for t in ids:
+        if t == pad and out and out[-1] == pad:
+            continue
+        out.append(t)
+    return out
 
 
 def _shutdown_all():
@@ -89,28 +131,12 @@ def _install_handlers():
     _HANDLERS.append(True)
 
 
-def kill_group(proc, grace=15.0):
-    """SIGTERM the process group of `proc` (its own session), SIGKILL what is left after `grace`."""
-    pgid = proc.pid  # start_new_session=True: the server leads its own group
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.time() + wait
-        while time.time() < deadline:
-            proc.poll()  # reap the leader, or it lingers as a zombie member of the group
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.05)
-
-
 class SGLangEngine(Engine):
     def __init__(self, hf_dir, run_dir, server_args=(), timeout=900.0, launch_cmd=None,
-                 weights_dir=None, max_restarts=3, max_inflight=256, request_timeout=3600.0):
+                 weights_dir=None, max_restarts=3, max_inflight=256, request_timeout=3600.0, env=None):
         self.hf_dir = self.model_path = str(hf_dir)
+        self.image_pad = read_image_token_id(hf_dir)
+        self.env = dict(env or {})  # added to our environment for the server (and its restarts)
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.weights_dir = Path(weights_dir or self.run_dir / "weights")
@@ -139,11 +165,16 @@ class SGLangEngine(Engine):
         cmd = [*self.launch_cmd, "--model-path", self.model_path, "--host", "127.0.0.1",
                "--port", str(self.port), *self.server_args]
         if sys.platform == "linux":
-            cmd = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
+            cmd = [sys.executable, _LAUNCHER, str(os.getpid()), *cmd]
+        env = None  # inherit ours as it is
+        if self.env:
+            env = dict(os.environ)
+            env.update({k: str(v) for k, v in self.env.items()})
         with open(self.log_path, "ab") as log:
-            log.write(f"\n=== {time.strftime('%H:%M:%S')} starting: {' '.join(cmd)}\n".encode())
+            extra = " ".join(f"{k}={v}" for k, v in self.env.items())
+            log.write(f"\n=== {time.strftime('%H:%M:%S')} starting: {extra} {' '.join(cmd)}\n".encode())
             log.flush()
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.time() + self.timeout
         while time.time() < deadline:
@@ -173,7 +204,7 @@ class SGLangEngine(Engine):
 
     def _stop(self):
         if self.proc is not None:
-            kill_group(self.proc)
+            proc.kill_group(self.proc)
 
     def _recover(self, epoch, error):
         """Called by a request that found the server gone: restart it once per failure epoch
@@ -194,9 +225,9 @@ class SGLangEngine(Engine):
             self.epoch += 1
 
     def shutdown(self):
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            kill_group(proc)
+        server, self.proc = self.proc, None
+        if server is not None:
+            proc.kill_group(server)
         self.pool.shutdown(wait=False, cancel_futures=True)
         _LIVE.discard(self)
 
@@ -208,7 +239,7 @@ class SGLangEngine(Engine):
             with urllib.request.urlopen(req, timeout=timeout or self.request_timeout) as r:
                 body = r.read().decode()
         except urllib.error.HTTPError as e:
-            raise ServerError(f"SGLang {path} -> HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}")
+            raise ServerError(path, e.code, e.read().decode(errors="replace")) from None
         except (OSError, http.client.HTTPException) as e:
             raise ServerDown(f"{type(e).__name__}: {e}") from None
         try:
@@ -237,7 +268,10 @@ class SGLangEngine(Engine):
                   "max_new_tokens": int(item.get("max_new_tokens", sp["max_new_tokens"])),
                   "stop_token_ids": list(sp.get("stop_token_ids") or []),
                   "skip_special_tokens": False, "no_stop_trim": True}
-        payload = {"input_ids": list(item["input_ids"]), "sampling_params": params, "return_logprob": True}
+        ids = list(item["input_ids"])
+        if self.image_pad is not None:
+            ids = collapse_image_pads(ids, self.image_pad)  # the server expands each pad itself
+        payload = {"input_ids": ids, "sampling_params": params, "return_logprob": True}
         if item.get("images"):
             payload["image_data"] = [data.image_to_data_uri(im) for im in item["images"]]
         try:
@@ -254,28 +288,17 @@ class SGLangEngine(Engine):
         return out
 
     def update_weights(self, buckets):
-        """Save the buckets as a checkpoint folder, load it with /update_weights_from_disk, flush."""
-        out = self.weights_dir
-        out.mkdir(parents=True, exist_ok=True)
-        from safetensors.torch import save_file
-        for f in out.glob("*.safetensors"):
-            f.unlink()
-        for f in Path(self.hf_dir).iterdir():  # config, generation and processor files
-            if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json", ".bin", ".pt")):
-                shutil.copy2(f, out / f.name)
-        weight_map, n = {}, 0
-        for k, bucket in enumerate(buckets):
-            name = f"model-{k:05d}.safetensors"
-            tensors = {key: t.detach().to("cpu").contiguous().clone() for key, t in bucket}
-            save_file(tensors, str(out / name), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(tensors, name))
-            n += len(tensors)
-        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-        r = self._call("/update_weights_from_disk", {"model_path": str(out)})
+        """Save the buckets as a checkpoint folder and load it with /update_weights_from_disk (the
+        server flushes its cache after the load). -> number of tensors. A load the server refuses
+        raises RuntimeError with the server's message."""
+        n = write_hf_folder(buckets, self.weights_dir, self.hf_dir)
+        try:
+            r = self._call("/update_weights_from_disk", {"model_path": str(self.weights_dir)})
+        except ServerError as e:  # HTTP 400 {"success": false, "message": ...}
+            raise RuntimeError(f"SGLang /update_weights_from_disk failed (HTTP {e.code}): {e.message()}") from None
         if not (isinstance(r, dict) and r.get("success")):
             raise RuntimeError(f"SGLang /update_weights_from_disk failed: {r}")
-        self.model_path = str(out)  # a restarted server comes back with these weights
-        self.flush()
+        self.model_path = str(self.weights_dir)  # a restarted server comes back with these weights
         return n
 
     def flush(self):
@@ -294,3 +317,26 @@ class SGLangEngine(Engine):
 
     def resume(self):
         self._call("/resume_memory_occupation", {})
+
+
+def write_hf_folder(buckets, out, like):
+    """Write (HF name, full tensor) buckets as safetensors shards + index in `out`, beside copies
+    of the config, generation and processor files of the checkpoint folder `like`, so SGLang
+    loads `out` as a checkpoint. -> number of tensors written."""
+    from safetensors.torch import save_file
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in out.glob("*.safetensors"):
+        f.unlink()
+    for f in Path(like).iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json", ".bin", ".pt")):
+            shutil.copy2(f, out / f.name)
+    weight_map, n = {}, 0
+    for k, bucket in enumerate(buckets):
+        name = f"model-{k:05d}.safetensors"
+        tensors = {key: t.detach().to("cpu").contiguous().clone() for key, t in bucket}
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+        n += len(tensors)
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return n

@@ -5,14 +5,26 @@
 
 Started by SGLangEngine through its `launch_cmd` in place of `python -m sglang.launch_server`.
 Every request is appended to the --fake-record file as {"path", "json", "pid"}; a request
-with a field stock SGLang would not accept as we send it is refused with HTTP 400 (so the
-client's paths and field names are checked on every call). /generate answers with
-deterministic tokens: a function of the input ids and of the weights the server loaded
-(`fake_output`), so a test can predict each answer and see weight updates take effect.
-Unknown flags (the pass-through `--mem-fraction-static 0.7` etc.) are accepted and printed.
+with a field outside the whitelists below is refused with HTTP 400 (so the client's paths and
+field names are checked on every call; tests/test_sglang_real.py checks the whitelists are
+subsets of sglang's own request classes). Stock behaviour kept where it matters, as measured on
+the real 0.5.23 server (tests/test_sglang_real.py, ../shared/sglang_cpu):
+- input_ids carry ONE image pad per image, expanded here to the count the checkpoint's own
+  image processor gives that image's grid; meta_info.prompt_tokens is that expanded length.
+  A pad run already expanded, or more pads than images, gets HTTP 500 "Internal Server Error"
+  with the IndexError / AssertionError in the log, as stock's build_input_ids gives
+  (multimodal/processors/base_processor.py:586). More images than pads: stock answers 200 and
+  ignores the extra images, and so does this.
+- a failed /update_weights_from_disk answers HTTP 400 {"success": false, "message": ...}.
+/generate answers with deterministic tokens: a function of the expanded input ids and of the
+weights the server loaded (`fake_output`), so a test can predict each answer and see weight
+updates take effect. Unknown flags (the pass-through `--mem-fraction-static 0.7` etc.) are
+accepted and printed.
 """
 import argparse
+import base64
 import hashlib
+import io
 import json
 import os
 import subprocess
@@ -23,7 +35,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 # Fields of SGLang's GenerateReqInput / SamplingParams / UpdateWeightFromDiskReqInput /
-# (Release|Resume)MemoryOccupationReqInput (sglang/srt/managers/io_struct.py, sampling_params.py).
+# (Release|Resume)MemoryOccupationReqInput (sglang 0.5.23 srt/managers/io_struct.py:177, 1970,
+# 2177, 2187; srt/sampling/sampling_params.py:140). Stock ignores unknown top-level fields; we
+# refuse them, so a misspelt field of ours cannot pass silently.
 GENERATE_FIELDS = {"input_ids", "text", "image_data", "sampling_params", "return_logprob",
                    "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "stream", "rid"}
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop", "stop_token_ids",
@@ -31,8 +45,8 @@ SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "
                    "frequency_penalty", "presence_penalty", "min_new_tokens", "n"}
 DISK_FIELDS = {"model_path", "load_format", "abort_all_requests", "weight_version"}
 MEMORY_FIELDS = {"tags"}
-VISION_START, IMAGE_PAD, VISION_END = 151652, 151655, 151653
-STOP = 151645
+STOP = 151645  # <|im_end|>: ends every fake answer
+PROC = str(Path(__file__).resolve().parents[1] / "proc.py")  # the launcher that arms PR_SET_PDEATHSIG
 
 
 def weights_digest(model_path):
@@ -52,8 +66,30 @@ def fake_output(input_ids, max_new_tokens, digest, length=6):
     return ids, lps, "stop"
 
 
+def decode_image(uri):
+    from PIL import Image
+    return Image.open(io.BytesIO(base64.b64decode(uri.split(",", 1)[1])))
+
+
+def expand_image_pads(ids, counts, pad):
+    """One `pad` per image -> `counts[k]` pads for image k, walking the ids as stock's
+    build_input_ids does: each pad starts an image; running out of images is its IndexError,
+    a pad right after an image's pads its AssertionError; images beyond the pads are ignored."""
+    out, cur, k = [], 0, 0
+    for j in range(1, len(ids)):  # stock looks at prompt[i + 1] for i < len - 1
+        if ids[j] != pad:
+            continue
+        if k >= len(counts):
+            raise IndexError(f"index {k} is out of bounds for dimension 0 with size {len(counts)}")
+        if cur > j - 1:
+            raise AssertionError("pad right after an image's pads (assert cur_idx <= mm_start_idx)")
+        out += ids[cur:j] + [pad] * counts[k]
+        cur, k = j + 1, k + 1
+    return out + ids[cur:]
+
+
 def check_generate(body):
-    """None if `body` is a /generate request as stock SGLang accepts it from us, else why not."""
+    """None if `body` is a /generate request whose fields and types we accept, else why not."""
     if set(body) - GENERATE_FIELDS:
         return f"unknown fields {sorted(set(body) - GENERATE_FIELDS)}"
     ids = body.get("input_ids")
@@ -69,9 +105,18 @@ def check_generate(body):
     images = body.get("image_data", [])
     if not isinstance(images, list) or not all(isinstance(u, str) and u.startswith("data:image/") for u in images):
         return "image_data must be a list of data URIs"
-    if ids.count(VISION_START) != len(images):
-        return f"{ids.count(VISION_START)} images in input_ids, {len(images)} in image_data"
     return None
+
+
+def image_token_counts(state, uris):
+    """Pads each image expands to: its grid from the checkpoint's own image processor / merge^2."""
+    with state["lock"]:
+        if state["image_processor"] is None:  # loaded on first use: a fast start for the tests
+            from transformers import AutoProcessor
+            state["image_processor"] = AutoProcessor.from_pretrained(state["model_path"]).image_processor
+    ip = state["image_processor"]
+    grid = ip(images=[decode_image(u) for u in uris], return_tensors="pt")["image_grid_thw"]
+    return [int(g.prod()) // ip.merge_size ** 2 for g in grid]
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -115,12 +160,20 @@ class Handler(BaseHTTPRequestHandler):
             why = check_generate(body)
             if why:
                 return self._reply(400, {"error": why})
+            prompt = body["input_ids"]
+            if body.get("image_data"):
+                try:
+                    counts = image_token_counts(st, body["image_data"])
+                    prompt = expand_image_pads(prompt, counts, st["image_pad"])
+                except (IndexError, AssertionError) as e:  # stock: a traceback in its log, a bare 500
+                    print(f"Exception in /generate: {type(e).__name__}: {e}", flush=True)
+                    return self._reply(500, "Internal Server Error")
             time.sleep(st["delay"])
             sp = body["sampling_params"]
-            ids, lps, finish = fake_output(body["input_ids"], sp["max_new_tokens"], st["digest"])
+            ids, lps, finish = fake_output(prompt, sp["max_new_tokens"], st["digest"])
             reason = {"type": finish, "matched": STOP} if finish == "stop" else {"type": finish, "length": len(ids)}
             return self._reply(200, {"text": "", "output_ids": ids, "meta_info": {
-                "id": "fake", "prompt_tokens": len(body["input_ids"]), "completion_tokens": len(ids),
+                "id": "fake", "prompt_tokens": len(prompt), "completion_tokens": len(ids),
                 "finish_reason": reason, "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)]}})
         if self.path == "/update_weights_from_disk":
             if set(body) - DISK_FIELDS or not isinstance(body.get("model_path"), str):
@@ -155,15 +208,16 @@ def main():
     if a.fake_startup < 0:  # a server that never comes up
         sys.exit("fake sglang: failing to start as asked (--fake-startup < 0)")
     # like SGLang's scheduler/detokenizer processes: SIGKILLed when their parent dies
-    child = "import ctypes, time; ctypes.CDLL(None).prctl(1, 9); time.sleep(3600)"
-    children = [subprocess.Popen([sys.executable, "-c", child])
+    children = [subprocess.Popen([sys.executable, PROC, str(os.getpid()), "sleep", "3600"])
                 for _ in range(a.fake_children)]
     print(f"fake sglang children={[c.pid for c in children]}", flush=True)
     time.sleep(a.fake_startup)
     server = ThreadingHTTPServer((a.host, a.port), Handler)
     server.daemon_threads = True
+    config = json.loads((Path(a.model_path) / "config.json").read_text())
     server.state = {"lock": threading.Lock(), "record": a.fake_record, "delay": a.fake_delay,
-                    "digest": weights_digest(a.model_path)}
+                    "digest": weights_digest(a.model_path), "model_path": a.model_path,
+                    "image_pad": config.get("image_token_id"), "image_processor": None}
     print(f"fake sglang listening on {a.host}:{a.port}", flush=True)
     server.serve_forever()
 

@@ -15,6 +15,7 @@ import pytest
 
 import rollout
 from fake_sglang import fake_output, weights_digest
+from sglang_engine import collapse_image_pads, read_image_token_id
 from conftest import rollout_args
 from test_rollout import load_model
 
@@ -76,8 +77,12 @@ def test_sglang_protocol_and_weight_sync(ckpt, processor, records, tmp_path):
             assert s.response_ids == ids and s.rollout_logprobs == lps and s.status == "completed"
         gens = [r for r in read_record(rec) if r["path"] == "/generate"]
         assert len(gens) == 4
+        pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        sent = sorted(r["json"]["input_ids"] for r in gens)
+        assert sent == sorted(collapse_image_pads(s.prompt_ids, pad) for s in samples)  # one pad per image
         for r in gens:
             body = r["json"]
+            assert body["input_ids"].count(pad) == 1
             assert set(body) == {"input_ids", "image_data", "sampling_params", "return_logprob"}
             assert len(body["image_data"]) == 1 and body["image_data"][0].startswith("data:image/png;base64,")
             assert body["sampling_params"] == {"temperature": 0.8, "top_p": 1.0, "top_k": -1, "max_new_tokens": 64,
@@ -87,9 +92,12 @@ def test_sglang_protocol_and_weight_sync(ckpt, processor, records, tmp_path):
         items = [(k, v + 0.01) for k, v in state.items()]
         assert eng.update_weights([items[:30], items[30:]]) == len(items)
         paths = [r["path"] for r in read_record(rec)]
-        assert paths[-2:] == ["/update_weights_from_disk", "/flush_cache"]
-        bad = eng.generate([{"input_ids": [1, 2, 3], "images": samples[0].images}], dict(max_new_tokens=4))[0]
-        assert bad["finish"] == "abort" and "HTTP 400" in bad["error"]  # refused: that sample fails, not the run
+        assert paths[-1] == "/update_weights_from_disk"  # the server flushes by itself: no /flush_cache
+        # two image pads for one image: stock's IndexError, HTTP 500; that sample fails, not the run
+        bad = eng.generate([{"input_ids": [1, pad, 2, pad, 3], "images": samples[0].images}],
+                           dict(max_new_tokens=4))[0]
+        assert bad["finish"] == "abort" and "HTTP 500" in bad["error"]
+        assert "IndexError: index 1 is out of bounds" in eng.log_tail()
         sync = [r for r in read_record(rec) if r["path"] == "/update_weights_from_disk"][-1]["json"]
         assert sync == {"model_path": str(tmp_path / "weights")}
         new = eng.generate([{"input_ids": samples[0].prompt_ids, "images": samples[0].images}],
@@ -98,13 +106,67 @@ def test_sglang_protocol_and_weight_sync(ckpt, processor, records, tmp_path):
         assert new["ids"] != samples[0].response_ids  # the server now runs the new weights
         eng.release()
         eng.resume()
-        assert [r["path"] for r in read_record(rec)][-2:] == ["/release_memory_occupation", "/resume_memory_occupation"]
+        assert [(r["path"], r["method"], r["json"]) for r in read_record(rec)][-2:] == [
+            ("/release_memory_occupation", "POST", {}), ("/resume_memory_occupation", "POST", {})]
+    finally:
+        eng.shutdown()
+
+
+def test_image_pad_id_from_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"image_token_id": 248056}))  # Qwen3.5's
+    assert read_image_token_id(tmp_path) == 248056
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 10}))  # a text-only model
+    assert read_image_token_id(tmp_path) is None
+    assert collapse_image_pads([1, 7, 7, 7, 2, 7, 3, 7, 7], 7) == [1, 7, 2, 7, 3, 7]
+    assert collapse_image_pads([1, 2], 7) == [1, 2]
+
+
+def test_fake_expands_like_stock(ckpt, processor, records, tmp_path):
+    """The fake server expands one pad per image by the checkpoint's processor and refuses what
+    stock refuses: an expanded run (IndexError), a pad after an image's pads (AssertionError)."""
+    import data
+    from sglang_engine import ServerError
+    eng, rec = sglang(ckpt, tmp_path)
+    try:
+        pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        ims = records[0]["images"][:1]
+        text = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>hi<|im_end|>\n<|im_start|>assistant\n"
+        expanded = list(processor(text=[text], images=ims)["input_ids"][0])
+        one = collapse_image_pads(expanded, pad)
+        assert len(expanded) > len(one) and one.count(pad) == 1
+        uris = [data.image_to_data_uri(im) for im in ims]
+
+        def post(ids, images):
+            return eng._post("/generate", {"input_ids": ids, "image_data": images, "return_logprob": True,
+                                           "sampling_params": {"max_new_tokens": 2}})
+        assert post(one, uris)["meta_info"]["prompt_tokens"] == len(expanded)
+        assert post(one, uris * 2)["meta_info"]["prompt_tokens"] == len(expanded)  # stock ignores extras
+        at = one.index(pad)
+        twice = one[:at] + [pad] + one[at:]  # two images, their pads adjacent: an expanded run
+        for ids, images, error in ((expanded, uris, "IndexError"), (twice, uris * 2, "AssertionError")):
+            with pytest.raises(ServerError, match="HTTP 500: Internal Server Error"):
+                post(ids, images)
+            assert error in eng.log_tail(2)
+    finally:
+        eng.shutdown()
+
+
+def test_failed_weight_update_raises_the_servers_message(ckpt, tmp_path):
+    eng, rec = sglang(ckpt, tmp_path, env={"CUDA_VISIBLE_DEVICES": "3", "FAKE_TAG": "x y"})
+    try:
+        environ = Path(f"/proc/{eng.proc.pid}/environ").read_bytes().split(b"\0")
+        assert b"CUDA_VISIBLE_DEVICES=3" in environ and b"FAKE_TAG=x y" in environ  # env reaches the server
+        with pytest.raises(RuntimeError, match=r"HTTP 400\): \S+weights is not a checkpoint folder"):
+            eng.update_weights([])  # no tensors: the fake refuses the folder, as stock refuses a bad one
+        assert eng.model_path == str(ckpt)  # a restart would still come up from the last good weights
+        assert [r["path"] for r in read_record(rec)] == ["/update_weights_from_disk"]
     finally:
         eng.shutdown()
 
 
 def test_sglang_killed_mid_rollout_restarts_and_retries(ckpt, tmp_path):
-    eng, rec = sglang(ckpt, tmp_path, "--fake-delay", "1.5", "--fake-children", "2")
+    eng, rec = sglang(ckpt, tmp_path, "--fake-delay", "1.5", "--fake-children", "2",
+                      env={"CUDA_VISIBLE_DEVICES": "1"})
     pgids = [eng.proc.pid]
     try:
         items = [(k, v * 1.01) for k, v in load_model(ckpt).state_dict().items()]
@@ -122,6 +184,7 @@ def test_sglang_killed_mid_rollout_restarts_and_retries(ckpt, tmp_path):
         gens = [r for r in read_record(rec) if r["path"] == "/generate"]
         assert len({r["pid"] for r in gens}) == 2 and 8 < len(gens) <= 16  # retried on the new server
         assert eng.model_path == str(tmp_path / "weights")  # restarted from the synced weights
+        assert b"CUDA_VISIBLE_DEVICES=1" in Path(f"/proc/{eng.proc.pid}/environ").read_bytes().split(b"\0")
     finally:
         eng.shutdown()
     assert all(group_members(g) == [] for g in pgids), [group_members(g) for g in pgids]
@@ -171,3 +234,26 @@ def test_sglang_server_dies_with_its_parent(ckpt, tmp_path):
             proc.send_signal(modes[mode])
         proc.wait(timeout=60)
         assert group_members(pgid) == [], (mode, group_members(pgid))
+
+
+def test_proc_launcher_dies_with_its_parent(tmp_path):
+    """proc.py: the launched command is SIGKILLed when its parent dies; a launcher whose parent is
+    already gone (not the pid it was given) exits without running the command."""
+    import subprocess
+    launcher = str(Path(rollout.__file__).with_name("proc.py"))
+    flag = tmp_path / "ran"
+    r = subprocess.run([sys.executable, launcher, "1", "touch", str(flag)], timeout=30)
+    assert r.returncode == 0 and not flag.exists()
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import os, subprocess, sys, time\n"
+        f"c = subprocess.Popen([sys.executable, {launcher!r}, str(os.getpid()), 'sleep', '60'])\n"
+        "print(c.pid, flush=True)\ntime.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    time.sleep(0.5)  # the launcher has exec'd sleep
+    assert Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0] == b"sleep"
+    parent.kill()
+    parent.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and group_members(os.getpgid(0), wait=0).count(child):
+        time.sleep(0.1)
+    assert child not in group_members(os.getpgid(0), wait=0)
