@@ -197,12 +197,13 @@ def write_hf(buckets, out_dir, src_dir):
     return len(weight_map)
 
 
-def save_hf(model, out_dir, shard_bytes=4 << 30):
-    """A checkpoint transformers and SGLang load as they are. Call on every rank (export gathers
-    over TP); global rank 0 writes."""
+def save_hf(model, out_dir, shard_bytes=4 << 30, src_dir=None):
+    """A checkpoint transformers and SGLang load as they are, its non-weight files from `src_dir`
+    (default: the folder the model was loaded from). Call on every rank (export gathers over TP);
+    global rank 0 writes."""
     buckets = export_hf(model, shard_bytes)
     if dist.get_rank() == 0:
-        write_hf(buckets, out_dir, model.hf_dir)
+        write_hf(buckets, out_dir, src_dir or model.hf_dir)
     else:
         for _ in buckets:  # take part in the gathers
             pass

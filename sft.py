@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 import data
 import model as M
+import rollout
 import trainer as T
 
 
@@ -31,18 +32,14 @@ def parse_args(argv=None):
 
 
 def encode(processor, record):
-    """-> dict(ids, mask, pixel_values, image_grid_thw): the prompt as the chat template
-    renders it, then the target tokens with loss mask 1."""
-    text = processor.apply_chat_template(data.prompt_messages(record), add_generation_prompt=True,
-                                         tokenize=False)
-    enc = processor(text=[text], images=record["images"], return_tensors="pt")
-    prompt = enc["input_ids"][0]
+    """-> dict(ids, mask, pixel_values, image_grid_thw): the prompt exactly as a rollout encodes
+    it (rollout.encode_prompt), then the target tokens with loss mask 1."""
+    prompt = rollout.encode_prompt(processor, data.prompt_messages(record), record["images"])
     target = processor.tokenizer.encode(data.sft_target(record["answer"]) + "<|im_end|>",
                                         add_special_tokens=False)
-    ids = torch.cat([prompt, torch.tensor(target)])
-    mask = torch.cat([torch.zeros(len(prompt), dtype=torch.bool), torch.ones(len(target), dtype=torch.bool)])
-    return dict(ids=ids, mask=mask, pixel_values=enc.get("pixel_values"),
-                image_grid_thw=enc.get("image_grid_thw"))
+    pixel_values, grid = rollout.encode_images(processor, record["images"])
+    return dict(ids=torch.tensor(prompt + target), mask=torch.tensor([False] * len(prompt) + [True] * len(target)),
+                pixel_values=pixel_values, image_grid_thw=grid)
 
 
 def batch_loss(model, run, items, max_tokens, backward):
@@ -67,7 +64,7 @@ def main(argv=None):
     evals = [encode(processor, r) for r in T.load_data(args, evaluation=True, verbose=run.rank == 0)]
 
     ckpt = run.resume_dir()
-    model = M.load_model(ckpt or args.hf_checkpoint, freeze_vit=args.freeze_vit)
+    model = M.load_model(ckpt or args.hf_checkpoint, args.freeze_vit, args.transformer_impl)
     per_epoch = math.ceil(len(train) / args.global_batch_size)
     total = per_epoch * args.num_epoch
     opt, sched = T.build_optimizer(model, args, total)
@@ -96,12 +93,9 @@ def main(argv=None):
         run.log(step + 1, {"loss": loss, **stats, "epoch": epoch, "tokens": n_tokens,
                            "tokens_per_s": n_tokens / secs, "step_s": secs})
         bar.set_postfix(loss=f"{loss:.4f}")
-        if args.eval_interval and (step + 1) % args.eval_interval == 0:
+        if (args.eval_interval and (step + 1) % args.eval_interval == 0) or step + 1 == total:
             evaluate(step + 1)
-        if args.save_interval and (step + 1) % args.save_interval == 0 and step + 1 < total:
-            run.save_checkpoint(model, opt, sched, step + 1)
-    evaluate(total)
-    run.save_checkpoint(model, opt, sched, total)
+        run.maybe_save(model, opt, sched, step + 1, total)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@
     # one process, CPU, tiny model (what run.sh does)
     python train_grpo.py --hf-checkpoint runs/demo/sft/iter_0000100 --prompt-data runs/demo/data \\
         --save runs/demo/grpo --rollout-batch-size 8 --n-samples-per-prompt 8 --lr 1e-4
-    # one node, N GPUs: rank 0 starts SGLang, every rank trains (TP x DP = N)
-    torchrun --nproc_per_node 4 train_grpo.py --rollout-engine sglang --tensor-model-parallel-size 2 ...
+    # one node, 4 GPUs shared by training and SGLang (released while training); TP x DP = 4
+    torchrun --nproc_per_node 4 train_grpo.py --rollout-engine sglang --colocate --tensor-model-parallel-size 2 ...
+    # one node: train on 6 GPUs, SGLang on the other 2
+    torchrun --nproc_per_node 6 train_grpo.py --rollout-engine sglang --rollout-num-gpus 2 ...
     # several nodes: torchrun --nnodes 2 --node-rank $R --master-addr $HOST --nproc_per_node 8 ...
     # multi-turn with the calc_score and crop tools
     python train_grpo.py ... --max-turns 3
@@ -22,12 +24,15 @@ import argparse
 import copy
 import importlib.util
 import math
+import os
 import random
 import sys
 
 import torch
 from tqdm import tqdm
+from transformers import AutoProcessor
 
+import convert
 import engines
 import model as M
 import rollout as R
@@ -51,6 +56,13 @@ def parse_args(argv=None):
     a("--loss-agg", default="token", choices=["token", "sequence"], help="mean over tokens or over sequences")
     a("--recompute-logprobs", action="store_true", help="old logprobs from the trainer, not the engine")
     a("--tis-cap", type=float, default=0.0, help="with --recompute-logprobs: cap on the trainer/rollout ratio (TIS; 0: off)")
+    a("--dynamic-sampling-max-prompts", type=int, default=None,
+      help="with --dynamic-sampling: prompts drawn at most in a step, the batch's own included "
+           "(default 4 x --rollout-batch-size)")
+    a("--colocate", action="store_true",
+      help="SGLang shares the training GPUs: started with its memory saver, released while training")
+    a("--rollout-num-gpus", type=int, default=0,
+      help="SGLang on N GPUs of its own on rank 0's node, after the training GPUs (disaggregated)")
     p.set_defaults(global_batch_size=0)
     args, unknown = p.parse_known_args(argv)
     bad = [u for u in unknown if u.startswith("--") and not u.startswith("--sglang-")]
@@ -118,16 +130,19 @@ def policy_loss(model, ref, run, items, args, measure):
         mb = [items[i] for i in idx]
         inputs = T.micro_batch(mb)
         logp, ent = model(**inputs, temperature=temp, with_entropy=True)
-        old = torch.cat([it["old"] for it in mb])
-        adv = torch.cat([torch.full((len(it["old"]),), it["adv"]) for it in mb])
+        dev = logp.device  # everything below on the model's device (CUDA under NCCL)
+        old = torch.cat([it["old"] for it in mb]).to(dev)
+        adv = torch.cat([torch.full((len(it["old"]),), float(it["adv"])) for it in mb]).to(dev)
         # token weights: token-level mean over the global batch, or per-sequence mean then mean
-        w = (torch.full_like(logp, 1.0 / n_tok) if args.loss_agg == "token" else
-             torch.cat([torch.full((len(it["old"]),), 1.0 / max(1, len(it["old"])) / n_seq) for it in mb]))
+        if args.loss_agg == "token":
+            w = torch.full_like(logp, 1.0 / n_tok)
+        else:
+            w = torch.cat([torch.full((len(it["old"]),), 1.0 / max(1, len(it["old"])) / n_seq) for it in mb]).to(dev)
         ratio = torch.exp(logp - old)
         clipped = ratio.clamp(1 - args.eps_clip, 1 + args.eps_clip_high)
         pg = -torch.minimum(ratio * adv, clipped * adv)
-        if args.tis_cap and "rollout_old" in mb[0]:
-            roll = torch.cat([it["rollout_old"] for it in mb])
+        if args.tis_cap and "rollout_old" in mb[0]:  # truncated importance sampling: trainer / rollout
+            roll = torch.cat([it["rollout_old"] for it in mb]).to(dev)
             pg = pg * torch.exp(old - roll).clamp(max=args.tis_cap)
         loss_tok = pg - args.entropy_coef * ent
         if ref is not None:
@@ -142,7 +157,7 @@ def policy_loss(model, ref, run, items, args, measure):
         stats["clipfrac"] += ((clipped * adv < ratio * adv).float() * w).sum().item()  # the clip cut the gradient
         stats["entropy"] += (ent.detach() * w).sum().item()
         if measure:  # weights are still those the engine sampled with: logprobs must agree
-            diff = (logp.detach() - torch.cat([it.get("rollout_old", it["old"]) for it in mb])).abs()
+            diff = (logp.detach() - torch.cat([it.get("rollout_old", it["old"]) for it in mb]).to(dev)).abs()
             stats["diff_sum"] += diff.sum().item()
             stats["diff_max"] = max(stats["diff_max"], diff.max().item() if len(diff) else 0.0)
     out = {k: T.global_sum(v, run) for k, v in stats.items() if k not in ("diff_max", "diff_sum", "packing_fill")}
@@ -158,7 +173,7 @@ def recompute_old(model, items, args):
         for idx in T.pack([len(it["ids"]) for it in items], args.max_tokens_per_gpu):
             mb = [items[i] for i in idx]
             logp, _ = model(**T.micro_batch(mb), temperature=args.rollout_temperature or 1.0)
-            for it, part in zip(mb, logp.split([len(it["old"]) for it in mb])):
+            for it, part in zip(mb, logp.cpu().split([len(it["old"]) for it in mb])):
                 it["rollout_old"], it["old"] = it["old"], part
 
 
@@ -177,16 +192,87 @@ def evaluate(engine, processor, records, args, step, run):
     return out
 
 
+def rollout_step(step, run, engine, processor, records, args):
+    """Rank 0 draws the step's prompts, samples and scores them, and turns the usable samples into
+    trainer items; every rank returns the same (items, metrics). Failed and aborted samples are
+    counted in the metrics and never trained on."""
+    payload = [None]
+    if run.rank == 0:
+        batch = draw(records, step, args)
+        samples = R.generate_group_samples(engine, processor, batch, args)
+        metrics = R.rollout_metrics(samples)
+        good = [s for s in samples if s.status not in ("failed", "aborted")]
+        adv = advantages([s.reward for s in good], [s.group for s in good], args.advantage_estimator)
+        encoded = {}
+        payload = [([to_item(s, processor, a, encoded) for s, a in zip(good, adv)], metrics)]
+        if not any(sum(s.loss_mask) for s in good):
+            reasons = sorted({s.fail_reason or s.status for s in samples if s.status != "completed"})
+            print(f"[grpo] step {step + 1}: no trainable sample among {len(samples)} "
+                  f"({', '.join(reasons[:3]) or 'no response tokens'}): update skipped", flush=True)
+    T.broadcast_objects(payload, run)
+    items, metrics = payload[0]
+    random.Random(args.seed + step).shuffle(items)
+    return items, metrics
+
+
+def train_step(model, ref, opt, sched, run, items, args, updates):
+    """`updates` optimizer steps over the global batch. A chunk with no loss token anywhere
+    (every rank sees the same items, so all agree) is skipped on every rank in lockstep."""
+    model.train()
+    if args.recompute_logprobs:
+        recompute_old(model, items, args)
+    stats = {"updates_skipped": 0}
+    for u in range(updates):
+        chunk = items[u * args.global_batch_size:(u + 1) * args.global_batch_size]
+        if not any(bool(it["mask"].any()) for it in chunk):
+            stats["updates_skipped"] += 1
+            continue
+        s = policy_loss(model, ref, run, T.dp_shard(chunk, run), args, measure="logprob_diff_mean" not in stats)
+        s.update(T.optimizer_step(model, opt, sched, run, args))
+        stats.update(s)  # the last update's stats; logprob_diff_* from the first
+    return stats
+
+
+def sync_weights(model, engine, run):
+    """Full HF tensors to the engine (the export gathers over TP on every rank; rank 0 sends)."""
+    buckets = convert.export_hf(model)
+    if run.rank == 0:
+        engine.update_weights(buckets)
+    else:
+        for _ in buckets:
+            pass
+
+
+def grpo_step(step, run, engine, processor, records, model, ref, opt, sched, args, updates):
+    """One step in slime's order: generate, release the engine's GPU memory (colocated), train,
+    take the memory back, update the engine's weights (its update flushes its caches)."""
+    timer = T.Timer()
+    with timer("rollout"):
+        items, metrics = rollout_step(step, run, engine, processor, records, args)
+    if run.rank == 0 and args.colocate:
+        engine.release()
+    with timer("train"):
+        stats = train_step(model, ref, opt, sched, run, items, args, updates)
+    with timer("sync"):
+        if run.rank == 0 and args.colocate:
+            engine.resume()
+        sync_weights(model, engine, run)
+    n_tok = sum(len(it["ids"]) for it in items)
+    metrics.update(stats, tokens=n_tok, rollout_s=timer.t["rollout"], train_s=timer.t["train"],
+                   sync_s=timer.t["sync"], tokens_per_s=n_tok / max(1e-9, timer.t["train"]))
+    run.log(step + 1, metrics)
+    return metrics
+
+
 def main(argv=None):
     args = parse_args(argv)
     run = T.Run(args, "grpo")
-    from transformers import AutoProcessor
     processor = AutoProcessor.from_pretrained(args.hf_checkpoint)
     ckpt = run.resume_dir()
-    model = M.load_model(ckpt or args.hf_checkpoint, freeze_vit=args.freeze_vit)
+    model = M.load_model(ckpt or args.hf_checkpoint, args.freeze_vit, args.transformer_impl)
     ref = None
     if args.kl_loss_coef:
-        ref = M.load_model(args.hf_checkpoint, freeze_vit=True).eval()
+        ref = M.load_model(args.hf_checkpoint, True, args.transformer_impl).eval()
         ref.requires_grad_(False)
     updates = math.ceil(args.rollout_batch_size * args.n_samples_per_prompt / args.global_batch_size)
     opt, sched = T.build_optimizer(model, args, args.num_rollout * updates)
@@ -199,83 +285,88 @@ def main(argv=None):
     try:
         if run.rank == 0 and eval_records and start == 0:
             evaluate(engine, processor, eval_records, args, 0, run)
-        if args.num_rollout == 0:  # evaluation only
-            return
         bar = tqdm(range(start, args.num_rollout), desc="grpo", disable=run.rank != 0,
                    initial=start, total=args.num_rollout)
         for step in bar:
-            timer = T.Timer()
-            payload = [None]
-            if run.rank == 0:
-                with timer("rollout"):
-                    batch = draw(records, step, args)
-                    samples = R.generate_group_samples(engine, processor, batch, args)
-                    metrics = R.rollout_metrics(samples)
-                    good = [s for s in samples if s.status not in ("failed", "aborted")]  # counted, never trained on
-                    adv = advantages([s.reward for s in good], [s.group for s in good], args.advantage_estimator)
-                    encoded = {}
-                    payload = [([to_item(s, processor, a, encoded) for s, a in zip(good, adv)], metrics)]
-            T.broadcast_objects(payload, run)
-            items, metrics = payload[0]
-            random.Random(args.seed + step).shuffle(items)
-            with timer("train"):
-                model.train()
-                if args.recompute_logprobs:
-                    recompute_old(model, items, args)
-                train_stats = {}
-                for u in range(updates):
-                    chunk = items[u * args.global_batch_size:(u + 1) * args.global_batch_size]
-                    s = policy_loss(model, ref, run, T.dp_shard(chunk, run), args, measure=u == 0)
-                    s.update(T.optimizer_step(model, opt, sched, run, args))
-                    train_stats.update(s)  # the last update's stats; logprob_diff_* from the first
-            with timer("sync"):
-                buckets = M.export_hf(model)
-                if run.rank == 0:
-                    engine.update_weights(buckets)
-                    engine.flush()
-                else:
-                    for _ in buckets:  # every rank takes part in the gathers
-                        pass
-            n_tok = sum(len(it["ids"]) for it in items)
-            metrics.update(train_stats, tokens=n_tok, rollout_s=timer.t.get("rollout", 0.0), train_s=timer.t["train"],
-                           sync_s=timer.t["sync"], tokens_per_s=n_tok / max(1e-9, timer.t["train"]))
-            run.log(step + 1, metrics)
+            metrics = grpo_step(step, run, engine, processor, records, model, ref, opt, sched, args, updates)
             bar.set_postfix(reward=f"{metrics.get('reward', 0):.3f}")
-            if run.rank == 0 and eval_records and args.eval_interval and (step + 1) % args.eval_interval == 0:
+            last = step + 1 == args.num_rollout
+            if run.rank == 0 and eval_records and (last or (args.eval_interval and (step + 1) % args.eval_interval == 0)):
                 evaluate(engine, processor, eval_records, args, step + 1, run)
-            if args.save_interval and (step + 1) % args.save_interval == 0 and step + 1 < args.num_rollout:
-                run.save_checkpoint(model, opt, sched, step + 1)
-        if run.rank == 0 and eval_records and not (args.eval_interval and args.num_rollout % args.eval_interval == 0):
-            evaluate(engine, processor, eval_records, args, args.num_rollout, run)
-        run.save_checkpoint(model, opt, sched, args.num_rollout)
+            run.maybe_save(model, opt, sched, step + 1, args.num_rollout)
     finally:
         if engine is not None:
             engine.shutdown()
 
 
+COLOCATE_MEM_FRACTION = 0.4  # SGLang's share of each GPU when it shares them with training (README)
+
+
+def sglang_placement(args, cuda, n_gpus, local_world, visible=None):
+    """-> (server flags, server environment): which GPUs the SGLang server gets. --colocate: this
+    node's training GPUs, with SGLang's memory saver (release/resume around training) and a
+    default --mem-fraction-static; --rollout-num-gpus N: the N GPUs after the training ones, never
+    a training GPU. Server TP = its GPU count unless --sglang-tp-size/--sglang-dp-size say
+    otherwise. On CPU (the test harness) the server runs where it is started."""
+    flags = list(args.sglang_args)
+    if not cuda:
+        return flags, {}
+    ids = visible.split(",") if visible else [str(i) for i in range(n_gpus)]
+    if args.colocate:
+        gpus = ids[:local_world]
+        if "--enable-memory-saver" not in flags:
+            flags.append("--enable-memory-saver")
+        if "--mem-fraction-static" not in flags:
+            flags += ["--mem-fraction-static", str(COLOCATE_MEM_FRACTION)]
+    elif args.rollout_num_gpus > 0:
+        gpus = ids[local_world:local_world + args.rollout_num_gpus]
+        if len(gpus) < args.rollout_num_gpus:
+            raise SystemExit(f"--rollout-num-gpus {args.rollout_num_gpus}: this node has {len(ids)} GPUs and "
+                             f"torchrun trains on {local_world}; lower --nproc_per_node or the rollout GPUs")
+    else:
+        raise SystemExit("--rollout-engine sglang on GPUs: say where the server runs, --colocate (it shares "
+                         "the training GPUs and is released while they train) or --rollout-num-gpus N "
+                         "(N GPUs of its own after the training GPUs)")
+    if not {"--tp-size", "--tp", "--dp-size", "--dp"} & set(flags):
+        flags += ["--tp-size", str(len(gpus))]
+    return flags, {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
+
+
 def make_engine(args, hf_dir, run_dir, processor=None):
     """The engine --rollout-engine names; auto = SGLang if importable and CUDA is present."""
-    kind = getattr(args, "rollout_engine", "auto")
+    cuda = torch.cuda.is_available()
+    kind = args.rollout_engine
     if kind == "auto":
-        kind = "sglang" if importlib.util.find_spec("sglang") and torch.cuda.is_available() else "local"
+        kind = "sglang" if importlib.util.find_spec("sglang") and cuda else "local"
     if kind == "local":
-        return engines.LocalEngine(hf_dir, "cuda" if torch.cuda.is_available() else "cpu", processor=processor)
-    server_args = list(getattr(args, "sglang_args", None) or [])
-    if (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 10
-            and "--mm-attention-backend" not in server_args):
-        server_args += ["--mm-attention-backend", "sdpa"]  # Blackwell: the published recipe's setting
-    return sglang_engine.SGLangEngine(hf_dir, run_dir, server_args=server_args,
-                        timeout=getattr(args, "sglang_server_timeout", 900.0))
+        if args.sglang_args:
+            raise SystemExit(f"{' '.join(args.sglang_args)}: SGLang flags, but the rollout engine is local "
+                             "(--rollout-engine sglang to use them)")
+        return engines.LocalEngine(hf_dir, "cuda" if cuda else "cpu", processor=processor)
+    flags, env = sglang_placement(args, cuda, torch.cuda.device_count() if cuda else 0,
+                                  int(os.environ.get("LOCAL_WORLD_SIZE", 1)), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if cuda and torch.cuda.get_device_capability()[0] >= 10 and "--mm-attention-backend" not in flags:
+        flags += ["--mm-attention-backend", "sdpa"]  # Blackwell: the published recipe's setting
+    return sglang_engine.SGLangEngine(hf_dir, run_dir, server_args=flags, timeout=args.sglang_server_timeout, env=env)
 
 
 def draw(records, step, args):
-    """The prompts of a step: a fixed function of (seed, step), so a resumed run sees the same."""
+    """The prompts of a step: a fixed function of (seed, step), so a resumed run sees the same.
+    With --dynamic-sampling, more prompts follow the batch's own, up to
+    --dynamic-sampling-max-prompts: rollout.generate_group_samples works through them until
+    --rollout-batch-size groups with mixed rewards are kept."""
     n, k, orders, out = len(records), args.rollout_batch_size, {}, []
     for j in range(step * k, (step + 1) * k):
         epoch, pos = divmod(j, n)
         if epoch not in orders:
             orders[epoch] = T.epoch_order(n, args.seed, epoch)
         out.append(dict(records[orders[epoch][pos]], index=orders[epoch][pos]))
+    if args.dynamic_sampling:  # the over-sample, drawn from the rest of the data; also fixed by (seed, step)
+        cap = args.dynamic_sampling_max_prompts or 4 * k
+        taken = {r["index"] for r in out}
+        pool = [i for i in range(n) if i not in taken]
+        extra = random.Random(args.seed * 1_000_003 + step).sample(pool, min(len(pool), max(0, cap - k)))
+        out += [dict(records[i], index=i) for i in extra]
     return out
 
 

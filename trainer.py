@@ -4,6 +4,8 @@ and atomic checkpoints (Hugging Face weights + optimizer, RNG and data position)
 
 Nothing here is run directly; both entry points import it.
 """
+import contextlib
+import importlib
 import json
 import math
 import os
@@ -17,7 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import model as M
+import convert
+import parallel
 
 
 def add_train_args(p):
@@ -36,6 +39,7 @@ def add_train_args(p):
     a("--save", required=True, help="run folder: metrics.jsonl, config, checkpoints")
     a("--load", default=None, help="resume from the latest checkpoint in this run folder")
     a("--save-interval", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    a("--save-keep", type=int, default=3, help="keep the newest N checkpoints in --save (0: keep all)")
     a("--global-batch-size", type=int, default=16, help="samples per optimizer step, all ranks")
     a("--max-tokens-per-gpu", type=int, default=4096, help="token budget of one packed micro-batch")
     a("--lr", type=float, default=1e-6, help="peak learning rate")
@@ -50,6 +54,10 @@ def add_train_args(p):
     a("--adam-beta2", type=float, default=0.98)
     a("--clip-grad", type=float, default=1.0, help="clip the global grad norm to this (0: off)")
     a("--tensor-model-parallel-size", type=int, default=1, help="Megatron TP size")
+    a("--transformer-impl", default=None, choices=["transformer_engine", "local"],
+      help="Megatron layer spec (default: transformer_engine on CUDA, an error if it cannot load; local on CPU)")
+    a("--distributed-timeout-minutes", type=int, default=60,
+      help="collective timeout: rank 0 loads data, starts SGLang and evaluates while the others wait")
     a("--freeze-vit", action="store_true", help="keep the vision tower fixed")
     a("--seed", type=int, default=1234)
     a("--wandb-project", default=None, help="log to wandb too, when it is installed")
@@ -60,10 +68,11 @@ class Run:
 
     def __init__(self, args, kind):
         self.args, self.kind = args, kind
-        self.rank, self.world, self.device = M.init_distributed(args.tensor_model_parallel_size)
-        from megatron.core import parallel_state as ps
-        self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        self.dp_group, self.tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
+        self.rank, self.world, self.device = parallel.init_distributed(
+            args.tensor_model_parallel_size, args.seed, args.distributed_timeout_minutes)
+        self.dp_rank, self.dp = parallel.dp_rank_size()
+        self.tp_rank, self.tp = parallel.tp_rank_size()
+        self.dp_group, self.tp_group = parallel.dp_group(), parallel.tp_group()
         self.save = Path(args.save)
         random.seed(args.seed)
         torch.manual_seed(args.seed)
@@ -97,26 +106,43 @@ class Run:
 
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, model, opt, sched, step, extra=None):
-        """<save>/iter_NNNNNNN: HF weights (loadable as they are) + train_state/; written
-        under a temporary name and renamed, so a half-written checkpoint is never visible."""
+        """<save>/iter_NNNNNNN: HF weights (loadable as they are) + train_state/, written under a
+        temporary name and renamed, so a half-written checkpoint is never visible. Optimizer
+        state is the same on every DP rank of a TP rank: DP rank 0 of each writes tp_RR.pt.
+        Then all but the newest --save-keep checkpoints are removed."""
         name = f"iter_{step:07d}"
         tmp, final = self.save / f".tmp_{name}", self.save / name
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "train_state").mkdir(parents=True)
         self.barrier()
-        M.save_hf(model, tmp)
-        state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state()}
-        torch.save(state, tmp / "train_state" / f"rank_{self.rank:03d}.pt")
+        convert.save_hf(model, tmp, src_dir=self.args.hf_checkpoint)  # not a checkpoint pruning may remove
+        if self.dp_rank == 0:
+            state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state()}
+            torch.save(state, tmp / "train_state" / f"tp_{self.tp_rank:02d}.pt")
         self.barrier()
         if self.rank == 0:
-            (tmp / "train_state" / "meta.json").write_text(json.dumps({"step": step, **(extra or {})}))
+            (tmp / "train_state" / "meta.json").write_text(json.dumps({"step": step, "tp": self.tp, **(extra or {})}))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             atomic_write(self.save / "latest", name)
             print(f"[run] saved checkpoint {final}", flush=True)
+            self.prune_checkpoints()
         self.barrier()
         return final
+
+    def prune_checkpoints(self):
+        keep = self.args.save_keep
+        done = sorted(p for p in self.save.glob("iter_*") if (p / "train_state" / "meta.json").exists())
+        if keep > 0:
+            for old in done[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def maybe_save(self, model, opt, sched, step, total):
+        """Every --save-interval steps, and always after the last."""
+        periodic = self.args.save_interval and step % self.args.save_interval == 0
+        if periodic or step == total:
+            self.save_checkpoint(model, opt, sched, step)
 
     def resume_dir(self):
         """The checkpoint folder --load points at (or None), checked for a clear error."""
@@ -136,11 +162,14 @@ class Run:
 
     def load_state(self, ckpt, opt, sched):
         """Optimizer, schedule and RNG of this rank; returns the meta dict (step, data position)."""
-        state = torch.load(ckpt / "train_state" / f"rank_{self.rank:03d}.pt", weights_only=False)
+        meta = json.loads((ckpt / "train_state" / "meta.json").read_text())
+        if meta.get("tp", self.tp) != self.tp:
+            raise SystemExit(f"--load {ckpt}: saved at --tensor-model-parallel-size {meta['tp']}, "
+                             f"resumed at {self.tp}; resume at the same TP size")
+        state = torch.load(ckpt / "train_state" / f"tp_{self.tp_rank:02d}.pt", weights_only=False)
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
-        meta = json.loads((ckpt / "train_state" / "meta.json").read_text())
         log = self.save / "metrics.jsonl"
         if self.rank == 0:
             if log.exists():  # drop what a killed run logged after its checkpoint
@@ -185,7 +214,7 @@ def versions():
     out = {"python": sys.version.split()[0]}
     for mod in ("torch", "transformers", "megatron.core", "sglang"):
         try:
-            out[mod] = __import__(mod, fromlist=["_"]).__version__
+            out[mod] = importlib.import_module(mod).__version__
         except Exception:  # noqa: BLE001 - absent or broken optional package
             out[mod] = None
     try:
@@ -225,20 +254,19 @@ def build_optimizer(model, args, total_steps):
 def grad_norm_and_clip(model, run, clip):
     """Global L2 norm of the gradients: TP-sharded parameters (Megatron marks them with
     `tensor_model_parallel`) are summed over the TP group, replicated ones counted once."""
-    sharded = torch.zeros((), dtype=torch.float64)
-    replicated = torch.zeros((), dtype=torch.float64)
+    sharded = torch.zeros((), dtype=torch.float64, device=run.device)
+    replicated = torch.zeros((), dtype=torch.float64, device=run.device)
     grads = []
     for p in model.parameters():
         if p.grad is None:
             continue
         grads.append(p.grad)
-        sq = p.grad.detach().double().pow(2).sum().cpu()
+        sq = p.grad.detach().double().pow(2).sum()
         if getattr(p, "tensor_model_parallel", False):
             sharded += sq
         else:
             replicated += sq
-    if run.world > 1 and dist.get_world_size(run.tp_group) > 1:
-        dist.all_reduce(sharded, group=run.tp_group)
+    parallel.all_reduce(sharded, run.tp_group)
     norm = math.sqrt((sharded + replicated).item())
     if clip and norm > clip:
         for g in grads:
@@ -248,24 +276,29 @@ def grad_norm_and_clip(model, run, clip):
 
 def allreduce_grads(model, run):
     """Sum gradients over data-parallel ranks (the loss is already divided by the global token
-    count, so the sum is the global-batch gradient, equal to one rank holding the whole batch)."""
+    count, so the sum is the global-batch gradient, equal to one rank holding the whole batch).
+    Every trainable parameter takes part, with a zero gradient where this rank had none (no
+    sample, or no image in its batch), so every rank sends the same tensors in the same order;
+    at any DP size, as Megatron's gradient buffers do, so DP=1 and DP=2 take the same step."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
     if run.dp <= 1:
         return
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
     dist.all_reduce(flat, group=run.dp_group)
     off = 0
-    for g in grads:
-        g.copy_(flat[off:off + g.numel()].view_as(g))
-        off += g.numel()
+    for p in params:
+        p.grad.copy_(flat[off:off + p.numel()].view_as(p))
+        off += p.numel()
 
 
 def global_sum(value, run, op=dist.ReduceOp.SUM):
-    """Sum a number over data-parallel ranks (e.g. loss tokens of the global batch); or max, by op."""
-    t = torch.tensor(float(value), dtype=torch.float64)
-    if run.dp > 1:
-        dist.all_reduce(t, op=op, group=run.dp_group)
-    return t.item()
+    """Sum a number over data-parallel ranks (e.g. loss tokens of the global batch); or max, by op.
+    The tensor lives on run.device: NCCL has no CPU tensors."""
+    t = torch.tensor(float(value), dtype=torch.float64, device=run.device)
+    return parallel.all_reduce(t, run.dp_group, op).item()
 
 
 def broadcast_objects(objs, run):
@@ -324,16 +357,15 @@ def dp_shard(items, run):
 
 
 class Timer:
+    """Seconds per named phase: `with timer("train"): ...`, then timer.t["train"]."""
+
     def __init__(self):
         self.t = {}
 
+    @contextlib.contextmanager
     def __call__(self, name):
-        timer = self
-
-        class _Ctx:
-            def __enter__(self):
-                self.start = time.perf_counter()
-
-            def __exit__(self, *exc):
-                timer.t[name] = timer.t.get(name, 0.0) + time.perf_counter() - self.start
-        return _Ctx()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.t[name] = self.t.get(name, 0.0) + time.perf_counter() - start
