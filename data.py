@@ -25,17 +25,14 @@ MAX_PIXELS = 1 << 20  # decoded images above this are downscaled (the processor 
 
 SINGLE_TURN_INSTRUCTION = ("Solve the geometry problem shown in the diagram. Think briefly, then "
                            "give the final answer as \\boxed{<answer>}.")
-TOOL_CALL_FORMAT = '<tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>'
+# The tools themselves reach the model through the chat template's own `tools=` rendering, in
+# the format it was trained on (env_geo3k.TOOL_SPECS), or, for templates that ignore `tools=`
+# (Qwen2.5-VL), as a hand-written list appended here: rollout.chat_prompt decides.
 MULTI_TURN_SYSTEM = (
-    "You solve geometry problems from diagrams. You may call a tool by writing exactly one "
-    f"call of the form {TOOL_CALL_FORMAT} (strict JSON), then stop and wait for its result.\n"
-    "Tools:\n"
-    '- calc_score, arguments {"answer": "<your answer>"}: checks a candidate answer and '
-    "tells you how it scored.\n"
-    '- crop, arguments {"bbox": [x1, y1, x2, y2]}: returns that region of the diagram, in '
-    "pixels of the original image, enlarged so you can read small labels.\n"
-    "When you are done, reply without a tool call and give the final answer as "
-    "\\boxed{<answer>}.")
+    "You solve geometry problems from diagrams. You may call one of your tools, then stop and "
+    "wait for its result: calc_score checks a candidate answer, crop shows a region of an image "
+    "enlarged so that you can read small labels. When you are done, reply without a tool call "
+    "and give the final answer as \\boxed{<answer>}.")
 
 
 class DataError(ValueError):
@@ -188,13 +185,15 @@ def user_content(problem, n_images):
     return parts
 
 
-def prompt_messages(record, multi_turn=False):
-    """The prompt as chat messages: single-turn asks for a box, multi-turn lists the tools."""
+def prompt_messages(record, multi_turn=False, tool_list=None):
+    """The prompt as chat messages: single-turn asks for a box, multi-turn explains the episode;
+    `tool_list` (text) is appended to its system prompt for templates that render no tools."""
     content = user_content(record["problem"], len(record["images"]))
     if not multi_turn:
         content.append({"type": "text", "text": "\n" + SINGLE_TURN_INSTRUCTION})
         return [{"role": "user", "content": content}]
-    return [{"role": "system", "content": MULTI_TURN_SYSTEM}, {"role": "user", "content": content}]
+    system = MULTI_TURN_SYSTEM if not tool_list else MULTI_TURN_SYSTEM + "\n\n" + tool_list
+    return [{"role": "system", "content": system}, {"role": "user", "content": content}]
 
 
 def sft_target(answer):

@@ -1,24 +1,30 @@
 """Rollouts: `Sample`, the engines, single/multi-turn generation with exact token bookkeeping.
 
-    engine = make_engine(args, hf_dir, run_dir)          # --rollout-engine auto|sglang|local
+    engine = train_grpo.make_engine(args, hf_dir, run_dir)   # engines.LocalEngine / SGLangEngine
     samples = generate_group_samples(engine, processor, records, args)
-    engine.update_weights(model.export_hf(model)); ...; engine.shutdown()
 
-Tests: `.venv/bin/pytest tests/test_rollout.py -q` (CPU, tiny checkpoint, fake SGLang server).
+Tests: `.venv/bin/pytest tests/test_rollout.py tests/test_templates.py -q` (CPU, tiny checkpoint,
+the real Qwen3-VL, Qwen2.5-VL and Qwen3.5 chat templates).
 
 Token-in/token-out: a sample's token list is built once, here; it is what the engine is sent
 each turn and what the trainer reads, and nothing the model wrote is ever re-tokenised. The
 prompt is the chat template run through the processor (which expands each `<|image_pad|>` to
-its grid's count), a model turn is the engine's ids as returned, an observation turn is `\\n` +
-the template's rendering of that one tool message (+ the next assistant header) with its images.
-Each turn checks that the engine saw exactly the tokens sent (SGLang re-expanding image tokens
+its grid's count; multi-turn tools go in as `tools=` where the template renders them), a model
+turn is the engine's ids as returned, an observation turn is what the template adds to the
+conversation so far when the tool message and the next generation prompt follow (`\\n`, the tool
+turn, the assistant header), with its images: see encode_observation. Each turn checks that the engine saw exactly the tokens sent (SGLang re-expanding image tokens
 shows as a prompt length mismatch), each sample that its placeholder runs match the images'
 grids. A sample failing a check is `failed` with its reason and an all-zero loss mask, and is
 counted in the metrics; neither it nor an `aborted` one may be trained on.
 """
 import math
+import os
 import sys
 from dataclasses import dataclass, field
+
+import data
+import env_geo3k
+import reward
 
 IM_END, ENDOFTEXT = "<|im_end|>", "<|endoftext|>"
 VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
@@ -78,7 +84,9 @@ def sglang_server_args(argv):
     for a in argv:
         if a.startswith("--sglang-"):
             name, eq, value = a[len("--sglang-"):].partition("=")
-            out += ["--" + name] + [value] * bool(eq)
+            out.append("--" + name)
+            if eq:
+                out.append(value)
         elif a.startswith("--") or not out:
             raise SystemExit(f"unknown argument {a!r} (server flags are passed as --sglang-<name> <value>)")
         else:
@@ -99,18 +107,61 @@ def token_id(processor, token):
     return processor.tokenizer.convert_tokens_to_ids(token)
 
 
-def encode_prompt(processor, messages, images):
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def render(processor, messages, tools=None, add_generation_prompt=False):
+    """The chat template's text for `messages` (tools reach only templates that render them)."""
+    return processor.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                         tokenize=False)
+
+
+def chat_prompt(processor, record, multi_turn=False):
+    """-> (messages, tools) of a record's prompt. Multi-turn: the tools go in the model's own
+    trained format where its template renders a `tools=` list (Qwen3-VL, Qwen3.5, tiny.py's),
+    else (Qwen2.5-VL ignores it) as env_geo3k's hand-written list in the system prompt."""
+    if not multi_turn:
+        return data.prompt_messages(record), None
+    probe = [{"role": "user", "content": "?"}]
+    if render(processor, probe, env_geo3k.TOOL_SPECS) != render(processor, probe):
+        return data.prompt_messages(record, multi_turn=True), env_geo3k.TOOL_SPECS
+    return data.prompt_messages(record, multi_turn=True, tool_list=env_geo3k.usage()), None
+
+
+def encode_prompt(processor, messages, images, tools=None):
+    text = render(processor, messages, tools, add_generation_prompt=True)
     return list(processor(text=[text], images=list(images) or None)["input_ids"][0])
 
 
-def encode_observation(processor, message, images):
-    """Tokens appended after a model turn that ended in <|im_end|>: "\\n", the tool turn, and
-    the next assistant header. Rendered alone, so earlier turns are never re-tokenised."""
-    text = processor.apply_chat_template([message], add_generation_prompt=True, tokenize=False)
-    if not text.startswith("<|im_start|>user"):
-        raise ValueError(f"tool turn renders as {text[:40]!r}, expected a user turn")
-    return list(processor(text=["\n" + text], images=list(images) or None)["input_ids"][0])
+def assistant_opener(processor, messages, tools=None):
+    """What the generation prompt writes after `<|im_start|>assistant\\n`, which the model's text
+    continues: "" for Qwen2.5-VL / Qwen3-VL, "<think>\\n\\n</think>\\n\\n" for Qwen3.5 with thinking
+    off (0.8B, 2B), "<think>\\n" with it on (4B and up)."""
+    head = "<|im_start|>assistant\n"
+    before = render(processor, messages, tools)
+    after = render(processor, messages, tools, add_generation_prompt=True)
+    if not after.startswith(before + head):
+        raise ValueError(f"the generation prompt {after[len(before):][:40]!r} does not open an assistant turn")
+    return after[len(before) + len(head):]
+
+
+def encode_observation(processor, history, message, images, tools=None):
+    """Tokens appended after a model turn that ended in <|im_end|>: what the chat template adds
+    to `history` (prompt, model turns as assistant messages, earlier tool messages) when the tool
+    `message` and the next generation prompt follow, from the last <|im_end|> on: "\\n", the tool
+    turn (a user turn with <tool_response> for Qwen3-VL / Qwen3.5, a `tool` turn for Qwen2.5-VL),
+    the assistant header. Rendering the whole conversation is what real templates need (Qwen2.5-VL
+    adds a default system prompt, Qwen3.5 raises without a user query); only the added text is
+    tokenised, so earlier turns, the model's own tokens above all, are never re-tokenised. The
+    history's rendering must be an exact prefix of the longer one, or this raises."""
+    before = render(processor, history, tools)
+    after = render(processor, history + [message], tools, add_generation_prompt=True)
+    if not after.startswith(before):
+        k = len(os.path.commonprefix([before, after]))
+        raise ValueError(f"the chat template renders earlier turns differently once a tool turn follows "
+                         f"(at char {k}: {before[k:k + 40]!r} vs {after[k:k + 40]!r})")
+    cut = before.rfind(IM_END) + len(IM_END)
+    if cut < len(IM_END) or before[cut:].strip():
+        raise ValueError(f"the chat template does not end an assistant turn with {IM_END} "
+                         f"(it ends {before[-40:]!r})")
+    return list(processor(text=[after[cut:]], images=list(images) or None)["input_ids"][0])
 
 
 def check_images(processor, ids, images):
@@ -141,20 +192,22 @@ def _fail(s, reason):
 
 
 def _episode(processor, rec, args, group, multi):
-    import data
+    """-> (sample, env, chat): `chat` holds the conversation as messages (model turns as assistant
+    messages with their text), which the chat template renders to frame each observation."""
     images = list(rec["images"])
-    s = Sample(prompt_ids=encode_prompt(processor, data.prompt_messages(rec, multi_turn=multi), images),
+    messages, tools = chat_prompt(processor, rec, multi)
+    s = Sample(prompt_ids=encode_prompt(processor, messages, images, tools),
                images=images, image_turns=[0] * len(images), label=str(rec["answer"]),
                group=group, index=rec.get("index", group), metadata={"steps": []})
-    env = None
+    env, chat = None, None
     if multi:
-        import env_geo3k
         env = env_geo3k.build_env(rec, args)
         env.reset()
-    return s, env
+        chat = {"messages": messages, "tools": tools, "opener": assistant_opener(processor, messages, tools)}
+    return s, env, chat
 
 
-def _finish_turn(s, env, out, processor, args, stops):
+def _finish_turn(s, env, chat, out, processor, args, stops):
     """Append one engine answer to `s`; run the env; append its observation. -> still active?"""
     ids, lps = list(out["ids"]), list(out["logprobs"])
     if out.get("error"):
@@ -185,7 +238,13 @@ def _finish_turn(s, env, out, processor, args, stops):
         return False
     im_end = token_id(processor, IM_END)
     close = [] if ids and ids[-1] == im_end else [im_end]  # stopped on another stop token
-    obs_ids = close + encode_observation(processor, env.format_observation(obs), obs["images"])
+    # The model's text continues the generation prompt's opener (Qwen3.5's <think> block), so the
+    # assistant message is opener + text: the template renders it as the tokens the model saw and
+    # wrote (for canonically tokenised text), and a thinking template finds its </think> in it.
+    chat["messages"].append({"role": "assistant", "content": chat["opener"] + text})
+    message = env.format_observation(obs)
+    obs_ids = close + encode_observation(processor, chat["messages"], message, obs["images"], chat["tools"])
+    chat["messages"].append(message)
     if (len(s.response_ids) + len(obs_ids) >= args.rollout_max_response_len
             or len(s.tokens) + len(obs_ids) >= getattr(args, "max_context_len", 8192)):
         s.status = "truncated"
@@ -226,25 +285,25 @@ def run_episodes(engine, processor, records, args, groups=None):
         outs = engine.generate(reqs, dict(sampling, max_new_tokens=longest)) if reqs else []
         active = []
         for i, out in zip(live, outs):
-            s, env = eps[i]
+            s, env, chat = eps[i]
             try:
-                if _finish_turn(s, env, out, processor, args, stops):  # falsy once failed
+                if _finish_turn(s, env, chat, out, processor, args, stops):  # falsy once failed
                     active.append(i)
             except Exception as e:  # noqa: BLE001 - one bad episode must not end the rollout
                 _fail(s, f"{type(e).__name__}: {e}")
         bar.update(len(eps) - len(active) - bar.n)
     bar.close()
-    for s, env in eps:
+    for s, env, _ in eps:
         if env is not None:
             env.close()
-        if s.status != "failed" and (reason := check_images(processor, s.tokens, s.images)):
+        reason = None if s.status == "failed" else check_images(processor, s.tokens, s.images)
+        if reason:
             _fail(s, reason)
-    return [s for s, _ in eps]
+    return [s for s, _, _ in eps]
 
 
 def _score(samples, args, reward_fn):
     """reward.py's RM (a process pool for big batches) or `reward_fn`; failed samples get 0."""
-    import reward
     live = [s for s in samples if s.status != "failed"]
     texts, labels = [s.response_text for s in live], [s.label for s in live]
     rewards = (reward.batch_rewards(texts, labels, getattr(args, "rm_type", "math") or "math")

@@ -29,6 +29,8 @@ PAT_STR = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\
 # ChatML with Qwen's vision markers. A message's content is a string or a list of
 # {"type": "image"} / {"type": "text", "text": ...} parts; assistant `tool_calls` render as
 # <tool_call>{json}</tool_call>; a `tool` message renders as a user turn in <tool_response>.
+# A `tools=` list of JSON-schema specs renders in the system turn, one JSON line each (after
+# the system message, if any), so the tiny models take the same prompt path as Qwen3-VL's.
 CHAT_TEMPLATE = (
     "{%- macro render(content) -%}"
     "{%- if content is string -%}{{ content }}"
@@ -37,8 +39,17 @@ CHAT_TEMPLATE = (
     "{%- elif part.type == 'text' -%}{{ part.text }}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
     "{%- endmacro -%}"
+    "{%- if tools -%}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' -%}{{ render(messages[0].content) + '\\n\\n' }}{%- endif -%}"
+    "{{ '# Tools\\n\\nTo call a function, write <tool_call>\\n{\"name\": <name>, \"arguments\": "
+    "<JSON object>}\\n</tool_call> and stop. The functions:\\n<tools>' }}"
+    "{%- for tool in tools -%}{{ '\\n' + (tool | tojson) }}{%- endfor -%}"
+    "{{ '\\n</tools><|im_end|>\\n' }}"
+    "{%- endif -%}"
     "{%- for m in messages -%}"
-    "{%- if m.role == 'tool' -%}"
+    "{%- if m.role == 'system' and tools and loop.first -%}"
+    "{%- elif m.role == 'tool' -%}"
     "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{ '<|im_start|>user' }}{%- endif -%}"
     "{{ '\\n<tool_response>\\n' }}{{ render(m.content) }}{{ '\\n</tool_response>' }}"
     "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{ '<|im_end|>\\n' }}{%- endif -%}"

