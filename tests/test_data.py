@@ -2,6 +2,7 @@
 import io
 import json
 import math
+from pathlib import Path
 
 import pytest
 from PIL import Image, ImageDraw
@@ -67,6 +68,16 @@ def test_chat_template_renders_images_and_tool_calls():
                     "<|im_start|>user\n<tool_response>\n<|vision_start|><|image_pad|><|vision_end|>"
                     "cropped\n</tool_response><|im_end|>\n"
                     "<|im_start|>assistant\nAnswer: \\boxed{8}<|im_end|>\n")
+    # tools=: one JSON line each in the system turn, after the system message (Qwen3-VL's layout)
+    spec = {"type": "function", "function": {"name": "crop", "parameters": {"type": "object"}}}
+    text = proc.apply_chat_template(msgs[:2], tools=[spec], add_generation_prompt=True, tokenize=False)
+    assert text == ("<|im_start|>system\nS\n\n# Tools\n\nTo call a function, write <tool_call>\n"
+                    '{"name": <name>, "arguments": <JSON object>}\n</tool_call> and stop. The functions:\n'
+                    '<tools>\n{"type": "function", "function": {"name": "crop", "parameters": {"type": "object"}}}'
+                    "\n</tools><|im_end|>\n"
+                    "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Find x.<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    assert proc.apply_chat_template(msgs[1:2], tools=[spec], tokenize=False).startswith("<|im_start|>system\n# Tools")
 
 
 def _png(color="red", size=(40, 30)):
@@ -125,6 +136,12 @@ def test_user_content_places_images_at_markers():
     assert data.user_content("Find x.", 1) == [{"type": "image"}, {"type": "text", "text": "Find x."}]
     assert data.user_content("A <image> B <image>", 2) == [
         {"type": "text", "text": "A"}, {"type": "image"}, {"type": "text", "text": "B"}, {"type": "image"}]
+    rec = {"problem": "<image>Q", "answer": "1", "images": [None]}
+    assert data.prompt_messages(rec)[0]["content"][-1]["text"] == "\n" + data.SINGLE_TURN_INSTRUCTION
+    system = data.prompt_messages(rec, multi_turn=True)[0]
+    assert system == {"role": "system", "content": data.MULTI_TURN_SYSTEM} and "\\boxed{" in system["content"]
+    listed = data.prompt_messages(rec, multi_turn=True, tool_list="- crop: zoom")[0]["content"]
+    assert listed == data.MULTI_TURN_SYSTEM + "\n\n- crop: zoom"
     sft = data.sft_messages({"problem": "<image>Q", "answer": "5 \\sqrt { 3 }", "images": [None]})
     assert sft[-1] == {"role": "assistant", "content": "Answer: \\boxed{5 \\sqrt { 3 }}"}
 
@@ -155,12 +172,50 @@ def test_synth_is_deterministic_and_answers_follow_from_the_drawing(tmp_path):
     assert len(data.load_geo3k(out, "train")) == 8 and len(data.load_geo3k(out, "test")) == 4
 
 
+REAL_CONFIGS = {"qwen3_vl": "Qwen3-VL-2B-Instruct", "qwen2_5_vl": "Qwen2.5-VL-3B-Instruct"}
+
+
+def _lookup(config, key):
+    """A config value wherever the family keeps it: top level, text_config or vision_config."""
+    for part in (config, config.get("text_config", {}), config.get("vision_config", {})):
+        if key in part:
+            return part[key]
+    raise KeyError(key)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen2_5_vl"])
+def test_tiny_checkpoint_matches_the_real_model_where_it_must(tiny_ckpt, arch):
+    """The tiny checkpoint's files say what the real model's say about tokens and image layout
+    (token ids, vocabulary, patch / merge sizes, class), its tokenizer reloads to the real
+    vocabulary, and its chat template is tiny.CHAT_TEMPLATE."""
+    from transformers import AutoProcessor
+    real_dir = Path(__file__).resolve().parents[2] / "shared" / "real_models" / REAL_CONFIGS[arch]
+    if not real_dir.exists():
+        pytest.skip(f"{real_dir} not found (real config.json)")
+    path = tiny_ckpt(arch)
+    ours, real = (json.loads((d / "config.json").read_text()) for d in (path, real_dir))
+    for key in ["image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+                "eos_token_id", "bos_token_id", "vocab_size", "patch_size", "spatial_merge_size",
+                "temporal_patch_size", "model_type"]:
+        assert _lookup(ours, key) == _lookup(real, key), key
+    assert ours["architectures"] == real["architectures"]
+    proc = AutoProcessor.from_pretrained(path)
+    assert (path / "chat_template.jinja").read_text() == tiny.CHAT_TEMPLATE == proc.chat_template
+    tok, ref = proc.tokenizer, tiny.qwen_tokenizer()
+    for name in tiny.SPECIAL_TOKENS:
+        assert tok.convert_tokens_to_ids(name) == ref.convert_tokens_to_ids(name)
+    assert tok.convert_tokens_to_ids("<|image_pad|>") == ours["image_token_id"]
+    assert tok.convert_tokens_to_ids("<|im_end|>") == _lookup(ours, "eos_token_id")
+    text = "<|im_start|>user\nIn \\odot X, m \\widehat C Z = 40°.<|im_end|>"
+    assert tok.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False)
+    assert proc.image_processor.patch_size == _lookup(ours, "patch_size")
+    assert proc.image_processor.merge_size == _lookup(ours, "spatial_merge_size")
+
+
 @pytest.mark.parametrize("arch", ["qwen3_vl", "qwen2_5_vl"])
 def test_tiny_checkpoint_loads_offline_and_generates(tiny_ckpt, geo3k_real, arch):
     from transformers import AutoModelForImageTextToText, AutoProcessor
     path = tiny_ckpt(arch)
-    assert {"config.json", "model.safetensors", "tokenizer.json", "processor_config.json",
-            "chat_template.jinja"} <= {p.name for p in path.iterdir()}
     proc = AutoProcessor.from_pretrained(path)
     model = AutoModelForImageTextToText.from_pretrained(path)
     rec = data.load_geo3k(geo3k_real / "test.jsonl")[0]
