@@ -164,6 +164,20 @@ def encode_observation(processor, history, message, images, tools=None):
     return list(processor(text=[after[cut:]], images=list(images) or None)["input_ids"][0])
 
 
+def encode_target(processor, messages, text, tools=None):
+    """Token ids the model should write after the prompt `messages` (and the generation prompt)
+    to answer `text`, through <|im_end|>, as the template renders that answer: text + <|im_end|>
+    for most templates, but "\\n</think>\\n\\n" + text + <|im_end|> for Qwen3.5 with thinking on,
+    whose generation prompt leaves <think> open (SFT targets; prompt ids: encode_prompt)."""
+    prompt = render(processor, messages, tools, add_generation_prompt=True)
+    full = render(processor, messages + [{"role": "assistant", "content": text}], tools)
+    end = full.rfind(IM_END) + len(IM_END)
+    if not full.startswith(prompt) or end <= len(prompt):
+        raise ValueError(f"the chat template's answer turn does not continue its generation prompt "
+                         f"({full[len(prompt) - 20:len(prompt) + 20]!r})")
+    return processor.tokenizer.encode(full[len(prompt):end], add_special_tokens=False)
+
+
 def check_images(processor, ids, images):
     """None if every image's placeholder count is what its grid implies, else the reason."""
     start, end, pad = (token_id(processor, t) for t in (VISION_START, VISION_END, IMAGE_PAD))

