@@ -13,7 +13,7 @@ pads is collapsed to one pad here, and the server's meta_info.prompt_tokens (its
 is returned for the rollout to check against the expanded length it holds.
 
 Weight sync goes through the disk: the (HF name, full tensor) buckets become safetensors shards
-in <run_dir>/weights, next to the checkpoint's config and processor files, loaded by POST
+in <run_dir>/weights/a or /b in turn (never the folder a restart would load), next to the checkpoint's config and processor files, loaded by POST
 /update_weights_from_disk. The server flushes its cache after that load by itself
 (UpdateWeightFromDiskReqInput.flush_cache defaults to True, managers/io_struct.py:1970), so we do
 not flush again; a failed load answers HTTP 400 {"success": false, "message"}, raised here. Not /update_weights_from_tensor: its payloads are CUDA IPC handles, one per server TP
@@ -262,6 +262,22 @@ class SGLangEngine(Engine):
         return list(self.pool.map(lambda item: self._generate_one(item, sampling), batch))
 
     def _generate_one(self, item, sp):
+        try:
+            r = self._call("/generate", self.generate_payload(item, sp))
+        except ServerError as e:  # e.g. an image the server refuses: this sample fails, not the run
+            return {"ids": [], "logprobs": [], "finish": "abort", "error": str(e)}
+        meta = r["meta_info"]
+        pairs = meta.get("output_token_logprobs") or []
+        out = {"ids": [int(p[1]) for p in pairs], "logprobs": [float(p[0]) for p in pairs],
+               "finish": (meta.get("finish_reason") or {}).get("type", "abort"),
+               "prompt_tokens": meta.get("prompt_tokens")}
+        if "output_ids" in r and list(r["output_ids"]) != out["ids"]:
+            out["error"] = "output_ids differ from the ids in output_token_logprobs"
+        return out
+
+    def generate_payload(self, item, sp):
+        """The /generate body for one batch item (see Engine.generate): image pads collapsed to
+        one per image, images as data URIs, logprobs of the new tokens asked for."""
         import data
         params = {"temperature": float(sp.get("temperature", 1.0)), "top_p": float(sp.get("top_p", 1.0)),
                   "top_k": int(sp.get("top_k", -1)),
@@ -274,31 +290,25 @@ class SGLangEngine(Engine):
         payload = {"input_ids": ids, "sampling_params": params, "return_logprob": True}
         if item.get("images"):
             payload["image_data"] = [data.image_to_data_uri(im) for im in item["images"]]
-        try:
-            r = self._call("/generate", payload)
-        except ServerError as e:  # e.g. an image the server refuses: this sample fails, not the run
-            return {"ids": [], "logprobs": [], "finish": "abort", "error": str(e)}
-        meta = r["meta_info"]
-        pairs = meta.get("output_token_logprobs") or []
-        out = {"ids": [int(p[1]) for p in pairs], "logprobs": [float(p[0]) for p in pairs],
-               "finish": (meta.get("finish_reason") or {}).get("type", "abort"),
-               "prompt_tokens": meta.get("prompt_tokens")}
-        if "output_ids" in r and list(r["output_ids"]) != out["ids"]:
-            out["error"] = "output_ids differ from the ids in output_token_logprobs"
-        return out
+        return payload
 
     def update_weights(self, buckets):
         """Save the buckets as a checkpoint folder and load it with /update_weights_from_disk (the
         server flushes its cache after the load). -> number of tensors. A load the server refuses
         raises RuntimeError with the server's message."""
-        n = write_hf_folder(buckets, self.weights_dir, self.hf_dir)
+        # Two folders in turn: the one the server runs (and a restart would load) is never the one
+        # being rewritten, so a refused or interrupted sync leaves the last good weights loadable.
+        out = self.weights_dir / "a"
+        if self.model_path == str(out):
+            out = self.weights_dir / "b"
+        n = write_hf_folder(buckets, out, self.hf_dir)
         try:
-            r = self._call("/update_weights_from_disk", {"model_path": str(self.weights_dir)})
+            r = self._call("/update_weights_from_disk", {"model_path": str(out)})
         except ServerError as e:  # HTTP 400 {"success": false, "message": ...}
             raise RuntimeError(f"SGLang /update_weights_from_disk failed (HTTP {e.code}): {e.message()}") from None
         if not (isinstance(r, dict) and r.get("success")):
             raise RuntimeError(f"SGLang /update_weights_from_disk failed: {r}")
-        self.model_path = str(self.weights_dir)  # a restarted server comes back with these weights
+        self.model_path = str(out)  # a restarted server comes back with these weights
         return n
 
     def flush(self):

@@ -99,10 +99,10 @@ def test_sglang_protocol_and_weight_sync(ckpt, processor, records, tmp_path):
         assert bad["finish"] == "abort" and "HTTP 500" in bad["error"]
         assert "IndexError: index 1 is out of bounds" in eng.log_tail()
         sync = [r for r in read_record(rec) if r["path"] == "/update_weights_from_disk"][-1]["json"]
-        assert sync == {"model_path": str(tmp_path / "weights")}
+        assert sync == {"model_path": str(tmp_path / "weights" / "a")}
         new = eng.generate([{"input_ids": samples[0].prompt_ids, "images": samples[0].images}],
                            dict(temperature=1.0, max_new_tokens=64))[0]
-        assert new["ids"] == fake_output(samples[0].prompt_ids, 64, weights_digest(tmp_path / "weights"))[0]
+        assert new["ids"] == fake_output(samples[0].prompt_ids, 64, weights_digest(tmp_path / "weights" / "a"))[0]
         assert new["ids"] != samples[0].response_ids  # the server now runs the new weights
         eng.release()
         eng.resume()
@@ -156,10 +156,17 @@ def test_failed_weight_update_raises_the_servers_message(ckpt, tmp_path):
     try:
         environ = Path(f"/proc/{eng.proc.pid}/environ").read_bytes().split(b"\0")
         assert b"CUDA_VISIBLE_DEVICES=3" in environ and b"FAKE_TAG=x y" in environ  # env reaches the server
-        with pytest.raises(RuntimeError, match=r"HTTP 400\): \S+weights is not a checkpoint folder"):
+        state = load_model(ckpt).state_dict()
+        eng.update_weights([[(k, v * 1.01) for k, v in state.items()]])
+        good = eng.model_path
+        digest = weights_digest(good)
+        with pytest.raises(RuntimeError, match=r"HTTP 400\): \S+ is not a checkpoint folder"):
             eng.update_weights([])  # no tensors: the fake refuses the folder, as stock refuses a bad one
-        assert eng.model_path == str(ckpt)  # a restart would still come up from the last good weights
-        assert [r["path"] for r in read_record(rec)] == ["/update_weights_from_disk"]
+        # a restart would still come up from the last good weights, untouched by the failed sync
+        assert eng.model_path == good == str(tmp_path / "weights" / "a") and weights_digest(good) == digest
+        assert [r["path"] for r in read_record(rec)] == ["/update_weights_from_disk"] * 2
+        eng.update_weights([list(state.items())])  # the next sync takes the other folder again
+        assert eng.model_path == str(tmp_path / "weights" / "b")
     finally:
         eng.shutdown()
 
@@ -171,7 +178,7 @@ def test_sglang_killed_mid_rollout_restarts_and_retries(ckpt, tmp_path):
     try:
         items = [(k, v * 1.01) for k, v in load_model(ckpt).state_dict().items()]
         eng.update_weights([items])
-        digest = weights_digest(tmp_path / "weights")
+        digest = weights_digest(tmp_path / "weights" / "a")
         batch = [{"input_ids": [151644, 100 + i, 151645], "images": []} for i in range(8)]
         killer = threading.Timer(0.6, lambda: os.killpg(pgids[0], signal.SIGKILL))
         killer.start()
@@ -183,7 +190,7 @@ def test_sglang_killed_mid_rollout_restarts_and_retries(ckpt, tmp_path):
             assert out["ids"] == fake_output(item["input_ids"], 16, digest)[0] and out["finish"] == "stop"
         gens = [r for r in read_record(rec) if r["path"] == "/generate"]
         assert len({r["pid"] for r in gens}) == 2 and 8 < len(gens) <= 16  # retried on the new server
-        assert eng.model_path == str(tmp_path / "weights")  # restarted from the synced weights
+        assert eng.model_path == str(tmp_path / "weights" / "a")  # restarted from the synced weights
         assert b"CUDA_VISIBLE_DEVICES=1" in Path(f"/proc/{eng.proc.pid}/environ").read_bytes().split(b"\0")
     finally:
         eng.shutdown()
