@@ -301,7 +301,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.cmd == "synth":
         kinds = tuple(k.strip() for k in a.kinds.split(","))
-        if unknown := [k for k in kinds if k not in KINDS]:
+        unknown = [k for k in kinds if k not in KINDS]
+        if unknown:
             p.error(f"unknown --kinds {unknown}; choose from {sorted(KINDS)}")
         out = write_synth(a.out, a.n, a.n_test, a.seed, kinds, a.size, a.jitter)
         print(f"wrote {a.n} train and {a.n_test} test problems to {out}")

@@ -151,7 +151,6 @@ class ScriptedEngine(engines.Engine):
 def test_multi_turn_crop_matches_full_render(processor, records):
     """The trainer-side tokens of a crop episode are exactly the processor's tokens for the whole
     conversation rendered at once, with both images, and the crop reaches turn 2's request."""
-    pytest.importorskip("env_geo3k")
     rec = records[0]
     eng = ScriptedEngine(processor, [CROP_CALL, ANSWER])
     args = rollout_args(max_turns=3, n_samples_per_prompt=1, rollout_max_response_len=400)
@@ -180,7 +179,6 @@ def test_multi_turn_crop_matches_full_render(processor, records):
 
 
 def test_multi_turn_max_turns_and_context_budget(processor, records):
-    pytest.importorskip("env_geo3k")
     eng = ScriptedEngine(processor, [CROP_CALL])  # calls a tool every turn
     (s,) = rollout.run_episodes(eng, processor, records[:1], rollout_args(max_turns=2, n_samples_per_prompt=1,
                                                                       rollout_max_response_len=400))
@@ -197,7 +195,6 @@ def test_multi_turn_max_turns_and_context_budget(processor, records):
 
 
 def test_tool_calls_counts_calls_that_ran(processor, records):
-    pytest.importorskip("env_geo3k")
     unknown = '<tool_call>\n{"name": "nope", "arguments": {"x": 1}}\n</tool_call>'
     eng = ScriptedEngine(processor, [unknown, CROP_CALL, ANSWER])
     (s,) = rollout.run_episodes(eng, processor, records[:1], rollout_args(max_turns=4, n_samples_per_prompt=1,
@@ -297,7 +294,6 @@ def test_truncation_and_failures(processor, records):
 
 
 def test_group_samples_rewards_and_dynamic_sampling(processor, records):
-    pytest.importorskip("reward")
     recs = [dict(r, answer=a) for r, a in zip(records * 2, ["same", "mixed", "same", "mixed", "mixed"])]
     counter = iter(range(10 ** 6))
 
@@ -322,7 +318,6 @@ def test_group_samples_rewards_and_dynamic_sampling(processor, records):
 
 
 def test_group_samples_default_reward(processor, records):
-    pytest.importorskip("reward")
     recs = [dict(records[0], answer="360")]
     samples = rollout.generate_group_samples(ScriptedEngine(processor, ["So \\boxed{360}"]), processor, recs,
                                              rollout_args(n_samples_per_prompt=2))
