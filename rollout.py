@@ -1,4 +1,5 @@
-"""Rollouts: `Sample`, the engines, single/multi-turn generation with exact token bookkeeping.
+"""Rollouts: `Sample`, prompts and observations through the chat template, single/multi-turn
+generation with exact token bookkeeping, group sampling and scoring.
 
     engine = train_grpo.make_engine(args, hf_dir, run_dir)   # engines.LocalEngine / SGLangEngine
     samples = generate_group_samples(engine, processor, records, args)
@@ -11,11 +12,12 @@ each turn and what the trainer reads, and nothing the model wrote is ever re-tok
 prompt is the chat template run through the processor (which expands each `<|image_pad|>` to
 its grid's count; multi-turn tools go in as `tools=` where the template renders them), a model
 turn is the engine's ids as returned, an observation turn is what the template adds to the
-conversation so far when the tool message and the next generation prompt follow (`\\n`, the tool
-turn, the assistant header), with its images: see encode_observation. Each turn checks that the engine saw exactly the tokens sent (SGLang re-expanding image tokens
-shows as a prompt length mismatch), each sample that its placeholder runs match the images'
-grids. A sample failing a check is `failed` with its reason and an all-zero loss mask, and is
-counted in the metrics; neither it nor an `aborted` one may be trained on.
+conversation so far when the tool message and the next generation prompt follow (`\\n`, the
+tool turn, the assistant header), with its images: see encode_observation. Each turn checks that
+the engine saw exactly the tokens sent (SGLang re-expanding image tokens shows as a prompt length
+mismatch), each sample that its placeholder runs match the images' grids. A sample failing a
+check is `failed` with its reason and an all-zero loss mask, and is counted in the metrics;
+neither it nor an `aborted` one may be trained on.
 """
 import math
 import os
