@@ -1,7 +1,9 @@
-"""One GRPO update on fixed samples, for tests/test_grpo.py: run as one process or under
-torchrun (TP or DP); prints `loss=<x> grad_norm=<y> clipfrac=<z>` on rank 0.
+"""Two GRPO updates on fixed samples, for tests/test_grpo.py: run as one process or under
+torchrun (TP or DP); prints each update's `loss=<x> grad_norm=<y> clipfrac=<z> kl=<k>` on rank 0
+and saves the weights after them to <save>/final (decoupled lr on the split embedding and output
+layer, so the sharded AdamW update is compared too).
 
-    python tests/_grpo_worker.py CKPT GEO3K_PARQUET --save DIR [--tp N] [--ref CKPT]
+    python tests/_grpo_worker.py CKPT GEO3K_PARQUET --save DIR [--tp N] [--ref CKPT] [--items N] [--agg sequence]
 """
 import argparse
 import sys
@@ -10,6 +12,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import convert  # noqa: E402
 import data  # noqa: E402
 import model as M  # noqa: E402
 import rollout as R  # noqa: E402
@@ -40,25 +43,30 @@ def main():
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--ref", default=None, help="reference checkpoint: adds the KL term")
     p.add_argument("--save", required=True)
+    p.add_argument("--items", type=int, default=8, help="train on the first N samples (1: a DP rank gets none)")
+    p.add_argument("--agg", default="token", help="--loss-agg")
     a = p.parse_args()
     args = G.parse_args(["--hf-checkpoint", a.ckpt, "--prompt-data", a.source, "--save", a.save,
                          "--tensor-model-parallel-size", str(a.tp), "--max-tokens-per-gpu", "700",
-                         "--entropy-coef", "0.01", "--eps-clip", "0.2", "--eps-clip-high", "0.28"]
+                         "--entropy-coef", "0.01", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
+                         "--lr", "1e-3", "--decoupled-lr", "1e-2", "--loss-agg", a.agg]
                         + (["--kl-loss-coef", "0.1", "--kl-loss-type", "low_var_kl"] if a.ref else []))
     run = T.Run(args, "test")
     model = M.load_model(a.ckpt)
     ref = M.load_model(a.ref).eval() if a.ref else None
-    opt, sched = T.build_optimizer(model, args, 1)
-    items = samples(a.ckpt, a.source)
+    opt, sched = T.build_optimizer(model, args, 2)
+    items = samples(a.ckpt, a.source)[:a.items]
     G.recompute_old(model, items, args)  # old logprobs: the model's own, then moved so the clip engages
     g = torch.Generator().manual_seed(0)
     for it in items:
         it["old"] = it["old"] + 0.3 * torch.randn(len(it["old"]), generator=g)
-    stats = G.policy_loss(model, ref, run, T.dp_shard(items, run), args, measure=False)
-    stats.update(T.optimizer_step(model, opt, sched, run, args))
-    if run.rank == 0:
-        print(f"loss={stats['loss']!r} grad_norm={stats['grad_norm']!r} clipfrac={stats['clipfrac']!r} "
-              f"kl={stats['kl']!r}")
+    for update in range(2):
+        stats = G.policy_loss(model, ref, run, T.dp_shard(items, run), args, measure=False)
+        stats.update(T.optimizer_step(model, opt, sched, run, args))
+        if run.rank == 0:
+            print(f"update={update} loss={stats['loss']!r} grad_norm={stats['grad_norm']!r} "
+                  f"clipfrac={stats['clipfrac']!r} kl={stats['kl']!r}", flush=True)
+    convert.save_hf(model, Path(a.save) / "final")
 
 
 if __name__ == "__main__":

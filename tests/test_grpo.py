@@ -53,26 +53,69 @@ def test_kl_estimators(kind, fn):
     assert got[2] == 0.0  # identical policies: no KL
 
 
-def worker(ckpt, source, save, nproc=1, tp=1, ref=None):
+def worker(ckpt, source, save, nproc=1, tp=1, ref=None, *extra):
+    """-> [stats of update 0, stats of update 1] from tests/_grpo_worker.py (weights in save/final)."""
     launcher = [PY] if nproc == 1 else [PY, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                                         "--master_port", str(29600 + os.getpid() % 1000)]
     cmd = launcher + [str(ROOT / "tests" / "_grpo_worker.py"), str(ckpt), str(source), "--save", str(save),
-                      "--tp", str(tp)] + (["--ref", str(ref)] if ref else [])
+                      "--tp", str(tp), *extra] + (["--ref", str(ref)] if ref else [])
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
-    return {k: float(v) for k, v in re.findall(r"(\w+)=([-\d.e+]+)", r.stdout.strip().splitlines()[-1])}
+    lines = [x for x in r.stdout.splitlines() if x.startswith("update=")]
+    return [{k: float(v) for k, v in re.findall(r"(\w+)=([-\d.e+]+)", x)} for x in lines]
+
+
+def saved(run):
+    from safetensors.torch import load_file
+    return load_file(Path(run) / "final" / "model.safetensors")
 
 
 @pytest.mark.parametrize("kl", [False, True])
-def test_one_update_equal_at_tp2_and_dp2(tiny_ckpt, geo3k_real, tmp_path, kl):
+def test_two_updates_equal_at_tp2_and_dp2(tiny_ckpt, geo3k_real, tmp_path, kl):
+    """Two updates (the second from AdamW's sharded state, decoupled lr on the split embedding and
+    output layer): the same losses, grad norms and final weights at TP=1, TP=2 and DP=2."""
     ckpt, src = tiny_ckpt("qwen3_vl"), geo3k_real / "test.parquet"
     ref = tiny_ckpt("qwen3_vl", seed=1) if kl else None  # another policy, so the KL is not 0
     one = worker(ckpt, src, tmp_path / "one", ref=ref)
-    assert 0 < one["clipfrac"] < 1 and one["grad_norm"] > 0 and (one["kl"] > 0) == kl, one
-    for name, got in (("tp2", worker(ckpt, src, tmp_path / "tp2", nproc=2, tp=2, ref=ref)),
-                      ("dp2", worker(ckpt, src, tmp_path / "dp2", nproc=2, ref=ref))):
-        for k in ("loss", "grad_norm", "clipfrac", "kl"):
-            assert abs(got[k] - one[k]) <= 1e-5 * max(1.0, abs(one[k])), (name, k, got, one)
+    assert len(one) == 2 and one[0]["loss"] != one[1]["loss"], one
+    for u in one:
+        assert 0 < u["clipfrac"] < 1 and u["grad_norm"] > 0 and (u["kl"] > 0) == kl, one
+    w_one, w_start = saved(tmp_path / "one"), saved_start(ckpt)
+    moved = max((w_one[k] - w_start[k]).abs().max().item() for k in w_one)
+    assert moved > 1e-3, moved  # the updates changed the weights (lr 1e-3, embedding/head 1e-2)
+    for name, got in (("tp2", worker(ckpt, src, tmp_path / "tp2", 2, 2, ref)),
+                      ("dp2", worker(ckpt, src, tmp_path / "dp2", 2, 1, ref))):
+        for u, (g, o) in enumerate(zip(got, one)):
+            for k in ("loss", "grad_norm", "clipfrac", "kl"):
+                assert abs(g[k] - o[k]) <= 1e-5 * max(1.0, abs(o[k])), (name, u, k, got, one)
+        assert_same_weights(saved(tmp_path / name), w_one, name)
+
+
+def assert_same_weights(w, ref, name):
+    """Each update moves a weight by ~lr (2e-3; 2e-2 for the embedding and head): a wrong shard or
+    lr group differs in many elements by that much. Adam's first steps amplify the reduction-order
+    noise of a near-zero gradient (g / (|g| + eps)), so a few single elements may differ by ~1e-5."""
+    assert w.keys() == ref.keys()
+    diffs = {k: (w[k] - ref[k]).abs() for k in w}
+    worst = max(d.max().item() for d in diffs.values())
+    off = sum(int((d > 1e-6).sum()) for d in diffs.values())
+    assert worst <= 1e-4 and off <= 10, (name, worst, off)
+
+
+def saved_start(ckpt):
+    from safetensors.torch import load_file
+    return load_file(Path(ckpt) / "model.safetensors")
+
+
+def test_dp_rank_without_samples_takes_the_same_step(tiny_ckpt, geo3k_real, tmp_path):
+    """One sample at DP=2: rank 1 has nothing to train on, yet joins the all-reduce with zero
+    gradients (it used to call torch.cat([])) and ends with the same weights as one process."""
+    ckpt, src = tiny_ckpt("qwen3_vl"), geo3k_real / "test.parquet"
+    one = worker(ckpt, src, tmp_path / "one", 1, 1, None, "--items", "1")
+    dp2 = worker(ckpt, src, tmp_path / "dp2", 2, 1, None, "--items", "1")
+    for g, o in zip(dp2, one):
+        assert abs(g["loss"] - o["loss"]) <= 1e-6 and abs(g["grad_norm"] - o["grad_norm"]) <= 1e-5 * o["grad_norm"]
+    assert_same_weights(saved(tmp_path / "dp2"), saved(tmp_path / "one"), "dp2")
 
 
 def grpo(*args, wait=True):
@@ -89,26 +132,33 @@ def metrics(run):
 
 
 def test_short_run_logs_syncs_and_resumes_after_sigkill(tiny_ckpt, tmp_path):
-    """Three steps, checkpoint every step; a run SIGKILLed after step 2's checkpoint resumes
-    with --load and logs the same steps as the uninterrupted run: none lost or repeated."""
+    """Four steps, checkpoint every step, the newest two kept; a run SIGKILLed right after step
+    2's checkpoint resumes with --load and logs the same steps with the same losses and grad
+    norms as the uninterrupted run: none lost or repeated, weights, optimizer and RNG restored.
+    (The random model's reward is 0; the entropy bonus gives every step a real gradient.)"""
     import data
     data.write_synth(tmp_path / "d", 64, n_test=8, seed=0, kinds=("sides",))
     common = ["--hf-checkpoint", tiny_ckpt("qwen3_vl"), "--prompt-data", tmp_path / "d", "--rollout-engine",
               "local", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-max-response-len",
-              "12", "--num-rollout", "3", "--lr", "1e-3", "--save-interval", "1", "--max-tokens-per-gpu", "512"]
+              "12", "--num-rollout", "4", "--lr", "1e-3", "--entropy-coef", "0.01", "--save-interval", "1",
+              "--save-keep", "2", "--max-tokens-per-gpu", "512"]
     grpo(*common, "--save", tmp_path / "full", "--eval-prompt-data", tmp_path / "d", "--eval-samples", "4")
     full = metrics(tmp_path / "full")
     steps = [m for m in full if "reward" in m]
-    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
     want = {"reward", "accuracy", "response_len", "truncated_frac", "failed_frac", "turns", "tool_calls",
             "clipfrac", "kl", "entropy", "grad_norm", "logprob_diff_mean", "logprob_diff_max", "rollout_s",
             "train_s", "sync_s", "tokens_per_s"}
     assert want <= set(steps[0]), want - set(steps[0])
+    assert all(m["grad_norm"] > 0 and m["updates_skipped"] == 0 for m in steps), steps
     for m in steps:  # the trainer computes what the engine sampled with: fp32 CPU agreement
         assert m["logprob_diff_mean"] <= 1e-5 and m["logprob_diff_max"] <= 1e-4, m
-    assert [m["step"] for m in full if "eval_accuracy" in m] == [0, 3]
+    assert [m["step"] for m in full if "eval_accuracy" in m] == [0, 4]
+    assert sorted(p.name for p in (tmp_path / "full").glob("iter_*")) == ["iter_0000003", "iter_0000004"]
+    assert sorted(p.name for p in (tmp_path / "full" / "iter_0000004" / "train_state").iterdir()) == [
+        "meta.json", "tp_00.pt"]  # the optimizer state once per TP rank
     from transformers import AutoModelForImageTextToText
-    AutoModelForImageTextToText.from_pretrained(tmp_path / "full" / "iter_0000003")  # loads as it is
+    AutoModelForImageTextToText.from_pretrained(tmp_path / "full" / "iter_0000004")  # loads as it is
 
     crash = tmp_path / "crash"
     proc = grpo(*common, "--save", crash, wait=False)
@@ -118,8 +168,148 @@ def test_short_run_logs_syncs_and_resumes_after_sigkill(tiny_ckpt, tmp_path):
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    # where the kill landed: after step 2's checkpoint, before step 3 finished
+    assert (crash / "latest").read_text() == "iter_0000002" and not (crash / "iter_0000003").exists()
+    assert [m["step"] for m in metrics(crash) if "reward" in m] == [1, 2]
     grpo(*common, "--save", crash, "--load", crash)
     resumed = [m for m in metrics(crash) if "reward" in m]
-    assert [m["step"] for m in resumed] == [1, 2, 3]
-    for a, b in zip(resumed, steps):  # same prompts, same RNG: the same rollouts
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4]
+    for a, b in zip(resumed[2:], steps[2:]):  # steps 3 and 4 ran in the resumed process
         assert a["reward"] == b["reward"] and a["response_len"] == b["response_len"], (a, b)
+        for k in ("loss", "grad_norm", "entropy", "clipfrac"):
+            assert abs(a[k] - b[k]) <= 1e-6 * max(1.0, abs(b[k])), (k, a, b)
+
+
+def test_step_with_no_trainable_sample_is_skipped(tiny_ckpt, tmp_path):
+    """--max-context-len below the prompt's length: every sample ends with no response token.
+    Each step says so and skips its update (this divided by zero in policy_loss); the run ends
+    with its checkpoint."""
+    import data
+    data.write_synth(tmp_path / "d", 8, n_test=2, seed=0)
+    r = subprocess.run([PY, str(ROOT / "train_grpo.py"), "--hf-checkpoint", str(tiny_ckpt("qwen3_vl")),
+                        "--prompt-data", str(tmp_path / "d"), "--save", str(tmp_path / "run"),
+                        "--rollout-engine", "local", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+                        "--num-rollout", "2", "--max-context-len", "20"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("no trainable sample among 4") == 2, r.stdout[-2000:]
+    steps = [m for m in metrics(tmp_path / "run") if "reward" in m]
+    assert [(m["step"], m["updates_skipped"], m["truncated_frac"]) for m in steps] == [(1, 1, 1.0), (2, 1, 1.0)]
+    assert (tmp_path / "run" / "latest").read_text() == "iter_0000002"
+
+
+class FakeModel(torch.nn.Module):
+    """Returns fixed token logprobs (a parameter, so the loss has a gradient) and zero entropy."""
+
+    def __init__(self, logp):
+        super().__init__()
+        self.logp = torch.nn.Parameter(torch.tensor(logp))
+
+    def forward(self, seqs, loss_masks, pixel_values=None, image_grid_thw=None, temperature=1.0, with_entropy=False):
+        n = [int(m.sum()) for m in loss_masks]
+        starts = [sum(n[:i]) for i in range(len(n))]  # this micro-batch's tokens, in item order
+        idx = torch.cat([torch.arange(s, s + k) for s, k in zip(starts, n)])
+        return self.logp[self.offset + idx], torch.zeros(len(idx))
+
+
+def loss_items(old, adv, rollout_old=None):
+    items = []
+    for i, (o, a) in enumerate(zip(old, adv)):
+        it = dict(ids=torch.arange(len(o) + 2), mask=torch.tensor([False, False] + [True] * len(o)),
+                  pixel_values=None, image_grid_thw=None, adv=a, old=torch.tensor(o))
+        if rollout_old is not None:
+            it["rollout_old"] = torch.tensor(rollout_old[i])
+        items.append(it)
+    return items
+
+
+@pytest.mark.parametrize("agg,tis,want", [
+    # sample A: old [-1.0, -0.5], new [-0.6, -0.7], adv +1; sample B: old [-2.0], new [-2.0], adv -1
+    # ratios e^0.4 = 1.4918 (clipped to 1.28: A's first token), e^-0.2 = 0.8187, e^0 = 1
+    ("token", 0, (-1.28 - math.exp(-0.2) + 1.0) / 3),                      # mean over the 3 tokens
+    ("sequence", 0, ((-1.28 - math.exp(-0.2)) / 2 + 1.0) / 2),             # mean per sample, then over 2
+    # TIS, rollout logprobs A [-1.5, -0.5], B [-1.0]: weights exp(old - rollout) = e^0.5 -> cap 1.2, 1, e^-1
+    ("token", 1.2, (-1.28 * 1.2 - math.exp(-0.2) * 1.0 + 1.0 * math.exp(-1.0)) / 3),
+])
+def test_policy_loss_aggregation_and_tis_by_hand(agg, tis, want):
+    import types
+    import parallel
+    parallel.init_distributed(1)
+    args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--loss-agg", agg,
+                         "--tis-cap", str(tis), "--max-tokens-per-gpu", "1"])  # one sample a micro-batch
+    run = types.SimpleNamespace(dp=1, dp_group=None, device=torch.device("cpu"))
+    items = loss_items([[-1.0, -0.5], [-2.0]], [1.0, -1.0], [[-1.5, -0.5], [-1.0]] if tis else None)
+    model = FakeModel([-0.6, -0.7, -2.0])
+    model.offset = 0
+    seen = []
+
+    def forward(seqs, loss_masks, **kw):  # micro-batches come in pack order: find each sample's tokens
+        k = [i for i, it in enumerate(items) if torch.equal(it["mask"], loss_masks[0])][0]
+        seen.append(k)
+        model.offset = [0, 2][k]
+        return FakeModel.forward(model, seqs, loss_masks, **kw)
+    model.forward = forward
+    stats = G.policy_loss(model, None, run, items, args, measure=True)
+    assert sorted(seen) == [0, 1]
+    assert stats["loss"] == pytest.approx(want, abs=1e-6)
+    assert stats["clipfrac"] == pytest.approx(1 / 3 if agg == "token" else 0.25, abs=1e-6)
+
+
+def test_placement_of_the_sglang_server():
+    """--colocate: the training GPUs, memory saver, default memory share; --rollout-num-gpus: GPUs
+    after the training ones, never a training GPU; neither on GPUs: an error naming both flags."""
+    def args(*flags, extra=()):
+        a = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", *flags, *extra])
+        return a
+    flags, env = G.sglang_placement(args("--colocate"), True, 8, 4)
+    assert env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    assert flags == ["--enable-memory-saver", "--mem-fraction-static", str(G.COLOCATE_MEM_FRACTION), "--tp-size", "4"]
+    flags, env = G.sglang_placement(args("--rollout-num-gpus", "2", extra=["--sglang-dp-size", "2"]), True, 8, 6,
+                                    visible="3,4,5,6,7,0,1,2")
+    assert env == {"CUDA_VISIBLE_DEVICES": "1,2"} and flags == ["--dp-size", "2"]
+    with pytest.raises(SystemExit, match="--rollout-num-gpus 4: this node has 8 GPUs and torchrun trains on 6"):
+        G.sglang_placement(args("--rollout-num-gpus", "4"), True, 8, 6)
+    with pytest.raises(SystemExit, match="--colocate .* --rollout-num-gpus"):
+        G.sglang_placement(args(), True, 8, 4)
+    assert G.sglang_placement(args(extra=["--sglang-device", "cpu"]), False, 0, 1) == (["--device", "cpu"], {})
+
+
+def test_dynamic_sampling_tops_up_through_the_trainer(processor, records):
+    """rollout_step with --dynamic-sampling: groups whose rewards are all equal are dropped and
+    replaced by prompts of the over-sample that draw() adds, until --rollout-batch-size groups
+    with mixed rewards are kept or --dynamic-sampling-max-prompts prompts were drawn."""
+    import types
+    import data
+    import rollout
+    recs = [dict(r, problem=f"{r['problem']} ({i})", answer=str(i)) for i, r in enumerate(records * 3)]  # 12 prompts
+    answer_of = {}
+    for r in recs:
+        answer_of[tuple(rollout.encode_prompt(processor, data.prompt_messages(r), r["images"]))] = r["answer"]
+
+    class Engine:  # right on the first sample of prompts whose answer is a multiple of 3, else wrong
+        def generate(self, batch, sampling):
+            outs, seen = [], set()
+            for item in batch:
+                key = tuple(item["input_ids"])
+                answer = answer_of.get(key)
+                good = answer is not None and int(answer) % 3 == 0 and key not in seen
+                seen.add(key)
+                ids = processor.tokenizer.encode(f"\\boxed{{{answer if good else 'no'}}}<|im_end|>",
+                                                 add_special_tokens=False)
+                outs.append({"ids": ids, "logprobs": [-0.5] * len(ids), "finish": "stop", "prompt_tokens": len(key)})
+            return outs
+    base = ["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--rollout-batch-size", "3",
+            "--n-samples-per-prompt", "2", "--dynamic-sampling"]
+    run = types.SimpleNamespace(rank=0, world=1)
+    for cap in (None, "4"):
+        args = G.parse_args(base + (["--dynamic-sampling-max-prompts", cap] if cap else []))
+        drawn = G.draw(recs, 0, args)
+        assert len(drawn) == (12 if cap is None else 4) and len({r["index"] for r in drawn}) == len(drawn)
+        assert drawn[:3] == G.draw(recs, 0, G.parse_args(base[:-1]))  # the batch's own prompts come first
+        kept = min(3, sum(int(r["answer"]) % 3 == 0 for r in drawn))  # mixed groups there are to keep
+        items, m = G.rollout_step(0, run, Engine(), processor, recs, args)
+        assert len(items) == 2 * kept and m["samples"] == 2 * kept, (cap, kept, len(items))
+        assert all(it["adv"] != 0 for it in items)  # only groups with mixed rewards
+        if cap is None:  # the batch's own prompts hold fewer mixed groups: the over-sample filled it
+            assert kept == 3 and sum(int(r["answer"]) % 3 == 0 for r in drawn[:3]) < 3
+    assert kept < 3  # with the cap, the top-up stopped before the batch was full
