@@ -1,0 +1,320 @@
+"""SGLangEngine against the REAL SGLang 0.5.23 server on CPU (opt-in: marker `sglang_real`).
+
+    bash ../shared/sglang_cpu/setup.sh /tmp/sglang-cpu                       # once: ~9 min, ~11 GB
+    .venv/bin/python -m pytest -m sglang_real tests/test_sglang_real.py -s   # -s prints timings
+    SGLANG_CPU_DIR=/elsewhere .venv/bin/python -m pytest -m sglang_real ...  # harness elsewhere
+
+The harness (../shared/sglang_cpu/README.md) is stock sglang in its own venv with two stand-ins;
+its env.sh is the one source of the environment the server needs, handed to SGLangEngine(env=).
+One server serves the TestRealServer class (one more comes up when its kill test restarts it),
+and it is stopped before the trainer runs start theirs: one ~5 GB server at a time. Checked too,
+in the harness python: the fake server's field whitelists are subsets of sglang's own request
+classes, every request our engine sent parses with those classes, and SGLang's own request
+processing (TokenizerManager._tokenize_one_request, private API) turns our requests into exactly
+the expanded ids the rollout holds.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import data
+import engines
+import rollout
+from conftest import rollout_args
+from sglang_engine import SGLangEngine
+
+ROOT = Path(__file__).resolve().parents[1]
+HARNESS = Path(os.environ.get("SGLANG_CPU_DIR", "/tmp/sglang-cpu"))
+PY = HARNESS / "venv" / "bin" / "python"
+pytestmark = [pytest.mark.sglang_real]
+if not ((HARNESS / "env.sh").exists() and PY.exists()):
+    # a skip mark (not pytest.skip in a fixture): pytest folds it into ONE summary line
+    pytestmark.append(pytest.mark.skip(reason=f"real SGLang harness not set up in {HARNESS}: run `bash "
+                                              f"../shared/sglang_cpu/setup.sh {HARNESS}` or set SGLANG_CPU_DIR"))
+# The launch flags that work on CPU (../shared/sglang_cpu/README.md).
+FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--skip-server-warmup",
+         "--mem-fraction-static", "0.5", "--disable-radix-cache", "--max-total-tokens", "8192", "--dtype", "float32"]
+CROP_CALL = '<tool_call>\n{"name": "crop", "arguments": {"bbox": [0, 0, 64, 64]}}\n</tool_call>'
+GREEDY = dict(temperature=0.0, max_new_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def harness_env():
+    """The variables the harness's env.sh sets, as bash leaves them after sourcing it."""
+    env_sh = HARNESS / "env.sh"
+    names = re.findall(r"([A-Za-z_][A-Za-z0-9_]*)=", "\n".join(
+        line for line in env_sh.read_text().splitlines() if line.startswith("export ")))
+    out = subprocess.run(["bash", "-c", f'source "{env_sh}" && env -0'], capture_output=True, check=True).stdout
+    after = dict(entry.partition("=")[::2] for entry in out.decode().split("\0") if "=" in entry)
+    return {name: after[name] for name in names}
+
+
+class Recording(SGLangEngine):
+    """Keeps every (path, body) it sends, for the check against sglang's request classes."""
+
+    def __init__(self, *args, **kw):
+        self.sent = []
+        super().__init__(*args, **kw)
+
+    def _post(self, path, payload, timeout=None):
+        self.sent.append((path, payload))
+        return super()._post(path, payload, timeout)
+
+
+class CropFirst(engines.Engine):
+    """A prompt with one image is answered by a scripted crop call; later turns, which carry
+    the problem's image and the crop, go to the real server."""
+
+    def __init__(self, inner, processor):
+        tok = processor.tokenizer
+        self.inner, self.call = inner, tok.encode(CROP_CALL) + [tok.convert_tokens_to_ids("<|im_end|>")]
+
+    def generate(self, batch, sampling):
+        outs, rest = [None] * len(batch), []
+        for i, item in enumerate(batch):
+            if len(item["images"]) == 1:
+                outs[i] = {"ids": list(self.call), "logprobs": [-1.0] * len(self.call), "finish": "stop",
+                           "prompt_tokens": len(item["input_ids"])}
+            else:
+                rest.append(i)
+        for i, out in zip(rest, self.inner.generate([batch[i] for i in rest], sampling)):
+            outs[i] = out
+        return outs
+
+
+def prompt_item(processor, rec):
+    ids = rollout.encode_prompt(processor, data.prompt_messages(rec), rec["images"])
+    return {"input_ids": ids, "images": list(rec["images"])}
+
+
+def image_pad(processor):
+    return processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+
+
+class TestRealServer:
+    @pytest.fixture(scope="class")
+    def real(self, harness_env, ckpt, tmp_path_factory):
+        t = time.time()
+        eng = Recording(ckpt, tmp_path_factory.mktemp("real_sglang"), server_args=FLAGS, env=harness_env,
+                        launch_cmd=[str(PY), "-m", "sglang.launch_server"], timeout=900)
+        print(f"\n[sglang_real] server up in {time.time() - t:.0f}s")
+        yield eng
+        eng.shutdown()
+
+    def test_single_turn_rollout(self, real, processor, records, ckpt):
+        """rollout.run_episodes through the engine: nothing fails, the server's prompt_tokens is
+        our expanded length, and its logprobs are transformers' own on the same tokens."""
+        from test_rollout import load_model, teacher_logprobs
+        t = time.time()
+        samples = rollout.run_episodes(real, processor, records[:2],
+                                       rollout_args(n_samples_per_prompt=2, rollout_max_response_len=16))
+        print(f"\n[sglang_real] single-turn rollout, 4 samples: {time.time() - t:.1f}s")
+        for s in samples:
+            assert s.status in ("completed", "truncated") and s.turns == 1, s.fail_reason
+            assert len(s.response_ids) == len(s.rollout_logprobs) > 0
+        s = samples[0]
+        out = real.generate([{"input_ids": s.prompt_ids, "images": s.images}], dict(GREEDY, max_new_tokens=2))[0]
+        assert out["prompt_tokens"] == len(s.prompt_ids)  # SGLang's own expansion is ours
+        body = real.sent[-1][1]
+        assert body["input_ids"].count(image_pad(processor)) == 1 and len(body["input_ids"]) < len(s.prompt_ids)
+        model = load_model(ckpt)
+        diff = max(float((teacher_logprobs(model, processor, x, 0.8) - torch.tensor(x.rollout_logprobs)).abs().max())
+                   for x in samples)
+        print(f"[sglang_real] max |sglang - transformers teacher-forced| logprob: {diff:.2e}")
+        assert diff < 1e-3
+
+    def test_multi_turn_crop_sends_two_images(self, real, processor, records):
+        t = time.time()
+        args = rollout_args(max_turns=3, n_samples_per_prompt=2, rollout_max_response_len=160)
+        samples = rollout.run_episodes(CropFirst(real, processor), processor, records[:1], args)
+        print(f"\n[sglang_real] multi-turn crop rollout, 2 samples: {time.time() - t:.1f}s")
+        for s in samples:
+            assert s.status != "failed" and s.turns >= 2 and s.tool_calls >= 1, s.fail_reason
+            assert len(s.images) == 2 and s.image_turns == [0, 1]
+        two = [body for path, body in real.sent if path == "/generate" and len(body.get("image_data", [])) == 2]
+        assert len(two) == 2 and all(b["input_ids"].count(image_pad(processor)) == 2 for b in two)
+
+    def test_weight_update_changes_and_restores(self, real, processor, records, ckpt):
+        from safetensors.torch import load_file
+        item = prompt_item(processor, records[0])
+        before = real.generate([item], GREEDY)[0]
+        state = load_file(str(Path(ckpt) / "model.safetensors"))
+        gen = torch.Generator().manual_seed(0)
+        noisy = [(k, v + 0.05 * torch.randn(v.shape, generator=gen)) for k, v in state.items()]
+        t = time.time()
+        assert real.update_weights([noisy[:20], noisy[20:]]) == len(state)
+        print(f"\n[sglang_real] weight update ({len(state)} tensors): {time.time() - t:.1f}s")
+        changed = real.generate([item], GREEDY)[0]
+        assert changed["logprobs"] != before["logprobs"]
+        with pytest.raises(RuntimeError, match="update_weights_from_disk failed") as e:
+            real.update_weights([])  # a folder without weights: the server refuses it
+        print(f"[sglang_real] refused update: {e.value}")
+        assert real.update_weights([list(state.items())]) == len(state)
+        back = real.generate([item], GREEDY)[0]
+        assert back["ids"] == before["ids"]
+        assert max(abs(a - b) for a, b in zip(back["logprobs"], before["logprobs"])) < 1e-5
+
+    def test_killed_server_restarts_and_retries(self, real, processor, records):
+        item = prompt_item(processor, records[1])
+        before = real.generate([item], GREEDY)[0]
+        pgid = real.proc.pid
+        os.killpg(pgid, signal.SIGKILL)
+        deadline = time.time() + 30
+        while time.time() < deadline and any_alive(pgid):
+            real.proc.poll()
+            time.sleep(0.2)
+        assert not any_alive(pgid)  # SGLang's scheduler and detokenizer went with it
+        t = time.time()
+        after = real.generate([item], GREEDY)[0]  # meets a dead server: restart, then the retry
+        print(f"\n[sglang_real] restart + retried request: {time.time() - t:.0f}s")
+        assert real.restarts == 1 and real.proc.pid != pgid
+        assert after["ids"] == before["ids"] and after["prompt_tokens"] == len(item["input_ids"])
+
+    def test_requests_parse_with_sglangs_own_classes(self, real, harness_env, processor, records, ckpt,
+                                                     crop_record, tmp_path):
+        """Run last in the class: checks every request sent so far (real.sent)."""
+        one = prompt_item(processor, records[0])
+        two = {"input_ids": rollout.encode_prompt(processor, data.prompt_messages(crop_record), crop_record["images"]),
+               "images": crop_record["images"]}
+        sampling = dict(temperature=0.8, top_p=1.0, top_k=-1, max_new_tokens=4, stop_token_ids=[151645, 151643])
+        tokenize = [{"body": real.generate_payload(item, sampling), "expected": item["input_ids"]} for item in (one, two)]
+        sent = list(real.sent)
+        for path in ("release", "resume"):  # not called on the server: its release needs CUDA
+            stub = type("Stub", (), {"_call": lambda self, p, body: sent.append((p, body))})()
+            getattr(SGLangEngine, path)(stub)
+        job = tmp_path / "job.json"
+        job.write_text(json.dumps({"sent": sent, "tokenize": tokenize, "argv": ["--model-path", str(ckpt), *FLAGS],
+                                   "tests": str(ROOT / "tests")}))
+        t = time.time()
+        r = subprocess.run([str(PY), "-c", CHECK, str(job)], env=dict(os.environ, **harness_env), cwd=ROOT,
+                           capture_output=True, text=True, timeout=900)
+        print(f"\n[sglang_real] io_struct + TokenizerManager check: {time.time() - t:.0f}s: {r.stdout.strip()}")
+        assert r.returncode == 0, r.stderr[-4000:]
+        assert "requests parse" in r.stdout
+
+
+@pytest.fixture(scope="module")
+def crop_record(records):
+    """records[0] with a second image (a crop of the first), as a multi-turn episode holds them."""
+    image = records[0]["images"][0]
+    return dict(records[0], images=[image, image.crop((0, 0, 64, 64))])
+
+
+def any_alive(pgid):
+    """Live (not zombie) processes in group `pgid`, from /proc."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+# Run in the harness python: sglang importable, tests/ on the path for fake_sglang.
+CHECK = r'''
+import asyncio, dataclasses, json, sys, types
+job = json.load(open(sys.argv[1]))
+sys.path.insert(0, job["tests"])
+import fake_sglang as fake
+from sglang.srt.managers.io_struct import (GenerateReqInput, ReleaseMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqInput, UpdateWeightFromDiskReqInput)
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+real = {"generate": {f.name for f in dataclasses.fields(GenerateReqInput)},
+        "sampling": set(SamplingParams.__struct_fields__),
+        "disk": set(UpdateWeightFromDiskReqInput.__struct_fields__),
+        "release": set(ReleaseMemoryOccupationReqInput.__struct_fields__),
+        "resume": set(ResumeMemoryOccupationReqInput.__struct_fields__)}
+for name, ours, theirs in (("GENERATE_FIELDS", fake.GENERATE_FIELDS, real["generate"]),
+                           ("SAMPLING_FIELDS", fake.SAMPLING_FIELDS, real["sampling"]),
+                           ("DISK_FIELDS", fake.DISK_FIELDS, real["disk"]),
+                           ("MEMORY_FIELDS", fake.MEMORY_FIELDS, real["release"] & real["resume"])):
+    assert ours <= theirs, f"fake_sglang.{name} has fields sglang does not: {sorted(ours - theirs)}"
+
+classes = {"/update_weights_from_disk": UpdateWeightFromDiskReqInput,
+           "/release_memory_occupation": ReleaseMemoryOccupationReqInput,
+           "/resume_memory_occupation": ResumeMemoryOccupationReqInput}
+paths = {}
+for path, body in job["sent"]:
+    paths[path] = paths.get(path, 0) + 1
+    if path == "/generate":
+        GenerateReqInput(**body).normalize_batch_and_arguments()
+        SamplingParams(**body["sampling_params"]).verify(151936)
+    elif path in classes:
+        classes[path](**body)  # an unknown field is a TypeError
+    else:
+        raise SystemExit(f"unexpected request path {path}")
+
+from sglang.srt.managers.tokenizer_manager import TokenizerManager
+from sglang.srt.server_args import PortArgs, prepare_server_args, set_global_server_args_for_tokenizer
+server_args = prepare_server_args(job["argv"])
+set_global_server_args_for_tokenizer(server_args)
+manager = TokenizerManager(server_args, PortArgs.init_new(server_args))
+for case in job["tokenize"]:
+    req = GenerateReqInput(**case["body"])
+    req.normalize_batch_and_arguments()
+    # what generate_request would have registered; _tokenize_one_request stamps its time_stats
+    stats = types.SimpleNamespace(set_tokenize_finish_time=lambda: None)
+    manager.rid_to_state[req.rid] = types.SimpleNamespace(time_stats=stats)
+    out = asyncio.run(manager._tokenize_one_request(req))
+    got, want = list(out.input_ids), case["expected"]
+    assert got == want, f"sglang runs {len(got)} ids, the rollout holds {len(want)}"
+print(f"requests parse: {paths}; tokenized to our expanded ids: {[len(c['expected']) for c in job['tokenize']]}")
+'''
+
+
+# ---------------------------------------------------------------------------------- the trainer
+def geo3k_parquet():
+    for folder in (ROOT / "tests" / "data" / "geo3k_real", ROOT.parent / "shared" / "geo3k_real"):
+        if (folder / "test.parquet").exists():
+            return folder / "test.parquet"
+    pytest.skip("no geo3k_real/test.parquet")
+
+
+def test_trainer_single_turn(harness_env, ckpt, tmp_path):
+    trainer_two_steps(harness_env, ckpt, tmp_path, turns=1)
+
+
+def test_trainer_multi_turn(harness_env, ckpt, tmp_path):
+    trainer_two_steps(harness_env, ckpt, tmp_path, turns=3)
+
+
+def trainer_two_steps(harness_env, ckpt, tmp_path, turns):
+    """train_grpo.py --rollout-engine sglang, run by the harness python, on the ten real geo3k
+    rows: two GRPO steps, no failed sample in either. (A random tiny model never writes a tool
+    call, so its multi-turn episodes end after one turn; test_multi_turn_crop_sends_two_images
+    covers later turns.)"""
+    flags = []
+    for a in FLAGS:
+        flags.append("--sglang-" + a[2:] if a.startswith("--") else a)
+    cmd = [str(PY), "train_grpo.py", "--hf-checkpoint", str(ckpt), "--prompt-data", str(geo3k_parquet()),
+           "--rollout-engine", "sglang", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
+           "--rollout-max-response-len", "24", "--max-turns", str(turns), "--num-rollout", "2",
+           "--lr", "1e-4", "--max-tokens-per-gpu", "4096", "--save", str(tmp_path / "run"), *flags]
+    t = time.time()
+    r = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, **harness_env), capture_output=True, text=True,
+                       timeout=1800)
+    took = time.time() - t
+    assert r.returncode == 0, r.stderr[-4000:]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    steps = [m for m in map(json.loads, lines) if "reward" in m]
+    keys = ("failed_frac", "turns", "truncated_frac", "logprob_diff_mean", "logprob_diff_max", "rollout_s", "sync_s")
+    for m in steps:
+        print(f"\n[sglang_real] trainer max_turns={turns} step {m['step']}: "
+              + " ".join(f"{k}={m.get(k)}" for k in keys))
+    print(f"[sglang_real] trainer max_turns={turns}: 2 steps in {took:.0f}s")
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all(m["failed_frac"] == 0 for m in steps), steps
+    assert "sglang.launch_server" in (tmp_path / "run" / "sglang.log").read_text()  # the real server ran
