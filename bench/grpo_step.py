@@ -4,8 +4,9 @@
 
 Builds a tiny Qwen3-VL and a synthetic set in a temporary folder, runs train_grpo.py for a few
 steps with the local engine and prints the mean of each phase over the steps after the first
-(the first pays for start-up). Packing efficiency = real tokens / tokens the micro-batches
-could hold at --max-tokens-per-gpu (our packing has no padding, so every computed token is real).
+(the first pays for start-up). Every figure printed is read from the run's metrics.jsonl or the
+checkpoint's config.json: packing_fill = real tokens / what the micro-batches could hold at
+--max-tokens-per-gpu, as train_grpo.py measures it.
 """
 import argparse
 import json
@@ -43,13 +44,14 @@ def main():
         rows = [json.loads(x) for x in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
         rows = [r for r in rows if "rollout_s" in r]
         warm = rows[1:] or rows
-        mean = lambda k: sum(r[k] for r in warm) / len(warm)  # noqa: E731
-        print(f"config: tiny qwen3_vl (hidden 64, 2 layers), {a.rollout_batch_size} prompts x "
-              f"{a.n_samples_per_prompt} samples, response <= {a.response_len} tokens, "
-              f"{os.cpu_count()} CPU cores; mean of {len(warm)} step(s) after the first")
+        text = json.loads((ckpt / "config.json").read_text())["text_config"]
+        print(f"config: tiny qwen3_vl (hidden {text['hidden_size']}, {text['num_hidden_layers']} layers, "
+              f"vocabulary {text['vocab_size']}), {a.rollout_batch_size} prompts x {a.n_samples_per_prompt} "
+              f"samples, response <= {a.response_len} tokens, {os.cpu_count()} CPU cores; mean of "
+              f"{len(warm)} step(s) after the first")
         for k in ("rollout_s", "train_s", "sync_s", "tokens", "tokens_per_s", "response_len", "packing_fill"):
-            print(f"{k:>14}: {mean(k):10.3f}")
-        print(f"{'padding':>14}: {0:10.3f}   (packed rows, no pad tokens: real / computed tokens = 1.0)")
+            print(f"{k:>14}: {sum(r[k] for r in warm) / len(warm):10.3f}")
+
 
 if __name__ == "__main__":
     main()
