@@ -29,16 +29,27 @@ CHUNK = 16384  # vocabulary columns per LM-head chunk: bounds the (N, CHUNK) log
 
 
 def rope_positions(hf_config, input_ids, image_grid_thw=None):
-    """(3, T) MRoPE position ids of one sequence (T,), by transformers' own get_rope_index.
+    """(3, T) MRoPE (t, h, w) position ids of one sequence (T,). Text tokens count up on all three
+    axes; an image's merged tokens take (frame, row, column) offset by the position after the text
+    before it, and the text after it resumes at the image's largest position + 1. This is Qwen2-VL's
+    rule for images, as transformers' get_rope_index applies it (the logit-parity tests compare).
     image_grid_thw: (n_images, 3) rows of this sequence's images, in order, or None."""
-    from transformers import MODEL_MAPPING
-    cls = MODEL_MAPPING[type(hf_config)]  # Qwen3VLModel / Qwen2_5_VLModel: methods use only .config
-    rope = type("RopeIndex", (), {k: getattr(cls, k) for k in ("get_rope_index", "get_vision_position_ids")})()
-    rope.config = hf_config
-    ids = input_ids.cpu()[None]
-    kinds = (ids == hf_config.image_token_id).int() + 2 * (ids == hf_config.video_token_id).int()
-    pos, _ = rope.get_rope_index(ids, mm_token_type_ids=kinds, image_grid_thw=image_grid_thw)
-    return pos[:, 0]
+    merge = hf_config.vision_config.spatial_merge_size
+    ids = input_ids.cpu().tolist()
+    out = torch.empty(3, len(ids), dtype=torch.long)
+    pos, i, k = 0, 0, 0
+    while i < len(ids):
+        if ids[i] != hf_config.image_token_id:
+            out[:, i] = pos
+            pos, i = pos + 1, i + 1
+            continue
+        t, h, w = image_grid_thw[k].tolist()
+        h, w = h // merge, w // merge
+        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"))
+        out[:, i:i + t * h * w] = grid.reshape(3, -1) + pos  # (3, t*h*w), frame-major like the tokens
+        pos = int(out[:, i:i + t * h * w].max()) + 1
+        i, k = i + t * h * w, k + 1
+    return out
 
 
 def split_images(hf_config, seqs, pixel_values=None, image_grid_thw=None):
