@@ -96,7 +96,7 @@ def dp_rank_size():
 
 
 def all_reduce(t, group, op=dist.ReduceOp.SUM):
-    """In-place all-reduce over `group` that returns its tensor; a no-op in a group of one."""
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op, group=group)
+    """In-place all-reduce over `group` that returns its tensor. It runs in a group of one too:
+    cheap, and a one-GPU run then meets NCCL's rules (CUDA tensors only) as a multi-GPU run does."""
+    dist.all_reduce(t, op, group=group)
     return t

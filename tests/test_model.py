@@ -196,3 +196,23 @@ def test_tp2_grads_match_transformers(tiny_ckpt):
         n, m = f["params"].split("/")
         assert f["tp"] == "2" and n == m and float(f["max_rel_err"]) <= 1e-4 and float(f["logprob_diff"]) <= 1e-4
         assert f["replicas_agree"] == "True"
+
+
+def test_transformer_engine_is_never_a_silent_fallback(monkeypatch):
+    """--transformer-impl: local on CPU by default; asking for Transformer Engine where it cannot
+    run is an error that says what to do (megatron-core alone would quietly use the local spec).
+    On CUDA the default is TE, and a broken TE import fails the same way (bench/gpu_smoke.sh)."""
+    assert M.layer_impl() == "local" and M.layer_impl("local") == "local"
+    with pytest.raises(SystemExit, match="needs CUDA; use --transformer-impl local"):
+        M.layer_impl("transformer_engine")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA machine without TE
+    import builtins
+    real_import = builtins.__import__
+
+    def no_te(name, *a, **k):
+        if name.startswith("transformer_engine"):
+            raise ImportError("libtransformer_engine.so: undefined symbol")
+        return real_import(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_te)
+    with pytest.raises(SystemExit, match="undefined symbol.*--no-build-isolation.*--transformer-impl local"):
+        M.layer_impl()

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The GPU smoke test: one command on a machine with one CUDA GPU, under 10 minutes, one PASS/FAIL
+# line per check. It covers what the CPU suite cannot reach: NCCL's rules (CUDA tensors in every
+# collective, even in a world of one), the loss on CUDA, Transformer Engine's layer spec and THD
+# packing, model.py check on one device, the local engine on CUDA, and stock SGLang on a GPU.
+#
+#   GPU=1 bash setup.sh          # once: requirements + sglang + Transformer Engine (README)
+#   bash bench/gpu_smoke.sh      # logs in $SMOKE_DIR (default: a new temporary folder)
+set -u
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+DIR=${SMOKE_DIR:-$(mktemp -d /tmp/gpu_smoke.XXXX)}
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+failed=0
+
+check() {  # check NAME CMD...: runs CMD, logs to $DIR/NAME.log, prints PASS/FAIL with the last line
+  local name=$1 start=$SECONDS
+  shift
+  if "$@" >"$DIR/$name.log" 2>&1; then
+    echo "PASS $name ($((SECONDS - start)) s): $(tail -n 1 "$DIR/$name.log")"
+  else
+    failed=$((failed + 1))
+    echo "FAIL $name ($((SECONDS - start)) s), log $DIR/$name.log:"
+    grep -vE '^\s*$' "$DIR/$name.log" | tail -n 6 | sed 's/^/    /'
+  fi
+}
+
+metric() {  # metric RUN_DIR: the last step's failed_frac, logprob gap and grad norm, or exit 1
+  "$PY" - "$1" <<'EOF'
+import json, sys
+rows = [json.loads(x) for x in open(sys.argv[1] + "/metrics.jsonl") if '"reward"' in x]
+last = rows[-1]
+print(f"steps={len(rows)} failed_frac={last['failed_frac']} reward={last['reward']:.3f} "
+      f"logprob_diff_mean={last.get('logprob_diff_mean', float('nan')):.2e} grad_norm={last.get('grad_norm', 0):.3g}")
+sys.exit(0 if rows and all(r["failed_frac"] == 0 for r in rows) and last.get("grad_norm", 0) > 0
+         and last.get("logprob_diff_mean", 1) < 1e-2 else 1)
+EOF
+}
+
+check environment "$PY" -c "
+import torch, transformers, megatron.core
+assert torch.cuda.is_available(), 'no CUDA device'
+try:
+    import transformer_engine, transformer_engine.pytorch
+    te = transformer_engine.__version__
+except Exception as e:
+    te = f'NOT IMPORTABLE ({type(e).__name__}: {e})'
+print(f'{torch.cuda.get_device_name()} torch {torch.__version__} cuda {torch.version.cuda} '
+      f'transformers {transformers.__version__} megatron-core {megatron.core.__version__} TE {te}')"
+check tiny_checkpoints bash -c "$PY model.py tiny --arch qwen3_vl --out $DIR/tiny && $PY model.py tiny --arch qwen2_5_vl --out $DIR/tiny25 \
+  && $PY data.py synth --n 64 --n-test 8 --kinds sides --out $DIR/data && echo made"
+# Logits of Megatron (TE spec, THD packing) vs transformers, both on cuda:0; fp32, so 1e-4 holds
+# where TE keeps fp32 (unfused attention); a FAIL here with a small diff is TE's kernel choice.
+check check_te_qwen3_vl "$PY" model.py check --hf-checkpoint "$DIR/tiny"
+check check_te_qwen2_5_vl "$PY" model.py check --hf-checkpoint "$DIR/tiny25"
+check check_local_spec "$PY" model.py check --hf-checkpoint "$DIR/tiny" --transformer-impl local
+# torchrun with one process: the NCCL backend, so every collective must take CUDA tensors.
+TR=("$PY" -m torch.distributed.run --standalone --nproc_per_node 1)
+check sft_3_steps "${TR[@]}" sft.py --hf-checkpoint "$DIR/tiny" --prompt-data "$DIR/data" --save "$DIR/sft" \
+  --global-batch-size 8 --lr 1e-4 --num-epoch 1 --eval-prompt-data "$DIR/data" --eval-samples 8
+check sft_3_steps_metrics "$PY" -c "
+import json; rows = [json.loads(x) for x in open('$DIR/sft/metrics.jsonl') if '\"loss\"' in x]
+assert len(rows) >= 3 and all(r['grad_norm'] > 0 for r in rows), rows; print(rows[-1])"
+GRPO=(--hf-checkpoint "$DIR/tiny" --prompt-data "$DIR/data" --rollout-batch-size 4 --n-samples-per-prompt 4
+      --rollout-max-response-len 32 --num-rollout 3 --lr 1e-5 --entropy-coef 0.01 --save-interval 2)
+check grpo_local_engine "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine local --save "$DIR/grpo_local"
+check grpo_local_engine_metrics metric "$DIR/grpo_local"
+check grpo_multi_turn "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine local --max-turns 3 --save "$DIR/grpo_multi"
+check grpo_multi_turn_metrics metric "$DIR/grpo_multi"
+if "$PY" -c "import sglang" 2>/dev/null; then
+  # stock SGLang on the same GPU as training: the memory saver releases it while training
+  check grpo_sglang_colocated "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine sglang --colocate \
+    --sglang-mem-fraction-static 0.3 --save "$DIR/grpo_sglang"
+  check grpo_sglang_colocated_metrics metric "$DIR/grpo_sglang"
+  check grpo_sglang_multi_turn "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine sglang --colocate \
+    --sglang-mem-fraction-static 0.3 --max-turns 3 --save "$DIR/grpo_sglang_multi"
+  check grpo_sglang_multi_turn_metrics metric "$DIR/grpo_sglang_multi"
+else
+  echo "SKIP grpo_sglang: sglang is not installed (GPU=1 bash setup.sh)"
+fi
+echo "$failed check(s) failed; logs in $DIR"
+exit $((failed > 0))
