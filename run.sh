@@ -13,6 +13,9 @@
 #       The published geo3k recipe on GPUs: SGLang rollouts on rank 0, Megatron on every rank.
 #       MODEL and DATA may be hub ids (fetched where the network allows) or local folders.
 #       MODE=single_turn|multi_turn; TP=2 sets tensor parallel; NUM_ROLLOUT, NAME as you like.
+#       Placement: SGLang shares the NUM_GPUS training GPUs (--colocate, released while training),
+#       or ROLLOUT_GPUS=2 gives it 2 GPUs of its own on rank 0's node (NUM_GPUS - 2 train there).
+#       MAX_TOKENS: tokens per packed micro-batch (2048 fits a 2B model in fp32 on 80 GB: README).
 #       Several nodes: NNODES=2 NODE_RANK=<r> MASTER_ADDR=<host> on every node.
 #       Extra arguments go to train_grpo.py as they are (e.g. --sglang-mem-fraction-static 0.5).
 source "$(dirname "$0")/setup.sh"
@@ -56,7 +59,7 @@ fi
 command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 || die "NUM_GPUS=$NUM_GPUS but no NVIDIA GPU is visible (nvidia-smi failed)"
 have=$(nvidia-smi -L | wc -l)
 (( have >= NUM_GPUS )) || die "NUM_GPUS=$NUM_GPUS but this node has $have GPU(s)"
-.venv/bin/python -c "import sglang" 2>/dev/null || die "SGLang is not installed: .venv/bin/pip install -r requirements-gpu.txt"
+.venv/bin/python -c "import sglang" 2>/dev/null || die "SGLang is not installed: GPU=1 bash setup.sh"
 [[ "$MODE" == single_turn || "$MODE" == multi_turn ]] || die "MODE=$MODE: use single_turn or multi_turn on GPUs"
 [[ "$DATA" != synth ]] || DATA=hiyouga/geometry3k
 if [[ ! -d "$MODEL" ]]; then  # a hub id: fetch it once (needs the network)
@@ -69,12 +72,17 @@ family=$(.venv/bin/python -c "import json,sys; print(json.load(open(sys.argv[1] 
 TURNS=1; TEMP=0.8
 [[ "$MODE" == multi_turn ]] && { TURNS=3; TEMP=1.0; }
 RUN=runs/${NAME:-geo3k-$MODE}
+TRAIN_GPUS=$NUM_GPUS; PLACE=(--colocate)
+if (( ${ROLLOUT_GPUS:-0} > 0 )); then
+  TRAIN_GPUS=$((NUM_GPUS - ROLLOUT_GPUS)); PLACE=(--rollout-num-gpus "$ROLLOUT_GPUS")
+  (( TRAIN_GPUS > 0 )) || die "ROLLOUT_GPUS=$ROLLOUT_GPUS leaves no training GPU of NUM_GPUS=$NUM_GPUS"
+fi
 exec .venv/bin/torchrun --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \
-    --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}" --nproc-per-node "$NUM_GPUS" \
+    --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}" --nproc-per-node "$TRAIN_GPUS" \
   train_grpo.py --hf-checkpoint "$MODEL" --prompt-data "$DATA" --eval-prompt-data "$DATA" --eval-split test \
-    --save "$RUN" --load "$RUN" --rollout-engine sglang --tensor-model-parallel-size "${TP:-1}" \
+    --save "$RUN" --load "$RUN" --rollout-engine sglang "${PLACE[@]}" --tensor-model-parallel-size "${TP:-1}" \
     --rollout-batch-size 64 --n-samples-per-prompt 8 --rollout-max-response-len 4096 \
     --rollout-temperature "$TEMP" --max-turns "$TURNS" --lr 1e-6 --eps-clip 0.2 --eps-clip-high 0.28 \
     --kl-loss-coef 0 --entropy-coef 0 --adam-beta1 0.9 --adam-beta2 0.98 --weight-decay 0.1 \
-    --max-tokens-per-gpu 9216 --num-rollout "${NUM_ROLLOUT:-300}" --save-interval 20 --eval-interval 10 \
+    --max-tokens-per-gpu "${MAX_TOKENS:-2048}" --num-rollout "${NUM_ROLLOUT:-300}" --save-interval 20 --eval-interval 10 \
     "$@"

@@ -33,10 +33,11 @@ def parse_args(argv=None):
 
 def encode(processor, record):
     """-> dict(ids, mask, pixel_values, image_grid_thw): the prompt exactly as a rollout encodes
-    it (rollout.encode_prompt), then the target tokens with loss mask 1."""
-    prompt = rollout.encode_prompt(processor, data.prompt_messages(record), record["images"])
-    target = processor.tokenizer.encode(data.sft_target(record["answer"]) + "<|im_end|>",
-                                        add_special_tokens=False)
+    it, then the answer as the chat template renders it after that prompt (through <|im_end|>),
+    with loss mask 1."""
+    messages = data.prompt_messages(record)
+    prompt = rollout.encode_prompt(processor, messages, record["images"])
+    target = rollout.encode_target(processor, messages, data.sft_target(record["answer"]))
     pixel_values, grid = rollout.encode_images(processor, record["images"])
     return dict(ids=torch.tensor(prompt + target), mask=torch.tensor([False] * len(prompt) + [True] * len(target)),
                 pixel_values=pixel_values, image_grid_thw=grid)
