@@ -52,17 +52,24 @@ def rope_positions(hf_config, input_ids, image_grid_thw=None):
     return out
 
 
+def image_tokens(image_grid_thw, merge_size):
+    """[<|image_pad|> tokens of each image]: its (t, h, w) patch grid over merge_size**2 (the
+    processor writes that many pads, the vision tower returns that many features). The one place
+    this count lives: model.split_images and rollout.check_images use it."""
+    return [int(t * h * w) // merge_size ** 2 for t, h, w in image_grid_thw.tolist()]
+
+
 def split_images(hf_config, seqs, pixel_values=None, image_grid_thw=None):
     """[(pixel_values, grid rows) or (None, None)] per sequence: images are handed out in order,
     as many as each sequence's image-token count takes; a mismatch is an error."""
-    merge = hf_config.vision_config.spatial_merge_size ** 2
     grid = image_grid_thw.cpu() if image_grid_thw is not None else torch.zeros(0, 3, dtype=torch.long)
     patches = grid.prod(-1).tolist()  # pixel_values rows per image
+    tokens = image_tokens(grid, hf_config.vision_config.spatial_merge_size)
     out, i, row = [], 0, 0
     for s in seqs:
         n, j = int((s == hf_config.image_token_id).sum()), i
         while n > 0 and j < len(patches):
-            n, j = n - patches[j] // merge, j + 1
+            n, j = n - tokens[j], j + 1
         if n != 0:
             raise ValueError("image tokens do not match image_grid_thw")
         rows = sum(patches[i:j])

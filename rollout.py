@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import data
 import env_geo3k
+import model
 import reward
 
 IM_END, ENDOFTEXT = "<|im_end|>", "<|endoftext|>"
@@ -194,8 +195,7 @@ def check_images(processor, ids, images):
             n = None
     total = sum(t == pad for t in ids)
     _, grid = encode_images(processor, images)
-    merge = processor.image_processor.merge_size
-    want = [] if grid is None else [int(g.prod()) // merge ** 2 for g in grid]
+    want = [] if grid is None else model.image_tokens(grid, processor.image_processor.merge_size)
     if runs != want or total != sum(want):
         return f"image placeholders {runs} (total {total}) != grids imply {want}"
     return None
@@ -262,7 +262,7 @@ def _finish_turn(s, env, chat, out, processor, args, stops):
     obs_ids = close + encode_observation(processor, chat["messages"], message, obs["images"], chat["tools"])
     chat["messages"].append(message)
     if (len(s.response_ids) + len(obs_ids) >= args.rollout_max_response_len
-            or len(s.tokens) + len(obs_ids) >= getattr(args, "max_context_len", 8192)):
+            or len(s.tokens) + len(obs_ids) >= args.max_context_len):
         s.status = "truncated"
         return False
     s.response_ids += obs_ids
@@ -277,14 +277,14 @@ def run_episodes(engine, processor, records, args, groups=None):
     """n_samples_per_prompt episodes per record, turn by turn: each round sends every active
     episode's tokens to the engine at once (SGLang keeps them all in flight)."""
     from tqdm import tqdm
-    multi = getattr(args, "max_turns", 1) > 1
-    n = getattr(args, "n_samples_per_prompt", 1)
+    multi = args.max_turns > 1
+    n = args.n_samples_per_prompt
     groups = groups if groups is not None else list(range(len(records)))
     eps = [_episode(processor, rec, args, g, multi) for rec, g in zip(records, groups) for _ in range(n)]
     stops = [token_id(processor, IM_END), token_id(processor, ENDOFTEXT)]
-    sampling = dict(temperature=getattr(args, "rollout_temperature", 1.0), stop_token_ids=stops,
-                    top_p=getattr(args, "rollout_top_p", 1.0), top_k=getattr(args, "rollout_top_k", -1))
-    budget, context = args.rollout_max_response_len, getattr(args, "max_context_len", 8192)
+    sampling = dict(temperature=args.rollout_temperature, stop_token_ids=stops,
+                    top_p=args.rollout_top_p, top_k=args.rollout_top_k)
+    budget, context = args.rollout_max_response_len, args.max_context_len
     active = list(range(len(eps)))
     bar = tqdm(total=len(eps), desc="rollout", file=sys.stderr, mininterval=1.0, leave=False)
     while active:
@@ -322,7 +322,7 @@ def _score(samples, args, reward_fn):
     """reward.py's RM (a process pool for big batches) or `reward_fn`; failed samples get 0."""
     live = [s for s in samples if s.status != "failed"]
     texts, labels = [s.response_text for s in live], [s.label for s in live]
-    rewards = (reward.batch_rewards(texts, labels, getattr(args, "rm_type", "math") or "math")
+    rewards = (reward.batch_rewards(texts, labels, args.rm_type)
                if reward_fn is None else [reward_fn(t, lab) for t, lab in zip(texts, labels)])
     for s, r in zip(live, rewards):
         s.reward = float(r)
@@ -335,11 +335,11 @@ def generate_group_samples(engine, processor, records, args, reward_fn=None):
     args.dynamic_sampling, groups whose rewards are all equal are dropped and replaced from
     the records not yet used, until rollout_batch_size groups are kept (the caller passes
     more records than that: the over-sample)."""
-    if not getattr(args, "dynamic_sampling", False):
+    if not args.dynamic_sampling:
         samples = run_episodes(engine, processor, records, args)
         _score(samples, args, reward_fn)
         return samples
-    target = getattr(args, "rollout_batch_size", None) or len(records)
+    target = args.rollout_batch_size or len(records)
     kept, pos, drawn = [], 0, 0
     while len(kept) < target and pos < len(records):
         rate = len(kept) / drawn if drawn else 1.0   # observed keep rate sizes the next draw

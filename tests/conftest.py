@@ -3,7 +3,6 @@ real geo3k problems shipped in tests/data/geo3k_real (README there names their s
 rollout tests' tiny model, processor and synthetic problems."""
 import os
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -59,7 +58,14 @@ def records(tmp_path_factory):
 
 
 def rollout_args(**kw):
-    base = dict(max_turns=1, n_samples_per_prompt=2, rollout_max_response_len=10, rollout_temperature=0.8,
-                rollout_top_p=1.0, max_context_len=8192, rm_type="math", oracle=True,
-                dynamic_sampling=False, rollout_batch_size=None)
-    return types.SimpleNamespace(**{**base, **kw})
+    """The trainer's own flag defaults (train_grpo.parse_args: one source of defaults), with the
+    rollout tests' small budgets and any `kw` on top. rollout_batch_size None: every record given."""
+    import train_grpo
+    args = train_grpo.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x"])
+    small = dict(n_samples_per_prompt=2, rollout_max_response_len=10, rollout_temperature=0.8,
+                 rollout_batch_size=None)
+    for k, v in {**small, **kw}.items():
+        if not hasattr(args, k):
+            raise AttributeError(f"rollout_args: {k} is not a train_grpo flag")
+        setattr(args, k, v)
+    return args
