@@ -10,6 +10,7 @@ chat template is ours (ChatML): it renders images, tool calls and tool responses
 `AutoProcessor.from_pretrained(DIR).apply_chat_template(...)` works with no hub access.
 """
 import argparse
+import json
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -88,11 +89,11 @@ def qwen_tokenizer():
 
 
 def tiny_config(arch, hidden=64, layers=2, heads=4, kv_heads=2, vit_hidden=32, vit_depth=2,
-                tie=False):
+                tie=False, section=None):
     """A Qwen3-VL / Qwen2.5-VL config at toy size (real vocabulary and token ids)."""
     head_dim = hidden // heads
     half = head_dim // 2  # rotary frequencies per head; MRoPE splits them into (t, h, w)
-    section = [half - 2 * (half // 4), half // 4, half // 4]
+    section = list(section or [half - 2 * (half // 4), half // 4, half // 4])
     text = dict(vocab_size=151936, hidden_size=hidden, intermediate_size=2 * hidden,
                 num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                 max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=tie,
@@ -114,6 +115,23 @@ def tiny_config(arch, hidden=64, layers=2, heads=4, kv_heads=2, vit_hidden=32, v
                       hidden_act="silu", tokens_per_second=2)
         return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie)
     raise SystemExit(f"unknown --arch {arch!r}: use qwen3_vl or qwen2_5_vl")
+
+
+def sizes_like(config_json, head_dim=16):
+    """-> (arch, tiny_config sizes) with a real checkpoint's structure at toy widths: its family,
+    tied or untied head, GQA ratio (query heads per key/value head, >= 2 KV heads so TP=2 splits
+    them), and MRoPE sections scaled to the tiny head_dim."""
+    cfg = json.loads(Path(config_json).read_text())
+    text = cfg.get("text_config", cfg)  # Qwen2.5-VL's config is flat
+    ratio = text["num_attention_heads"] // text["num_key_value_heads"]
+    kv = 2
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    real = rope["mrope_section"]
+    half = head_dim // 2
+    section = [round(x * half / sum(real)) for x in real]
+    section[0] += half - sum(section)
+    return cfg["model_type"], dict(hidden=head_dim * kv * ratio, heads=kv * ratio, kv_heads=kv, section=tuple(section),
+                                   tie=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings"))))
 
 
 def tiny_processor(arch, min_pixels=None, max_pixels=None):
@@ -166,9 +184,14 @@ def main(argv=None):
     p.add_argument("--vit-depth", type=int, default=2, help="vision tower blocks")
     p.add_argument("--tie", action="store_true", help="tie input embedding and LM head")
     p.add_argument("--seed", type=int, default=0, help="weight init seed")
+    p.add_argument("--like", default=None,
+                   help="a real checkpoint's config.json: its family, tied head, GQA ratio and rope sections "
+                        "at toy widths (overrides --arch and the head/width flags)")
     a = p.parse_args(argv)
-    out = make_tiny(a.out, a.arch, a.seed, hidden=a.hidden, layers=a.layers, heads=a.heads,
-                    kv_heads=a.kv_heads, vit_hidden=a.vit_hidden, vit_depth=a.vit_depth, tie=a.tie)
+    sizes = dict(hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads, tie=a.tie)
+    if a.like:
+        a.arch, sizes = sizes_like(a.like)
+    out = make_tiny(a.out, a.arch, a.seed, layers=a.layers, vit_hidden=a.vit_hidden, vit_depth=a.vit_depth, **sizes)
     print(f"wrote tiny {a.arch} checkpoint to {out}")
 
 

@@ -216,3 +216,25 @@ def test_transformer_engine_is_never_a_silent_fallback(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_te)
     with pytest.raises(SystemExit, match="undefined symbol.*--no-build-isolation.*--transformer-impl local"):
         M.layer_impl()
+
+
+REAL_MODELS = ROOT.parent / "shared" / "real_models"
+
+
+@pytest.mark.parametrize("name", ["Qwen3-VL-2B-Instruct", "Qwen2.5-VL-3B-Instruct"])
+def test_tiny_with_a_real_configs_structure(tiny_ckpt, name):
+    """A tiny checkpoint built like the real config (tied head, its GQA ratio: 2 and 8 query heads
+    per KV head, its MRoPE sections scaled) matches transformers at TP=1 and TP=2, and exports
+    bit-exactly (a tied checkpoint has no lm_head tensor to give back)."""
+    if not (REAL_MODELS / name).exists():
+        pytest.skip(f"reference configs not found ({REAL_MODELS}); they are not shipped with the repo")
+    import tiny
+    arch, sizes = tiny.sizes_like(REAL_MODELS / name / "config.json")
+    assert sizes["tie"] and sizes["heads"] // sizes["kv_heads"] == {"Qwen3-VL-2B-Instruct": 2}.get(name, 8)
+    d = tiny_ckpt(arch, **sizes)
+    assert "lm_head.weight" not in convert.weight_files(d)
+    parallel.init_distributed(1)
+    assert M.check(d) <= 1e-4
+    if name.startswith("Qwen2.5"):  # 8 query heads per KV head, split over TP (the 2:1 case: test_tp2_*)
+        lines = torchrun2("model.py", "check", "--hf-checkpoint", d)
+        assert "export_exact=True" in lines[-2] and float(lines[-1].split("=")[1]) <= 1e-4
