@@ -1,7 +1,7 @@
 """geo3k data: loading, image decoding, prompt builders, and a synthetic geometry set.
 
     python data.py synth --n 512 --out data/synth            # train.parquet + test.parquet
-    python data.py show ../shared/geo3k_real/test.parquet    # load and summarise a source
+    python data.py show tests/data/geo3k_real/test.parquet   # load and summarise a source
 
 `load_geo3k(source, split=None)` returns a list of {"problem", "answer", "images"} records
 (images as RGB PIL images) from a hub id (`hiyouga/geometry3k`), a parquet or jsonl file,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-# Qwen2/2.5/3 and Qwen3-VL special tokens, in id order from 151643 (design.md).
+# Qwen2/2.5/3 and Qwen3-VL special tokens, in id order from 151643 (as in the real tokenizer.json).
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
                   "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
                   "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
