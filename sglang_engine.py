@@ -13,14 +13,16 @@ pads is collapsed to one pad here, and the server's meta_info.prompt_tokens (its
 is returned for the rollout to check against the expanded length it holds.
 
 Weight sync goes through the disk: the (HF name, full tensor) buckets become safetensors shards
-in <run_dir>/weights/a or /b in turn (never the folder a restart would load), next to the checkpoint's config and processor files, loaded by POST
-/update_weights_from_disk. The server flushes its cache after that load by itself
-(UpdateWeightFromDiskReqInput.flush_cache defaults to True, managers/io_struct.py:1970), so we do
-not flush again; a failed load answers HTTP 400 {"success": false, "message"}, raised here. Not /update_weights_from_tensor: its payloads are CUDA IPC handles, one per server TP
-rank, which need sglang in the trainer, the tensors alive on the same node until the server has
-copied them, and a shared IPC namespace. The disk works with any server TP, any process layout
-and no sglang import, and a restarted server is launched from the latest synced folder. Cost:
-one write of the weights per step (put the run dir, or `weights_dir`, on local NVMe or /dev/shm).
+in <run_dir>/weights/a or /b in turn (never the folder a restart would load), next to the
+checkpoint's config and processor files, loaded by POST /update_weights_from_disk. The server
+flushes its cache after that load by itself (UpdateWeightFromDiskReqInput.flush_cache defaults
+to True, managers/io_struct.py:1970), so we do not flush again; a refused load answers HTTP 400
+{"success": false, "message"}, raised here with the message. Not /update_weights_from_tensor:
+its payloads are CUDA IPC handles, one per server TP rank, which need sglang in the trainer,
+the tensors alive on the same node until the server has copied them, and a shared IPC
+namespace. The disk works with any server TP, any process layout and no sglang import, and a
+restarted server is launched from the latest synced folder. Cost: one write of the weights per
+step (put the run dir, or `weights_dir`, on local NVMe or /dev/shm), and two copies on disk.
 
 Process hygiene: the server leads its own process group, logging to <run_dir>/sglang.log;
 shutdown(), atexit and SIGINT/SIGTERM handlers send the group SIGTERM, then SIGKILL after a

@@ -185,7 +185,8 @@ class TestRealServer:
         two = {"input_ids": rollout.encode_prompt(processor, data.prompt_messages(crop_record), crop_record["images"]),
                "images": crop_record["images"]}
         sampling = dict(temperature=0.8, top_p=1.0, top_k=-1, max_new_tokens=4, stop_token_ids=[151645, 151643])
-        tokenize = [{"body": real.generate_payload(item, sampling), "expected": item["input_ids"]} for item in (one, two)]
+        tokenize = [{"body": real.generate_payload(item, sampling), "expected": item["input_ids"]}
+                    for item in (one, two)]
         sent = list(real.sent)
         for path in ("release", "resume"):  # not called on the server: its release needs CUDA
             stub = type("Stub", (), {"_call": lambda self, p, body: sent.append((p, body))})()
