@@ -313,3 +313,24 @@ def test_dynamic_sampling_tops_up_through_the_trainer(processor, records):
         if cap is None:  # the batch's own prompts hold fewer mixed groups: the over-sample filled it
             assert kept == 3 and sum(int(r["answer"]) % 3 == 0 for r in drawn[:3]) < 3
     assert kept < 3  # with the cap, the top-up stopped before the batch was full
+
+
+def test_step_where_every_sample_failed(processor, records, capsys):
+    """An engine whose every answer is an error (stock SGLang's HTTP 500 on a bad request):
+    every sample is failed, counted, never trained on; the step says so in one line and the
+    update is skipped (train_step does nothing, in lockstep on every rank)."""
+    import types
+
+    class Failing:
+        def generate(self, batch, sampling):
+            return [{"ids": [], "logprobs": [], "finish": "abort", "error": "SGLang /generate -> HTTP 500: IndexError"}
+                    for _ in batch]
+    args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--rollout-batch-size", "2",
+                         "--n-samples-per-prompt", "2"])
+    run = types.SimpleNamespace(rank=0, world=1)
+    items, m = G.rollout_step(0, run, Failing(), processor, records, args)
+    assert items == [] and m["failed_frac"] == 1.0 and m["samples"] == 4
+    assert "step 1: no trainable sample among 4 (SGLang /generate -> HTTP 500: IndexError): update skipped" \
+        in capsys.readouterr().out
+    stats = G.train_step(torch.nn.Linear(1, 1), None, None, None, run, items, args, updates=1)  # no step taken
+    assert stats == {"updates_skipped": 1}
