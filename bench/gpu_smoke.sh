@@ -10,6 +10,7 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 DIR=${SMOKE_DIR:-$(mktemp -d /tmp/gpu_smoke.XXXX)}
+mkdir -p "$DIR"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 failed=0
 
@@ -51,14 +52,14 @@ check tiny_checkpoints bash -c "$PY model.py tiny --arch qwen3_vl --out $DIR/tin
   && $PY data.py synth --n 64 --n-test 8 --kinds sides --out $DIR/data && echo made"
 # Logits of Megatron (TE spec, THD packing) vs transformers, both on cuda:0; fp32, so 1e-4 holds
 # where TE keeps fp32 (unfused attention); a FAIL here with a small diff is TE's kernel choice.
-check check_te_qwen3_vl "$PY" model.py check --hf-checkpoint "$DIR/tiny"
-check check_te_qwen2_5_vl "$PY" model.py check --hf-checkpoint "$DIR/tiny25"
+check check_te_qwen3_vl "$PY" model.py check --hf-checkpoint "$DIR/tiny" --transformer-impl transformer_engine
+check check_te_qwen2_5_vl "$PY" model.py check --hf-checkpoint "$DIR/tiny25" --transformer-impl transformer_engine
 check check_local_spec "$PY" model.py check --hf-checkpoint "$DIR/tiny" --transformer-impl local
 # torchrun with one process: the NCCL backend, so every collective must take CUDA tensors.
 TR=("$PY" -m torch.distributed.run --standalone --nproc_per_node 1)
-check sft_3_steps "${TR[@]}" sft.py --hf-checkpoint "$DIR/tiny" --prompt-data "$DIR/data" --save "$DIR/sft" \
-  --global-batch-size 8 --lr 1e-4 --num-epoch 1 --eval-prompt-data "$DIR/data" --eval-samples 8
-check sft_3_steps_metrics "$PY" -c "
+check sft_4_steps "${TR[@]}" sft.py --hf-checkpoint "$DIR/tiny" --prompt-data "$DIR/data" --save "$DIR/sft" \
+  --global-batch-size 16 --lr 1e-4 --num-epoch 1 --eval-prompt-data "$DIR/data" --eval-samples 8
+check sft_4_steps_metrics "$PY" -c "
 import json; rows = [json.loads(x) for x in open('$DIR/sft/metrics.jsonl') if '\"loss\"' in x]
 assert len(rows) >= 3 and all(r['grad_norm'] > 0 for r in rows), rows; print(rows[-1])"
 GRPO=(--hf-checkpoint "$DIR/tiny" --prompt-data "$DIR/data" --rollout-batch-size 4 --n-samples-per-prompt 4
