@@ -40,7 +40,6 @@ import atexit
 import http.client
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -53,6 +52,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import convert
 import proc
 from engines import Engine
 
@@ -303,7 +303,7 @@ class SGLangEngine(Engine):
         out = self.weights_dir / "a"
         if self.model_path == str(out):
             out = self.weights_dir / "b"
-        n = write_hf_folder(buckets, out, self.hf_dir)
+        n = convert.write_hf(buckets, out, self.hf_dir)
         try:
             r = self._call("/update_weights_from_disk", {"model_path": str(out)})
         except ServerError as e:  # HTTP 400 {"success": false, "message": ...}
@@ -329,26 +329,3 @@ class SGLangEngine(Engine):
 
     def resume(self):
         self._call("/resume_memory_occupation", {})
-
-
-def write_hf_folder(buckets, out, like):
-    """Write (HF name, full tensor) buckets as safetensors shards + index in `out`, beside copies
-    of the config, generation and processor files of the checkpoint folder `like`, so SGLang
-    loads `out` as a checkpoint. -> number of tensors written."""
-    from safetensors.torch import save_file
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    for f in out.glob("*.safetensors"):
-        f.unlink()
-    for f in Path(like).iterdir():
-        if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json", ".bin", ".pt")):
-            shutil.copy2(f, out / f.name)
-    weight_map, n = {}, 0
-    for k, bucket in enumerate(buckets):
-        name = f"model-{k:05d}.safetensors"
-        tensors = {key: t.detach().to("cpu").contiguous().clone() for key, t in bucket}
-        save_file(tensors, str(out / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, name))
-        n += len(tensors)
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return n
