@@ -202,8 +202,9 @@ def test_sglang_start_failures_quote_log_and_leave_nothing(ckpt, tmp_path):
         sglang(ckpt, tmp_path / "a", "--fake-startup", "-1")
     from sglang_engine import _LIVE
     before = set(_LIVE)
-    with pytest.raises(RuntimeError, match="not healthy after 2s") as e:
-        sglang(ckpt, tmp_path / "b", "--fake-startup", "30", "--fake-children", "1", timeout=2)
+    # 15 s: time for the fake to start and print its children on a loaded machine (2 s was flaky)
+    with pytest.raises(RuntimeError, match="not healthy after 15s") as e:
+        sglang(ckpt, tmp_path / "b", "--fake-startup", "120", "--fake-children", "1", timeout=15)
     assert "fake sglang children=" in str(e.value)
     log = (tmp_path / "b" / "sglang.log").read_text()
     pid = int(log.split("pid=")[1].split()[0])
