@@ -303,7 +303,9 @@ def check_inputs(hf_dir):
     from transformers import AutoProcessor
     proc = AutoProcessor.from_pretrained(hf_dir)
     g = torch.Generator().manual_seed(0)
-    img = lambda w, h: Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8).numpy())
+
+    def img(w, h):  # random pixels, reproducible
+        return Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8).numpy())
     a, b = img(64, 96), img(112, 80)
     convs = [([a], "What is the area of the triangle?", "Answer: \\boxed{12}"),
              ([], "Hello, what is 2 + 3?", "2 + 3 = 5, so the answer is 5."),

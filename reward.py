@@ -218,6 +218,10 @@ def geo3k_reward(response, label, tol=0.05):
     return _score(response, label, tol)
 
 
+def _no_constant(name):
+    raise ValueError(f"{name} is not valid JSON")
+
+
 def format_ok(response):
     """A non-empty box or a tool call is present, and every <tool_call> holds strict JSON
     {"name": str, "arguments": {...}}. A metric, not part of the reward."""
@@ -226,7 +230,7 @@ def format_ok(response):
         if response.count("<tool_call>") != len(calls) or response.count("</tool_call>") != len(calls):
             return False  # an unclosed or stray tag is broken syntax
         for body in calls:
-            call = json.loads(body, parse_constant=lambda c: 1 / 0)  # strict: no NaN/Infinity
+            call = json.loads(body, parse_constant=_no_constant)  # strict: no NaN/Infinity
             if not (isinstance(call, dict) and isinstance(call.get("name"), str)
                     and isinstance(call.get("arguments"), dict)):
                 return False
@@ -268,7 +272,12 @@ def _die_with_parent(parent):
 
 
 _POOLS = {}  # workers -> ProcessPoolExecutor, kept alive: a worker pays sympy's import once
-atexit.register(lambda: [p.shutdown(wait=False, cancel_futures=True) for p in _POOLS.values()])
+
+
+@atexit.register
+def _shutdown_pools():
+    for pool in _POOLS.values():
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def batch_rewards(responses, labels, rm_type="math", workers=None, min_parallel=64):
