@@ -135,8 +135,14 @@ def _install_handlers():
 
 class SGLangEngine(Engine):
     def __init__(self, hf_dir, run_dir, server_args=(), timeout=900.0, launch_cmd=None,
-                 weights_dir=None, max_restarts=3, max_inflight=256, request_timeout=3600.0, env=None):
-        self.hf_dir = self.model_path = str(hf_dir)
+                 weights_dir=None, max_restarts=3, max_inflight=256, request_timeout=3600.0, env=None,
+                 config_dir=None):
+        # hf_dir: the weights the server starts from; config_dir (default hf_dir): where the
+        # config, tokenizer and processor files of each synced folder are copied from. A resumed
+        # run starts from a checkpoint that --save-keep may later remove, so it passes its
+        # --hf-checkpoint here.
+        self.model_path = str(hf_dir)
+        self.hf_dir = str(config_dir or hf_dir)
         self.image_pad = read_image_token_id(hf_dir)
         self.env = dict(env or {})  # added to our environment for the server (and its restarts)
         self.run_dir = Path(run_dir)

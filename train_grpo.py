@@ -347,7 +347,8 @@ def make_engine(args, hf_dir, run_dir, processor=None):
                                   int(os.environ.get("LOCAL_WORLD_SIZE", 1)), os.environ.get("CUDA_VISIBLE_DEVICES"))
     if cuda and torch.cuda.get_device_capability()[0] >= 10 and "--mm-attention-backend" not in flags:
         flags += ["--mm-attention-backend", "sdpa"]  # Blackwell: the published recipe's setting
-    return sglang_engine.SGLangEngine(hf_dir, run_dir, server_args=flags, timeout=args.sglang_server_timeout, env=env)
+    return sglang_engine.SGLangEngine(hf_dir, run_dir, server_args=flags, timeout=args.sglang_server_timeout, env=env,
+                                      config_dir=args.hf_checkpoint)
 
 
 def draw(records, step, args):

@@ -265,3 +265,20 @@ def test_proc_launcher_dies_with_its_parent(tmp_path):
     while time.time() < deadline and group_members(os.getpgid(0), wait=0).count(child):
         time.sleep(0.1)
     assert child not in group_members(os.getpgid(0), wait=0)
+
+
+def test_sync_after_the_start_checkpoint_is_pruned(ckpt, tmp_path):
+    """A resumed run's server starts from iter_N, which --save-keep later deletes: syncs take their
+    config/tokenizer files from config_dir (the run's --hf-checkpoint), not from that folder."""
+    import shutil
+    start = tmp_path / "iter_0000002"
+    shutil.copytree(ckpt, start)
+    eng, rec = sglang(start, tmp_path / "run", config_dir=ckpt)
+    try:
+        shutil.rmtree(start)  # pruned
+        items = [(k, v * 1.01) for k, v in load_model(ckpt).state_dict().items()]
+        assert eng.update_weights([items]) == len(items)
+        synced = Path(eng.model_path)
+        assert (synced / "config.json").read_bytes() == (Path(ckpt) / "config.json").read_bytes()
+    finally:
+        eng.shutdown()
