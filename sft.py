@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 import data
 import model as M
+import optim
 import rollout
 import trainer as T
 
@@ -68,7 +69,7 @@ def main(argv=None):
     model = M.load_model(ckpt or args.hf_checkpoint, args.freeze_vit, args.transformer_impl)
     per_epoch = math.ceil(len(train) / args.global_batch_size)
     total = per_epoch * args.num_epoch
-    opt, sched = T.build_optimizer(model, args, total)
+    opt, sched = optim.build_optimizer(model, args, total)
     start = run.load_state(ckpt, opt, sched)["step"] if ckpt else 0
 
     def evaluate(step):
@@ -89,7 +90,7 @@ def main(argv=None):
         timer = T.Timer()
         with timer("train"):
             loss, n_tokens = batch_loss(model, run, T.dp_shard(batch, run), args.max_tokens_per_gpu, True)
-            stats = T.optimizer_step(model, opt, sched, run, args)
+            stats = optim.optimizer_step(model, opt, sched, run, args)
         secs = timer.t["train"]
         run.log(step + 1, {"loss": loss, **stats, "epoch": epoch, "tokens": n_tokens,
                            "tokens_per_s": n_tokens / secs, "step_s": secs})

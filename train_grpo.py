@@ -35,6 +35,7 @@ from transformers import AutoProcessor
 import convert
 import engines
 import model as M
+import optim
 import rollout as R
 import sglang_engine
 import trainer as T
@@ -228,7 +229,7 @@ def train_step(model, ref, opt, sched, run, items, args, updates):
             stats["updates_skipped"] += 1
             continue
         s = policy_loss(model, ref, run, T.dp_shard(chunk, run), args, measure="logprob_diff_mean" not in stats)
-        s.update(T.optimizer_step(model, opt, sched, run, args))
+        s.update(optim.optimizer_step(model, opt, sched, run, args))
         stats.update(s)  # the last update's stats; logprob_diff_* from the first
     return stats
 
@@ -275,7 +276,7 @@ def main(argv=None):
         ref = M.load_model(args.hf_checkpoint, True, args.transformer_impl).eval()
         ref.requires_grad_(False)
     updates = math.ceil(args.rollout_batch_size * args.n_samples_per_prompt / args.global_batch_size)
-    opt, sched = T.build_optimizer(model, args, args.num_rollout * updates)
+    opt, sched = optim.build_optimizer(model, args, args.num_rollout * updates)
     start = run.load_state(ckpt, opt, sched)["step"] if ckpt else 0
 
     records = eval_records = engine = None

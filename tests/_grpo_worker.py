@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import convert  # noqa: E402
 import data  # noqa: E402
 import model as M  # noqa: E402
+import optim  # noqa: E402
 import rollout as R  # noqa: E402
 import train_grpo as G  # noqa: E402
 import trainer as T  # noqa: E402
@@ -54,7 +55,7 @@ def main():
     run = T.Run(args, "test")
     model = M.load_model(a.ckpt)
     ref = M.load_model(a.ref).eval() if a.ref else None
-    opt, sched = T.build_optimizer(model, args, 2)
+    opt, sched = optim.build_optimizer(model, args, 2)
     items = samples(a.ckpt, a.source)[:a.items]
     G.recompute_old(model, items, args)  # old logprobs: the model's own, then moved so the clip engages
     g = torch.Generator().manual_seed(0)
@@ -62,7 +63,7 @@ def main():
         it["old"] = it["old"] + 0.3 * torch.randn(len(it["old"]), generator=g)
     for update in range(2):
         stats = G.policy_loss(model, ref, run, T.dp_shard(items, run), args, measure=False)
-        stats.update(T.optimizer_step(model, opt, sched, run, args))
+        stats.update(optim.optimizer_step(model, opt, sched, run, args))
         if run.rank == 0:
             print(f"update={update} loss={stats['loss']!r} grad_norm={stats['grad_norm']!r} "
                   f"clipfrac={stats['clipfrac']!r} kl={stats['kl']!r}", flush=True)

@@ -165,6 +165,7 @@ def test_optimizer_groups_decoupled_lr_and_decay(decoupled):
     """--decoupled-lr sets the token embedding and output layer apart; the schedule scales every
     group alike; norms and biases never decay."""
     import argparse
+    import optim
     import trainer as T
     p = argparse.ArgumentParser()
     T.add_train_args(p)
@@ -177,7 +178,7 @@ def test_optimizer_groups_decoupled_lr_and_decay(decoupled):
     m.output_layer = torch.nn.Linear(4, 8, bias=False)
     m.linear_fc1 = torch.nn.Linear(4, 4)
     m.final_norm = torch.nn.LayerNorm(4)
-    opt, sched = T.build_optimizer(m, args, total_steps=10)
+    opt, sched = optim.build_optimizer(m, args, total_steps=10)
     edge = {id(m.embedding.word_embeddings.weight), id(m.output_layer.weight)}
     seen = {}
     for g in opt.param_groups:
