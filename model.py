@@ -13,6 +13,7 @@ features are added to the first layers' outputs at image positions, as transform
 Packed sequences: one row of T tokens; a block-diagonal causal mask on CPU, THD + cu_seqlens with TE.
 """
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -93,7 +94,7 @@ class _LogprobEntropy(torch.autograd.Function):
         m = h.new_full((n,), float("-inf"))  # running max, sum exp(z - m), sum exp(z - m) * z
         s, a, zt = h.new_zeros(n), h.new_zeros(n), h.new_zeros(n)
         for c in range(0, n_valid, CHUNK):
-            z = (h @ w[c:min(c + CHUNK, n_valid)].T) / temp  # (N, C)
+            z = (h @ w[c:min(c + CHUNK, n_valid)].T.to(h.dtype)) / temp  # (N, C), fp32 (h is)
             m_new = torch.maximum(m, z.max(1).values)
             e, scale = torch.exp(z - m_new[:, None]), torch.exp(m - m_new)
             s, a, m = s * scale + e.sum(1), a * scale + (e * z).sum(1), m_new
@@ -113,7 +114,7 @@ class _LogprobEntropy(torch.autograd.Function):
         temp, start, n_valid, group = ctx.args
         gh, gw = torch.zeros_like(h), torch.zeros_like(w)
         for c in range(0, n_valid, CHUNK):
-            wc = w[c:min(c + CHUNK, n_valid)]
+            wc = w[c:min(c + CHUNK, n_valid)].to(h.dtype)
             z = (h @ wc.T) / temp
             p = torch.exp(z - lse[:, None])
             # d logp/dz = onehot - p ; d entropy/dz = -p (z - E_p[z])
@@ -157,7 +158,7 @@ def layer_impl(impl=None):
 class MegatronVLM(torch.nn.Module):
     """HF vision tower (.visual) + Megatron GPTModel (.language_model), on the current parallel state."""
 
-    def __init__(self, hf_config, hf_dir, transformer_impl=None):
+    def __init__(self, hf_config, hf_dir, transformer_impl=None, options=None):
         super().__init__()
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
@@ -176,6 +177,12 @@ class MegatronVLM(torch.nn.Module):
         qwen3 = hf_config.model_type.startswith("qwen3")
         self.impl = layer_impl(transformer_impl)
         self.te = self.impl == "transformer_engine"
+        opts = options or {}
+        self.recompute = (opts.get("recompute_granularity"), opts.get("recompute_method", "uniform"),
+                          opts.get("recompute_num_layers", 1))  # Megatron's three flags
+        if self.recompute[0] == "selective" and not torch.cuda.is_available():  # its backward calls CUDA
+            raise SystemExit("--recompute-granularity selective (Megatron's checkpointed core attention) "
+                             "needs CUDA; on CPU use --recompute-granularity full")
         cfg = TransformerConfig(  # Qwen2.5 / Qwen3 decoder: RMSNorm, SwiGLU, GQA, QKV bias or QK-norm
             num_layers=tc.num_hidden_layers, hidden_size=tc.hidden_size, ffn_hidden_size=tc.intermediate_size,
             num_attention_heads=self.heads, num_query_groups=self.groups, kv_channels=self.head_dim,
@@ -185,7 +192,8 @@ class MegatronVLM(torch.nn.Module):
             params_dtype=torch.float32, perform_initialization=False,  # weights come from the checkpoint
             use_cpu_initialization=not torch.cuda.is_available(), bias_activation_fusion=False,
             masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-            gradient_accumulation_fusion=False, persist_layer_norm=False)
+            gradient_accumulation_fusion=False, persist_layer_norm=False,
+            recompute_granularity="selective" if self.recompute[0] == "selective" else None)
         spec = (specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qwen3) if self.te else
                 specs.get_gpt_layer_local_spec(qk_layernorm=qwen3, normalization="RMSNorm"))
         with parallel.megatron_on_cpu():
@@ -221,6 +229,29 @@ class MegatronVLM(torch.nn.Module):
         lm = self.language_model
         return lm.embedding.word_embeddings.weight if self.tie else lm.output_layer.weight
 
+    def _chunks(self):
+        """[(first layer, end, recompute?)]: Megatron's --recompute-method uniform checkpoints every
+        chunk of --recompute-num-layers layers, block only the first that many layers; only the
+        chunk inputs are kept and the layers rerun in backward. torch's non-reentrant checkpoint,
+        not Megatron's CheckpointFunction: the latter restores CUDA RNG state in backward, which
+        runs outside megatron_on_cpu here; dropout is 0 so no RNG state needs restoring."""
+        n, (gran, method, k) = len(self.language_model.decoder.layers), self.recompute
+        if gran != "full":
+            return [(0, n, False)]
+        if method == "block":
+            return [(i, i + 1, True) for i in range(min(k, n))] + ([(k, n, False)] if k < n else [])
+        return [(i, min(i + k, n), True) for i in range(0, n, k)]
+
+    def _layers(self, h, lo, hi, mask, rot, psp, img, deep):
+        """Decoder layers lo..hi-1 on h (T, 1, H), with deepstack features added after layer i < len(deep)."""
+        with parallel.megatron_on_cpu():  # also when backward recomputes
+            for i in range(lo, hi):
+                layer = self.language_model.decoder.layers[i]
+                h, _ = layer(hidden_states=h, attention_mask=mask, rotary_pos_emb=rot, packed_seq_params=psp)
+                if i < len(deep):  # deepstack: add layer i's visual features at the image tokens
+                    h = h.index_put((img,), deep[i][:, None].to(h.dtype), accumulate=True)
+        return h
+
     def _hidden(self, seqs, pixel_values=None, image_grid_thw=None):
         """Packed sequences (list of (T_i,) ids) -> final-norm hidden states (T, H), T = sum T_i."""
         from megatron.core.packed_seq_params import PackedSeqParams
@@ -247,10 +278,9 @@ class MegatronVLM(torch.nn.Module):
             mask = mask[None, None]
         rot = self._rotary(pos)
         with parallel.megatron_on_cpu():
-            for i, layer in enumerate(lm.decoder.layers):
-                h, _ = layer(hidden_states=h, attention_mask=mask, rotary_pos_emb=rot, packed_seq_params=psp)
-                if i < len(deep):  # deepstack: add layer i's visual features at the image tokens
-                    h = h.index_put((img,), deep[i][:, None].to(h.dtype), accumulate=True)
+            for lo, hi, again in self._chunks():  # --recompute-granularity full: again = True
+                run = functools.partial(self._layers, lo=lo, hi=hi, mask=mask, rot=rot, psp=psp, img=img, deep=deep)
+                h = torch.utils.checkpoint.checkpoint(run, h, use_reentrant=False) if again else run(h)
         return lm.decoder.final_layernorm(h)[:, 0]
 
     def forward(self, seqs, pixel_values=None, image_grid_thw=None, loss_masks=None, temperature=1.0,
@@ -268,7 +298,7 @@ class MegatronVLM(torch.nn.Module):
             tgt.append(s.cpu()[t])
             off += len(s)
         k = self.padded_vocab // self.tp  # this rank's vocabulary rows: [k r, k r + k), some padding
-        lp, ent = _LogprobEntropy.apply(h[torch.cat(rows).to(h.device)], self._head_weight(),
+        lp, ent = _LogprobEntropy.apply(h[torch.cat(rows).to(h.device)].float(), self._head_weight(),
                                         torch.cat(tgt).to(h.device), float(temperature), self.tp_rank * k,
                                         max(0, min(k, self.vocab - self.tp_rank * k)), self.tp_group)
         return lp, (ent if with_entropy else None)
@@ -281,14 +311,18 @@ class MegatronVLM(torch.nn.Module):
             z = gather_from_tensor_model_parallel_region(h @ self._head_weight().T)[:, :self.vocab]
         return list(z.float().split([len(s) for s in seqs]))
 
-def load_model(hf_dir, freeze_vit=False, transformer_impl=None):
+def load_model(hf_dir, freeze_vit=False, transformer_impl=None, options=None):
     """MegatronVLM on the current parallel state (initialised if needed), weights from the HF
-    safetensors, each TP rank reading only its slices. Parameters are fp32 (CPU and GPU alike)."""
+    safetensors, each TP rank reading only its slices. Parameters are fp32, or bf16 with
+    options["bf16"] (the trainer's flags: --bf16, --recompute-*)."""
     from transformers import AutoConfig
     rank, _, device = parallel.init_distributed()
-    model = MegatronVLM(AutoConfig.from_pretrained(hf_dir), hf_dir, transformer_impl)
+    model = MegatronVLM(AutoConfig.from_pretrained(hf_dir), hf_dir, transformer_impl, options)
     convert.load_weights(model, hf_dir)
     model.visual.requires_grad_(not freeze_vit)
+    if (options or {}).get("bf16"):
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
     if rank == 0:
         print(f"[model] {hf_dir}: layer spec {model.impl}, parameters {next(model.parameters()).dtype}, "
               f"device {device}, TP {model.tp}", flush=True)

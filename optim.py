@@ -1,6 +1,16 @@
 """The optimizer: AdamW with its LR schedule, and one optimizer step over data/tensor parallel
 ranks (gradient reduction over DP, global-norm clipping over TP). sft.py and train_grpo.py call
 build_optimizer once and optimizer_step after each global batch's backward passes.
+
+Three paths, chosen at run time:
+- fp32 (default): torch AdamW on the model's parameters; gradients summed over DP here.
+- --bf16 and/or --use-distributed-optimizer on CPU: MasterAdamW below, the maths of Megatron's
+  mixed-precision and distributed optimizers in torch: fp32 master copies of this DP rank's
+  shard of the parameters (all of them without --use-distributed-optimizer), gradients
+  accumulated in fp32 (`main_grad`, as Megatron's DDP keeps them), AdamW on the shard, the
+  updated shards gathered back into the (bf16) model parameters.
+- the same flags on CUDA: megatron-core's own DDP (bucketed gradient buffers) and optimizer.
+Parameters with `allreduce == False` (MoE experts, Megatron's mark) are never sharded here.
 """
 import math
 
@@ -10,20 +20,21 @@ import torch.distributed as dist
 import parallel
 
 
-def build_optimizer(model, args, total_steps):
-    """AdamW (no decay on norms and biases) with linear warmup then constant or cosine decay;
-    the token embedding and output layer take --decoupled-lr when it is set."""
+def param_groups(model, args):
+    """[(lr, weight_decay, [params])]: no decay on norms and biases; the token embedding and the
+    output layer take --decoupled-lr when it is set. The same order on every rank."""
     groups = {}
     for n, p in model.named_parameters():
         if p.requires_grad:
             edge = args.decoupled_lr is not None and ("word_embeddings" in n or "output_layer" in n)
             decay = p.ndim >= 2 and "norm" not in n
             groups.setdefault((edge, decay), []).append(p)
-    opt = torch.optim.AdamW([{"params": ps, "lr": args.decoupled_lr if edge else args.lr,
-                              "weight_decay": args.weight_decay if decay else 0.0}
-                             for (edge, decay), ps in sorted(groups.items())],
-                            lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=1e-8)
+    return [(args.decoupled_lr if edge else args.lr, args.weight_decay if decay else 0.0, ps)
+            for (edge, decay), ps in sorted(groups.items())]
 
+
+def build_optimizer(model, args, total_steps):
+    """(optimizer, LR scheduler): linear warmup then constant or cosine decay of every group's lr."""
     def factor(step):  # multiplies --lr
         if step < args.lr_warmup_iters:
             return (step + 1) / args.lr_warmup_iters
@@ -32,20 +43,141 @@ def build_optimizer(model, args, total_steps):
         t = min(1.0, (step - args.lr_warmup_iters) / max(1, total_steps - args.lr_warmup_iters))
         floor = args.min_lr / args.lr if args.lr else 0.0
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
+    mixed = getattr(args, "bf16", False) or getattr(args, "use_distributed_optimizer", False)
+    if mixed and torch.cuda.is_available():
+        opt = megatron_optimizer(model, args)
+        inner = opt.optimizer  # megatron's wrapped torch optimizer: its groups carry max_lr, wd_mult
+        for g in inner.param_groups:
+            g["lr"], g["weight_decay"] = g["max_lr"], args.weight_decay * g["wd_mult"]
+        return opt, torch.optim.lr_scheduler.LambdaLR(inner, factor)
+    groups = param_groups(model, args)
+    if mixed:
+        opt = MasterAdamW(groups, args)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt.inner, factor)
+    opt = torch.optim.AdamW([{"params": ps, "lr": lr, "weight_decay": wd} for lr, wd, ps in groups],
+                            lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=1e-8)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
-def grad_norm_and_clip(model, run, clip):
-    """Global L2 norm of the gradients: TP-sharded parameters (Megatron marks them with
+def megatron_optimizer(model, args):
+    """CUDA: megatron-core's DDP (gradients in contiguous fp32 buckets, `main_grad`, reduced per
+    bucket; distributed_data_parallel.py:420-445 adds each grad to main_grad) and its optimizer
+    (fp32 master weights; with --use-distributed-optimizer the master weights and Adam states are
+    sharded over DP: reduce-scatter of gradients, all-gather of parameters). The reduce is not
+    overlapped with backward: the set of parameters that get gradients changes between batches
+    (the vision tower on text-only batches), and the overlapped reduce asserts on a bucket whose
+    parameters did not all report ready (param_and_grad_buffer.py:524-535, megatron-core 0.16.1)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    for n, p in model.named_parameters():  # megatron's --decoupled-lr selects params by this mark
+        p.is_embedding_or_output_parameter = "word_embeddings" in n or "output_layer" in n
+    ddp = DistributedDataParallel(model.language_model.config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32, overlap_grad_reduce=False,
+        use_distributed_optimizer=args.use_distributed_optimizer), model)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    opt = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=args.lr, min_lr=args.min_lr, decoupled_lr=args.decoupled_lr,
+        weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+        adam_eps=1e-8, clip_grad=args.clip_grad or 0.0, bf16=args.bf16, params_dtype=dtype,
+        use_distributed_optimizer=args.use_distributed_optimizer), [ddp])
+    opt.ddp, opt.sharded = ddp, args.use_distributed_optimizer
+    return opt
+
+
+class MasterAdamW:
+    """fp32 master weights and AdamW for this DP rank's shard of the trainable parameters, on
+    torch (the CPU twin of Megatron's mixed-precision / distributed optimizer). The parameters
+    are laid end to end, in param_groups order, and cut into DP equal ranges (Megatron's
+    distributed optimizer cuts its gradient buffer likewise); a rank keeps masters and Adam
+    states for its range only, and gathers the others' updated ranges after each step."""
+
+    def __init__(self, groups, args):
+        self.sharded = bool(args.use_distributed_optimizer)
+        self.dp_rank, self.dp = parallel.dp_rank_size() if self.sharded else (0, 1)
+        self.group = parallel.dp_group()
+        self.params = [p for _, _, ps in groups for p in ps]
+        n = sum(p.numel() for p in self.params if getattr(p, "allreduce", True))
+        self.shard = -(-n // self.dp)
+        lo, hi = self.dp_rank * self.shard, (self.dp_rank + 1) * self.shard
+        self.pieces, torch_groups, off = [], [], 0  # pieces: (param, a, b, fp32 master of p[a:b])
+        for lr, wd, ps in groups:
+            masters = []
+            for p in ps:
+                a, b = 0, p.numel()
+                if getattr(p, "allreduce", True):  # in the sharded range; experts stay whole
+                    a, b, off = min(max(lo - off, 0), b), min(max(hi - off, 0), b), off + b
+                if b > a:
+                    masters.append(p.detach().reshape(-1)[a:b].float().clone())
+                    self.pieces.append((p, a, b, masters[-1]))
+            torch_groups.append({"params": masters, "lr": lr, "weight_decay": wd})
+        self.inner = torch.optim.AdamW(torch_groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=1e-8)
+        grad_dtype = torch.float32 if args.accumulate_allreduce_grads_in_fp32 else self.params[0].dtype
+        for p in self.params:  # each backward adds into main_grad and frees .grad
+            p.main_grad = torch.zeros(p.shape, dtype=grad_dtype, device=p.device)
+            p.register_post_accumulate_grad_hook(_to_main_grad)
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    def grads(self):
+        return [(p, p.main_grad) for p in self.params]
+
+    def step(self):
+        for p, a, b, m in self.pieces:
+            m.grad = p.main_grad.reshape(-1)[a:b].float()
+        self.inner.step()
+        self.publish()
+
+    def publish(self):
+        """Masters -> model parameters: this rank's range, and the other ranks' by a sum of
+        disjoint ranges over DP (an all-gather that gloo and NCCL both run)."""
+        flat = torch.zeros(self.shard * self.dp, dtype=torch.float32, device=self.params[0].device)
+        off, base = 0, self.dp_rank * self.shard
+        for p, a, b, m in self.pieces:
+            if getattr(p, "allreduce", True):
+                flat[base + off:base + off + b - a] = m
+                off += b - a
+            else:
+                p.data.view(-1).copy_(m)
+        if self.dp > 1:
+            dist.all_reduce(flat, group=self.group)
+        off = 0
+        for p in self.params:
+            if getattr(p, "allreduce", True):
+                p.data.view(-1).copy_(flat[off:off + p.numel()])
+                off += p.numel()
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.main_grad.zero_()
+
+    def state_dict(self):  # this rank's shard only
+        return {"adam": self.inner.state_dict(), "master": [m for *_, m in self.pieces],
+                "shard": (self.dp_rank, self.dp)}
+
+    def load_state_dict(self, state):
+        if tuple(state["shard"]) != (self.dp_rank, self.dp):
+            raise SystemExit(f"--load: optimizer shard {tuple(state['shard'])} (DP rank, DP size) does not "
+                             f"match this run's ({self.dp_rank}, {self.dp}): resume at the same DP size")
+        self.inner.load_state_dict(state["adam"])
+        for (*_, m), saved in zip(self.pieces, state["master"]):
+            m.copy_(saved)
+        self.publish()
+
+
+def _to_main_grad(p):
+    p.main_grad += p.grad
+    p.grad = None
+
+
+def grad_norm_and_clip(grads, run, clip):
+    """Global L2 norm of [(param, grad)]: TP-sharded parameters (Megatron marks them with
     `tensor_model_parallel`) are summed over the TP group, replicated ones counted once."""
     sharded = torch.zeros((), dtype=torch.float64, device=run.device)
     replicated = torch.zeros((), dtype=torch.float64, device=run.device)
-    grads = []
-    for p in model.parameters():
-        if p.grad is None:
-            continue
-        grads.append(p.grad)
-        sq = p.grad.detach().double().pow(2).sum()
+    for p, g in grads:
+        sq = g.detach().double().pow(2).sum()
         if getattr(p, "tensor_model_parallel", False):
             sharded += sq
         else:
@@ -53,36 +185,52 @@ def grad_norm_and_clip(model, run, clip):
     parallel.all_reduce(sharded, run.tp_group)
     norm = math.sqrt((sharded + replicated).item())
     if clip and norm > clip:
-        for g in grads:
+        for _, g in grads:
             g.mul_(clip / (norm + 1e-6))
     return norm
 
 
-def allreduce_grads(model, run):
-    """Sum gradients over data-parallel ranks (the loss is already divided by the global token
-    count, so the sum is the global-batch gradient, equal to one rank holding the whole batch).
-    Every trainable parameter takes part, with a zero gradient where this rank had none (no
-    sample, or no image in its batch), so every rank sends the same tensors in the same order;
-    at any DP size, as Megatron's gradient buffers do, so DP=1 and DP=2 take the same step."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    if run.dp <= 1:
-        return
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dist.all_reduce(flat, group=run.dp_group)
-    off = 0
-    for p in params:
-        p.grad.copy_(flat[off:off + p.numel()].view_as(p))
-        off += p.numel()
+def allreduce_grads(grads, run):
+    """Sum [(param, grad)] over data-parallel ranks (the loss is already divided by the global
+    token count, so the sum is the global-batch gradient, equal to one rank holding the whole
+    batch). Every trainable parameter takes part, with a zero gradient where this rank had none
+    (no sample, or no image in its batch), so every rank sends the same tensors in the same
+    order; at any DP size, as Megatron's gradient buffers do, so DP=1 and DP=2 take the same step.
+    One flat reduce per process group: the place for other groups (MoE experts) to join."""
+    by_group = {}
+    for p, g in grads:
+        by_group.setdefault(run.dp_group, []).append(g)
+    for group, gs in by_group.items():
+        if dist.get_world_size(group) <= 1:
+            continue
+        flat = torch.cat([g.reshape(-1) for g in gs])
+        dist.all_reduce(flat, group=group)
+        off = 0
+        for g in gs:
+            g.copy_(flat[off:off + g.numel()].view_as(g))
+            off += g.numel()
 
 
 def optimizer_step(model, opt, sched, run, args):
-    allreduce_grads(model, run)
-    norm = grad_norm_and_clip(model, run, args.clip_grad)
+    """Reduce, clip and apply the accumulated gradients; advance the LR schedule; clear grads."""
     lr = opt.param_groups[0]["lr"]
-    opt.step()
+    if hasattr(opt, "ddp"):  # CUDA, megatron-core: its optimizer clips (config.clip_grad) and steps
+        opt.ddp.finish_grad_sync()
+        _, norm, _ = opt.step()
+        opt.ddp.zero_grad_buffer()
+        opt.zero_grad()
+    else:
+        if isinstance(opt, MasterAdamW):
+            grads = opt.grads()
+        else:
+            params = [p for p in model.parameters() if p.requires_grad]
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            grads = [(p, p.grad) for p in params]
+        allreduce_grads(grads, run)
+        norm = grad_norm_and_clip(grads, run, args.clip_grad)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     sched.step()
-    opt.zero_grad(set_to_none=True)
     return {"grad_norm": norm, "lr": lr}

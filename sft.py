@@ -66,7 +66,7 @@ def main(argv=None):
     evals = [encode(processor, r) for r in T.load_data(args, evaluation=True, verbose=run.rank == 0)]
 
     ckpt = run.resume_dir()
-    model = M.load_model(ckpt or args.hf_checkpoint, args.freeze_vit, args.transformer_impl)
+    model = M.load_model(ckpt or args.hf_checkpoint, args.freeze_vit, args.transformer_impl, vars(args))
     per_epoch = math.ceil(len(train) / args.global_batch_size)
     total = per_epoch * args.num_epoch
     opt, sched = optim.build_optimizer(model, args, total)

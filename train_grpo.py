@@ -270,10 +270,10 @@ def main(argv=None):
     run = T.Run(args, "grpo")
     processor = AutoProcessor.from_pretrained(args.hf_checkpoint)
     ckpt = run.resume_dir()
-    model = M.load_model(ckpt or args.hf_checkpoint, args.freeze_vit, args.transformer_impl)
+    model = M.load_model(ckpt or args.hf_checkpoint, args.freeze_vit, args.transformer_impl, vars(args))
     ref = None
     if args.kl_loss_coef:
-        ref = M.load_model(args.hf_checkpoint, True, args.transformer_impl).eval()
+        ref = M.load_model(args.hf_checkpoint, True, args.transformer_impl, vars(args)).eval()
         ref.requires_grad_(False)
     updates = math.ceil(args.rollout_batch_size * args.n_samples_per_prompt / args.global_batch_size)
     opt, sched = optim.build_optimizer(model, args, args.num_rollout * updates)

@@ -58,6 +58,14 @@ def add_train_args(p):
     a("--distributed-timeout-minutes", type=int, default=60,
       help="collective timeout: rank 0 loads data, starts SGLang and evaluates while the others wait")
     a("--freeze-vit", action="store_true", help="keep the vision tower fixed")
+    a("--bf16", action="store_true", help="compute in bf16 with fp32 master weights (optim.py); logprobs and loss in fp32")
+    a("--accumulate-allreduce-grads-in-fp32", action="store_true", help="with --bf16: gradients accumulated and reduced in fp32")
+    a("--use-distributed-optimizer", action="store_true", help="shard master weights and Adam states over DP ranks")
+    a("--recompute-granularity", default=None, choices=["full", "selective"],
+      help="recompute activations in backward: whole layers (full) or core attention only (selective)")
+    a("--recompute-method", default="uniform", choices=["uniform", "block"],
+      help="full: checkpoint every chunk of --recompute-num-layers layers (uniform), or only the first that many (block)")
+    a("--recompute-num-layers", type=int, default=1, help="layers per recomputed chunk (uniform) or recomputed layers (block)")
     a("--seed", type=int, default=1234)
     a("--wandb-project", default=None, help="log to wandb too, when it is installed")
 
@@ -116,9 +124,9 @@ class Run:
             (tmp / "train_state").mkdir(parents=True)
         self.barrier()
         convert.save_hf(model, tmp, src_dir=self.args.hf_checkpoint)  # not a checkpoint pruning may remove
-        if self.dp_rank == 0:
+        if self.dp_rank == 0 or getattr(opt, "sharded", False):  # sharded: each DP rank its own
             state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state()}
-            torch.save(state, tmp / "train_state" / f"tp_{self.tp_rank:02d}.pt")
+            torch.save(state, tmp / "train_state" / state_name(self, opt))
         self.barrier()
         if self.rank == 0:
             (tmp / "train_state" / "meta.json").write_text(json.dumps({"step": step, "tp": self.tp, **(extra or {})}))
@@ -165,7 +173,7 @@ class Run:
         if meta.get("tp", self.tp) != self.tp:
             raise SystemExit(f"--load {ckpt}: saved at --tensor-model-parallel-size {meta['tp']}, "
                              f"resumed at {self.tp}; resume at the same TP size")
-        state = torch.load(ckpt / "train_state" / f"tp_{self.tp_rank:02d}.pt", weights_only=False)
+        state = torch.load(ckpt / "train_state" / state_name(self, opt), weights_only=False)
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
@@ -193,6 +201,13 @@ def atomic_write(path, text):
     tmp = Path(str(path) + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def state_name(run, opt):
+    """This rank's train_state file: one per TP rank, or per (TP, DP) rank when the optimizer
+    is sharded over DP (--use-distributed-optimizer: each rank saves only its shard)."""
+    dp = f"_dp_{run.dp_rank:03d}" if getattr(opt, "sharded", False) else ""
+    return f"tp_{run.tp_rank:02d}{dp}.pt"
 
 
 def rng_state():

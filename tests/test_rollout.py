@@ -232,7 +232,8 @@ class ForcedFirstTurnEngine(engines.LocalEngine):
             script = tok.encode(CROP_CALL) + [tok.convert_tokens_to_ids("<|im_end|>")]
             prompt_len = max(len(batch[i]["input_ids"]) for i in first)   # generate left-pads to it
             plain = self.model.generate
-            self.model.generate = lambda **kw: plain(**kw, logits_processor=[ForceTokens(script, prompt_len)])
+            force = ForceTokens(script, prompt_len)  # after the engine's Sampler, so it has the last word
+            self.model.generate = lambda **kw: plain(**dict(kw, logits_processor=kw["logits_processor"] + [force]))
             try:
                 for i, o in zip(first, super().generate([batch[i] for i in first], sampling)):
                     assert o["ids"] == script
