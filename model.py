@@ -60,6 +60,23 @@ def image_tokens(image_grid_thw, merge_size):
     return [int(t * h * w) // merge_size ** 2 for t, h, w in image_grid_thw.tolist()]
 
 
+def unique_images(pixel_values, image_grid_thw, merge_size):
+    """A group's samples share their prompt's image: -> (pixel rows of each distinct image once,
+    their grids, take) where vision_output[take] is the output of every image, in order (a group of
+    8 runs the vision tower once, not 8 times; the index's backward sums the copies' gradients)."""
+    rows = pixel_values.split(image_grid_thw.prod(-1).tolist())
+    first, start, take, n = [], [], [], 0  # first image of each distinct one, its first output row
+    for i, (r, t) in enumerate(zip(rows, image_tokens(image_grid_thw, merge_size))):
+        j = next((k for k, f in enumerate(first) if rows[f].shape == r.shape and torch.equal(rows[f], r)
+                  and torch.equal(image_grid_thw[f], image_grid_thw[i])), None)
+        if j is None:
+            j, n = len(first), n + t
+            first.append(i)
+            start.append(n - t)
+        take.append(torch.arange(start[j], start[j] + t))
+    return torch.cat([rows[f] for f in first]), image_grid_thw[first], torch.cat(take)
+
+
 def split_images(hf_config, seqs, pixel_values=None, image_grid_thw=None):
     """[(pixel_values, grid rows) or (None, None)] per sequence: images are handed out in order,
     as many as each sequence's image-token count takes; a mismatch is an error."""
@@ -264,9 +281,12 @@ class MegatronVLM(torch.nn.Module):
         h = lm.embedding(input_ids=ids[None], position_ids=None)  # (T, 1, H)
         img, deep = (ids == cfg.image_token_id).nonzero()[:, 0], []
         if pixel_values is not None:
-            out = self.visual(pixel_values.to(dev, h.dtype), grid_thw=image_grid_thw.to(dev))
-            h = h.index_put((img,), out.pooler_output[:, None].to(h.dtype))  # merged image tokens
-            deep = getattr(out, "deepstack_features", None) or []  # Qwen3-VL: one (n_img, H) a layer
+            pix, grid, take = unique_images(pixel_values, image_grid_thw.cpu(), cfg.vision_config.spatial_merge_size)
+            out = self.visual(pix.to(dev, h.dtype), grid_thw=grid.to(dev))
+            take = take.to(dev)
+            h = h.index_put((img,), out.pooler_output[take][:, None].to(h.dtype))  # merged image tokens
+            # Qwen3-VL's deepstack: one (n_img, H) a layer
+            deep = [d[take] for d in getattr(out, "deepstack_features", None) or []]
         cu = torch.tensor([0] + lens, device=dev).cumsum(0).int()
         psp, mask = None, None
         if self.te:  # THD: attention runs per segment of cu_seqlens
