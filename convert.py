@@ -9,11 +9,14 @@ The vision tower keeps its HF names (replicated on every TP rank); language-mode
 split over TP as Megatron's layers hold them and gathered back on export.
 """
 import json
+import re
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+import parallel
 
 # Megatron name inside decoder.layers.{i}. -> (how it is split over TP, HF names inside layers.{i}.)
 # rep: replicated; col: split along dim 1; fc1: [gate; up] rows; qkv: per query group [q, k, v].
@@ -29,7 +32,28 @@ _LAYER = {
     "mlp.linear_fc1.layer_norm_weight": ("rep", ["post_attention_layernorm.weight"]),
     "mlp.linear_fc1.weight": ("fc1", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
     "mlp.linear_fc2.weight": ("col", ["mlp.down_proj.weight"]),
+    # Qwen3.5: Gated DeltaNet in the place of self_attention (gdn: [q | k | v] sections split by
+    # heads; rows: split along dim 0), and the MoE block's router and gated shared expert
+    "self_attention.in_proj_qkv.weight": ("gdn", ["linear_attn.in_proj_qkv.weight"]),
+    "self_attention.conv1d.weight": ("gdn", ["linear_attn.conv1d.weight"]),
+    "self_attention.in_proj_z.weight": ("rows", ["linear_attn.in_proj_z.weight"]),
+    "self_attention.in_proj_b.weight": ("rows", ["linear_attn.in_proj_b.weight"]),
+    "self_attention.in_proj_a.weight": ("rows", ["linear_attn.in_proj_a.weight"]),
+    "self_attention.A_log": ("rows", ["linear_attn.A_log"]),
+    "self_attention.dt_bias": ("rows", ["linear_attn.dt_bias"]),
+    "self_attention.norm.weight": ("rep", ["linear_attn.norm.weight"]),
+    "self_attention.out_proj.weight": ("col", ["linear_attn.out_proj.weight"]),
+    "mlp.router.weight": ("rep", ["mlp.gate.weight"]),
+    "mlp.shared_experts.linear_fc1.weight": ("fc1", ["mlp.shared_expert.gate_proj.weight",
+                                                     "mlp.shared_expert.up_proj.weight"]),
+    "mlp.shared_experts.linear_fc2.weight": ("col", ["mlp.shared_expert.down_proj.weight"]),
+    "mlp.shared_experts.gate_weight": ("rep", ["mlp.shared_expert_gate.weight"]),
 }
+# Routed experts (expert-TP 1: whole on the EP rank that holds them). Megatron: SequentialMLP
+# `local_experts.{j}.linear_fc1.weight`, TE's grouped MLP `linear_fc1.weight{j}`; HF: fused 3-D
+# `experts.gate_up_proj` (E, 2I, H) / `experts.down_proj` (E, H, I) as released checkpoints hold
+# them, or per-expert `experts.{e}.{gate,up,down}_proj.weight`. Export writes the source's layout.
+_EXPERT = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$")
 _TOP = {"embedding.word_embeddings.weight": ("vocab", ["embed_tokens.weight"]),
         "decoder.final_layernorm.weight": ("rep", ["norm.weight"])}
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -39,16 +63,24 @@ _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.ind
 
 def weight_files(hf_dir):
     """{HF tensor name: safetensors file} of a checkpoint folder."""
-    from safetensors import safe_open
     hf_dir = Path(hf_dir)
     index = hf_dir / "model.safetensors.index.json"
     if index.exists():
         return {k: hf_dir / v for k, v in json.loads(index.read_text())["weight_map"].items()}
     out = {}
     for f in sorted(hf_dir.glob("*.safetensors")):
-        with safe_open(f, "pt") as handle:
+        with open_weights(f) as handle:
             out.update(dict.fromkeys(handle.keys(), f))
     return out
+
+
+def open_weights(f):
+    """safe_open(f), or an error naming the file (safetensors' own says only what broke)."""
+    from safetensors import safe_open
+    try:
+        return safe_open(f, "pt")
+    except Exception as e:  # noqa: BLE001 - SafetensorError (truncated, bad header), OSError
+        raise SystemExit(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from None
 
 
 def rule(model, name):
@@ -60,10 +92,31 @@ def rule(model, name):
         return "vocab", ["lm_head.weight"]
     if name.startswith("decoder.layers."):
         i, rest = name[len("decoder.layers."):].split(".", 1)
+        m = _EXPERT.match(rest)
+        if m:  # -> ("fused", [3-D name]) or ("expert", [gate, up] / [down]) of global expert e
+            fc, e = m[2] or m[3], model.ep_rank * model.local_experts + int(m[1] or m[4])
+            pre = f"{model.lm_prefix}layers.{i}.mlp.experts."
+            if model.fused_experts:
+                return "fused", [pre + ("gate_up_proj" if fc == "linear_fc1" else "down_proj")]
+            return "expert", [f"{pre}{e}.{x}_proj.weight" for x in (["gate", "up"] if fc == "linear_fc1" else ["down"])]
         kind, hf = _LAYER[rest]
+        if kind == "qkv" and model.q35:  # q_proj holds [q | gate] per head
+            kind = "qgkv"
         return kind, [f"{model.lm_prefix}layers.{i}.{x}" for x in hf]
     kind, hf = _TOP[name]
     return kind, [model.lm_prefix + x for x in hf]
+
+
+def expert_id(model, name):
+    """Global index of the routed expert a Megatron parameter belongs to."""
+    m = _EXPERT.search(name)
+    return model.ep_rank * model.local_experts + int(m[1] or m[4])
+
+
+def _gdn_sections(model, x, n):
+    """Split dim 0 of x (a Gated DeltaNet [q | k | v] tensor over n parts of the heads) into its three sections."""
+    kd, vd = model.gdn_dims
+    return x.split([kd // n, kd // n, vd // n])
 
 
 def _rows(s, r, tp):
@@ -82,6 +135,18 @@ def shard(model, kind, slices):
         return slices[0][:, r * k:(r + 1) * k]
     if kind == "fc1":  # [gate_r; up_r]
         return torch.cat([_rows(s, r, tp) for s in slices])
+    if kind == "rows":
+        return _rows(slices[0], r, tp)
+    if kind == "expert":  # whole: [gate; up] or down
+        return torch.cat([s[:] for s in slices])
+    if kind == "gdn":  # [q_r; k_r; v_r]
+        kd, vd = model.gdn_dims
+        return torch.cat([slices[0][o + r * n // tp:o + (r + 1) * n // tp] for o, n in ((0, kd), (kd, kd), (2 * kd, vd))])
+    if kind == "qgkv":  # per local query group g: [q heads of g; their gates; k_g; v_g]
+        g, d = model.groups // tp, model.head_dim
+        q = _rows(slices[0], r, tp).reshape(g, -1, 2, d, slices[0].get_shape()[-1])  # HF: [q_h | gate_h] per head
+        k, v = (_rows(s, r, tp).reshape(g, d, -1) for s in slices[1:])
+        return torch.cat([q[:, :, 0].flatten(1, 2), q[:, :, 1].flatten(1, 2), k, v], 1).flatten(0, 1)
     if kind == "qkv":  # per local query group g: [q heads of g; k_g; v_g]
         g = model.groups // tp
         parts = []
@@ -106,53 +171,112 @@ def full(model, kind, t):
         return [torch.cat(parts, 1)]
     if kind == "vocab":
         return [torch.cat(parts)[:model.vocab]]
+    if kind == "rows":
+        return [torch.cat(parts)]
+    if kind == "gdn":
+        sections = [_gdn_sections(model, p, model.tp) for p in parts]
+        return [torch.cat([torch.cat([s[i] for s in sections]) for i in range(3)])]
     if kind == "fc1":  # [gate_r; up_r] of every rank -> gate, up
         halves = [p.chunk(2) for p in parts]
         return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
     x = torch.cat(parts)  # qkv: rank order = query-group order
-    x, d = x.reshape(model.groups, -1, *x.shape[1:]), model.head_dim
-    return [y.flatten(0, 1) for y in x.split([model.heads // model.groups * d, d, d], 1)]
+    x, d, rq = x.reshape(model.groups, -1, *x.shape[1:]), model.head_dim, model.heads // model.groups
+    if kind == "qgkv":  # -> q_proj [q_h | gate_h] per head, k, v
+        q, gate, k, v = x.split([rq * d, rq * d, d, d], 1)
+        q = torch.stack([q.reshape(model.heads, d, -1), gate.reshape(model.heads, d, -1)], 1)
+        return [q.flatten(0, 2), k.flatten(0, 1), v.flatten(0, 1)]
+    return [y.flatten(0, 1) for y in x.split([rq * d, d, d], 1)]
 
 
 def load_weights(model, hf_dir):
     """Copy the HF checkpoint's tensors into `model` (each TP rank reads only its slices) and
     remember the source's names, shapes and dtypes, which export gives back."""
-    from safetensors import safe_open
     files = weight_files(hf_dir)
     if not files:
         raise FileNotFoundError(f"{hf_dir}: no *.safetensors weights")
-    handles = {f: safe_open(f, "pt") for f in set(files.values())}
+    handles = {f: open_weights(f) for f in set(files.values())}
     model.src = {}  # HF name -> (shape, dtype)
     for k, f in files.items():
         sl = handles[f].get_slice(k)
         model.src[k] = (sl.get_shape(), _DTYPES[sl.get_dtype()])
-    model.lm_prefix = next(k for k in files if k.endswith("embed_tokens.weight"))[:-len("embed_tokens.weight")]
+    model.src_files = files  # export passes `mtp.*` (multi-token prediction, untrained here) through from them
+    model.fused_experts = any(k.endswith("mlp.experts.gate_up_proj") and not k.startswith("mtp.") for k in files)
+    lm = model.language_model.config
+    model.local_experts = (lm.num_moe_experts or 0) // lm.expert_model_parallel_size
+    model.ep_rank = parallel.ep_rank() if model.local_experts else 0
+    tc = model.hf_config.text_config
+    model.gdn_dims = (getattr(tc, "linear_num_key_heads", 0) * getattr(tc, "linear_key_head_dim", 0),
+                      getattr(tc, "linear_num_value_heads", 0) * getattr(tc, "linear_value_head_dim", 0))
+    model.lm_prefix = next(k for k in files if k.endswith("embed_tokens.weight")
+                           and not k.startswith("mtp."))[:-len("embed_tokens.weight")]
     model.vis_prefix = next(k for k in files if k.endswith("patch_embed.proj.weight"))[:-len("patch_embed.proj.weight")]
     with torch.no_grad():
         for name, p in model.named_parameters():
             kind, hf = rule(model, name)
-            p.copy_(shard(model, kind, [handles[files[n]].get_slice(n) for n in hf]))
+            slices = [handles[files[n]].get_slice(n) for n in hf]
+            if kind in ("fused", "expert"):  # whole experts, one set per EP rank: reduced over expert-DP
+                e = expert_id(model, name)
+                p.copy_(slices[0][e:e + 1][0] if kind == "fused" else shard(model, kind, slices))
+                p.allreduce = False  # Megatron's mark (TE sets it; the local SequentialMLP does not)
+                continue
+            p.copy_(shard(model, kind, slices))
             if kind != "rep" and not getattr(p, "tensor_model_parallel", False):
                 # what Megatron's weight init would have marked: the trainer's grad norm counts
                 # sharded tensors on every TP rank, the others once
                 p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, int(kind == "col"), 1
+    bad = [rule(model, n)[1][0] for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if bad:
+        raise SystemExit(f"{files[bad[0]]}: tensor {bad[0]} holds NaN or inf"
+                         + (f" ({len(bad) - 1} more tensors too)" if len(bad) > 1 else ""))
+
+
+def _experts(model, name, kind, hf, t, fused):
+    """Routed-expert tensors of every EP rank -> [(HF name, tensor)]: per-expert names at once, a
+    fused 3-D tensor once its layer's last expert is in (`fused` collects them by name)."""
+    parts = [t]
+    if parallel.ep_size() > 1:
+        parts = [torch.empty_like(t) for _ in range(parallel.ep_size())]
+        dist.all_gather(parts, t.contiguous(), group=parallel.ep_group())
+    e0 = expert_id(model, name) - model.ep_rank * model.local_experts  # local index j
+    out = []
+    for r, x in enumerate(parts):
+        e = r * model.local_experts + e0
+        if kind == "expert":
+            names = [n.replace(f".experts.{expert_id(model, name)}.", f".experts.{e}.") for n in hf]
+            out += list(zip(names, x.chunk(len(names))))
+        else:
+            fused.setdefault(hf[0], {})[e] = x
+    n_all = model.local_experts * len(parts)
+    if kind == "fused" and len(fused[hf[0]]) == n_all:
+        out.append((hf[0], torch.stack([fused[hf[0]].pop(e) for e in range(n_all)])))
+    return out
 
 
 def hf_tensors(model, grad=False):
     """(HF name, full tensor) for every tensor of the source checkpoint; grad=True: their gradients
-    (None-grads as zeros). Collective over TP: every rank gets every full tensor."""
+    (None-grads as zeros). Collective over TP and EP: every rank gets every full tensor. The source's
+    `mtp.*` tensors are passed through as they are (not with grad=True)."""
+    fused = {}
     for name, p in model.named_parameters():
         if grad:
             t = p.grad if p.grad is not None else torch.zeros_like(p)
         else:
             t = p.detach()
         kind, hf = rule(model, name)
+        if kind in ("fused", "expert"):
+            for n, x in _experts(model, name, kind, hf, t, fused):
+                yield n, x.to(model.src[n][1])
+            continue
         tensors = full(model, kind, t)
         if name.endswith("word_embeddings.weight") and model.tie:  # tied: emit lm_head if the source has it
             hf, tensors = hf + ["lm_head.weight"], tensors + tensors
         for n, x in zip(hf, tensors):
             if n in model.src:
                 yield n, x.to(model.src[n][1])
+    from safetensors import safe_open
+    for n in [] if grad else sorted(k for k in model.src if k.startswith("mtp.")):
+        with safe_open(model.src_files[n], "pt") as f:
+            yield n, f.get_tensor(n)
 
 
 def export_hf(model, bucket_bytes=256 << 20):

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 import convert
 import parallel
+import qwen3_5
 from parallel import all_reduce as _all_reduce
 
 CHUNK = 16384  # vocabulary columns per LM-head chunk: bounds the (N, CHUNK) logits held at once
@@ -176,6 +177,8 @@ class MegatronVLM(torch.nn.Module):
     """HF vision tower (.visual) + Megatron GPTModel (.language_model), on the current parallel state."""
 
     def __init__(self, hf_config, hf_dir, transformer_impl=None, options=None):
+        """options: the trainer's parallel/MoE flags (sequence_parallel, moe_token_dispatcher_type,
+        moe_router_dtype, moe_aux_loss_coeff); expert parallelism comes from the parallel state."""
         super().__init__()
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
@@ -191,7 +194,7 @@ class MegatronVLM(torch.nn.Module):
         self.vocab = tc.vocab_size
         self.padded_vocab = -(-self.vocab // self.tp) * self.tp  # VocabParallelEmbedding splits evenly
         self.tie = bool(getattr(hf_config, "tie_word_embeddings", False))
-        qwen3 = hf_config.model_type.startswith("qwen3")
+        qwen3, self.q35 = hf_config.model_type.startswith("qwen3"), qwen3_5.is_qwen3_5(hf_config)
         self.impl = layer_impl(transformer_impl)
         self.te = self.impl == "transformer_engine"
         opts = options or {}
@@ -200,33 +203,48 @@ class MegatronVLM(torch.nn.Module):
         if self.recompute[0] == "selective" and not torch.cuda.is_available():  # its backward calls CUDA
             raise SystemExit("--recompute-granularity selective (Megatron's checkpointed core attention) "
                              "needs CUDA; on CPU use --recompute-granularity full")
+        self.sp = bool(opts.get("sequence_parallel")) and self.tp > 1
+        self.ep = ps.get_expert_model_parallel_world_size()
+        if getattr(tc, "num_experts", None) and self.tp > 1 and not self.sp:
+            raise SystemExit("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (Megatron's rule)")
+        extra = dict(add_qkv_bias=not qwen3, qk_layernorm=qwen3, ffn_hidden_size=getattr(tc, "intermediate_size", 0))
+        if self.q35:
+            extra.update(qwen3_5.config_kwargs(tc, opts))  # gated attention, MoE
         cfg = TransformerConfig(  # Qwen2.5 / Qwen3 decoder: RMSNorm, SwiGLU, GQA, QKV bias or QK-norm
-            num_layers=tc.num_hidden_layers, hidden_size=tc.hidden_size, ffn_hidden_size=tc.intermediate_size,
+            num_layers=tc.num_hidden_layers, hidden_size=tc.hidden_size, sequence_parallel=self.sp,
+            expert_model_parallel_size=self.ep, layernorm_zero_centered_gamma=self.q35 and self.te,
             num_attention_heads=self.heads, num_query_groups=self.groups, kv_channels=self.head_dim,
             normalization="RMSNorm", layernorm_epsilon=tc.rms_norm_eps, gated_linear_unit=True,
-            activation_func=F.silu, add_bias_linear=False, add_qkv_bias=not qwen3, qk_layernorm=qwen3,
-            hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=self.tp,
+            activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+            tensor_model_parallel_size=self.tp, expert_tensor_parallel_size=1,
             params_dtype=torch.float32, perform_initialization=False,  # weights come from the checkpoint
             use_cpu_initialization=not torch.cuda.is_available(), bias_activation_fusion=False,
             masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
             gradient_accumulation_fusion=False, persist_layer_norm=False,
-            recompute_granularity="selective" if self.recompute[0] == "selective" else None)
-        spec = (specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qwen3) if self.te else
-                specs.get_gpt_layer_local_spec(qk_layernorm=qwen3, normalization="RMSNorm"))
+            recompute_granularity="selective" if self.recompute[0] == "selective" else None, **extra)
+        if self.q35:  # per-layer specs: Gated DeltaNet or gated attention, dense MLP or MoE
+            spec = qwen3_5.block_spec(tc, self.te)
+        elif self.te:
+            spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qwen3)
+        else:
+            spec = specs.get_gpt_layer_local_spec(qk_layernorm=qwen3, normalization="RMSNorm")
         with parallel.megatron_on_cpu():
             self.language_model = GPTModel(
                 cfg, spec, vocab_size=self.padded_vocab, max_sequence_length=tc.max_position_embeddings,
                 share_embeddings_and_output_weights=self.tie, position_embedding_type="none")
+        # we embed, place the image features and scatter the sequence (SP) ourselves
+        self.language_model.embedding.word_embeddings.reduce_scatter_embeddings = False
         self.visual = AutoModel.from_config(hf_config.vision_config)
         for name, p in self.language_model.named_parameters():
-            if self.tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
-                # shared over heads, but each rank sees only its heads: sum grads over TP
-                # (what Megatron's finalize_model_grads does for qk_layernorm)
+            shared = any(k in name for k in ("q_layernorm", "k_layernorm", "self_attention.norm."))
+            if self.tp > 1 and (shared or getattr(p, "sequence_parallel", False)):
+                # shared over heads (each rank sees only its heads) or over the sequence (SP: each rank
+                # sees its shard): sum grads over TP, as Megatron's finalize_model_grads does
                 p.register_hook(lambda g: _all_reduce(g.clone(), self.tp_group))
         rp = tc.rope_parameters
         assert rp.get("rope_type", "default") == "default", rp
         self.mrope_section, self.mrope_interleaved = rp["mrope_section"], rp.get("mrope_interleaved", False)
-        d = self.head_dim
+        d = int(self.head_dim * rp.get("partial_rotary_factor", 1.0))  # Megatron rotates the first d dims
         self.register_buffer("inv_freq", 1.0 / (rp["rope_theta"] ** (
             torch.arange(0, d, 2, dtype=torch.int64).float() / d)), persistent=False)
 
@@ -246,6 +264,17 @@ class MegatronVLM(torch.nn.Module):
         lm = self.language_model
         return lm.embedding.word_embeddings.weight if self.tie else lm.output_layer.weight
 
+    def _padded_length(self, n):
+        """Tokens to run for n real ones: a multiple of TP under SP (the sequence is split), and
+        the same on every EP rank (the allgather dispatcher gathers equal shards)."""
+        m = self.tp if self.sp else 1
+        n = -(-n // m) * m
+        if self.ep > 1:
+            from megatron.core import parallel_state as ps
+            n = int(_all_reduce(torch.tensor(n, device=self.inv_freq.device), ps.get_expert_model_parallel_group(),
+                                dist.ReduceOp.MAX))
+        return n
+
     def _chunks(self):
         """[(first layer, end, recompute?)]: Megatron's --recompute-method uniform checkpoints every
         chunk of --recompute-num-layers layers, block only the first that many layers; only the
@@ -264,7 +293,9 @@ class MegatronVLM(torch.nn.Module):
         with parallel.megatron_on_cpu():  # also when backward recomputes
             for i in range(lo, hi):
                 layer = self.language_model.decoder.layers[i]
-                h, _ = layer(hidden_states=h, attention_mask=mask, rotary_pos_emb=rot, packed_seq_params=psp)
+                gdn = isinstance(layer.self_attention, qwen3_5.GatedDeltaNet)
+                h, _ = layer(hidden_states=h, attention_mask=mask, rotary_pos_emb=rot,
+                             packed_seq_params=psp if self.te or gdn else None)  # local attention: the mask
                 if i < len(deep):  # deepstack: add layer i's visual features at the image tokens
                     h = h.index_put((img,), deep[i][:, None].to(h.dtype), accumulate=True)
         return h
@@ -272,13 +303,19 @@ class MegatronVLM(torch.nn.Module):
     def _hidden(self, seqs, pixel_values=None, image_grid_thw=None):
         """Packed sequences (list of (T_i,) ids) -> final-norm hidden states (T, H), T = sum T_i."""
         from megatron.core.packed_seq_params import PackedSeqParams
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region as sp_gather
+        from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region as sp_scatter
         lm, cfg = self.language_model, self.hf_config
         dev = self.inv_freq.device
-        ids = torch.cat(list(seqs)).to(dev)  # (T,)
         lens = [len(s) for s in seqs]
         per_seq = split_images(cfg, seqs, pixel_values, image_grid_thw)
         pos = torch.cat([rope_positions(cfg, s, g) for s, (_, g) in zip(seqs, per_seq)], 1)  # (3, T)
-        h = lm.embedding(input_ids=ids[None], position_ids=None)  # (T, 1, H)
+        pad = self._padded_length(sum(lens)) - sum(lens)
+        if pad:  # a dummy sequence of pad ids at the end, dropped after the final norm
+            seqs, lens = list(seqs) + [torch.zeros(pad, dtype=torch.long)], lens + [pad]
+            pos = torch.cat([pos, torch.arange(pad).expand(3, pad)], 1)
+        ids = torch.cat(list(seqs)).to(dev)  # (T,)
+        h = lm.embedding.word_embeddings(ids[None]).transpose(0, 1)  # (T, 1, H)
         img, deep = (ids == cfg.image_token_id).nonzero()[:, 0], []
         if pixel_values is not None:
             pix, grid, take = unique_images(pixel_values, image_grid_thw.cpu(), cfg.vision_config.spatial_merge_size)
@@ -288,20 +325,25 @@ class MegatronVLM(torch.nn.Module):
             # Qwen3-VL's deepstack: one (n_img, H) a layer
             deep = [d[take] for d in getattr(out, "deepstack_features", None) or []]
         cu = torch.tensor([0] + lens, device=dev).cumsum(0).int()
-        psp, mask = None, None
-        if self.te:  # THD: attention runs per segment of cu_seqlens
-            psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                  max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
-        else:  # block-diagonal causal mask, True = masked: (1, 1, T, T)
+        # THD: TE attention and Gated DeltaNet run per segment of cu_seqlens
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                              max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+        mask = None
+        if not self.te:  # block-diagonal causal mask, True = masked: (1, 1, T, T)
             seg = torch.repeat_interleave(torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev))
             mask = ~((seg[:, None] == seg[None]) & torch.ones(len(seg), len(seg), dtype=torch.bool, device=dev).tril())
             mask = mask[None, None]
         rot = self._rotary(pos)
         with parallel.megatron_on_cpu():
+            if self.sp:  # (T / TP, 1, H) from here on: this rank's shard of the sequence
+                h = sp_scatter(h)
             for lo, hi, again in self._chunks():  # --recompute-granularity full: again = True
                 run = functools.partial(self._layers, lo=lo, hi=hi, mask=mask, rot=rot, psp=psp, img=img, deep=deep)
                 h = torch.utils.checkpoint.checkpoint(run, h, use_reentrant=False) if again else run(h)
-        return lm.decoder.final_layernorm(h)[:, 0]
+            h = lm.decoder.final_layernorm(h)
+            if self.sp:  # the LM head's gradient is whole on every rank: gather, backward splits
+                h = sp_gather(h, tensor_parallel_output_grad=False)
+        return h[:len(h) - pad, 0]
 
     def forward(self, seqs, pixel_values=None, image_grid_thw=None, loss_masks=None, temperature=1.0,
                 with_entropy=False):
@@ -333,8 +375,8 @@ class MegatronVLM(torch.nn.Module):
 
 def load_model(hf_dir, freeze_vit=False, transformer_impl=None, options=None):
     """MegatronVLM on the current parallel state (initialised if needed), weights from the HF
-    safetensors, each TP rank reading only its slices. Parameters are fp32, or bf16 with
-    options["bf16"] (the trainer's flags: --bf16, --recompute-*)."""
+    safetensors, each TP rank reading only its slices. Parameters are fp32, or bf16 with options["bf16"].
+    options: MegatronVLM's (sequence parallelism, MoE flags, --bf16, --recompute-*)."""
     from transformers import AutoConfig
     rank, _, device = parallel.init_distributed()
     model = MegatronVLM(AutoConfig.from_pretrained(hf_dir), hf_dir, transformer_impl, options)
@@ -387,14 +429,16 @@ def hf_logits(hf, seqs, pixel_values=None, image_grid_thw=None):
     return out
 
 
-def check(hf_dir, transformer_impl=None):
-    """Megatron vs transformers (fp32) on check_inputs, and the export round trip; TP = world size.
-    Both models and all inputs sit on this rank's device (cuda:LOCAL_RANK or cpu).
+def check(hf_dir, transformer_impl=None, tp=None, ep=1, sequence_parallel=False):
+    """Megatron vs transformers (fp32) on check_inputs, and the export round trip; TP = world size
+    unless given, EP = ep (MoE). Every rank runs the same inputs, on its device (cuda:LOCAL_RANK or cpu).
     Returns the max abs logit diff (inf when the export does not reproduce the checkpoint)."""
     from safetensors import safe_open
     from transformers import AutoModelForImageTextToText
-    rank, world, device = parallel.init_distributed(int(os.environ.get("WORLD_SIZE", 1)))
-    model, files = load_model(hf_dir, transformer_impl=transformer_impl), convert.weight_files(hf_dir)
+    tp = tp or int(os.environ.get("WORLD_SIZE", 1))
+    rank, world, device = parallel.init_distributed(tp, ep=ep)
+    model = load_model(hf_dir, transformer_impl=transformer_impl, options={"sequence_parallel": sequence_parallel})
+    files = convert.weight_files(hf_dir)
     same = {}
     for n, t in convert.hf_tensors(model):
         with safe_open(files[n], "pt") as f:
@@ -407,7 +451,7 @@ def check(hf_dir, transformer_impl=None):
         ours, theirs = model.logits(seqs, pv, grid), hf_logits(hf, seqs, pv, grid)
         diff = max((x - y).abs().max().item() for x, y in zip(ours, theirs))
     if rank == 0:
-        print(f"tp={world} device={device} spec={model.impl} sequences={[len(s) for s in seqs]} "
+        print(f"tp={tp} ep={ep} sp={model.sp} world={world} device={device} spec={model.impl} sequences={[len(s) for s in seqs]} "
               f"image_grid_thw={grid.tolist()} export_exact={exact}")
         print(f"max_abs_logit_diff={diff:.3g}")
     return diff if exact else float("inf")
@@ -422,7 +466,11 @@ if __name__ == "__main__":
         p.add_argument("--hf-checkpoint", required=True, help="Hugging Face checkpoint folder")
         p.add_argument("--transformer-impl", default=None, choices=["transformer_engine", "local"],
                        help="Megatron layer spec (default: transformer_engine on CUDA, local on CPU)")
+        p.add_argument("--tensor-model-parallel-size", type=int, default=None, help="TP (default: the world size)")
+        p.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP: MoE experts split over ranks")
+        p.add_argument("--sequence-parallel", action="store_true", help="split the sequence over TP ranks")
         a = p.parse_args(sys.argv[2:])
-        sys.exit(0 if check(a.hf_checkpoint, a.transformer_impl) <= 1e-4 else 1)
+        sys.exit(0 if check(a.hf_checkpoint, a.transformer_impl, a.tensor_model_parallel_size,
+                            a.expert_model_parallel_size, a.sequence_parallel) <= 1e-4 else 1)
     else:
         sys.exit(__doc__)

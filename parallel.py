@@ -50,9 +50,10 @@ def megatron_on_cpu():
             setattr(obj, name, fn)
 
 
-def init_distributed(tp=1, seed=1234, timeout_minutes=60):
+def init_distributed(tp=1, seed=1234, timeout_minutes=60, ep=1):
     """torchrun's environment (or a plain single process) -> (rank, world_size, device), with
-    Megatron's parallel state at TP=tp (DP = world / tp). A second call is a no-op."""
+    Megatron's parallel state at TP=tp (DP = world / tp) and EP=ep (MoE experts split over ep ranks,
+    expert-TP 1: expert-DP = world / ep). A second call is a no-op."""
     from megatron.core import parallel_state as ps, tensor_parallel
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
@@ -69,7 +70,10 @@ def init_distributed(tp=1, seed=1234, timeout_minutes=60):
         world = dist.get_world_size()
         if tp < 1 or world % tp:
             raise SystemExit(f"--tensor-model-parallel-size {tp} must divide the world size {world}")
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+        if ep < 1 or world % ep:
+            raise SystemExit(f"--expert-model-parallel-size {ep} must divide the world size {world}")
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                     expert_tensor_parallel_size=1)
         with megatron_on_cpu():
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return dist.get_rank(), dist.get_world_size(), device
@@ -93,6 +97,26 @@ def dp_group():
 def dp_rank_size():
     from megatron.core import parallel_state as ps
     return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+
+
+def ep_group():  # ranks holding different experts: the grad norm sums expert squares over it
+    from megatron.core import parallel_state as ps
+    return ps.get_expert_model_parallel_group()
+
+
+def ep_rank():
+    from megatron.core import parallel_state as ps
+    return ps.get_expert_model_parallel_rank()
+
+
+def ep_size():
+    from megatron.core import parallel_state as ps
+    return ps.get_expert_model_parallel_world_size()
+
+
+def expert_dp_group():  # ranks holding the same experts: expert grads are averaged over it
+    from megatron.core import parallel_state as ps
+    return ps.get_expert_data_parallel_group()
 
 
 def all_reduce(t, group, op=dist.ReduceOp.SUM):

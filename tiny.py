@@ -114,7 +114,30 @@ def tiny_config(arch, hidden=64, layers=2, heads=4, kv_heads=2, vit_hidden=32, v
         vision.update(patch_size=14, window_size=56, fullatt_block_indexes=[vit_depth - 1],
                       hidden_act="silu", tokens_per_second=2)
         return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie)
-    raise SystemExit(f"unknown --arch {arch!r}: use qwen3_vl or qwen2_5_vl")
+    if arch in ("qwen3_5", "qwen3_5_moe"):
+        return qwen3_5_config(arch, text, vision, tie, head_dim=2 * head_dim, section=section)
+    raise SystemExit(f"unknown --arch {arch!r}: use qwen3_vl, qwen2_5_vl, qwen3_5 or qwen3_5_moe")
+
+
+def qwen3_5_config(arch, text, vision, tie, head_dim, section=None):
+    """Qwen3.5 at toy size: every 2nd layer full (gated) attention, the others Gated DeltaNet (2 key
+    heads repeated to 4 value heads, as 35B-A3B's 16 -> 32), partial rotary 0.25 of head_dim with
+    interleaved MRoPE; _moe: 4 experts, top-2, a gated shared expert. Token ids are the tiny Qwen
+    tokenizer's (the real 248k vocabulary is not needed to test the maths)."""
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
+    n = text["num_hidden_layers"]
+    half = head_dim // 8  # rotary frequencies: a quarter of head_dim rotates
+    text.update(head_dim=head_dim, layer_types=["full_attention" if i % 2 else "linear_attention" for i in range(n)],
+                linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                linear_num_key_heads=2, linear_num_value_heads=4, rope_parameters=dict(
+                    rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25, mrope_interleaved=True,
+                    mrope_section=list(section or [half - 2 * (half // 4), half // 4, half // 4])[:3]))
+    vision.update(patch_size=16, num_position_embeddings=64, hidden_act="gelu_pytorch_tanh", deepstack_visual_indexes=[])
+    ids = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
+    if arch == "qwen3_5":
+        return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie, **ids)
+    text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    return Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie, **ids)
 
 
 def sizes_like(config_json, head_dim=16):
@@ -138,15 +161,15 @@ def tiny_processor(arch, min_pixels=None, max_pixels=None):
     """The family's processor around the real Qwen tokenizer; pixel bounds keep images small."""
     from transformers import (Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen3VLProcessor,
                               Qwen3VLVideoProcessor, Qwen2VLVideoProcessor)
-    patch = 16 if arch == "qwen3_vl" else 14
+    patch = 14 if arch == "qwen2_5_vl" else 16
     unit = (patch * 2) ** 2  # pixels per merged image token
     size = {"shortest_edge": min_pixels or 4 * unit, "longest_edge": max_pixels or 64 * unit}
     mean, std = [0.5, 0.5, 0.5], [0.5, 0.5, 0.5]
     kw = dict(patch_size=patch, merge_size=2, temporal_patch_size=2, size=size,
               image_mean=mean, image_std=std)
     image = Qwen2VLImageProcessor(**kw)
-    cls, video_cls = ((Qwen3VLProcessor, Qwen3VLVideoProcessor) if arch == "qwen3_vl"
-                      else (Qwen2_5_VLProcessor, Qwen2VLVideoProcessor))
+    cls, video_cls = ((Qwen2_5_VLProcessor, Qwen2VLVideoProcessor) if arch == "qwen2_5_vl"
+                      else (Qwen3VLProcessor, Qwen3VLVideoProcessor))
     video = video_cls(**kw)
     return cls(image_processor=image, tokenizer=qwen_tokenizer(), video_processor=video,
                chat_template=CHAT_TEMPLATE)
@@ -159,22 +182,48 @@ def model_class(config):
 
 def make_tiny(out, arch="qwen3_vl", seed=0, dtype="float32", **sizes):
     """Write a tiny random checkpoint to `out` and return its path."""
-    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
+    import transformers
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = tiny_config(arch, **sizes)
     torch.manual_seed(seed)
-    cls = Qwen3VLForConditionalGeneration if arch == "qwen3_vl" else Qwen2_5_VLForConditionalGeneration
-    model = cls(config).to(getattr(torch, dtype))
+    cls = {"qwen3_vl": "Qwen3VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe"}[arch]
+    model = getattr(transformers, cls + "ForConditionalGeneration")(config).to(getattr(torch, dtype))
+    if arch.startswith("qwen3_5"):  # zero-centred norms start at 0: make them count in parity tests
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "norm" in n and "visual" not in n:
+                    p.add_(0.1 * torch.randn_like(p))
     model.generation_config.do_sample = False  # greedy unless asked: tests compare outputs
     model.save_pretrained(out)
     tiny_processor(arch).save_pretrained(out)
+    if arch == "qwen3_5_moe":
+        fuse_experts(out / "model.safetensors")
     return out
+
+
+def fuse_experts(path):
+    """Rewrite per-expert tensors (what save_pretrained writes) in the released checkpoints' fused
+    layout: experts.gate_up_proj (E, 2I, H) = [gate_e; up_e], experts.down_proj (E, H, I)."""
+    import re
+    from safetensors.torch import load_file, save_file
+    sd, out, experts = load_file(path), {}, {}
+    for k, v in sd.items():
+        m = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", k)
+        if m:
+            experts.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = v
+        else:
+            out[k] = v
+    for pre, by_e in experts.items():
+        order = sorted(by_e)
+        out[pre + ".gate_up_proj"] = torch.stack([torch.cat([by_e[e]["gate"], by_e[e]["up"]]) for e in order])
+        out[pre + ".down_proj"] = torch.stack([by_e[e]["down"] for e in order])
+    save_file(out, str(path), metadata={"format": "pt"})
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", default="qwen3_vl", help="qwen3_vl | qwen2_5_vl")
+    p.add_argument("--arch", default="qwen3_vl", help="qwen3_vl | qwen2_5_vl | qwen3_5 | qwen3_5_moe")
     p.add_argument("--out", required=True, help="checkpoint folder to write")
     p.add_argument("--hidden", type=int, default=64, help="language model hidden size")
     p.add_argument("--layers", type=int, default=2, help="decoder layers")

@@ -1,0 +1,202 @@
+"""qwen3_5.py: the Qwen3.5 language model's layers on Megatron-core (dense and MoE).
+
+    spec = qwen3_5.block_spec(hf_text_config, te=False, moe=...)   # model.py builds GPTModel from it
+    qwen3_5.config_kwargs(hf_text_config)                           # its TransformerConfig fields
+
+Layers follow `layer_types`: "full_attention" is Megatron's SelfAttention with the output gate
+(q_proj holds [q | gate] per head; out = attn * sigmoid(gate)) and partial MRoPE; "linear_attention"
+is GatedDeltaNet below (Megatron 0.16's ssm/gated_delta_net.py needs FLA and Transformer Engine and
+rejects packed sequences). The MLP is Megatron's dense MLP or its MoELayer (softmax router, top-k
+renormalised, a shared expert scaled by sigmoid(shared_expert_gate(x))). Qwen3.5's norms are
+zero-centred, x_hat * (1 + w), except the GDN output norm (w * x_hat * silu(z)).
+Packed sequences reach GatedDeltaNet as cu_seqlens (packed_seq_params); each sequence's conv and
+recurrent state start from zero, so neighbours never mix. Heads are split over TP; with sequence
+parallelism the column-parallel input projections gather the sequence and out_proj scatters it.
+"""
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
+
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt import gpt_layer_specs as specs
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+try:  # GPU kernels, used when importable on CUDA (requirements-gpu.txt)
+    from causal_conv1d import causal_conv1d_fn  # causal-conv1d 1.5: x (B, C, T), weight (C, K), seq_idx (B, T)
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # flash-linear-attention 0.3: varlen by cu_seqlens
+except ImportError:
+    causal_conv1d_fn = chunk_gated_delta_rule = None
+
+CHUNK = 64  # positions per chunk of the CPU delta rule
+if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16 defines it only when TE imports,
+    moe_utils.te_general_gemm = None  # but the router's fp32 gemm tests it for None (moe_utils.py:1192)
+
+
+def is_qwen3_5(hf_config):
+    return hf_config.model_type in ("qwen3_5", "qwen3_5_moe")
+
+
+def config_kwargs(tc, opts):
+    """TransformerConfig fields for a Qwen3.5 text config `tc` (dense or MoE); opts: the trainer's
+    MoE flags (moe_token_dispatcher_type, moe_router_dtype, moe_aux_loss_coeff)."""
+    kw = dict(attention_output_gate=True, qk_layernorm=True, add_qkv_bias=False)
+    if getattr(tc, "num_experts", None):
+        aux = float(opts.get("moe_aux_loss_coeff", 0.0))
+        kw.update(num_moe_experts=tc.num_experts, moe_router_topk=tc.num_experts_per_tok,
+                  moe_ffn_hidden_size=tc.moe_intermediate_size, ffn_hidden_size=tc.moe_intermediate_size,
+                  moe_shared_expert_intermediate_size=tc.shared_expert_intermediate_size,
+                  moe_shared_expert_gate=True, moe_router_score_function="softmax",
+                  moe_router_pre_softmax=False,  # softmax over the top-k logits = HF's renormalised top-k
+                  moe_router_load_balancing_type="aux_loss" if aux > 0 else "none", moe_aux_loss_coeff=aux,
+                  moe_token_dispatcher_type=opts.get("moe_token_dispatcher_type", "allgather"),
+                  moe_router_dtype=opts.get("moe_router_dtype", "fp32"), moe_grouped_gemm=torch.cuda.is_available())
+    return kw
+
+
+class ZeroCentredRMSNorm(torch.nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32: Qwen3.5's RMSNorm (checkpoints store w, 0 at init)."""
+
+    def __init__(self, config, hidden_size, eps=1e-6, **_):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        self.eps = eps
+        # a hidden-size norm sees only its sequence shard under SP: its grads are summed over TP
+        self.weight.sequence_parallel = config.sequence_parallel and hidden_size == config.hidden_size
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight.float())).type_as(x)
+
+
+def delta_rule(q, k, v, g, beta):
+    """Gated delta rule over padded batches, chunk by chunk: state S (dk, dv) starts at 0; per step t
+    S <- exp(g_t) S; d_t = beta_t (v_t - S^T k_t); S <- S + k_t d_t^T; o_t = S^T q_t.
+    q, k (B, H, L, dk) (q already scaled); v (B, H, L, dv); g, beta (B, H, L) -> o (B, H, L, dv).
+    Inside a chunk with G = cumsum(g): (I + A) D = beta (V - exp(G) K S0), A[t, s] = beta_t
+    exp(G_t - G_s) k_t.k_s for s < t (unit lower-triangular solve), then
+    O = exp(G) Q S0 + (Q K^T * exp(G_t - G_s))_{s<=t} D and S1 = exp(G_C) S0 + (K exp(G_C - G))^T D."""
+    B, H, L, dk = k.shape
+    pad = -L % CHUNK  # zero padding at the end: causal, so earlier outputs do not see it
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    s = q.new_zeros(B, H, dk, v.shape[-1])
+    out = []
+    for c in range(0, L + pad, CHUNK):
+        qc, kc, vc, bc = q[:, :, c:c + CHUNK], k[:, :, c:c + CHUNK], v[:, :, c:c + CHUNK], beta[:, :, c:c + CHUNK]
+        cg = g[:, :, c:c + CHUNK].cumsum(-1)  # (B, H, C)
+        decay = torch.exp((cg[..., :, None] - cg[..., None, :]).masked_fill(~causal, float("-inf")))  # (B, H, C, C)
+        a = (kc @ kc.transpose(-1, -2)) * decay * bc[..., None]
+        rhs = bc[..., None] * (vc - cg.exp()[..., None] * (kc @ s))
+        d = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)  # diagonal taken as 1
+        out.append(cg.exp()[..., None] * (qc @ s) + ((qc @ kc.transpose(-1, -2)) * decay) @ d)
+        s = cg[..., -1:, None].exp() * s + (kc * (cg[..., -1:] - cg).exp()[..., None]).transpose(-1, -2) @ d
+    return torch.cat(out, 2)[:, :, :L]
+
+
+class GatedDeltaNet(MegatronModule):
+    """Qwen3.5's linear attention (HF names: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d,
+    A_log, dt_bias, norm, out_proj), this TP rank's heads. In the place of Megatron's self_attention:
+    (T, 1, H) -> ((T, 1, H), None); T is this rank's sequence shard under SP."""
+
+    def __init__(self, config, layer_number=None, dims=None, **_):
+        super().__init__(config)
+        tp = config.tensor_model_parallel_size
+        self.kh, self.vh = dims["linear_num_key_heads"] // tp, dims["linear_num_value_heads"] // tp  # local heads
+        self.dk, self.dv = dims["linear_key_head_dim"], dims["linear_value_head_dim"]
+        conv = 2 * self.kh * self.dk + self.vh * self.dv  # local [q | k | v] channels
+        full = tp * conv
+        lin = dict(config=config, init_method=config.init_method, bias=False)
+        self.in_proj_qkv = tensor_parallel.ColumnParallelLinear(config.hidden_size, full, gather_output=False, **lin)
+        self.in_proj_z = tensor_parallel.ColumnParallelLinear(config.hidden_size, tp * self.vh * self.dv,
+                                                              gather_output=False, **lin)
+        self.in_proj_b = tensor_parallel.ColumnParallelLinear(config.hidden_size, tp * self.vh,
+                                                              gather_output=False, **lin)
+        self.in_proj_a = tensor_parallel.ColumnParallelLinear(config.hidden_size, tp * self.vh,
+                                                              gather_output=False, **lin)
+        self.conv1d = torch.nn.Conv1d(conv, conv, dims["linear_conv_kernel_dim"], groups=conv, bias=False)
+        self.A_log = torch.nn.Parameter(torch.zeros(self.vh))
+        self.dt_bias = torch.nn.Parameter(torch.ones(self.vh))
+        self.norm = torch.nn.Module()
+        self.norm.weight = torch.nn.Parameter(torch.ones(self.dv))  # plain RMSNorm weight, shared by heads
+        self.eps = config.layernorm_epsilon
+        self.out_proj = tensor_parallel.RowParallelLinear(tp * self.vh * self.dv, config.hidden_size,
+                                                          input_is_parallel=True, skip_bias_add=True, **lin)
+
+    def forward(self, hidden_states, packed_seq_params=None, **_):
+        qkv, _ = self.in_proj_qkv(hidden_states)  # (T, 1, conv): the whole sequence under SP
+        z, _ = self.in_proj_z(hidden_states)
+        b, _ = self.in_proj_b(hidden_states)
+        a, _ = self.in_proj_a(hidden_states)
+        cu = packed_seq_params.cu_seqlens_q
+        qkv, z, b, a = qkv[:, 0], z[:, 0], b[:, 0], a[:, 0]
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # (T, vh) log decay
+        if qkv.is_cuda and chunk_gated_delta_rule is not None:
+            o = self._cuda(qkv, g, beta, cu)
+        else:
+            o = self._torch(qkv, g, beta, cu)
+        o = o.float()  # (T, vh, dv); gated RMSNorm per head: w * x_hat * silu(z)
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm.weight.float()
+        o = o * F.silu(z.float().view(o.shape))
+        out, _ = self.out_proj(o.to(hidden_states.dtype).flatten(1)[:, None])
+        return out, None
+
+    def _split(self, x):
+        """(..., conv) -> q, k (..., vh, dk) L2-normalised, q scaled by dk^-1/2, k heads repeated; v (..., vh, dv)."""
+        q, k, v = x.split([self.kh * self.dk, self.kh * self.dk, self.vh * self.dv], -1)
+        q, k = (t.unflatten(-1, (self.kh, self.dk)).repeat_interleave(self.vh // self.kh, -2) for t in (q, k))
+        q, k = (t * torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + 1e-6) for t in (q.float(), k.float()))
+        return q * self.dk ** -0.5, k, v.unflatten(-1, (self.vh, self.dv)).float()
+
+    def _torch(self, qkv, g, beta, cu):
+        """Per-sequence padded batch (S, L): causal depthwise conv + silu, then the delta rule."""
+        lens = (cu[1:] - cu[:-1]).tolist()
+        x = pad_sequence(qkv.split(lens), batch_first=True)  # (S, L, conv), zeros after each end
+        w = self.conv1d.weight  # (conv, 1, K)
+        x = F.silu(F.conv1d(F.pad(x.transpose(1, 2), (w.shape[-1] - 1, 0)), w, groups=w.shape[0])).transpose(1, 2)
+        q, k, v = self._split(x)  # (S, L, vh, d)
+        g, beta = (pad_sequence(t.split(lens), batch_first=True).transpose(1, 2) for t in (g, beta.float()))
+        o = delta_rule(*(t.transpose(1, 2) for t in (q, k, v)), g, beta).transpose(1, 2)  # (S, L, vh, dv)
+        return torch.cat([o[i, :n] for i, n in enumerate(lens)])
+
+    def _cuda(self, qkv, g, beta, cu):
+        """FLA's varlen chunked delta rule + causal-conv1d with per-sequence seq_idx (no state crosses cu)."""
+        lens = cu[1:] - cu[:-1]
+        seq_idx = torch.repeat_interleave(torch.arange(len(lens), device=qkv.device, dtype=torch.int32), lens)
+        x = causal_conv1d_fn(qkv.T[None].contiguous(), self.conv1d.weight[:, 0], None, seq_idx=seq_idx[None],
+                             activation="silu")[0].T  # (T, conv)
+        q, k, v = self._split(x)
+        o, _ = chunk_gated_delta_rule(q[None].to(v.dtype), k[None].to(v.dtype), v[None], g[None], beta[None].float(),
+                                      scale=1.0, cu_seqlens=cu.long())  # q already scaled
+        return o[0]
+
+
+def block_spec(tc, te):
+    """TransformerBlockSubmodules: one layer spec per `layer_types` entry, zero-centred norms."""
+    moe = getattr(tc, "num_experts", None)
+    if te:  # Transformer Engine's norms are zero-centred by config (layernorm_zero_centered_gamma)
+        base = specs.get_gpt_layer_with_transformer_engine_spec(num_experts=moe, moe_grouped_gemm=bool(moe),
+                                                                qk_layernorm=True)
+    else:
+        base = specs.get_gpt_layer_local_spec(num_experts=moe, qk_layernorm=True, normalization="RMSNorm")
+        sub = base.submodules
+        sub.input_layernorm = sub.pre_mlp_layernorm = ZeroCentredRMSNorm
+        sub.self_attention.submodules.q_layernorm = sub.self_attention.submodules.k_layernorm = ZeroCentredRMSNorm
+    dims = {k: getattr(tc, k) for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                        "linear_value_head_dim", "linear_conv_kernel_dim")}
+    layers = []
+    for kind in tc.layer_types:
+        spec = copy.deepcopy(base)
+        if kind == "linear_attention":
+            spec.submodules.input_layernorm = ZeroCentredRMSNorm
+            spec.submodules.self_attention = ModuleSpec(module=GatedDeltaNet, params={"dims": dims})
+        elif kind != "full_attention":
+            raise ValueError(f"config.json text_config.layer_types: unknown layer type {kind!r}")
+        layers.append(spec)
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=ZeroCentredRMSNorm)
