@@ -12,17 +12,25 @@ an expanded run makes it index past the image grids: HTTP 500 IndexError). So ea
 pads is collapsed to one pad here, and the server's meta_info.prompt_tokens (its own expansion)
 is returned for the rollout to check against the expanded length it holds.
 
-Weight sync goes through the disk: the (HF name, full tensor) buckets become safetensors shards
-in <run_dir>/weights/a or /b in turn (never the folder a restart would load), next to the
-checkpoint's config and processor files, loaded by POST /update_weights_from_disk. The server
-flushes its cache after that load by itself (UpdateWeightFromDiskReqInput.flush_cache defaults
-to True, managers/io_struct.py:1970), so we do not flush again; a refused load answers HTTP 400
-{"success": false, "message"}, raised here with the message. Not /update_weights_from_tensor:
-its payloads are CUDA IPC handles, one per server TP rank, which need sglang in the trainer,
-the tensors alive on the same node until the server has copied them, and a shared IPC
-namespace. The disk works with any server TP, any process layout and no sglang import, and a
-restarted server is launched from the latest synced folder. Cost: one write of the weights per
-step (put the run dir, or `weights_dir`, on local NVMe or /dev/shm), and two copies on disk.
+Weight sync, three ways (`weight_sync`), each bucket of (HF name, full tensor) cast to the
+server's dtype:
+- "tensor" (colocated): POST /update_weights_from_tensor with the bucket pickled as SGLang's
+  MultiprocessingSerializer pickles it (ForkingPickler, base64; utils/common.py:3060), one copy
+  per server TP rank: CUDA tensors travel as IPC handles (the server copies from our memory; the
+  device named by its UUID, which utils/patch_torch.py:80 maps to the server's own numbering),
+  CPU tensors as /dev/shm files (sharing strategy file_system: the server is no child of ours).
+- "distributed" (server on GPUs of its own): a process group with the server
+  (/init_weights_update_group, NCCL on GPU, gloo on CPU) and per bucket
+  /update_weights_from_distributed (names, dtypes, shapes) while we broadcast the tensors in order.
+- "disk": the buckets become safetensors shards in <run_dir>/weights/a or /b in turn (never the
+  folder a restart would load) next to the checkpoint's config files, then
+  /update_weights_from_disk (which flushes the cache itself, io_struct.py:1970).
+The first two run inside /begin_weight_update ... /end_weight_update (sglang 0.5.23 refuses them
+outside that session: scheduler_components/weight_updater.py:192, 234) with flush_cache off and
+one /flush_cache at the end. A refused load answers HTTP 400 {"success": false, "message"},
+raised here with the message. A server restarted after a crash comes back with the weights it
+was started from (the disk path: the last synced folder); in the other modes the rollouts it
+serves until the next sync are failed as stale, never trained on.
 
 Process hygiene: the server leads its own process group, logging to <run_dir>/sglang.log;
 shutdown(), atexit and SIGINT/SIGTERM handlers send the group SIGTERM, then SIGKILL after a
@@ -56,6 +64,8 @@ import convert
 import proc
 from engines import Engine
 
+WEIGHT_SYNC = ("disk", "tensor", "distributed")
+GROUP = "geo3k_weight_sync"  # the process-group name for "distributed"
 _LIVE = weakref.WeakSet()  # engines whose servers must die with us
 _HANDLERS = []
 
@@ -98,6 +108,55 @@ def read_image_token_id(hf_dir):
     return int(value)
 
 
+def flag_value(args, names, default):
+    """The value after the first of `names` in a flag list, else default."""
+    args = list(args)
+    for n in names:
+        if n in args[:-1]:
+            return args[args.index(n) + 1]
+    return default
+
+
+def server_dtype(hf_dir, server_args):
+    """The torch dtype the server holds its weights in: its --dtype, else (auto) the checkpoint's
+    config dtype, never lower than what the server holds (SGLang's auto keeps a bf16 config's bf16)."""
+    import torch
+    name = flag_value(server_args, ("--dtype",), "auto")
+    if name == "auto":
+        cfg = json.loads((Path(hf_dir) / "config.json").read_text())
+        text = cfg.get("text_config") or {}
+        name = cfg.get("torch_dtype") or cfg.get("dtype") or text.get("torch_dtype") or text.get("dtype") or "float32"
+    name = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(name, name)
+    if not isinstance(getattr(torch, name, None), torch.dtype):
+        raise ValueError(f"--dtype {name!r}: not a torch dtype")
+    return getattr(torch, name)
+
+
+def serialize_tensors(named):
+    """[(name, tensor)] -> base64 text: SGLang's MultiprocessingSerializer form (ForkingPickler).
+    CUDA tensors become IPC handles naming their GPU by UUID (sglang utils/patch_torch.py:80 reads
+    either; an index would be ours, not the server's numbering); CPU tensors become /dev/shm files."""
+    import base64
+    import io
+    from multiprocessing.reduction import ForkingPickler
+    import torch
+    import torch.multiprocessing as tmp
+    from torch.multiprocessing import reductions
+
+    def reduce(t):
+        fn, args = reductions.reduce_tensor(t)
+        if t.is_cuda:  # args[6]: the device index (reductions.reduce_tensor's CUDA branch)
+            args = (*args[:6], str(torch.cuda.get_device_properties(args[6]).uuid), *args[7:])
+        return fn, args
+    if any(not v.is_cuda for _, v in named):
+        tmp.set_sharing_strategy("file_system")  # an fd cannot be passed to a process not forked from us
+    buf = io.BytesIO()
+    pickler = ForkingPickler(buf)
+    pickler.dispatch_table[torch.Tensor] = reduce
+    pickler.dump([(k, v.detach()) for k, v in named])
+    return base64.b64encode(buf.getvalue()).decode()
+
+
 def collapse_image_pads(ids, pad):
     """Each run of `pad` ids -> one `pad`: the form SGLang expands by itself."""
     out = []
@@ -136,7 +195,7 @@ def _install_handlers():
 class SGLangEngine(Engine):
     def __init__(self, hf_dir, run_dir, server_args=(), timeout=900.0, launch_cmd=None,
                  weights_dir=None, max_restarts=3, max_inflight=256, request_timeout=3600.0, env=None,
-                 config_dir=None):
+                 config_dir=None, weight_sync="disk"):
         # hf_dir: the weights the server starts from; config_dir (default hf_dir): where the
         # config, tokenizer and processor files of each synced folder are copied from. A resumed
         # run starts from a checkpoint that --save-keep may later remove, so it passes its
@@ -144,6 +203,14 @@ class SGLangEngine(Engine):
         self.model_path = str(hf_dir)
         self.hf_dir = str(config_dir or hf_dir)
         self.image_pad = read_image_token_id(hf_dir)
+        if weight_sync not in WEIGHT_SYNC:
+            raise ValueError(f"weight_sync {weight_sync!r}: choose one of {', '.join(WEIGHT_SYNC)}")
+        self.weight_sync, self.group, self.stale = weight_sync, None, False
+        self.server_tp = int(flag_value(server_args, ("--tp-size", "--tp"), 1))
+        if weight_sync == "distributed" and int(flag_value(server_args, ("--dp-size", "--dp"), 1)) > 1:
+            raise ValueError("weight sync over a process group takes a server with one data-parallel "
+                             "replica (rank = 1 + TP rank); use --dp-size 1 or weight_sync disk")
+        self.dtype = server_dtype(config_dir or hf_dir, server_args)
         self.env = dict(env or {})  # added to our environment for the server (and its restarts)
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -231,6 +298,8 @@ class SGLangEngine(Engine):
             self._stop()
             self._start()
             self.epoch += 1
+            # it holds its launch weights: stale unless synced from disk; its process group is gone
+            self.stale, self.group = self.weight_sync != "disk", None
 
     def shutdown(self):
         server, self.proc = self.proc, None
@@ -279,7 +348,10 @@ class SGLangEngine(Engine):
         out = {"ids": [int(p[1]) for p in pairs], "logprobs": [float(p[0]) for p in pairs],
                "finish": (meta.get("finish_reason") or {}).get("type", "abort"),
                "prompt_tokens": meta.get("prompt_tokens")}
-        if "output_ids" in r and list(r["output_ids"]) != out["ids"]:
+        if self.stale:  # restarted since the last sync: not the policy being trained
+            out.update(finish="abort", error="the SGLang server restarted with its launch weights; "
+                                             "its answers until the next weight sync are dropped")
+        elif "output_ids" in r and list(r["output_ids"]) != out["ids"]:
             out["error"] = "output_ids differ from the ids in output_token_logprobs"
         return out
 
@@ -301,23 +373,88 @@ class SGLangEngine(Engine):
         return payload
 
     def update_weights(self, buckets):
-        """Save the buckets as a checkpoint folder and load it with /update_weights_from_disk (the
-        server flushes its cache after the load). -> number of tensors. A load the server refuses
-        raises RuntimeError with the server's message."""
+        """Load (HF name, full tensor) buckets into the server by self.weight_sync (module doc);
+        -> number of tensors. A load the server refuses raises RuntimeError with its message."""
+        buckets = ([(k, v.to(self.dtype)) for k, v in b] for b in buckets)
+        if self.weight_sync == "disk":
+            return self._sync_disk(buckets)
+        self._update("/begin_weight_update", {})
+        try:
+            n = self._sync_tensor(buckets) if self.weight_sync == "tensor" else self._sync_distributed(buckets)
+        finally:
+            self._update("/end_weight_update", {})
+        self.flush()
+        self.stale = False
+        return n
+
+    def _update(self, path, body):
+        try:
+            r = self._call(path, body)
+        except ServerError as e:  # HTTP 400 {"success": false, "message": ...}
+            raise RuntimeError(f"SGLang {path} failed (HTTP {e.code}): {e.message()}") from None
+        if not (isinstance(r, dict) and r.get("success", True)):
+            raise RuntimeError(f"SGLang {path} failed: {r}")
+        return r
+
+    def _sync_disk(self, buckets):
         # Two folders in turn: the one the server runs (and a restart would load) is never the one
         # being rewritten, so a refused or interrupted sync leaves the last good weights loadable.
         out = self.weights_dir / "a"
         if self.model_path == str(out):
             out = self.weights_dir / "b"
         n = convert.write_hf(buckets, out, self.hf_dir)
-        try:
-            r = self._call("/update_weights_from_disk", {"model_path": str(out)})
-        except ServerError as e:  # HTTP 400 {"success": false, "message": ...}
-            raise RuntimeError(f"SGLang /update_weights_from_disk failed (HTTP {e.code}): {e.message()}") from None
-        if not (isinstance(r, dict) and r.get("success")):
-            raise RuntimeError(f"SGLang /update_weights_from_disk failed: {r}")
+        self._update("/update_weights_from_disk", {"model_path": str(out)})
         self.model_path = str(out)  # a restarted server comes back with these weights
         return n
+
+    def _sync_tensor(self, buckets):
+        n = 0
+        for bucket in buckets:
+            blob = serialize_tensors(bucket)  # the tensors stay alive until the server answers
+            self._update("/update_weights_from_tensor", {"serialized_named_tensors": [blob] * self.server_tp,
+                                                         "flush_cache": False})
+            n += len(bucket)
+        return n
+
+    def _sync_distributed(self, buckets):
+        import torch
+        if self.group is None:
+            self.group = self._join_group()
+        n = 0
+        for bucket in buckets:
+            tensors = [v.to(self.group_device).contiguous() for _, v in bucket]
+            body = {"names": [k for k, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+                    "shapes": [list(t.shape) for t in tensors], "group_name": GROUP, "flush_cache": False}
+            answer = self.pool.submit(self._update, "/update_weights_from_distributed", body)
+            opts = torch.distributed.BroadcastOptions()  # rank 0 (us) to the server's ranks, in `names` order
+            for t in tensors:
+                self.group.broadcast([t], opts).wait()
+            answer.result()
+            n += len(bucket)
+        return n
+
+    def _join_group(self):
+        """Rank 0 of a process group whose other ranks are the server's TP ranks (rank_offset 1)."""
+        import datetime
+        import torch
+        import torch.distributed as dist
+        world, cuda = 1 + self.server_tp, torch.cuda.is_available()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        timeout = datetime.timedelta(seconds=self.timeout)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False, timeout=timeout)
+        body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": world,
+                "group_name": GROUP, "backend": "nccl" if cuda else "gloo"}
+        answer = self.pool.submit(self._update, "/init_weights_update_group", body)
+        # The server's ranks see the store as PrefixStore(group) (sglang utils/common.py:2905), then
+        # torch adds "<group>/" and "<device>/" (torch 2.14 distributed_c10d.py:2734, 2764): the same here.
+        self.group_device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        keys = dist.PrefixStore(f"{self.group_device.type}/", dist.PrefixStore(f"{GROUP}/", dist.PrefixStore(GROUP, store)))
+        group = (dist.ProcessGroupNCCL(keys, 0, world) if cuda else dist.ProcessGroupGloo(keys, 0, world, timeout))
+        answer.result()
+        self.group_store = store  # the master store lives as long as the group
+        return group
 
     def flush(self):
         for _ in range(60):  # SGLang refuses to flush while requests are running

@@ -64,6 +64,9 @@ def parse_args(argv=None):
       help="SGLang shares the training GPUs: started with its memory saver, released while training")
     a("--rollout-num-gpus", type=int, default=0,
       help="SGLang on N GPUs of its own on rank 0's node, after the training GPUs (disaggregated)")
+    a("--weight-sync", default="auto", choices=["auto", "tensor", "distributed", "disk"],
+      help="how new weights reach SGLang: tensor (CUDA IPC, colocated), distributed (an NCCL group, "
+           "--rollout-num-gpus), disk (safetensors + /update_weights_from_disk); auto picks by placement")
     p.set_defaults(global_batch_size=0)
     args, unknown = p.parse_known_args(argv)
     bad = [u for u in unknown if u.startswith("--") and not u.startswith("--sglang-")]
@@ -348,8 +351,11 @@ def make_engine(args, hf_dir, run_dir, processor=None):
                                   int(os.environ.get("LOCAL_WORLD_SIZE", 1)), os.environ.get("CUDA_VISIBLE_DEVICES"))
     if cuda and torch.cuda.get_device_capability()[0] >= 10 and "--mm-attention-backend" not in flags:
         flags += ["--mm-attention-backend", "sdpa"]  # Blackwell: the published recipe's setting
+    sync = args.weight_sync
+    if sync == "auto":  # on CPU (the test harness): the disk, which any layout can use
+        sync = "tensor" if cuda and args.colocate else "distributed" if cuda and args.rollout_num_gpus else "disk"
     return sglang_engine.SGLangEngine(hf_dir, run_dir, server_args=flags, timeout=args.sglang_server_timeout, env=env,
-                                      config_dir=args.hf_checkpoint)
+                                      config_dir=args.hf_checkpoint, weight_sync=sync)
 
 
 def draw(records, step, args):

@@ -31,7 +31,7 @@ metric() {  # metric RUN_DIR: the last step's failed_frac, logprob gap and grad 
 import json, sys
 rows = [json.loads(x) for x in open(sys.argv[1] + "/metrics.jsonl") if '"reward"' in x]
 last = rows[-1]
-print(f"steps={len(rows)} failed_frac={last['failed_frac']} reward={last['reward']:.3f} "
+print(f"steps={len(rows)} failed_frac={last['failed_frac']} reward={last['reward']:.3f} sync_s={last.get('sync_s', 0):.2f} "
       f"logprob_diff_mean={last.get('logprob_diff_mean', float('nan')):.2e} grad_norm={last.get('grad_norm', 0):.3g}")
 sys.exit(0 if rows and all(r["failed_frac"] == 0 for r in rows) and last.get("grad_norm", 0) > 0
          and last.get("logprob_diff_mean", 1) < 1e-2 else 1)
@@ -69,10 +69,14 @@ check grpo_local_engine_metrics metric "$DIR/grpo_local"
 check grpo_multi_turn "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine local --max-turns 3 --save "$DIR/grpo_multi"
 check grpo_multi_turn_metrics metric "$DIR/grpo_multi"
 if "$PY" -c "import sglang" 2>/dev/null; then
-  # stock SGLang on the same GPU as training: the memory saver releases it while training
+  # stock SGLang on the same GPU as training: the memory saver releases it while training; weights
+  # go over CUDA IPC (/update_weights_from_tensor, devices named by UUID), then by the disk
   check grpo_sglang_colocated "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine sglang --colocate \
-    --sglang-mem-fraction-static 0.3 --save "$DIR/grpo_sglang"
+    --weight-sync tensor --sglang-mem-fraction-static 0.3 --save "$DIR/grpo_sglang"
   check grpo_sglang_colocated_metrics metric "$DIR/grpo_sglang"
+  check grpo_sglang_disk_sync "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine sglang --colocate \
+    --weight-sync disk --sglang-mem-fraction-static 0.3 --save "$DIR/grpo_sglang_disk"
+  check grpo_sglang_disk_sync_metrics metric "$DIR/grpo_sglang_disk"
   check grpo_sglang_multi_turn "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine sglang --colocate \
     --sglang-mem-fraction-static 0.3 --max-turns 3 --save "$DIR/grpo_sglang_multi"
   check grpo_sglang_multi_turn_metrics metric "$DIR/grpo_sglang_multi"

@@ -45,6 +45,14 @@ SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "
                    "frequency_penalty", "presence_penalty", "min_new_tokens", "n"}
 DISK_FIELDS = {"model_path", "load_format", "abort_all_requests", "weight_version"}
 MEMORY_FIELDS = {"tags"}
+# UpdateWeightsFromTensorReqInput, UpdateWeightsFromDistributedReqInput, InitWeightsUpdateGroupReqInput,
+# (Begin|End)WeightUpdateReqInput (io_struct.py:2027, 2002, 2126, 2197, 2208)
+TENSOR_FIELDS = {"serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests", "weight_version",
+                 "selector", "torch_empty_cache"}
+DIST_FIELDS = {"names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests", "weight_version",
+               "load_format", "selector", "torch_empty_cache"}
+GROUP_FIELDS = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
+SESSION_FIELDS = {"selector"}
 STOP = 151645  # <|im_end|>: ends every fake answer
 PROC = str(Path(__file__).resolve().parents[1] / "proc.py")  # the launcher that arms PR_SET_PDEATHSIG
 
@@ -186,11 +194,86 @@ class Handler(BaseHTTPRequestHandler):
                                      "num_paused_requests": 0})
         if self.path == "/flush_cache":
             return self._reply(200, "Cache flushed.\n")
+        if self.path in WEIGHT_ROUTES:
+            fields, handler = WEIGHT_ROUTES[self.path]
+            if set(body) - fields:
+                return self._reply(400, {"success": False, "message": f"bad fields {sorted(set(body) - fields)}"})
+            try:
+                message = handler(st, body)
+            except Exception as e:  # noqa: BLE001 - stock answers 400 with the message
+                return self._reply(400, {"success": False, "message": f"{type(e).__name__}: {e}"})
+            return self._reply(200, {"success": True, "message": message})
         if self.path in ("/release_memory_occupation", "/resume_memory_occupation"):
             if set(body) - MEMORY_FIELDS:
                 return self._reply(400, {"error": f"bad fields {sorted(body)}"})
             return self._reply(200, "")
         return self._reply(404, {"error": f"no route {self.path}"})
+
+
+# --- weight updates without the disk: what arrives is kept in state["received"] and, with
+# --fake-dump DIR, written to DIR/update_<k>.safetensors when the session ends.
+def begin_update(st, body):
+    if st.get("session") is not None:
+        raise RuntimeError("a weight-update session is already open")
+    st["session"] = {}
+    return "begun"
+
+
+def end_update(st, body):
+    import torch
+    if st.get("session") is None:
+        raise RuntimeError("no weight-update session is open")
+    received, st["session"] = st["session"], None
+    st["digest"] = hashlib.sha1(b"".join(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                                         for _, t in sorted(received.items()))).hexdigest()[:12]
+    if st["dump"] and received:
+        from safetensors.torch import save_file
+        k = len(list(Path(st["dump"]).glob("update_*.safetensors")))
+        save_file({n: t.contiguous() for n, t in received.items()}, str(Path(st["dump"]) / f"update_{k}.safetensors"))
+    return "ended"
+
+
+def from_tensor(st, body):
+    import torch.multiprocessing  # noqa: F401 - registers torch's reducers
+    from multiprocessing.reduction import ForkingPickler
+    if st.get("session") is None:  # stock 0.5.23: scheduler_components/weight_updater.py:234
+        raise RuntimeError("update_weights_from_tensor must run between begin_weight_update() and end_weight_update()")
+    blobs = body["serialized_named_tensors"]
+    named = ForkingPickler.loads(base64.b64decode(blobs[0]))  # TP rank 0's copy
+    st["session"].update({n: t.clone() for n, t in named})
+    return "Success"
+
+
+def init_group(st, body):
+    import datetime
+    import torch.distributed as dist
+    g, rank, world = body["group_name"], body["rank_offset"], body["world_size"]
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore(body["master_address"], body["master_port"], world, is_master=False, timeout=timeout)
+    keys = dist.PrefixStore("cpu/", dist.PrefixStore(f"{g}/", dist.PrefixStore(g, store)))
+    st.setdefault("groups", {})[g] = (dist.ProcessGroupGloo(keys, rank, world, timeout), store)
+    return "Succeeded to initialize custom process group."
+
+
+def from_distributed(st, body):
+    import torch
+    import torch.distributed as dist
+    if st.get("session") is None:
+        raise RuntimeError("update_weights_from_distributed must run between begin and end")
+    group = st["groups"][body["group_name"]][0]
+    opts = dist.BroadcastOptions()
+    for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
+        t = torch.empty(shape, dtype=getattr(torch, dtype))
+        group.broadcast([t], opts).wait()
+        st["session"][name] = t
+    return "Succeeded to update parameter online."
+
+
+WEIGHT_ROUTES = {"/begin_weight_update": (SESSION_FIELDS, begin_update),
+                 "/end_weight_update": (set(), end_update),
+                 "/update_weights_from_tensor": (TENSOR_FIELDS, from_tensor),
+                 "/init_weights_update_group": (GROUP_FIELDS, init_group),
+                 "/update_weights_from_distributed": (DIST_FIELDS, from_distributed)}
 
 
 def main():
@@ -199,6 +282,7 @@ def main():
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--fake-record", default=None, help="JSONL file to append every request to")
+    p.add_argument("--fake-dump", default=None, help="folder for the tensors of tensor/distributed updates")
     p.add_argument("--fake-delay", type=float, default=0.0, help="seconds per /generate")
     p.add_argument("--fake-startup", type=float, default=0.0, help="seconds before listening")
     p.add_argument("--fake-children", type=int, default=0,
@@ -217,7 +301,7 @@ def main():
     config = json.loads((Path(a.model_path) / "config.json").read_text())
     server.state = {"lock": threading.Lock(), "record": a.fake_record, "delay": a.fake_delay,
                     "digest": weights_digest(a.model_path), "model_path": a.model_path,
-                    "image_pad": config.get("image_token_id"), "image_processor": None}
+                    "image_pad": config.get("image_token_id"), "image_processor": None, "dump": a.fake_dump}
     print(f"fake sglang listening on {a.host}:{a.port}", flush=True)
     server.serve_forever()
 

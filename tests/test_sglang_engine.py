@@ -257,7 +257,9 @@ def test_proc_launcher_dies_with_its_parent(tmp_path):
         f"c = subprocess.Popen([sys.executable, {launcher!r}, str(os.getpid()), 'sleep', '60'])\n"
         "print(c.pid, flush=True)\ntime.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())
-    time.sleep(0.5)  # the launcher has exec'd sleep
+    deadline = time.time() + 20  # the launcher execs sleep (slow under load: it failed once at 0.5 s)
+    while time.time() < deadline and Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0] != b"sleep":
+        time.sleep(0.1)
     assert Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0] == b"sleep"
     parent.kill()
     parent.wait()
@@ -280,5 +282,47 @@ def test_sync_after_the_start_checkpoint_is_pruned(ckpt, tmp_path):
         assert eng.update_weights([items]) == len(items)
         synced = Path(eng.model_path)
         assert (synced / "config.json").read_bytes() == (Path(ckpt) / "config.json").read_bytes()
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["tensor", "distributed"])
+def test_weight_sync_without_the_disk_is_bit_exact(mode, ckpt, tmp_path):
+    """The tensors that reach the server are export_hf's, bit for bit, in the server's dtype; the
+    session is begin ... end with one flush; nothing is written under weights/. A restarted server
+    holds its launch weights, so its answers are dropped until the next sync."""
+    import torch
+    import convert
+    import model as M
+    from safetensors.torch import load_file
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    eng, rec = sglang(ckpt, tmp_path / "run", "--fake-dump", str(dump), "--dtype", "bfloat16", weight_sync=mode)
+    try:
+        model = M.load_model(ckpt)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 1e-3)  # values bf16 must round
+        want = {k: v.to(torch.bfloat16) for b in convert.export_hf(model, bucket_bytes=1 << 16) for k, v in b}
+        n = eng.update_weights(convert.export_hf(model, bucket_bytes=1 << 16))
+        got = load_file(str(dump / "update_0.safetensors"))
+        assert n == len(want) and got.keys() == want.keys()
+        assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], want[k]) for k in want)
+        paths = [r["path"] for r in read_record(rec)]
+        call = f"/update_weights_from_{mode}"
+        assert paths[0] == "/begin_weight_update" if mode == "tensor" else paths[:2] == [
+            "/begin_weight_update", "/init_weights_update_group"]
+        assert paths[-2:] == ["/end_weight_update", "/flush_cache"] and paths.count(call) > 1  # buckets
+        assert not (tmp_path / "run" / "weights").exists()
+        bodies = [r["json"] for r in read_record(rec) if r["path"] == call]
+        assert all(b["flush_cache"] is False for b in bodies)
+        item = {"input_ids": [151644, 100, 151645], "images": []}
+        assert "error" not in eng.generate([item], dict(max_new_tokens=4))[0]
+        os.killpg(eng.proc.pid, signal.SIGKILL)
+        out = eng.generate([item], dict(max_new_tokens=4))[0]  # restart + retry: launch weights
+        assert eng.restarts == 1 and out["finish"] == "abort" and "launch weights" in out["error"]
+        eng.update_weights(convert.export_hf(model))  # a new group too, for "distributed"
+        assert "error" not in eng.generate([item], dict(max_new_tokens=4))[0]
+        assert torch.equal(load_file(str(dump / "update_1.safetensors"))[next(iter(want))], want[next(iter(want))])
     finally:
         eng.shutdown()

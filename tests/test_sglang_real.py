@@ -162,6 +162,30 @@ class TestRealServer:
         assert back["ids"] == before["ids"]
         assert max(abs(a - b) for a, b in zip(back["logprobs"], before["logprobs"])) < 1e-5
 
+    @pytest.mark.parametrize("mode", ["tensor", "distributed"])
+    def test_weight_sync_without_the_disk(self, mode, real, processor, records, ckpt):
+        """The same engine, switched to /update_weights_from_tensor (CPU tensors as /dev/shm files)
+        or a gloo group + /update_weights_from_distributed, inside the server's begin/end session:
+        new weights change the answers, the checkpoint's bring them back exactly."""
+        from safetensors.torch import load_file
+        item = prompt_item(processor, records[0])
+        before = real.generate([item], GREEDY)[0]
+        state = load_file(str(Path(ckpt) / "model.safetensors"))
+        gen = torch.Generator().manual_seed(1)
+        noisy = [(k, v + 0.05 * torch.randn(v.shape, generator=gen)) for k, v in state.items()]
+        real.weight_sync = mode
+        try:
+            t = time.time()
+            assert real.update_weights([noisy[:20], noisy[20:]]) == len(state)
+            print(f"\n[sglang_real] {mode} weight update ({len(state)} tensors): {time.time() - t:.1f}s")
+            assert real.generate([item], GREEDY)[0]["logprobs"] != before["logprobs"]
+            assert real.update_weights([list(state.items())]) == len(state)
+            back = real.generate([item], GREEDY)[0]
+        finally:
+            real.weight_sync = "disk"
+        assert back["ids"] == before["ids"]
+        assert max(abs(a - b) for a, b in zip(back["logprobs"], before["logprobs"])) < 1e-5
+
     def test_killed_server_restarts_and_retries(self, real, processor, records):
         item = prompt_item(processor, records[1])
         before = real.generate([item], GREEDY)[0]
@@ -230,23 +254,37 @@ job = json.load(open(sys.argv[1]))
 sys.path.insert(0, job["tests"])
 import fake_sglang as fake
 from sglang.srt.managers.io_struct import (GenerateReqInput, ReleaseMemoryOccupationReqInput,
-    ResumeMemoryOccupationReqInput, UpdateWeightFromDiskReqInput)
+    ResumeMemoryOccupationReqInput, UpdateWeightFromDiskReqInput, UpdateWeightsFromTensorReqInput,
+    UpdateWeightsFromDistributedReqInput, InitWeightsUpdateGroupReqInput, BeginWeightUpdateReqInput,
+    EndWeightUpdateReqInput)
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 real = {"generate": {f.name for f in dataclasses.fields(GenerateReqInput)},
         "sampling": set(SamplingParams.__struct_fields__),
         "disk": set(UpdateWeightFromDiskReqInput.__struct_fields__),
         "release": set(ReleaseMemoryOccupationReqInput.__struct_fields__),
-        "resume": set(ResumeMemoryOccupationReqInput.__struct_fields__)}
+        "resume": set(ResumeMemoryOccupationReqInput.__struct_fields__),
+        "tensor": set(UpdateWeightsFromTensorReqInput.__struct_fields__),
+        "distributed": set(UpdateWeightsFromDistributedReqInput.__struct_fields__),
+        "group": set(InitWeightsUpdateGroupReqInput.__struct_fields__),
+        "session": set(BeginWeightUpdateReqInput.__struct_fields__)}
 for name, ours, theirs in (("GENERATE_FIELDS", fake.GENERATE_FIELDS, real["generate"]),
                            ("SAMPLING_FIELDS", fake.SAMPLING_FIELDS, real["sampling"]),
                            ("DISK_FIELDS", fake.DISK_FIELDS, real["disk"]),
-                           ("MEMORY_FIELDS", fake.MEMORY_FIELDS, real["release"] & real["resume"])):
+                           ("MEMORY_FIELDS", fake.MEMORY_FIELDS, real["release"] & real["resume"]),
+                           ("TENSOR_FIELDS", fake.TENSOR_FIELDS, real["tensor"]),
+                           ("DIST_FIELDS", fake.DIST_FIELDS, real["distributed"]),
+                           ("GROUP_FIELDS", fake.GROUP_FIELDS, real["group"]),
+                           ("SESSION_FIELDS", fake.SESSION_FIELDS, real["session"])):
     assert ours <= theirs, f"fake_sglang.{name} has fields sglang does not: {sorted(ours - theirs)}"
 
 classes = {"/update_weights_from_disk": UpdateWeightFromDiskReqInput,
            "/release_memory_occupation": ReleaseMemoryOccupationReqInput,
-           "/resume_memory_occupation": ResumeMemoryOccupationReqInput}
+           "/resume_memory_occupation": ResumeMemoryOccupationReqInput,
+           "/update_weights_from_tensor": UpdateWeightsFromTensorReqInput,
+           "/update_weights_from_distributed": UpdateWeightsFromDistributedReqInput,
+           "/init_weights_update_group": InitWeightsUpdateGroupReqInput,
+           "/begin_weight_update": BeginWeightUpdateReqInput, "/end_weight_update": EndWeightUpdateReqInput}
 paths = {}
 for path, body in job["sent"]:
     paths[path] = paths.get(path, 0) + 1
@@ -255,6 +293,8 @@ for path, body in job["sent"]:
         SamplingParams(**body["sampling_params"]).verify(151936)
     elif path in classes:
         classes[path](**body)  # an unknown field is a TypeError
+    elif path == "/flush_cache":
+        assert body == {}, body
     else:
         raise SystemExit(f"unexpected request path {path}")
 
