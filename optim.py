@@ -173,17 +173,22 @@ def _to_main_grad(p):
 
 def grad_norm_and_clip(grads, run, clip):
     """Global L2 norm of [(param, grad)]: TP-sharded parameters (Megatron marks them with
-    `tensor_model_parallel`) are summed over the TP group, replicated ones counted once."""
+    `tensor_model_parallel`) are summed over the TP group, replicated ones counted once, MoE
+    experts (`allreduce` False: each EP rank holds others) summed over the EP group."""
     sharded = torch.zeros((), dtype=torch.float64, device=run.device)
     replicated = torch.zeros((), dtype=torch.float64, device=run.device)
+    experts = torch.zeros((), dtype=torch.float64, device=run.device)
     for p, g in grads:
         sq = g.detach().double().pow(2).sum()
-        if getattr(p, "tensor_model_parallel", False):
+        if not getattr(p, "allreduce", True):
+            experts += sq
+        elif getattr(p, "tensor_model_parallel", False):
             sharded += sq
         else:
             replicated += sq
     parallel.all_reduce(sharded, run.tp_group)
-    norm = math.sqrt((sharded + replicated).item())
+    parallel.all_reduce(experts, parallel.ep_group())
+    norm = math.sqrt((sharded + replicated + experts).item())
     if clip and norm > clip:
         for _, g in grads:
             g.mul_(clip / (norm + 1e-6))
@@ -196,10 +201,11 @@ def allreduce_grads(grads, run):
     batch). Every trainable parameter takes part, with a zero gradient where this rank had none
     (no sample, or no image in its batch), so every rank sends the same tensors in the same
     order; at any DP size, as Megatron's gradient buffers do, so DP=1 and DP=2 take the same step.
-    One flat reduce per process group: the place for other groups (MoE experts) to join."""
+    One flat reduce per process group: MoE experts (Megatron marks them `allreduce` False) over the
+    expert-data-parallel group, the ranks holding the same experts, whose tokens they did not see."""
     by_group = {}
     for p, g in grads:
-        by_group.setdefault(run.dp_group, []).append(g)
+        by_group.setdefault(run.dp_group if getattr(p, "allreduce", True) else parallel.expert_dp_group(), []).append(g)
     for group, gs in by_group.items():
         if dist.get_world_size(group) <= 1:
             continue

@@ -20,6 +20,10 @@ import torch.distributed as dist
 
 if not torch.cuda.is_available():  # Megatron's "no Apex / Transformer Engine" notes are expected on CPU
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|full scope).*")
+    # Backward passes run outside megatron_on_cpu, and the sequence-/expert-parallel collectives
+    # allocate there on torch.cuda.current_device() (tensor_parallel/mappings.py:141): with no
+    # CUDA that call can only raise, so answering "cpu" for good changes nothing else.
+    torch.cuda.current_device = lambda: "cpu"
 
 
 @contextlib.contextmanager

@@ -5,6 +5,9 @@ worker under torchrun. Gated DeltaNet's packing is checked against per-sequence 
 token-by-token recurrence.
 """
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ import model as M
 import parallel
 import qwen3_5
 from _model_tp_worker import grad_errors
+from conftest import ROOT
 from test_model import source_tensors, torchrun2
 
 ARCHS = ["qwen3_5", "qwen3_5_moe"]
@@ -33,6 +37,15 @@ def setup(tiny_ckpt):
             made[arch] = d, M.load_model(d), hf, M.check_inputs(d)
         return made[arch]
     return get
+
+
+def torchrun_n(n, *args):
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
+                        *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    print(r.stdout)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    return r.stdout.strip().splitlines()
 
 
 def test_tiny_checkpoints_have_the_released_structure(tiny_ckpt):
@@ -161,3 +174,41 @@ def test_two_process_check_command(tiny_ckpt, arch, flags):
 def test_moe_tp2_without_sp_is_refused(tiny_ckpt):
     with pytest.raises(AssertionError, match="needs --sequence-parallel"):
         torchrun2("model.py", "check", "--hf-checkpoint", tiny_ckpt("qwen3_5_moe"))
+
+
+def grads_in_processes(n, *args):
+    """tests/_model_tp_worker.py under torchrun: its `grads ...` lines as dicts."""
+    lines = [x for x in torchrun_n(n, "tests/_model_tp_worker.py", *args) if x.startswith("grads")]
+    return [dict(kv.split("=", 1) for kv in x.split()[1:]) for x in lines]
+
+
+def assert_grads_match(f):
+    n, m = f["params"].split("/")
+    assert n == m and f["replicas_agree"] == "True", f
+    assert float(f["max_rel_err"]) <= 1e-4 and float(f["decay_rel_err"]) <= 1e-3 and float(f["logprob_diff"]) <= 1e-4, f
+    assert float(f["grad_norm_rel_err"]) <= 1e-9, f  # the trainer's norm = the norm of the gathered gradient
+
+
+def test_ep2_grads_match_transformers(tiny_ckpt):
+    """EP2 (each rank holds 2 of the 4 experts, DP 2): after the trainer's reduction (dense over DP,
+    experts over expert-DP), / DP, every gradient equals transformers' single-process one, and the
+    grad norm sums the experts over the EP group. Reducing the experts over DP instead doubles them."""
+    (f,) = grads_in_processes(2, "--tp", "1", "--ep", "2", tiny_ckpt("qwen3_5_moe"))
+    assert_grads_match(f)
+
+
+@pytest.mark.slow
+def test_tp2_sp_grads_match_transformers(tiny_ckpt):
+    for f in grads_in_processes(2, "--sp", tiny_ckpt("qwen3_5"), tiny_ckpt("qwen3_5_moe")):
+        assert_grads_match(f)
+
+
+@pytest.mark.slow
+def test_tp2_ep2_four_processes(tiny_ckpt):
+    """TP2 x EP2 with SP on 4 processes: logits, export and gradients."""
+    d = tiny_ckpt("qwen3_5_moe")
+    lines = torchrun_n(4, "model.py", "check", "--hf-checkpoint", d, "--tensor-model-parallel-size", "2",
+                       "--expert-model-parallel-size", "2", "--sequence-parallel")
+    assert "export_exact=True" in lines[-2] and float(lines[-1].split("=")[1]) <= 1e-4
+    (f,) = grads_in_processes(4, "--tp", "2", "--ep", "2", "--sp", d)
+    assert_grads_match(f)
