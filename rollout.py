@@ -207,13 +207,14 @@ def _fail(s, reason):
     s.loss_mask = [0] * len(s.response_ids)  # never trained on, even by a trainer that forgets
 
 
-def _episode(processor, rec, args, group, multi):
+def _episode(processor, rec, args, group, multi, prompt):
     """-> (sample, env, chat): `chat` holds the conversation as messages (model turns as assistant
-    messages with their text), which the chat template renders to frame each observation."""
+    messages with their text), which the chat template renders to frame each observation.
+    `prompt` = (messages, tools, prompt ids), made once per record and shared by its group."""
     images = list(rec["images"])
-    messages, tools = chat_prompt(processor, rec, multi)
-    s = Sample(prompt_ids=encode_prompt(processor, messages, images, tools),
-               images=images, image_turns=[0] * len(images), label=str(rec["answer"]),
+    messages, tools, ids = prompt
+    messages = list(messages)  # each episode appends its own turns
+    s = Sample(prompt_ids=list(ids), images=images, image_turns=[0] * len(images), label=str(rec["answer"]),
                group=group, index=rec.get("index", group), metadata={"steps": []})
     env, chat = None, None
     if multi:
@@ -280,7 +281,11 @@ def run_episodes(engine, processor, records, args, groups=None):
     multi = args.max_turns > 1
     n = args.n_samples_per_prompt
     groups = groups if groups is not None else list(range(len(records)))
-    eps = [_episode(processor, rec, args, g, multi) for rec, g in zip(records, groups) for _ in range(n)]
+    eps = []
+    for rec, g in zip(records, groups):  # the chat template and the processor once per prompt, not per sample
+        messages, tools = chat_prompt(processor, rec, multi)
+        prompt = (messages, tools, encode_prompt(processor, messages, list(rec["images"]), tools))
+        eps += [_episode(processor, rec, args, g, multi, prompt) for _ in range(n)]
     stops = [token_id(processor, IM_END), token_id(processor, ENDOFTEXT)]
     sampling = dict(temperature=args.rollout_temperature, stop_token_ids=stops,
                     top_p=args.rollout_top_p, top_k=args.rollout_top_k)

@@ -323,3 +323,18 @@ def test_group_samples_default_reward(processor, records):
     samples = rollout.generate_group_samples(ScriptedEngine(processor, ["So \\boxed{360}"]), processor, recs,
                                              rollout_args(n_samples_per_prompt=2))
     assert [s.reward for s in samples] == [1.0, 1.0] and all(s.metadata["format_ok"] for s in samples)
+
+
+def test_prompt_encoded_once_per_group(processor, records, monkeypatch):
+    """A group's samples share one prompt: the chat template and processor run once per record, and
+    each sample still owns its lists (one episode's turns never leak into another's)."""
+    calls = []
+    plain = rollout.encode_prompt
+    monkeypatch.setattr(rollout, "encode_prompt", lambda *a, **k: calls.append(1) or plain(*a, **k))
+    eng = ScriptedEngine(processor, ['<tool_call>\n{"name": "calc_score", "arguments": {"answer": "1"}}\n</tool_call>', "hi"])
+    samples = rollout.run_episodes(eng, processor, records[:2], rollout_args(n_samples_per_prompt=3, max_turns=2,
+                                                                           rollout_max_response_len=400))
+    assert len(calls) == 2 and len(samples) == 6
+    a, b = samples[0], samples[1]
+    assert a.prompt_ids == b.prompt_ids and a.prompt_ids is not b.prompt_ids
+    assert a.turns == 2 and a.response_ids == b.response_ids and a.status == b.status == "completed"
