@@ -7,7 +7,9 @@
 (images as RGB PIL images) from a hub id (`hiyouga/geometry3k`), a parquet or jsonl file,
 or a folder holding `<split>.parquet` / `<split>.jsonl`. Bad rows (undecodable image, empty
 answer, missing column) are reported by row index and reason; above `max_bad_frac` of the
-rows the load stops, below it they are skipped and counted aloud.
+rows the load stops, below it they are skipped and counted aloud. Rows a `check` finds too long
+are skipped and counted. Rows reach no file outside the data set's folder and no URL unless the
+caller allows it (allow_outside, allow_urls).
 """
 import argparse
 import base64
@@ -22,6 +24,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 MAX_PIXELS = 1 << 20  # decoded images above this are downscaled (the processor resizes again)
+URL_MAX_BYTES, URL_TIMEOUT = 32 << 20, 20  # with allow_urls: one image's body, seconds per read
 
 SINGLE_TURN_INSTRUCTION = ("Solve the geometry problem shown in the diagram. Think briefly, then "
                            "give the final answer as \\boxed{<answer>}.")
@@ -39,16 +42,23 @@ class DataError(ValueError):
     """A data source that cannot be used as asked; the message names the file and rows."""
 
 
+class TooLong(ValueError):
+    """A row over a length limit (raised by a load `check`): skipped and counted, not an error."""
+
+
 # ---------------------------------------------------------------------------------- images
-def decode_image(value, base_dir=None, max_pixels=MAX_PIXELS):
-    """bytes | {"bytes", "path"} | path | data URI | http(s) URL | PIL image -> RGB PIL image."""
+def decode_image(value, base_dir=None, max_pixels=MAX_PIXELS, allow_urls=False, allow_outside=False):
+    """bytes | {"bytes", "path"} | path | data URI | http(s) URL | PIL image -> RGB PIL image.
+    A path must resolve inside `base_dir` (the data set's folder) unless allow_outside; a URL is
+    fetched only when allow_urls, at most URL_MAX_BYTES, URL_TIMEOUT seconds per read."""
+    again = dict(base_dir=base_dir, max_pixels=max_pixels, allow_urls=allow_urls, allow_outside=allow_outside)
     if isinstance(value, Image.Image):
         img = value
     elif isinstance(value, dict):
         if value.get("bytes"):
-            return decode_image(value["bytes"], base_dir, max_pixels)
+            return decode_image(value["bytes"], **again)
         if value.get("path"):
-            return decode_image(value["path"], base_dir, max_pixels)
+            return decode_image(value["path"], **again)
         raise ValueError("image dict has neither 'bytes' nor 'path'")
     elif isinstance(value, (bytes, bytearray, memoryview)):
         img = Image.open(io.BytesIO(bytes(value)))
@@ -58,13 +68,21 @@ def decode_image(value, base_dir=None, max_pixels=MAX_PIXELS):
             raise ValueError("data URI is not base64")
         img = Image.open(io.BytesIO(base64.b64decode(payload)))
     elif isinstance(value, str) and value.startswith(("http://", "https://")):
+        if not allow_urls:
+            raise ValueError(f"{value[:100]} is a URL: not fetched (--allow-image-urls fetches them)")
         try:
-            with urllib.request.urlopen(value, timeout=20) as r:
-                img = Image.open(io.BytesIO(r.read()))
+            with urllib.request.urlopen(value, timeout=URL_TIMEOUT) as r:
+                body = r.read(URL_MAX_BYTES + 1)
         except OSError as e:
             raise ValueError(f"cannot fetch {value} ({e}); download the images or use a local copy")
+        if len(body) > URL_MAX_BYTES:
+            raise ValueError(f"{value[:100]}: larger than {URL_MAX_BYTES >> 20} MB, not read")
+        img = Image.open(io.BytesIO(body))
     elif isinstance(value, str) and value:
         path = Path(value) if base_dir is None or Path(value).is_absolute() else Path(base_dir) / value
+        if not allow_outside and (base_dir is None or not path.resolve().is_relative_to(Path(base_dir).resolve())):
+            raise ValueError(f"image path {value} is outside the data set's folder {base_dir} "
+                             "(--allow-outside-paths reads it)")
         if not path.exists():
             raise ValueError(f"image file not found: {path}")
         img = Image.open(path)
@@ -102,19 +120,29 @@ def _read_rows(source, split):
         raise DataError(f"{path}: no such file or folder")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
-        return pq.read_table(path).to_pylist(), path.parent, str(path)
+        try:
+            return pq.read_table(path).to_pylist(), path.parent, str(path)
+        except Exception as e:  # noqa: BLE001 - arrow raises several types for a file that is not parquet
+            raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
     if path.suffix in (".jsonl", ".json"):
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
         rows = []
-        for i, line in enumerate(path.read_text().splitlines()):
+        for i, line in enumerate(text.splitlines()):
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
+                    row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    rows.append({"__error__": f"line {i + 1} is not JSON ({e.msg})"})
+                    row = {"__error__": f"line {i + 1} is not JSON ({e.msg})"}
+                rows.append(row if isinstance(row, dict) else
+                            {"__error__": f"line {i + 1} is a JSON {type(row).__name__}, not an object"})
         return rows, path.parent, str(path)
     if path.exists():
         raise DataError(f"{path}: unknown file type (use .parquet, .jsonl or a folder)")
-    if source.count("/") == 1 and not source.startswith((".", "/")):  # a hub id such as hiyouga/geometry3k
+    # a hub id such as hiyouga/geometry3k; data/trian (its folder exists here) is a mistyped path
+    if source.count("/") == 1 and not source.startswith((".", "/")) and not path.parent.is_dir():
         try:
             import datasets
             ds = datasets.load_dataset(source, split=split or "train")
@@ -124,7 +152,7 @@ def _read_rows(source, split):
     raise DataError(f"{source}: no such file or folder")
 
 
-def _record(row, base_dir, input_key, label_key, max_pixels):
+def _record(row, base_dir, input_key, label_key, max_pixels, allow_urls, allow_outside):
     if "__error__" in row:
         raise ValueError(row["__error__"])
     for key in (input_key, label_key):
@@ -143,32 +171,47 @@ def _record(row, base_dir, input_key, label_key, max_pixels):
     images = []
     for j, value in enumerate(raw):
         try:
-            images.append(decode_image(value, base_dir, max_pixels))
+            images.append(decode_image(value, base_dir, max_pixels, allow_urls, allow_outside))
         except Exception as e:  # noqa: BLE001 - PIL raises many types for corrupt bytes
             raise ValueError(f"image {j}: {e}") from None
     return {"problem": problem, "answer": answer, "images": images}
 
 
-def load_geo3k(source, split=None, input_key="problem", label_key="answer",
-               max_bad_frac=0.01, max_pixels=MAX_PIXELS, verbose=True):
-    """Load geo3k-style records; stop when more than `max_bad_frac` of the rows are unusable."""
+def load_geo3k(source, split=None, input_key="problem", label_key="answer", max_bad_frac=0.01,
+               max_pixels=MAX_PIXELS, verbose=True, check=None, allow_urls=False, allow_outside=False):
+    """Load geo3k-style records; stop when more than `max_bad_frac` of the rows are unusable.
+    `check(record)` raises ValueError for a bad row, TooLong for one to skip and count."""
     rows, base_dir, name = _read_rows(str(source), split)
-    records, bad = [], []
+    records, bad, long = [], [], []
     for i, row in enumerate(rows):
         try:
-            records.append(_record(row, base_dir, input_key, label_key, max_pixels))
+            rec = _record(row, base_dir, input_key, label_key, max_pixels, allow_urls, allow_outside)
+            if check:
+                check(rec)
+            records.append(rec)
+        except TooLong as e:
+            long.append((i, str(e)))
         except ValueError as e:
             bad.append((i, str(e)))
     if not rows:
         raise DataError(f"{name}: no rows")
-    listing = "\n".join(f"  row {i}: {why}" for i, why in bad[:10]) + ("\n  ..." if len(bad) > 10 else "")
+    listing = _listing(bad)
     if len(bad) > max_bad_frac * len(rows):
         raise DataError(f"{name}: {len(bad)} of {len(rows)} rows are unusable (limit "
                         f"{max_bad_frac:.1%}; raise --max-bad-frac to skip them):\n{listing}")
+    if long and (verbose or not records):
+        print(f"[data] {name}: skipped {len(long)} of {len(rows)} rows over the length limit:\n{_listing(long)}",
+              file=sys.stderr)
+    if not records:
+        raise DataError(f"{name}: no usable row of {len(rows)}:\n{_listing(bad + long)}")
     if bad and verbose:
         print(f"[data] {name}: skipped {len(bad)} of {len(rows)} rows, using {len(records)}:\n{listing}",
               file=sys.stderr)
     return records
+
+
+def _listing(rows):
+    return "\n".join(f"  row {i}: {why}" for i, why in rows[:10]) + ("\n  ..." if len(rows) > 10 else "")
 
 
 # ---------------------------------------------------------------------------------- prompts

@@ -29,7 +29,7 @@ def parse_args(argv=None):
     T.add_train_args(p)
     p.add_argument("--num-epoch", type=int, default=1, help="passes over the training data")
     p.set_defaults(lr=1e-5, lr_decay_style="cosine")
-    return p.parse_args(argv)
+    return T.check_args(p, p.parse_args(argv))
 
 
 def encode(processor, record):
@@ -62,8 +62,10 @@ def main(argv=None):
     run = T.Run(args, "sft")
     from transformers import AutoProcessor
     processor = AutoProcessor.from_pretrained(args.hf_checkpoint)
-    train = [encode(processor, r) for r in T.load_data(args, verbose=run.rank == 0)]
-    evals = [encode(processor, r) for r in T.load_data(args, evaluation=True, verbose=run.rank == 0)]
+    fit = dict(verbose=run.rank == 0, measure=lambda r: len(encode(processor, r)["ids"]),
+               limit=(args.max_tokens_per_gpu, f"--max-tokens-per-gpu {args.max_tokens_per_gpu}"))
+    train = [encode(processor, r) for r in T.load_data(args, **fit)]
+    evals = [encode(processor, r) for r in T.load_data(args, evaluation=True, **fit)]
 
     ckpt = run.resume_dir()
     model = M.load_model(ckpt or args.hf_checkpoint, args.freeze_vit, args.transformer_impl, vars(args))

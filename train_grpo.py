@@ -74,7 +74,11 @@ def parse_args(argv=None):
         p.error(f"unrecognized arguments: {' '.join(bad)}")
     args.sglang_args = R.sglang_server_args(unknown)
     args.global_batch_size = args.global_batch_size or args.rollout_batch_size * args.n_samples_per_prompt
-    return args
+    if args.n_samples_per_prompt == 1 and args.num_rollout:
+        p.error("--n-samples-per-prompt 1: a group of one has zero advantage, GRPO would learn nothing")
+    if args.sglang_args and args.rollout_engine == "local":
+        p.error(f"{' '.join(args.sglang_args)}: SGLang flags, but --rollout-engine local")
+    return T.check_args(p, args)
 
 
 def advantages(rewards, groups, estimator):
@@ -104,6 +108,12 @@ def kl_term(logp, ref, kind):
         d = d.clamp(-20, 20)
         return (torch.exp(d) - d - 1).clamp(max=10)
     return torch.exp(d) - d - 1
+
+
+def prompt_tokens(processor, record, args):
+    """The length of a record's prompt as a rollout encodes it (the processor checks its images)."""
+    messages, tools = R.chat_prompt(processor, record, args.max_turns > 1)
+    return len(R.encode_prompt(processor, messages, record["images"], tools))
 
 
 def to_item(sample, processor, adv, encoded=None):
@@ -205,7 +215,7 @@ def rollout_step(step, run, engine, processor, records, args):
         batch = draw(records, step, args)
         samples = R.generate_group_samples(engine, processor, batch, args)
         metrics = R.rollout_metrics(samples)
-        good = [s for s in samples if s.status not in ("failed", "aborted")]
+        good = [s for s in samples if s.status not in ("failed", "aborted") and any(s.loss_mask)]
         adv = advantages([s.reward for s in good], [s.group for s in good], args.advantage_estimator)
         encoded = {}
         payload = [([to_item(s, processor, a, encoded) for s, a in zip(good, adv)], metrics)]
@@ -284,7 +294,9 @@ def main(argv=None):
 
     records = eval_records = engine = None
     if run.rank == 0:  # rank 0 owns the data, the engine and the rewards
-        records, eval_records = T.load_data(args), T.load_data(args, evaluation=True)
+        fit = dict(measure=lambda r: prompt_tokens(processor, r, args),
+                   limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len} with room for a response"))
+        records, eval_records = T.load_data(args, **fit), T.load_data(args, evaluation=True, **fit)
         engine = make_engine(args, str(ckpt or args.hf_checkpoint), str(run.save))
     try:
         if run.rank == 0 and eval_records and start == 0:

@@ -5,11 +5,13 @@ RNG and data position). The optimizer and its step are in optim.py.
 Nothing here is run directly; both entry points import it.
 """
 import contextlib
+import fcntl
 import importlib
 import json
 import os
 import random
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -32,12 +34,18 @@ def add_train_args(p):
     a("--split", default=None, help="split of a hub id or folder (default: train)")
     a("--eval-split", default="test", help="split of --eval-prompt-data when it is a hub id or folder")
     a("--max-bad-frac", type=float, default=0.01, help="stop when more data rows than this are unusable")
+    a("--allow-image-urls", action="store_true", help="fetch http(s) images named in data rows "
+      "(at most data.URL_MAX_BYTES each); off: such rows are bad rows")
+    a("--allow-outside-paths", action="store_true",
+      help="let image paths in data rows leave the data set's folder (absolute paths, ..)")
     a("--eval-prompt-data", default=None, help="evaluation data (same forms as --prompt-data)")
     a("--eval-interval", type=int, default=0, help="evaluate every N steps (0: only at the end)")
     a("--eval-samples", type=int, default=64, help="evaluate on the first N eval problems")
     a("--save", required=True, help="run folder: metrics.jsonl, config, checkpoints")
     a("--load", default=None, help="resume from the latest checkpoint in this run folder")
-    a("--save-interval", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    a("--overwrite", action="store_true", help="start fresh in a --save folder that holds an earlier "
+      "run: its checkpoints and metrics are deleted (without it: an error, unless --load resumes)")
+    a("--save-interval", type=int, default=50, help="checkpoint every N steps (0: only at the end)")
     a("--save-keep", type=int, default=3, help="keep the newest N checkpoints in --save (0: keep all)")
     a("--global-batch-size", type=int, default=16, help="samples per optimizer step, all ranks")
     a("--max-tokens-per-gpu", type=int, default=4096, help="token budget of one packed micro-batch")
@@ -83,9 +91,14 @@ class Run:
         self.save = Path(args.save)
         random.seed(args.seed)
         torch.manual_seed(args.seed)
-        self.wandb = None
+        self.wandb, self.lock = None, None
         if self.rank == 0:
             self.save.mkdir(parents=True, exist_ok=True)
+            self.lock = lock_folder(self.save)
+        self.ckpt = self.find_checkpoint()
+        if self.rank == 0 and self.ckpt is None:
+            self.start_fresh()
+        if self.rank == 0:
             config = dict(vars(args), kind=kind, world_size=self.world, versions=versions())
             print(json.dumps(config, indent=1, default=str), flush=True)
             (self.save / f"config_{kind}.json").write_text(json.dumps(config, indent=1, default=str))
@@ -119,20 +132,27 @@ class Run:
         Then all but the newest --save-keep checkpoints are removed."""
         name = f"iter_{step:07d}"
         tmp, final = self.save / f".tmp_{name}", self.save / name
-        if self.rank == 0:
+        try:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                (tmp / "train_state").mkdir(parents=True)
+            self.barrier()
+            convert.save_hf(model, tmp, src_dir=self.args.hf_checkpoint)  # not a checkpoint pruning may remove
+            if self.dp_rank == 0 or getattr(opt, "sharded", False):  # sharded: each DP rank its own
+                state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state()}
+                torch.save(state, tmp / "train_state" / state_name(self, opt))
+            self.barrier()
+            if self.rank == 0:
+                (tmp / "train_state" / "meta.json").write_text(json.dumps({"step": step, "tp": self.tp, **(extra or {})}))
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(tmp, final)
+                atomic_write(self.save / "latest", name)
+        except Exception as e:  # noqa: BLE001 - a full disk shows as OSError, torch's RuntimeError, safetensors'...
             shutil.rmtree(tmp, ignore_errors=True)
-            (tmp / "train_state").mkdir(parents=True)
-        self.barrier()
-        convert.save_hf(model, tmp, src_dir=self.args.hf_checkpoint)  # not a checkpoint pruning may remove
-        if self.dp_rank == 0 or getattr(opt, "sharded", False):  # sharded: each DP rank its own
-            state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state()}
-            torch.save(state, tmp / "train_state" / state_name(self, opt))
-        self.barrier()
+            raise SystemExit(f"[run] checkpoint {final} could not be written ({type(e).__name__}: {e}); "
+                             f"removed {tmp.name}; {self.save / 'latest'} still names the last complete "
+                             f"checkpoint. Free space in --save and resume with --load {self.save}") from None
         if self.rank == 0:
-            (tmp / "train_state" / "meta.json").write_text(json.dumps({"step": step, "tp": self.tp, **(extra or {})}))
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            atomic_write(self.save / "latest", name)
             print(f"[run] saved checkpoint {final}", flush=True)
             self.prune_checkpoints()
         self.barrier()
@@ -152,49 +172,152 @@ class Run:
             self.save_checkpoint(model, opt, sched, step)
 
     def resume_dir(self):
-        """The checkpoint folder --load points at (or None), checked for a clear error."""
+        """The checkpoint folder to resume from (or None: a fresh start)."""
+        return self.ckpt
+
+    def find_checkpoint(self):
+        """The checkpoint --load points at: its `latest`, else (latest lost) its newest complete
+        iter_*; None when --load is --save and holds none yet (slime's habit). Else an error."""
         if not self.args.load:
             return None
-        load = Path(self.args.load)
+        load, done = Path(self.args.load), []
         if (load / "latest").exists():
             load = load / (load / "latest").read_text().strip()
+        elif not (load / "train_state" / "meta.json").exists():
+            done = sorted(p for p in load.glob("iter_*") if (p / "train_state" / "meta.json").exists())
+            load = done[-1] if done else load
         if not (load / "train_state" / "meta.json").exists():
-            if Path(self.args.load).resolve() == self.save.resolve():  # slime habit: --load = --save
-                if self.rank == 0:
-                    print(f"[run] no checkpoint in {load} yet: starting fresh", flush=True)
+            if Path(self.args.load).resolve() == self.save.resolve() and not done:
                 return None
             raise SystemExit(f"--load {self.args.load}: no checkpoint there (expected a 'latest' "
-                             f"file or an iter_* folder with train_state/)")
+                             f"file or an iter_* folder with train_state/meta.json)")
         return load
+
+    def start_fresh(self):
+        """A fresh start may not mix with an earlier run's checkpoints: those need --load (resume)
+        or --overwrite (deleted). Metrics of a run that died before its first checkpoint go."""
+        old = sorted(self.save.glob("iter_*")) + sorted(self.save.glob("latest"))
+        if old and not self.args.overwrite:
+            raise SystemExit(f"--save {self.save} holds checkpoints of an earlier run ({old[0].name}...): "
+                             f"resume with --load {self.save}, or pass --overwrite to delete them and start fresh")
+        for p in old:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        if self.args.overwrite or self.args.load:
+            self.trim_metrics(0)
+        elif (self.save / "metrics.jsonl").exists() and (self.save / "metrics.jsonl").stat().st_size:
+            raise SystemExit(f"--save {self.save} holds metrics.jsonl of an earlier run: resume with "
+                             f"--load {self.save}, or pass --overwrite to start fresh")
+        print(f"[run] starting fresh in {self.save}", flush=True)
+
+    def trim_metrics(self, step):
+        """Keep metrics.jsonl up to `step` (what a killed run logged after its checkpoint goes),
+        dropping, with a note, lines a crash or a full disk tore."""
+        log = self.save / "metrics.jsonl"
+        if not log.exists():
+            return
+        keep, torn = [], []
+        for i, line in enumerate(log.read_text(errors="replace").splitlines()):
+            try:
+                if json.loads(line)["step"] <= step:
+                    keep.append(line)
+            except (ValueError, KeyError, TypeError):
+                torn.append(i + 1)
+        if torn:
+            print(f"[run] {log}: dropped unreadable line(s) {torn[:5]} (torn by a crash or a full disk)",
+                  file=sys.stderr, flush=True)
+        atomic_write(log, "".join(line + "\n" for line in keep))
 
     def load_state(self, ckpt, opt, sched):
         """Optimizer, schedule and RNG of this rank; returns the meta dict (step, data position)."""
-        meta = json.loads((ckpt / "train_state" / "meta.json").read_text())
+        meta = read_state(ckpt / "train_state" / "meta.json", lambda f: json.loads(f.read_text()))
         if meta.get("tp", self.tp) != self.tp:
             raise SystemExit(f"--load {ckpt}: saved at --tensor-model-parallel-size {meta['tp']}, "
                              f"resumed at {self.tp}; resume at the same TP size")
-        state = torch.load(ckpt / "train_state" / state_name(self, opt), weights_only=False)
+        state = read_state(ckpt / "train_state" / state_name(self, opt),
+                           lambda f: torch.load(f, weights_only=False))
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
-        log = self.save / "metrics.jsonl"
         if self.rank == 0:
-            if log.exists():  # drop what a killed run logged after its checkpoint
-                keep = [ln for ln in log.read_text().splitlines() if json.loads(ln)["step"] <= meta["step"]]
-                atomic_write(log, "".join(ln + "\n" for ln in keep))
+            self.trim_metrics(meta["step"])
             print(f"[run] resumed from {ckpt} at step {meta['step']}", flush=True)
         return meta
 
 
-def load_data(args, evaluation=False, verbose=True):
-    """The training (or evaluation) records named by the flags; [] when no eval data is given."""
+def load_data(args, evaluation=False, verbose=True, measure=None, limit=None):
+    """The training (or evaluation) records named by the flags; [] when no eval data is given.
+    `measure(record)` -> its tokens, through the processor: a row it refuses (an image's aspect
+    ratio...) is a bad row, named; one over `limit` = (tokens, "the flag") is skipped, counted."""
     import data
     source = args.eval_prompt_data if evaluation else args.prompt_data
     if not source:
         return []
-    records = data.load_geo3k(source, args.eval_split if evaluation else args.split, args.input_key,
-                              args.label_key, args.max_bad_frac, verbose=verbose)
+
+    def check(rec):
+        try:
+            n = measure(rec)
+        except Exception as e:  # noqa: BLE001 - whatever the processor raises, name the row
+            raise ValueError(f"the processor refuses it ({type(e).__name__}: {e})") from None
+        if n > limit[0]:
+            raise data.TooLong(f"{n} tokens, over {limit[1]}")
+    try:
+        records = data.load_geo3k(source, args.eval_split if evaluation else args.split, args.input_key,
+                                  args.label_key, args.max_bad_frac, verbose=verbose, check=measure and check,
+                                  allow_urls=args.allow_image_urls, allow_outside=args.allow_outside_paths)
+    except data.DataError as e:
+        raise SystemExit(f"--{'eval-' if evaluation else ''}prompt-data: {e}") from None
     return records[:args.eval_samples] if evaluation else records
+
+
+# flag -> (lowest value, why): checked at parse time, so a bad value fails before any work
+POSITIVE = {"rollout_batch_size": 1, "n_samples_per_prompt": 1, "global_batch_size": 1, "max_tokens_per_gpu": 1,
+            "tensor_model_parallel_size": 1, "num_epoch": 1, "rollout_max_response_len": 1,
+            "max_context_len": 2, "max_turns": 1, "num_rollout": 0, "save_interval": 0, "save_keep": 0,
+            "eval_interval": 0, "eval_samples": 0, "lr_warmup_iters": 0, "lr": 0, "min_lr": 0, "clip_grad": 0,
+            "weight_decay": 0, "rollout_temperature": 0, "eps_clip": 0, "eps_clip_high": 0,
+            "kl_loss_coef": 0, "entropy_coef": 0, "tis_cap": 0, "rollout_num_gpus": 0,
+            "distributed_timeout_minutes": 1, "sglang_server_timeout": 1, "dynamic_sampling_max_prompts": 1}
+FRACTIONS = ("max_bad_frac", "adam_beta1", "adam_beta2", "rollout_top_p")  # in [0, 1]
+
+
+def check_args(p, args):
+    """Numeric flags in range, or the parser's error naming the flag and its value."""
+    for name, low in POSITIVE.items():
+        v = getattr(args, name, None)
+        if v is not None and not v >= low:  # NaN fails too
+            p.error(f"--{name.replace('_', '-')} {v}: must be >= {low}")
+    for name in FRACTIONS:
+        v = getattr(args, name, None)
+        if v is not None and not 0 <= v <= 1:
+            p.error(f"--{name.replace('_', '-')} {v}: must be in [0, 1]")
+    if getattr(args, "decoupled_lr", None) is not None and not args.decoupled_lr >= 0:
+        p.error(f"--decoupled-lr {args.decoupled_lr}: must be >= 0")
+    return args
+
+
+def lock_folder(folder):
+    """Hold <folder>/.lock for this process's life: one trainer per run folder. The kernel drops
+    an flock when its process dies, SIGKILL included, so a dead run never leaves it held."""
+    f = open(folder / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        raise SystemExit(f"--save {folder}: in use by another trainer ({f.read().strip() or 'pid unknown'}); "
+                         f"one run folder holds one run at a time") from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f
+
+
+def read_state(path, read):
+    """read(path), or an error naming the checkpoint file that is missing, truncated or corrupt."""
+    try:
+        return read(path)
+    except Exception as e:  # noqa: BLE001 - json, pickle and zip errors alike: name the file
+        raise SystemExit(f"--load: {path} is missing, truncated or corrupt ({type(e).__name__}: {e}); "
+                         f"resume from an earlier checkpoint: --load {path.parent.parent.parent}/iter_<N>") from None
 
 
 def atomic_write(path, text):

@@ -3,7 +3,7 @@ torchrun (TP or DP); prints each update's `loss=<x> grad_norm=<y> clipfrac=<z> k
 and saves the weights after them to <save>/final (decoupled lr on the split embedding and output
 layer, so the sharded AdamW update is compared too).
 
-    python tests/_grpo_worker.py CKPT GEO3K_PARQUET --save DIR [--tp N] [--ref CKPT] [--items N] [--agg sequence]
+    python tests/_grpo_worker.py CKPT GEO3K_PARQUET --save DIR [--tp N] [--ref CKPT] [--items N] [--agg sequence] [--flags='--bf16 ...']
 """
 import argparse
 import sys
@@ -46,15 +46,17 @@ def main():
     p.add_argument("--save", required=True)
     p.add_argument("--items", type=int, default=8, help="train on the first N samples (1: a DP rank gets none)")
     p.add_argument("--agg", default="token", help="--loss-agg")
+    p.add_argument("--flags", default="", help="more trainer flags, e.g. --flags='--bf16 --use-distributed-optimizer'")
     a = p.parse_args()
     args = G.parse_args(["--hf-checkpoint", a.ckpt, "--prompt-data", a.source, "--save", a.save,
                          "--tensor-model-parallel-size", str(a.tp), "--max-tokens-per-gpu", "700",
                          "--entropy-coef", "0.01", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
                          "--lr", "1e-3", "--decoupled-lr", "1e-2", "--loss-agg", a.agg]
-                        + (["--kl-loss-coef", "0.1", "--kl-loss-type", "low_var_kl"] if a.ref else []))
+                        + (["--kl-loss-coef", "0.1", "--kl-loss-type", "low_var_kl"] if a.ref else [])
+                        + a.flags.split())
     run = T.Run(args, "test")
-    model = M.load_model(a.ckpt)
-    ref = M.load_model(a.ref).eval() if a.ref else None
+    model = M.load_model(a.ckpt, options=vars(args))
+    ref = M.load_model(a.ref, options=vars(args)).eval() if a.ref else None
     opt, sched = optim.build_optimizer(model, args, 2)
     items = samples(a.ckpt, a.source)[:a.items]
     G.recompute_old(model, items, args)  # old logprobs: the model's own, then moved so the clip engages

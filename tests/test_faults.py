@@ -1,0 +1,361 @@
+"""The fault suite (issue 19): a careless user and a hostile environment. Each case asserts that
+the message names the input (flag, file, row, tensor) and that nothing already written is lost.
+Fast cases run in the default suite; the ones that start trainers are marked slow."""
+import http.server
+import io
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+import data
+import trainer as T
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+
+
+def png(size=(32, 32)):
+    buf = io.BytesIO()
+    Image.new("RGB", size, "white").save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def rows(n, **over):
+    return [dict({"problem": "<image>How many sides?", "answer": "4", "images": [{"bytes": png(), "path": None}]},
+                 **over) for _ in range(n)]
+
+
+def parquet(path, rs):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rs), path)
+    return path
+
+
+def run(script, *args, preexec=None, timeout=600):
+    return subprocess.run([PY, str(ROOT / script), *map(str, args)], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=timeout, preexec_fn=preexec)
+
+
+def bare_run(save, **flags):
+    """A Run without the distributed start: the folder-keeping methods only."""
+    r = T.Run.__new__(T.Run)
+    r.rank, r.save = 0, Path(save)
+    r.args = Namespace(**dict(dict(load=None, overwrite=False, save=str(save)), **flags))
+    return r
+
+
+# ------------------------------------------------------------------ 6, 9, 11: flags at parse time
+GRPO = ["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x"]
+
+
+@pytest.mark.parametrize("entry,flags,named", [
+    ("train_grpo", ["--rollout-batch-size", "0"], "--rollout-batch-size 0"),
+    ("train_grpo", ["--n-samples-per-prompt", "0"], "--n-samples-per-prompt 0"),
+    ("train_grpo", ["--n-samples-per-prompt", "1"], "--n-samples-per-prompt 1: a group of one"),
+    ("train_grpo", ["--num-rollout", "-2"], "--num-rollout -2"),
+    ("train_grpo", ["--rollout-temperature=-1"], "--rollout-temperature -1.0"),
+    ("train_grpo", ["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size 0"),
+    ("train_grpo", ["--max-context-len", "0"], "--max-context-len 0"),
+    ("train_grpo", ["--rollout-top-p", "1.5"], "--rollout-top-p 1.5"),
+    ("train_grpo", ["--rollout-engine", "local", "--sglang-mem-fraction-statc", "0.5"], "--mem-fraction-statc"),
+    ("sft", ["--global-batch-size", "0"], "--global-batch-size 0"),
+    ("sft", ["--num-epoch", "0"], "--num-epoch 0"),
+    ("sft", ["--lr", "nan"], "--lr nan"),
+])
+def test_bad_numeric_flags_fail_at_parse_time_naming_the_flag(entry, flags, named, capsys):
+    mod = __import__(entry)
+    with pytest.raises(SystemExit) as e:
+        mod.parse_args(GRPO + flags)
+    assert e.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_a_checkpoint_is_periodic_by_default():
+    import sft
+    import train_grpo
+    for args in (sft.parse_args(GRPO), train_grpo.parse_args(GRPO)):
+        assert args.save_interval > 0 and args.save_keep > 0
+
+
+# ------------------------------------------------------------------ 7, 8: loaders name the file
+def test_loader_errors_name_the_file(tmp_path, monkeypatch):
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"problem": "caf\xe9", "answer": "1"}\n')
+    with pytest.raises(data.DataError, match=r"latin1.jsonl: not UTF-8 text \(byte"):
+        data.load_geo3k(tmp_path / "latin1.jsonl")
+    (tmp_path / "list.jsonl").write_text('[1, 2]\n')
+    with pytest.raises(data.DataError, match="row 0: line 1 is a JSON list, not an object"):
+        data.load_geo3k(tmp_path / "list.jsonl")
+    (tmp_path / "fake.parquet").write_text("problem,answer\n")
+    with pytest.raises(data.DataError, match="fake.parquet: not a readable parquet file"):
+        data.load_geo3k(tmp_path / "fake.parquet")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    with pytest.raises(data.DataError, match="^data/trian: no such file or folder"):
+        data.load_geo3k("data/trian")
+
+
+def test_rows_reach_no_url_and_no_file_outside_the_data_folder(tmp_path):
+    secret = tmp_path / "secret.png"
+    secret.write_bytes(png())
+    inside = tmp_path / "set"
+    (inside / "img").mkdir(parents=True)
+    (inside / "img" / "a.png").write_bytes(png())
+    for value in (str(secret), "../secret.png", "img/../../secret.png"):
+        with pytest.raises(ValueError, match="outside the data set's folder.*--allow-outside-paths"):
+            data.decode_image(value, base_dir=inside)
+        assert data.decode_image(value, base_dir=inside, allow_outside=True).size == (32, 32)
+    assert data.decode_image("img/a.png", base_dir=inside).size == (32, 32)
+    with pytest.raises(ValueError, match="outside"):  # a hub data set has no folder: no path at all
+        data.decode_image(str(secret))
+
+    body = {"/small.png": png(), "/big.png": png() + b"\0" * (data.URL_MAX_BYTES + 1)}
+    hits = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            hits.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body[self.path])
+
+        def log_message(self, *a):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        with pytest.raises(ValueError, match="is a URL: not fetched.*--allow-image-urls"):
+            data.decode_image(url + "/small.png")
+        assert hits == []
+        assert data.decode_image(url + "/small.png", allow_urls=True).size == (32, 32)
+        with pytest.raises(ValueError, match=f"big.png: larger than {data.URL_MAX_BYTES >> 20} MB"):
+            data.decode_image(url + "/big.png", allow_urls=True)
+    finally:
+        server.shutdown()
+
+
+# ------------------------------------------------------------------ 3, 4: the processor's limits at load
+def grpo_args(**kw):
+    import train_grpo
+    args = train_grpo.parse_args(GRPO)
+    vars(args).update(kw)
+    return args
+
+
+def test_images_the_processor_refuses_and_over_long_rows_are_named_at_load(tmp_path, processor, capsys):
+    import train_grpo
+    rs = rows(200)
+    rs[3]["images"] = [{"bytes": png((4000, 2)), "path": None}]  # "absolute aspect ratio must be smaller than 200"
+    rs[5]["problem"] = "<image>" + "How many sides? " * 4000
+    args = grpo_args(prompt_data=str(parquet(tmp_path / "d.parquet", rs)))
+    fit = dict(measure=lambda r: train_grpo.prompt_tokens(processor, r, args),
+               limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len}"))
+    recs = T.load_data(args, **fit)
+    assert len(recs) == 198
+    err = capsys.readouterr().err
+    assert "row 3: the processor refuses it (ValueError: absolute aspect ratio" in err
+    assert "skipped 1 of 200 rows over the length limit" in err and "row 5: " in err
+    assert "tokens, over --max-context-len 8192" in err
+    # every prompt is longer: a clear error naming the flag, not a ZeroDivisionError in a step
+    with pytest.raises(SystemExit, match="(?s)--prompt-data: .*no usable row of 200.*over --max-context-len 20"):
+        T.load_data(args, measure=fit["measure"], limit=(19, "--max-context-len 20"))
+
+
+# ------------------------------------------------------------------ 1, 2, 9: the run folder
+def test_one_trainer_per_run_folder_and_a_dead_one_holds_nothing(tmp_path):
+    held = T.lock_folder(tmp_path)
+    with pytest.raises(SystemExit, match=f"--save {tmp_path}: in use by another trainer \\(pid {os.getpid()}"):
+        T.lock_folder(tmp_path)
+    held.close()
+    child = subprocess.Popen([PY, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); import trainer, time; "
+                              f"h = trainer.lock_folder(__import__('pathlib').Path({str(tmp_path)!r})); "
+                              "print('held', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "held\n"
+    with pytest.raises(SystemExit, match="in use"):
+        T.lock_folder(tmp_path)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    T.lock_folder(tmp_path).close()  # the kernel dropped the dead process's lock
+
+
+def test_a_fresh_start_never_mixes_with_an_earlier_run(tmp_path):
+    (tmp_path / "iter_0000004" / "train_state").mkdir(parents=True)
+    (tmp_path / "iter_0000004" / "train_state" / "meta.json").write_text('{"step": 4}')
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 5)))
+    with pytest.raises(SystemExit, match=f"--save {tmp_path} holds checkpoints.*--load {tmp_path}.*--overwrite"):
+        bare_run(tmp_path).start_fresh()
+    assert (tmp_path / "iter_0000004").exists() and len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4
+    # --load = --save with `latest` lost: the newest complete checkpoint, not a fresh start
+    assert bare_run(tmp_path, load=str(tmp_path)).find_checkpoint() == tmp_path / "iter_0000004"
+    bare_run(tmp_path, overwrite=True).start_fresh()
+    assert not list(tmp_path.glob("iter_*")) and (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_resume_drops_a_torn_metrics_line_and_says_so(tmp_path, capsys):
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n" + lines[0][:7])  # a full disk mid-line
+    bare_run(tmp_path).trim_metrics(4)
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == lines[:4]
+    assert "metrics.jsonl: dropped unreadable line(s) [6]" in capsys.readouterr().err
+
+
+def test_truncated_train_state_names_the_file(tmp_path):
+    torch.save({"optimizer": {"x": torch.zeros(1000)}}, tmp_path / "tp_00.pt")
+    (tmp_path / "tp_00.pt").write_bytes((tmp_path / "tp_00.pt").read_bytes()[:300])
+    (tmp_path / "meta.json").write_text('{"step": 4, "t')
+    for name, read in (("tp_00.pt", lambda f: torch.load(f, weights_only=False)),
+                       ("meta.json", lambda f: json.loads(f.read_text()))):
+        with pytest.raises(SystemExit, match=f"{tmp_path / name} is missing, truncated or corrupt"):
+            T.read_state(tmp_path / name, read)
+
+
+def test_corrupt_safetensors_names_the_file(tmp_path, ckpt):
+    import convert
+    bad = tmp_path / "model.safetensors"
+    bad.write_bytes((Path(ckpt) / "model.safetensors").read_bytes()[:100_000])
+    with pytest.raises(SystemExit, match=f"{bad}: not a readable safetensors file"):
+        convert.weight_files(tmp_path)
+
+
+# ------------------------------------------------------------------ 5: no port open to strangers
+PORTS = """import os, subprocess, sys
+sys.path.insert(0, {root!r})
+import parallel
+parallel.init_distributed()
+out = subprocess.run(["ss", "-ltnp"], capture_output=True, text=True).stdout
+print([l.split()[3] for l in out.splitlines() if f"pid={{os.getpid()}}," in l])
+"""
+
+
+def test_collective_sockets_bind_to_loopback_whatever_the_host_name_says(tmp_path):
+    """The host name resolving to an external address (as on most machines; here it is made so
+    in a private UTS + mount namespace): gloo's sockets still listen on 127.0.0.1 only."""
+    ip = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"], capture_output=True,
+                        text=True).stdout.split()
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ss") or "inet" not in ip:
+        pytest.skip("needs root, unshare, ss and a non-loopback IPv4 address")
+    ext = ip[ip.index("inet") + 1].split("/")[0]
+    (tmp_path / "hosts").write_text(Path("/etc/hosts").read_text() + f"\n{ext} faultbox\n")
+    (tmp_path / "ports.py").write_text(PORTS.format(root=str(ROOT)))
+    script = (f"mount --bind {tmp_path / 'hosts'} /etc/hosts && hostname faultbox && "
+              f"{PY} {tmp_path / 'ports.py'}")
+    env = {k: v for k, v in ENV.items() if not k.endswith("SOCKET_IFNAME")}
+    r = subprocess.run(["unshare", "--uts", "--mount", "sh", "-c", script], env=env, capture_output=True,
+                       text=True, timeout=300)
+    if "Operation not permitted" in r.stderr:
+        pytest.skip("unshare is not permitted here")
+    addrs = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307 - our own script's printed list
+    assert addrs and all(a.startswith("127.0.0.1:") for a in addrs), addrs
+
+
+# ------------------------------------------------------------------ slow: through the entry points
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory):
+    return data.write_synth(tmp_path_factory.mktemp("faults") / "d", 16, n_test=2, seed=0, kinds=("sides",), size=64)
+
+
+def sft_cmd(ckpt, d, save, *extra):
+    return ["sft.py", "--hf-checkpoint", ckpt, "--prompt-data", d, "--save", save, "--global-batch-size", "8",
+            "--save-interval", "1", "--lr", "1e-4", *extra]
+
+
+@pytest.mark.slow
+def test_second_trainer_on_a_held_folder_exits_and_writes_nothing(ckpt, synth, tmp_path):
+    lock = T.lock_folder(tmp_path)
+    r = run(*sft_cmd(ckpt, synth, tmp_path))
+    assert r.returncode and f"--save {tmp_path}: in use by another trainer" in r.stderr, r.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]
+    lock.close()
+
+
+@pytest.mark.slow
+def test_sft_resumes_over_a_torn_metrics_line_and_refuses_a_silent_fresh_start(ckpt, synth, tmp_path):
+    r = run(*sft_cmd(ckpt, synth, tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    log = tmp_path / "metrics.jsonl"
+    before = log.read_text()
+    r = run(*sft_cmd(ckpt, synth, tmp_path))  # the same command again, no --load: refused, nothing touched
+    assert r.returncode and "holds checkpoints" in r.stderr and log.read_text() == before, r.stderr[-2000:]
+    (tmp_path / "latest").write_text("iter_0000001")
+    log.write_text(before + '{"step": 3, "lo')
+    r = run(*sft_cmd(ckpt, synth, tmp_path, "--load", tmp_path, "--num-epoch", "2"))
+    assert r.returncode == 0 and "dropped unreadable line(s)" in r.stderr, r.stderr[-2000:]
+    assert [json.loads(x)["step"] for x in log.read_text().splitlines() if "loss" in x] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_full_disk_during_a_checkpoint_is_named_and_leaves_no_temporary_folder(ckpt, synth, tmp_path):
+    def small_files():  # writes past 40 MB fail with EFBIG, as a full disk fails them with ENOSPC
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (40 << 20, 40 << 20))
+    r = run(*sft_cmd(ckpt, synth, tmp_path / "run"), preexec=small_files)
+    assert r.returncode and "checkpoint" in r.stderr and "could not be written" in r.stderr, r.stderr[-2000:]
+    assert "iter_0000001" in r.stderr and "Free space in --save" in r.stderr
+    assert not list((tmp_path / "run").glob(".tmp_*")) and (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_nan_weights_are_named_at_load(ckpt, synth, tmp_path):
+    from safetensors.torch import load_file, save_file
+    bad = tmp_path / "nan"
+    shutil.copytree(ckpt, bad)
+    w = load_file(bad / "model.safetensors")
+    name = sorted(k for k in w if "layers.0.mlp.down_proj" in k)[0]
+    w[name][0, 0] = float("nan")
+    save_file(w, bad / "model.safetensors", metadata={"format": "pt"})
+    r = run(*sft_cmd(bad, synth, tmp_path / "run"))
+    assert r.returncode and f"tensor {name} holds NaN or inf" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_grpo_survives_a_refused_image_and_names_its_row(ckpt, tmp_path):
+    rs = data.synth_records(100, seed=0, kinds=("sides",))  # 128 px: prompts of ~60 tokens
+    rs[7]["images"] = [{"bytes": png((4000, 2)), "path": None}]
+    d = parquet(tmp_path / "d" / "train.parquet", rs).parent
+    r = run("train_grpo.py", "--hf-checkpoint", ckpt, "--prompt-data", d, "--save", tmp_path / "run",
+            "--rollout-engine", "local", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+            "--rollout-max-response-len", "4", "--num-rollout", "2")
+    assert r.returncode == 0 and "row 7: the processor refuses it" in r.stderr, r.stderr[-2000:]
+    r = run("train_grpo.py", "--hf-checkpoint", ckpt, "--prompt-data", d, "--save", tmp_path / "short",
+            "--rollout-engine", "local", "--num-rollout", "2", "--max-context-len", "50")
+    assert r.returncode and "over --max-context-len 50" in r.stderr and "ZeroDivision" not in r.stderr
+
+
+@pytest.mark.slow
+def test_killing_torchrun_stops_its_workers(ckpt, synth, tmp_path):
+    cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(29400 + os.getpid() % 500),
+           str(ROOT / "sft.py"), *map(str, sft_cmd(ckpt, synth, tmp_path)[1:]), "--num-epoch", "1000"]
+    launcher = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while not (tmp_path / "metrics.jsonl").exists():
+        assert launcher.poll() is None and time.time() < deadline
+        time.sleep(0.5)
+    kids = [int(k) for t in Path(f"/proc/{launcher.pid}/task").iterdir() for k in (t / "children").read_text().split()]
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    def running(pid):  # a dead worker may stay a zombie: its new parent need not reap it
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+    deadline = time.time() + 30
+    while any(map(running, kids)) and time.time() < deadline:
+        time.sleep(0.2)
+    alive = [k for k in kids if running(k)]
+    for k in alive:
+        os.kill(k, signal.SIGKILL)
+    assert kids and not alive, f"workers {alive} outlived their torchrun"
