@@ -5,18 +5,24 @@ groups, and the few collectives the trainers use. Nothing else lives here.
     with parallel.megatron_on_cpu():                          # only where Megatron code runs
         ...
 
-A plain process (no RANK from torchrun) is a world of one with an in-memory store: no port is
-opened. Under torchrun the backend is gloo on CPU and NCCL on GPU, with an explicit timeout:
+A plain process (no RANK from torchrun) is a world of one with an in-memory store. gloo and NCCL
+listen on 127.0.0.1 when every rank runs on this machine (they bind to the host name's address
+otherwise); several nodes bind where GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say. A worker
+ends when its launcher (torchrun) dies, even by SIGKILL. Under torchrun the backend is gloo
+on CPU and NCCL on GPU, with an explicit timeout:
 rank 0 loads data, starts SGLang (up to --sglang-server-timeout) and evaluates before the first
 collective, longer than NCCL's 10-minute default.
 """
 import contextlib
 import datetime
 import os
+import signal
 import warnings
 
 import torch
 import torch.distributed as dist
+
+import proc
 
 if not torch.cuda.is_available():  # Megatron's "no Apex / Transformer Engine" notes are expected on CPU
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|full scope).*")
@@ -66,6 +72,13 @@ def init_distributed(tp=1, seed=1234, timeout_minutes=60, ep=1):
             torch.cuda.set_device(device)
         timeout = datetime.timedelta(minutes=timeout_minutes)
         backend = "nccl" if cuda else "gloo"
+        if os.environ.get("LOCAL_WORLD_SIZE", "1") == os.environ.get("WORLD_SIZE", "1"):  # one node
+            for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                os.environ.setdefault(var, "lo")
+        if "RANK" in os.environ:  # SIGTERM when torchrun dies; if it died already, stop here
+            proc.die_with_parent(signal.SIGTERM)
+            if os.getppid() == 1:
+                raise SystemExit("[parallel] the launcher (torchrun) is gone: not starting")
         if "RANK" in os.environ:  # torchrun: its rendezvous store
             dist.init_process_group(backend, timeout=timeout)
         else:  # a plain process: a world of one, no network port
