@@ -84,6 +84,28 @@ def megatron_optimizer(model, args):
     return opt
 
 
+def state_of(opt):
+    """What a checkpoint holds of the optimizer (this rank's shard when sharded). Megatron's
+    distributed optimizer leaves its masters and Adam moments out of state_dict()
+    (distrib_optimizer.py:628-635, megatron-core 0.16.1): they are its inner torch optimizer's
+    state and parameters here, this DP rank's shard of them."""
+    if not hasattr(opt, "ddp") or not opt.sharded:
+        return opt.state_dict()
+    inner = opt.optimizer
+    return {"megatron": opt.state_dict(), "inner": inner.state_dict(),
+            "masters": [p.detach().clone() for g in inner.param_groups for p in g["params"]]}
+
+
+def load_state(opt, state):
+    if not hasattr(opt, "ddp") or not opt.sharded:
+        return opt.load_state_dict(state)
+    opt.load_state_dict(state["megatron"])
+    opt.optimizer.load_state_dict(state["inner"])
+    with torch.no_grad():
+        for p, saved in zip([p for g in opt.optimizer.param_groups for p in g["params"]], state["masters"]):
+            p.copy_(saved)
+
+
 class MasterAdamW:
     """fp32 master weights and AdamW for this DP rank's shard of the trainable parameters, on
     torch (the CPU twin of Megatron's mixed-precision / distributed optimizer). The parameters

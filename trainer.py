@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import convert
+import optim
 import parallel
 
 
@@ -139,7 +140,7 @@ class Run:
             self.barrier()
             convert.save_hf(model, tmp, src_dir=self.args.hf_checkpoint)  # not a checkpoint pruning may remove
             if self.dp_rank == 0 or getattr(opt, "sharded", False):  # sharded: each DP rank its own
-                state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state()}
+                state = {"optimizer": optim.state_of(opt), "scheduler": sched.state_dict(), "rng": rng_state()}
                 torch.save(state, tmp / "train_state" / state_name(self, opt))
             self.barrier()
             if self.rank == 0:
@@ -235,7 +236,7 @@ class Run:
                              f"resumed at {self.tp}; resume at the same TP size")
         state = read_state(ckpt / "train_state" / state_name(self, opt),
                            lambda f: torch.load(f, weights_only=False))
-        opt.load_state_dict(state["optimizer"])
+        optim.load_state(opt, state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         if self.rank == 0:
