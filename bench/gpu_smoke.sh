@@ -68,6 +68,17 @@ check grpo_local_engine "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine l
 check grpo_local_engine_metrics metric "$DIR/grpo_local"
 check grpo_multi_turn "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine local --max-turns 3 --save "$DIR/grpo_multi"
 check grpo_multi_turn_metrics metric "$DIR/grpo_multi"
+# bf16 with fp32 master weights and gradients through megatron-core's DDP and distributed optimizer
+# (optim.megatron_optimizer), activation recompute (selective: Megatron's; full: model.py's chunks),
+# a checkpoint at step 2 resumed to the end
+BF16=(--bf16 --accumulate-allreduce-grads-in-fp32 --use-distributed-optimizer)
+check sft_bf16_distopt_selective "${TR[@]}" sft.py --hf-checkpoint "$DIR/tiny" --prompt-data "$DIR/data" \
+  --save "$DIR/sft_bf16" --global-batch-size 16 --lr 1e-4 --num-epoch 1 "${BF16[@]}" --recompute-granularity selective
+check grpo_bf16_distopt_full_recompute "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine local "${BF16[@]}" \
+  --recompute-granularity full --save "$DIR/grpo_bf16"
+check grpo_bf16_resume "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine local "${BF16[@]}" \
+  --recompute-granularity full --num-rollout 4 --save "$DIR/grpo_bf16" --load "$DIR/grpo_bf16"
+check grpo_bf16_metrics metric "$DIR/grpo_bf16"
 if "$PY" -c "import sglang" 2>/dev/null; then
   # stock SGLang on the same GPU as training: the memory saver releases it while training; weights
   # go over CUDA IPC (/update_weights_from_tensor, devices named by UUID), then by the disk
