@@ -232,6 +232,9 @@ class MegatronVLM(torch.nn.Module):
             self.language_model = GPTModel(
                 cfg, spec, vocab_size=self.padded_vocab, max_sequence_length=tc.max_position_embeddings,
                 share_embeddings_and_output_weights=self.tie, position_embedding_type="none")
+        self.routed = None  # MoE: (MoE layers, experts) tokens routed since the last expert_load()
+        for i, m in enumerate(x for x in self.language_model.modules() if type(x).__name__ == "TopKRouter"):
+            m.register_forward_hook(functools.partial(self._count_routes, i))
         # we embed, place the image features and scatter the sequence (SP) ourselves
         self.language_model.embedding.word_embeddings.reduce_scatter_embeddings = False
         self.visual = AutoModel.from_config(hf_config.vision_config)
@@ -247,6 +250,19 @@ class MegatronVLM(torch.nn.Module):
         d = int(self.head_dim * rp.get("partial_rotary_factor", 1.0))  # Megatron rotates the first d dims
         self.register_buffer("inv_freq", 1.0 / (rp["rope_theta"] ** (
             torch.arange(0, d, 2, dtype=torch.int64).float() / d)), persistent=False)
+
+    def _count_routes(self, i, module, inputs, out):
+        routing_map = out[1]  # (tokens, experts) bool: Megatron's TopKRouter.forward -> (probs, routing_map)
+        if self.routed is None:
+            n = sum(type(x).__name__ == "TopKRouter" for x in self.language_model.modules())
+            self.routed = torch.zeros(n, routing_map.shape[1], dtype=torch.float64, device=routing_map.device)
+        self.routed[i] += routing_map.sum(0).detach().double()
+
+    def expert_load(self):
+        """(MoE layers, experts) token counts routed by this rank since the last call (padding
+        included), then reset; None for a dense model or before any forward."""
+        out, self.routed = self.routed, None
+        return out
 
     def _rotary(self, pos):
         """(3, T) t/h/w positions -> (T, 1, 1, head_dim) angles in Megatron's rotate-half layout."""

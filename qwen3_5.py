@@ -27,8 +27,9 @@ from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 try:  # GPU kernels, used when importable on CUDA (requirements-gpu.txt)
-    from causal_conv1d import causal_conv1d_fn  # causal-conv1d 1.5: x (B, C, T), weight (C, K), seq_idx (B, T)
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # flash-linear-attention 0.3: varlen by cu_seqlens
+    from causal_conv1d import causal_conv1d_fn  # causal-conv1d 1.7.0: x (B, C, T), weight (C, K), seq_idx (B, T)
+    # flash-linear-attention 0.6.0, fla/ops/gated_delta_rule/chunk.py:397: q, k, v (B, T, H, D), varlen by cu_seqlens
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 except ImportError:
     causal_conv1d_fn = chunk_gated_delta_rule = None
 
@@ -169,7 +170,8 @@ class GatedDeltaNet(MegatronModule):
         """FLA's varlen chunked delta rule + causal-conv1d with per-sequence seq_idx (no state crosses cu)."""
         lens = cu[1:] - cu[:-1]
         seq_idx = torch.repeat_interleave(torch.arange(len(lens), device=qkv.device, dtype=torch.int32), lens)
-        x = causal_conv1d_fn(qkv.T[None].contiguous(), self.conv1d.weight[:, 0], None, seq_idx=seq_idx[None],
+        # seq_idx needs the channel-last layout: (1, conv, T) with stride 1 along conv
+        x = causal_conv1d_fn(qkv[None].transpose(1, 2), self.conv1d.weight[:, 0], None, seq_idx=seq_idx[None],
                              activation="silu")[0].T  # (T, conv)
         q, k, v = self._split(x)
         o, _ = chunk_gated_delta_rule(q[None].to(v.dtype), k[None].to(v.dtype), v[None], g[None], beta[None].float(),

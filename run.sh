@@ -17,6 +17,11 @@
 #       or ROLLOUT_GPUS=2 gives it 2 GPUs of its own on rank 0's node (NUM_GPUS - 2 train there).
 #       MAX_TOKENS: tokens per packed micro-batch (2048 fits a 2B model in fp32 on 80 GB: README).
 #       Several nodes: NNODES=2 NODE_RANK=<r> MASTER_ADDR=<host> on every node.
+#
+#   MODEL=Qwen/Qwen3.5-35B-A3B NUM_GPUS=8 MODE=single_turn bash run.sh
+#       Qwen3.5 MoE in the reference layout: TP=2 with sequence parallel, EP=8 (expert-TP 1), full
+#       recompute, alltoall dispatcher, fp32 router, no aux loss; TP, EP, DISPATCHER override them.
+#       Dense Qwen3.5 (0.8B-27B) takes TP as the other families (sequence parallel when TP > 1).
 #       Extra arguments go to train_grpo.py as they are (e.g. --sglang-mem-fraction-static 0.5).
 source "$(dirname "$0")/setup.sh"
 MODEL=${MODEL:-tiny}
@@ -68,7 +73,16 @@ if [[ ! -d "$MODEL" ]]; then  # a hub id: fetch it once (needs the network)
 fi
 family=$(.venv/bin/python -c "import json,sys; print(json.load(open(sys.argv[1] + '/config.json'))['model_type'])" "$MODEL") \
   || die "$MODEL has no readable config.json"
-[[ "$family" == qwen3_vl || "$family" == qwen2_5_vl ]] || die "model family '$family' is not supported (qwen3_vl, qwen2_5_vl)"
+[[ "$family" =~ ^(qwen3_vl|qwen2_5_vl|qwen3_5|qwen3_5_moe)$ ]] \
+  || die "model family '$family' is not supported (qwen3_vl, qwen2_5_vl, qwen3_5, qwen3_5_moe)"
+PARALLEL=(--tensor-model-parallel-size "${TP:-1}")
+if [[ "$family" == qwen3_5_moe ]]; then  # the reference layout on 8 GPUs
+  PARALLEL=(--tensor-model-parallel-size "${TP:-2}" --sequence-parallel --expert-model-parallel-size "${EP:-8}"
+            --moe-token-dispatcher-type "${DISPATCHER:-alltoall}" --moe-router-dtype fp32 --moe-aux-loss-coeff 0
+            --recompute-granularity full --recompute-method uniform --recompute-num-layers 1)
+elif [[ "$family" == qwen3_5 ]] && (( ${TP:-1} > 1 )); then
+  PARALLEL+=(--sequence-parallel)
+fi
 TURNS=1; TEMP=0.8
 [[ "$MODE" == multi_turn ]] && { TURNS=3; TEMP=1.0; }
 RUN=runs/${NAME:-geo3k-$MODE}
@@ -80,7 +94,7 @@ fi
 exec .venv/bin/torchrun --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \
     --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}" --nproc-per-node "$TRAIN_GPUS" \
   train_grpo.py --hf-checkpoint "$MODEL" --prompt-data "$DATA" --eval-prompt-data "$DATA" --eval-split test \
-    --save "$RUN" --load "$RUN" --rollout-engine sglang "${PLACE[@]}" --tensor-model-parallel-size "${TP:-1}" \
+    --save "$RUN" --load "$RUN" --rollout-engine sglang "${PLACE[@]}" "${PARALLEL[@]}" \
     --rollout-batch-size 64 --n-samples-per-prompt 8 --rollout-max-response-len 4096 \
     --rollout-temperature "$TEMP" --max-turns "$TURNS" --lr 1e-6 --eps-clip 0.2 --eps-clip-high 0.28 \
     --kl-loss-coef 0 --entropy-coef 0 --adam-beta1 0.9 --adam-beta2 0.98 --weight-decay 0.1 \

@@ -48,7 +48,10 @@ def batch_loss(model, run, items, max_tokens, backward):
     """Token-mean NLL of a global batch (this rank holds `items`); backward when asked."""
     n_tokens = T.global_sum(sum(int(it["mask"].sum()) for it in items), run)
     total = 0.0
-    for idx in T.pack([len(it["ids"]) for it in items], max_tokens):
+    for idx in T.pack_lockstep([len(it["ids"]) for it in items], max_tokens):
+        if not idx:  # another rank has more micro-batches: take part in the MoE collectives
+            T.idle([model], backward)
+            continue
         logp, _ = model(**T.micro_batch([items[i] for i in idx]))
         loss = -logp.sum() / n_tokens
         if backward:
@@ -94,7 +97,7 @@ def main(argv=None):
             loss, n_tokens = batch_loss(model, run, T.dp_shard(batch, run), args.max_tokens_per_gpu, True)
             stats = optim.optimizer_step(model, opt, sched, run, args)
         secs = timer.t["train"]
-        run.log(step + 1, {"loss": loss, **stats, "epoch": epoch, "tokens": n_tokens,
+        run.log(step + 1, {"loss": loss, **stats, **T.expert_load(model, run), "epoch": epoch, "tokens": n_tokens,
                            "tokens_per_s": n_tokens / secs, "step_s": secs})
         bar.set_postfix(loss=f"{loss:.4f}")
         if (args.eval_interval and (step + 1) % args.eval_interval == 0) or step + 1 == total:

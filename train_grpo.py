@@ -137,10 +137,13 @@ def policy_loss(model, ref, run, items, args, measure):
     n_tok = T.global_sum(sum(int(it["mask"].sum()) for it in items), run)
     n_seq = T.global_sum(len(items), run)
     stats = dict(loss=0.0, clipfrac=0.0, kl=0.0, entropy=0.0, diff_sum=0.0, diff_max=0.0)
-    bins = T.pack([len(it["ids"]) for it in items], args.max_tokens_per_gpu)
-    stats["packing_fill"] = sum(len(it["ids"]) for it in items) / max(1, len(bins) * args.max_tokens_per_gpu)
+    bins = T.pack_lockstep([len(it["ids"]) for it in items], args.max_tokens_per_gpu)
+    stats["packing_fill"] = sum(len(it["ids"]) for it in items) / max(1, sum(map(bool, bins)) * args.max_tokens_per_gpu)
     temp = args.rollout_temperature or 1.0  # logprobs under the distribution the engine sampled from
     for idx in bins:
+        if not idx:  # another rank has more micro-batches: take part in the MoE collectives
+            T.idle([model] + ([ref] if ref is not None else []), backward=True)
+            continue
         mb = [items[i] for i in idx]
         inputs = T.micro_batch(mb)
         logp, ent = model(**inputs, temperature=temp, with_entropy=True)
@@ -184,7 +187,10 @@ def policy_loss(model, ref, run, items, args, measure):
 
 def recompute_old(model, items, args):
     with torch.no_grad():
-        for idx in T.pack([len(it["ids"]) for it in items], args.max_tokens_per_gpu):
+        for idx in T.pack_lockstep([len(it["ids"]) for it in items], args.max_tokens_per_gpu):
+            if not idx:
+                T.idle([model], backward=False)
+                continue
             mb = [items[i] for i in idx]
             logp, _ = model(**T.micro_batch(mb), temperature=args.rollout_temperature or 1.0)
             for it, part in zip(mb, logp.cpu().split([len(it["old"]) for it in mb])):
@@ -272,7 +278,8 @@ def grpo_step(step, run, engine, processor, records, model, ref, opt, sched, arg
             engine.resume()
         sync_weights(model, engine, run)
     n_tok = sum(len(it["ids"]) for it in items)
-    metrics.update(stats, tokens=n_tok, rollout_s=timer.t["rollout"], train_s=timer.t["train"],
+    metrics.update(stats, **T.expert_load(model, run))
+    metrics.update(tokens=n_tok, rollout_s=timer.t["rollout"], train_s=timer.t["train"],
                    sync_s=timer.t["sync"], tokens_per_s=n_tok / max(1e-9, timer.t["train"]))
     run.log(step + 1, metrics)
     return metrics

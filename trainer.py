@@ -62,6 +62,14 @@ def add_train_args(p):
     a("--adam-beta2", type=float, default=0.98)
     a("--clip-grad", type=float, default=1.0, help="clip the global grad norm to this (0: off)")
     a("--tensor-model-parallel-size", type=int, default=1, help="Megatron TP size")
+    a("--sequence-parallel", action="store_true", help="split the sequence over TP ranks outside attention "
+      "(Megatron's; required for MoE with TP > 1)")
+    a("--expert-model-parallel-size", type=int, default=1, help="EP: MoE experts split over this many ranks "
+      "(expert-TP 1; expert-DP = world / EP)")
+    a("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall"],
+      help="how tokens reach their experts' ranks (alltoall: GPU only in megatron-core 0.16)")
+    a("--moe-router-dtype", default="fp32", choices=["fp32", "fp64"], help="router logits and softmax dtype")
+    a("--moe-aux-loss-coeff", type=float, default=0.0, help="load-balancing auxiliary loss weight (0: off)")
     a("--transformer-impl", default=None, choices=["transformer_engine", "local"],
       help="Megatron layer spec (default: transformer_engine on CUDA, an error if it cannot load; local on CPU)")
     a("--distributed-timeout-minutes", type=int, default=60,
@@ -85,7 +93,7 @@ class Run:
     def __init__(self, args, kind):
         self.args, self.kind = args, kind
         self.rank, self.world, self.device = parallel.init_distributed(
-            args.tensor_model_parallel_size, args.seed, args.distributed_timeout_minutes)
+            args.tensor_model_parallel_size, args.seed, args.distributed_timeout_minutes, args.expert_model_parallel_size)
         self.dp_rank, self.dp = parallel.dp_rank_size()
         self.tp_rank, self.tp = parallel.tp_rank_size()
         self.dp_group, self.tp_group = parallel.dp_group(), parallel.tp_group()
@@ -139,7 +147,9 @@ class Run:
                 (tmp / "train_state").mkdir(parents=True)
             self.barrier()
             convert.save_hf(model, tmp, src_dir=self.args.hf_checkpoint)  # not a checkpoint pruning may remove
-            if self.dp_rank == 0 or getattr(opt, "sharded", False):  # sharded: each DP rank its own
+            names = [None] * self.world  # ranks whose state_name is the same hold the same state:
+            dist.all_gather_object(names, state_name(self, opt))  # the first of them writes it
+            if names.index(names[self.rank]) == self.rank:
                 state = {"optimizer": optim.state_of(opt), "scheduler": sched.state_dict(), "rng": rng_state()}
                 torch.save(state, tmp / "train_state" / state_name(self, opt))
             self.barrier()
@@ -331,7 +341,8 @@ def state_name(run, opt):
     """This rank's train_state file: one per TP rank, or per (TP, DP) rank when the optimizer
     is sharded over DP (--use-distributed-optimizer: each rank saves only its shard)."""
     dp = f"_dp_{run.dp_rank:03d}" if getattr(opt, "sharded", False) else ""
-    return f"tp_{run.tp_rank:02d}{dp}.pt"
+    ep = f"_ep_{parallel.ep_rank():02d}" if parallel.ep_size() > 1 else ""  # MoE: each EP rank holds other experts
+    return f"tp_{run.tp_rank:02d}{ep}{dp}.pt"
 
 
 def rng_state():
@@ -393,6 +404,42 @@ def pack(lengths, max_tokens):
             bins.append([i])
             room.append(max_tokens - lengths[i])
     return [sorted(b) for b in bins]
+
+
+def pack_lockstep(lengths, max_tokens):
+    """pack(), plus empty micro-batches ([]) until every rank has as many as the busiest: with
+    expert parallelism each MoE layer runs collectives over ranks that hold different data, in
+    forward and backward, so all of them must run the same number of micro-batches (idle())."""
+    bins = pack(lengths, max_tokens)
+    if parallel.ep_size() > 1:
+        dev = "cuda" if torch.cuda.is_available() else "cpu"  # NCCL: the current device
+        n = parallel.all_reduce(torch.tensor(len(bins), device=dev), None, dist.ReduceOp.MAX)
+        bins += [[] for _ in range(int(n) - len(bins))]
+    return bins
+
+
+def idle(models, backward):
+    """An empty micro-batch's share of the EP collectives: each model's forward (and the first's
+    backward) on two pad tokens that score nothing, in the order a real micro-batch runs them."""
+    seq, mask = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.bool)
+    lp, _ = models[0]([seq], loss_masks=[mask])
+    with torch.no_grad():
+        for m in models[1:]:
+            m([seq], loss_masks=[mask])
+    if backward:
+        lp.sum().backward()  # zero gradients, but every layer's backward collectives run
+
+
+def expert_load(model, run):
+    """MoE metrics of the step: expert_load (each expert's share of routed tokens, mean over
+    layers, all ranks) and expert_load_max (the busiest expert's share x experts; 1.0 is even)."""
+    load = model.expert_load()
+    if load is None:
+        return {}
+    load = parallel.all_reduce(load, None)
+    share = load / load.sum(1, keepdim=True).clamp(min=1)  # (layers, experts)
+    return {"expert_load": [round(x, 4) for x in share.mean(0).tolist()],
+            "expert_load_max": round(float(share.max(1).values.mean() * share.shape[1]), 3)}
 
 
 def micro_batch(items):
