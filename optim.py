@@ -1,15 +1,9 @@
 """The optimizer: AdamW with its LR schedule, and one optimizer step over data/tensor parallel
-ranks (gradient reduction over DP, global-norm clipping over TP). sft.py and train_grpo.py call
-build_optimizer once and optimizer_step after each global batch's backward passes.
-
-Three paths, chosen at run time:
-- fp32 (default): torch AdamW on the model's parameters; gradients summed over DP here.
-- --bf16 and/or --use-distributed-optimizer on CPU: MasterAdamW below, the maths of Megatron's
-  mixed-precision and distributed optimizers in torch: fp32 master copies of this DP rank's
-  shard of the parameters (all of them without --use-distributed-optimizer), gradients
-  accumulated in fp32 (`main_grad`, as Megatron's DDP keeps them), AdamW on the shard, the
-  updated shards gathered back into the (bf16) model parameters.
-- the same flags on CUDA: megatron-core's own DDP (bucketed gradient buffers) and optimizer.
+ranks (gradients summed over DP, clipped by their global norm over TP). Three paths:
+- fp32 (default): torch AdamW on the model's parameters;
+- --bf16 / --use-distributed-optimizer on CPU: MasterAdamW, the maths of Megatron's mixed-precision
+  and distributed optimizers in torch (fp32 masters and Adam states of this DP rank's shard);
+- the same flags on CUDA: megatron-core's DDP and optimizer (megatron_optimizer).
 Parameters with `allreduce == False` (MoE experts, Megatron's mark) are never sharded here.
 """
 import math
@@ -60,13 +54,11 @@ def build_optimizer(model, args, total_steps):
 
 
 def megatron_optimizer(model, args):
-    """CUDA: megatron-core's DDP (gradients in contiguous fp32 buckets, `main_grad`, reduced per
-    bucket; distributed_data_parallel.py:420-445 adds each grad to main_grad) and its optimizer
-    (fp32 master weights; with --use-distributed-optimizer the master weights and Adam states are
-    sharded over DP: reduce-scatter of gradients, all-gather of parameters). The reduce is not
-    overlapped with backward: the set of parameters that get gradients changes between batches
-    (the vision tower on text-only batches), and the overlapped reduce asserts on a bucket whose
-    parameters did not all report ready (param_and_grad_buffer.py:524-535, megatron-core 0.16.1)."""
+    """CUDA: megatron-core's DDP (fp32 `main_grad` buckets, distributed_data_parallel.py:420-445)
+    and optimizer (fp32 masters; sharded over DP with --use-distributed-optimizer). The reduce is
+    not overlapped with backward: which parameters get gradients changes per batch (the vision
+    tower on text-only ones), and the overlapped reduce asserts when a bucket's parameters did
+    not all report ready (param_and_grad_buffer.py:524-535, megatron-core 0.16.1)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     for n, p in model.named_parameters():  # megatron's --decoupled-lr selects params by this mark
@@ -85,10 +77,8 @@ def megatron_optimizer(model, args):
 
 
 def state_of(opt):
-    """What a checkpoint holds of the optimizer (this rank's shard when sharded). Megatron's
-    distributed optimizer leaves its masters and Adam moments out of state_dict()
-    (distrib_optimizer.py:628-635, megatron-core 0.16.1): they are its inner torch optimizer's
-    state and parameters here, this DP rank's shard of them."""
+    """The optimizer's checkpoint state. Megatron's distributed optimizer leaves this rank's masters
+    and Adam moments out of state_dict() (distrib_optimizer.py:628-635): add its inner optimizer's."""
     if not hasattr(opt, "ddp") or not opt.sharded:
         return opt.state_dict()
     inner = opt.optimizer
@@ -101,17 +91,14 @@ def load_state(opt, state):
         return opt.load_state_dict(state)
     opt.load_state_dict(state["megatron"])
     opt.optimizer.load_state_dict(state["inner"])
-    with torch.no_grad():
-        for p, saved in zip([p for g in opt.optimizer.param_groups for p in g["params"]], state["masters"]):
-            p.copy_(saved)
+    for p, saved in zip([p for g in opt.optimizer.param_groups for p in g["params"]], state["masters"]):
+        p.data.copy_(saved)
 
 
 class MasterAdamW:
-    """fp32 master weights and AdamW for this DP rank's shard of the trainable parameters, on
-    torch (the CPU twin of Megatron's mixed-precision / distributed optimizer). The parameters
-    are laid end to end, in param_groups order, and cut into DP equal ranges (Megatron's
-    distributed optimizer cuts its gradient buffer likewise); a rank keeps masters and Adam
-    states for its range only, and gathers the others' updated ranges after each step."""
+    """fp32 masters and AdamW for this DP rank's shard: the parameters laid end to end (param_groups
+    order) and cut into DP equal ranges, as Megatron's distributed optimizer cuts its gradient
+    buffer; after each step the ranks' updated ranges are gathered into the model's parameters."""
 
     def __init__(self, groups, args):
         self.sharded = bool(args.use_distributed_optimizer)
@@ -139,11 +126,8 @@ class MasterAdamW:
             p.register_post_accumulate_grad_hook(_to_main_grad)
 
     @property
-    def param_groups(self):
+    def param_groups(self):  # the inner optimizer's (load_state_dict replaces its list)
         return self.inner.param_groups
-
-    def grads(self):
-        return [(p, p.main_grad) for p in self.params]
 
     def step(self):
         for p, a, b, m in self.pieces:
@@ -152,8 +136,7 @@ class MasterAdamW:
         self.publish()
 
     def publish(self):
-        """Masters -> model parameters: this rank's range, and the other ranks' by a sum of
-        disjoint ranges over DP (an all-gather that gloo and NCCL both run)."""
+        """Masters -> parameters: the ranks' disjoint ranges summed over DP, an all-gather in one call."""
         flat = torch.zeros(self.shard * self.dp, dtype=torch.float32, device=self.params[0].device)
         off, base = 0, self.dp_rank * self.shard
         for p, a, b, m in self.pieces:
@@ -170,7 +153,7 @@ class MasterAdamW:
                 p.data.view(-1).copy_(flat[off:off + p.numel()])
                 off += p.numel()
 
-    def zero_grad(self, set_to_none=True):
+    def zero_grad(self, set_to_none=True):  # main_grad stays allocated, as Megatron's buffers do
         for p in self.params:
             p.main_grad.zero_()
 
@@ -249,7 +232,7 @@ def optimizer_step(model, opt, sched, run, args):
         opt.zero_grad()
     else:
         if isinstance(opt, MasterAdamW):
-            grads = opt.grads()
+            grads = [(p, p.main_grad) for p in opt.params]
         else:
             params = [p for p in model.parameters() if p.requires_grad]
             for p in params:
