@@ -86,10 +86,8 @@ class ServerError(RuntimeError):
         try:
             obj = json.loads(self.body)
         except ValueError:
-            return self.body
-        if isinstance(obj, dict) and obj.get("message"):
-            return str(obj["message"])
-        return self.body
+            obj = None
+        return str(obj["message"]) if isinstance(obj, dict) and obj.get("message") else self.body
 
 
 # The launcher that arms PR_SET_PDEATHSIG (SIGKILL when the thread that started it dies) and
@@ -101,11 +99,8 @@ _LAUNCHER = str(Path(__file__).resolve().with_name("proc.py"))
 def read_image_token_id(hf_dir):
     """The checkpoint's image pad id (config.json `image_token_id`: 151655 for Qwen2.5/3-VL,
     248056 for Qwen3.5), or None for a checkpoint without images."""
-    cfg = json.loads((Path(hf_dir) / "config.json").read_text())
-    value = cfg.get("image_token_id")
-    if value is None:
-        return None
-    return int(value)
+    value = json.loads((Path(hf_dir) / "config.json").read_text()).get("image_token_id")
+    return None if value is None else int(value)
 
 
 def flag_value(args, names, default):
@@ -159,12 +154,7 @@ def serialize_tensors(named):
 
 def collapse_image_pads(ids, pad):
     """Each run of `pad` ids -> one `pad`: the form SGLang expands by itself."""
-    out = []
-    for t in ids:
-        if t == pad and out and out[-1] == pad:
-            continue
-        out.append(t)
-    return out
+    return [t for i, t in enumerate(ids) if not (t == pad and i and ids[i - 1] == pad)]
 
 
 def _shutdown_all():
