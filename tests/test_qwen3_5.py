@@ -282,3 +282,20 @@ def test_ep2_resume_equals_one_process_resume(tiny_ckpt, tmp_path):
     assert [m["step"] for m in runs["ep2"]] == [1, 2, 3, 4]
     for a, b in zip(runs["one"], runs["ep2"], strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"]
+
+
+@pytest.mark.slow
+def test_moe_sft_reads_the_picture_and_the_shuffled_control_does_not(tiny_ckpt, tmp_path):
+    """test_learning's SFT check on the tiny Qwen3.5-MoE: two epochs on the synthetic "how many
+    sides?" set. Measured (load ~13, 2 cores, 7.5 min a run): greedy accuracy 1.0, the shuffled-image
+    control 0.30 (chance 0.25); final losses 0.0004 and 0.19."""
+    import data
+    from test_learning import SFT, accuracy, finish, launch, shuffled_twin
+    real = data.write_synth(tmp_path / "data", 1024, n_test=64, seed=0, kinds=("sides",))
+    shuffled = shuffled_twin(real, tmp_path / "shuffled")
+    base = tiny_ckpt("qwen3_5_moe")
+    finish(launch("sft.py", tmp_path / "sft", "--hf-checkpoint", base, "--prompt-data", real, *SFT),
+           launch("sft.py", tmp_path / "sft_shuffled", "--hf-checkpoint", base, "--prompt-data", shuffled, *SFT))
+    got = accuracy(tmp_path / "sft" / "iter_0000128", real, tmp_path / "eval")
+    ctrl = accuracy(tmp_path / "sft_shuffled" / "iter_0000128", real, tmp_path / "eval_shuffled")
+    assert got >= 0.9 and ctrl <= 0.4, (got, ctrl)
