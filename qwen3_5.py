@@ -182,6 +182,9 @@ class GatedDeltaNet(MegatronModule):
 def block_spec(tc, te):
     """TransformerBlockSubmodules: one layer spec per `layer_types` entry, zero-centred norms."""
     moe = getattr(tc, "num_experts", None)
+    if moe and getattr(tc, "mlp_only_layers", None):  # released configs have []: every layer is MoE
+        raise ValueError(f"config.json text_config.mlp_only_layers {tc.mlp_only_layers}: dense layers in a MoE "
+                         "model are not supported")
     if te:  # Transformer Engine's norms are zero-centred by config (layernorm_zero_centered_gamma)
         base = specs.get_gpt_layer_with_transformer_engine_spec(num_experts=moe, moe_grouped_gemm=bool(moe),
                                                                 qk_layernorm=True)
