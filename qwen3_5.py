@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
+import attention
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import gpt_layer_specs as specs
 from megatron.core.transformer.module import MegatronModule
@@ -189,7 +190,7 @@ def block_spec(tc, te):
         base = specs.get_gpt_layer_with_transformer_engine_spec(num_experts=moe, moe_grouped_gemm=bool(moe),
                                                                 qk_layernorm=True)
     else:
-        base = specs.get_gpt_layer_local_spec(num_experts=moe, qk_layernorm=True, normalization="RMSNorm")
+        base = attention.local_layer_spec(num_experts=moe, qk_layernorm=True, normalization="RMSNorm")
         sub = base.submodules
         sub.input_layernorm = sub.pre_mlp_layernorm = ZeroCentredRMSNorm
         sub.self_attention.submodules.q_layernorm = sub.self_attention.submodules.k_layernorm = ZeroCentredRMSNorm

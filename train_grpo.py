@@ -161,7 +161,7 @@ def policy_loss(model, ref, run, items, args, measure):
         if args.tis_cap and "rollout_old" in mb[0]:  # truncated importance sampling: trainer / rollout
             roll = torch.cat([it["rollout_old"] for it in mb]).to(dev)
             pg = pg * torch.exp(old - roll).clamp(max=args.tis_cap)
-        loss_tok = pg - args.entropy_coef * ent
+        loss_tok = pg - args.entropy_coef * ent if args.entropy_coef else pg  # without: no entropy backward
         if ref is not None:
             with torch.no_grad():
                 ref_logp, _ = ref(**inputs, temperature=temp)

@@ -1,8 +1,5 @@
 """--bf16 (fp32 master weights, optim.MasterAdamW on CPU), --use-distributed-optimizer (Adam
 states sharded over DP) and --recompute-*: each checked against the plain fp32 path."""
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
