@@ -115,13 +115,18 @@ class LocalEngine(Engine):
         return n
 
 
+BLOCK = 1024  # vocabulary entries per block of the Sampler's two-level inverse-CDF draw
+
+
 class Sampler:
-    """A logits processor that draws each next token itself: an inverse-CDF draw (one uniform
-    number a row, searched in the cumulative sum of softmax(logits / T) after top-k / top-p; same
-    distribution as torch.multinomial), or argmax when T <= 0. It returns -inf everywhere but the
-    drawn token, so a greedy generate takes it, and a processor placed after it may still force
-    another. `logprobs[j]` (B,) = log_softmax(logits_j / T)[token j] from the raw logits (T = 1 when
-    greedy; before top-k / top-p, as SGLang reports them), whichever token was finally taken."""
+    """A logits processor that draws each next token itself, by inverse CDF: one uniform number
+    a row, located first among the cumulative masses of blocks of BLOCK tokens, then within the
+    chosen block (the same distribution as torch.multinomial over softmax(logits / T) after top-k /
+    top-p, without a cumulative sum over the whole vocabulary), or argmax when T <= 0. It returns
+    -inf everywhere but the drawn token, so a greedy generate takes it, and a processor placed
+    after it may still force another. `logprobs[j]` (B,) = log_softmax(logits_j / T)[token j] from
+    the raw logits (T = 1 when greedy; before top-k / top-p, as SGLang reports them), whichever
+    token was finally taken."""
 
     def __init__(self, temperature, top_p=1.0, top_k=-1):
         self.T, self.top_p, self.top_k = temperature, top_p, top_k
@@ -136,20 +141,45 @@ class Sampler:
     def __call__(self, input_ids, scores):                               # (B, L), (B, V) fp32
         import torch
         self.settle(input_ids[:, -1])
-        z = scores.float() / (self.T if self.T > 0 else 1.0)
-        # fp32 logsumexp: within ~1e-6 of fp64 where logits span tens of nats (fp32 log_softmax: ~1e-5)
-        self.prev = (z, torch.logsumexp(z, -1))
+        z = scores.float() / self.T if self.T > 0 and self.T != 1 else scores.float()
+        m = z.amax(-1, keepdim=True)
+        e = torch.exp(z - m)                                             # unnormalised softmax
+        mass = block_sums(e)                                             # (B, blocks), fp64
+        # log-sum-exp from fp64 sums of the blocks: ~1e-7 of fp64 where logits span tens of nats
+        self.prev = (z, m[:, 0] + mass.sum(-1).log().to(z.dtype))
         if self.T <= 0:
             pick = z.argmax(-1)
         else:
             if self.top_k > 0:
-                z = z.masked_fill(z < z.topk(min(self.top_k, z.shape[-1])).values[:, -1:], float("-inf"))
-            p = torch.softmax(z, -1)
+                e = e.masked_fill(z < z.topk(min(self.top_k, z.shape[-1])).values[:, -1:], 0.0)
             if self.top_p < 1.0:  # keep the fewest most likely tokens whose mass reaches top_p
-                sp, si = p.sort(-1, descending=True)
-                p = p.scatter(1, si, sp.masked_fill(sp.cumsum(-1) - sp >= self.top_p, 0.0))
-            # fp64 cumsum: in fp32 the sum near 1 has steps of 6e-8, 1% of a token's mass at V=152k
-            c = p.double().cumsum(-1)                                    # (B, V)
-            u = torch.rand(len(c), 1, dtype=c.dtype, device=c.device) * c[:, -1:]
-            pick = torch.searchsorted(c, u, right=True)[:, 0].clamp(max=c.shape[-1] - 1)
+                sp, si = e.sort(-1, descending=True)
+                e = e.scatter(1, si, sp.masked_fill(sp.cumsum(-1) - sp >= self.top_p * sp.sum(-1, keepdim=True), 0.0))
+            if self.top_k > 0 or self.top_p < 1.0:
+                mass = block_sums(e)
+            pick = draw(e, mass)
         return torch.full_like(scores, float("-inf")).scatter_(1, pick[:, None], 0.0)
+
+
+def block_sums(e):
+    """(B, V) -> (B, ceil(V / BLOCK)) fp64 sums of consecutive blocks of BLOCK entries."""
+    import torch
+    full = e.shape[1] // BLOCK * BLOCK
+    parts = [e[:, :full].reshape(len(e), -1, BLOCK).sum(-1)] + ([e[:, full:].sum(-1, keepdim=True)] if full < e.shape[1] else [])
+    return torch.cat(parts, 1).double()
+
+
+def draw(e, mass):
+    """One index a row of the nonnegative weights e (B, V), with probability e / sum(e); mass =
+    block_sums(e). fp64 cumulative sums: in fp32 a sum near 1 moves in steps of 6e-8."""
+    import torch
+    c = mass.cumsum(-1)                                                  # (B, blocks)
+    u = torch.rand(len(c), 1, dtype=c.dtype, device=c.device) * c[:, -1:]
+    blk = torch.searchsorted(c, u, right=True).clamp(max=c.shape[1] - 1)  # first block whose end passes u
+    u = u - (c.gather(1, blk) - mass.gather(1, blk))                     # what is left inside it
+    cols = blk * BLOCK + torch.arange(BLOCK, device=e.device)            # (B, BLOCK)
+    inside = cols < e.shape[1]
+    w = torch.where(inside, e.gather(1, cols.clamp(max=e.shape[1] - 1)), 0.0).double().cumsum(-1)
+    # rounding may leave u outside [0, the block's sum): keep it inside, on a token of mass > 0
+    u = torch.minimum(u.clamp(min=0.0), torch.nextafter(w[:, -1:], torch.zeros_like(w[:, -1:])))
+    return (blk * BLOCK + torch.searchsorted(w, u, right=True))[:, 0]

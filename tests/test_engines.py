@@ -43,14 +43,16 @@ def draw(sampler, logits, n=N):
     return out.argmax(-1)
 
 
+@pytest.mark.parametrize("block", [1024, 3])  # one block; or two full blocks and a tail of two
 @pytest.mark.parametrize("T,top_p,top_k", [(1.0, 1.0, -1), (0.7, 1.0, -1), (1.3, 1.0, 3), (1.0, 0.8, -1)])
-def test_sampler_frequencies(T, top_p, top_k):
+def test_sampler_frequencies(T, top_p, top_k, block, monkeypatch):
+    monkeypatch.setattr(engines, "BLOCK", block)
     torch.manual_seed(0)
     p = target(LOGITS, T, top_p, top_k)
     counts = torch.bincount(draw(engines.Sampler(T, top_p, top_k), LOGITS), minlength=len(LOGITS)).double()
     stat, df = chi2(counts, p)
     ref, _ = chi2(torch.bincount(torch.multinomial(p.float(), N, replacement=True), minlength=len(p)).double(), p)
-    print(f"T={T} top_p={top_p} top_k={top_k}: chi2 {stat:.1f} (torch.multinomial {ref:.1f}), df {df}")
+    print(f"T={T} top_p={top_p} top_k={top_k} block={block}: chi2 {stat:.1f} (torch.multinomial {ref:.1f}), df {df}")
     assert stat < CHI2_999[df]
 
 
