@@ -1,16 +1,14 @@
-"""model.py: the Megatron VLM (Megatron-core language model + Hugging Face vision tower) and its
-parity check against transformers. Weight conversion: convert.py; process groups: parallel.py.
+"""model.py: the Megatron VLM (Megatron-core GPTModel + Hugging Face vision tower) and its parity
+check against transformers. Weight conversion: convert.py; process groups: parallel.py.
 
     python model.py tiny --arch qwen3_vl --out ckpt/tiny                # tiny random checkpoint
     python model.py check --hf-checkpoint ckpt/tiny                     # Megatron vs transformers, TP=1
     torchrun --nproc_per_node 2 model.py check --hf-checkpoint DIR      # the same at TP=2 (TP = world)
 
-The language model is megatron.core's GPTModel (Transformer Engine's layer spec on CUDA, the local
-spec on CPU: --transformer-impl); the vision tower is transformers' own module, replicated on every TP
-rank. We use GPTModel's modules but run the decoder loop here: MRoPE angles are computed here
-(Megatron's MultimodalRotaryEmbedding has no Qwen3-VL interleaved layout) and Qwen3-VL's deepstack
-features are added to the first layers' outputs at image positions, as transformers does.
-Packed sequences: one row of T tokens, THD + cu_seqlens (TE's attention; attention.py's on CPU).
+We use GPTModel's modules but run the decoder loop here: MRoPE angles are computed here (Megatron's
+MultimodalRotaryEmbedding has no Qwen3-VL interleaved layout) and Qwen3-VL's deepstack features are
+added to the first layers' outputs at image positions, as transformers does. Packed sequences: one
+row of T tokens, THD + cu_seqlens (TE's attention; attention.py's on CPU).
 """
 import argparse
 import functools
@@ -32,9 +30,8 @@ from parallel import all_reduce as _all_reduce
 def rope_positions(hf_config, input_ids, image_grid_thw=None):
     """(3, T) MRoPE (t, h, w) position ids of one sequence (T,). Text tokens count up on all three
     axes; an image's merged tokens take (frame, row, column) offset by the position after the text
-    before it, and the text after it resumes at the image's largest position + 1. This is Qwen2-VL's
-    rule for images, as transformers' get_rope_index applies it (the logit-parity tests compare).
-    image_grid_thw: (n_images, 3) rows of this sequence's images, in order, or None."""
+    before it, and the text after it resumes at the image's largest position + 1 (Qwen2-VL's rule,
+    as transformers' get_rope_index applies it). image_grid_thw: (n_images, 3) of its images, or None."""
     merge = hf_config.vision_config.spatial_merge_size
     ids = input_ids.cpu().tolist()
     out = torch.empty(3, len(ids), dtype=torch.long)
@@ -55,8 +52,7 @@ def rope_positions(hf_config, input_ids, image_grid_thw=None):
 
 def image_tokens(image_grid_thw, merge_size):
     """[<|image_pad|> tokens of each image]: its (t, h, w) patch grid over merge_size**2 (the
-    processor writes that many pads, the vision tower returns that many features). The one place
-    this count lives: model.split_images and rollout.check_images use it."""
+    processor writes that many pads, the vision tower returns that many features)."""
     return [int(t * h * w) // merge_size ** 2 for t, h, w in image_grid_thw.tolist()]
 
 
@@ -198,18 +194,16 @@ class MegatronVLM(torch.nn.Module):
     """HF vision tower (.visual) + Megatron GPTModel (.language_model), on the current parallel state."""
 
     def __init__(self, hf_config, hf_dir, transformer_impl=None, options=None):
-        """options: the trainer's parallel/MoE flags (sequence_parallel, moe_token_dispatcher_type,
-        moe_router_dtype, moe_aux_loss_coeff); expert parallelism comes from the parallel state."""
+        """options: the trainer's flags (sequence_parallel, MoE, --recompute-*); EP comes from the parallel state."""
         super().__init__()
-        from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt import gpt_layer_specs as specs
         from megatron.core.transformer import TransformerConfig
         from transformers import AutoModel
         tc = hf_config.text_config
         self.hf_config, self.hf_dir = hf_config, Path(hf_dir)
-        self.tp, self.tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.tp_rank, self.tp = parallel.tp_rank_size()
+        self.tp_group = parallel.tp_group()
         self.head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
         self.groups, self.heads = tc.num_key_value_heads, tc.num_attention_heads
         self.vocab = tc.vocab_size
@@ -225,7 +219,7 @@ class MegatronVLM(torch.nn.Module):
             raise SystemExit("--recompute-granularity selective (Megatron's checkpointed core attention) "
                              "needs CUDA; on CPU use --recompute-granularity full")
         self.sp = bool(opts.get("sequence_parallel")) and self.tp > 1
-        self.ep = ps.get_expert_model_parallel_world_size()
+        self.ep = parallel.ep_size()
         if getattr(tc, "num_experts", None) and self.tp > 1 and not self.sp:
             raise SystemExit("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (Megatron's rule)")
         extra = dict(add_qkv_bias=not qwen3, qk_layernorm=qwen3, ffn_hidden_size=getattr(tc, "intermediate_size", 0))
@@ -307,9 +301,7 @@ class MegatronVLM(torch.nn.Module):
         m = self.tp if self.sp else 1
         n = -(-n // m) * m
         if self.ep > 1:
-            from megatron.core import parallel_state as ps
-            n = int(_all_reduce(torch.tensor(n, device=self.inv_freq.device), ps.get_expert_model_parallel_group(),
-                                dist.ReduceOp.MAX))
+            n = int(_all_reduce(torch.tensor(n, device=self.inv_freq.device), parallel.ep_group(), dist.ReduceOp.MAX))
         return n
 
     def _chunks(self):
@@ -405,8 +397,7 @@ class MegatronVLM(torch.nn.Module):
 
 def load_model(hf_dir, freeze_vit=False, transformer_impl=None, options=None):
     """MegatronVLM on the current parallel state (initialised if needed), weights from the HF
-    safetensors, each TP rank reading only its slices. Parameters are fp32, or bf16 with options["bf16"].
-    options: MegatronVLM's (sequence parallelism, MoE flags, --bf16, --recompute-*)."""
+    safetensors, each TP rank reading only its slices. Parameters are fp32, or bf16 with options["bf16"]."""
     from transformers import AutoConfig
     rank, _, device = parallel.init_distributed()
     model = MegatronVLM(AutoConfig.from_pretrained(hf_dir), hf_dir, transformer_impl, options)
