@@ -137,6 +137,32 @@ def test_grpo_learns_the_picture_from_chance_and_the_shuffled_control_does_not(w
     assert evals[-1] >= 0.8 > ctrl_evals[-1], (evals, ctrl_evals)
 
 
+def fast_grpo_check(ckpt, out, *flags, sft_timeout=900, grpo_timeout=1800):
+    """The fast check on the tiny checkpoint CKPT, runs under OUT, FLAGS added to every run: one SFT
+    epoch on shuffled 64-pixel pictures (the answer format only), then FAST_STEPS GRPO steps on the
+    right pictures and on the shuffled ones. Asserts that the reward rises off chance on the right
+    pictures and not on the shuffled ones; returns each GRPO run's step rows (real, shuffled)."""
+    import data
+    real = data.write_synth(out / "data", 512, n_test=8, seed=FAST_SEED, kinds=("sides",), size=64)
+    shuffled = shuffled_twin(real, out / "shuffled", seed=FAST_SEED)
+    finish(launch("sft.py", out / "sft", "--hf-checkpoint", ckpt, "--prompt-data", shuffled,
+                  "--seed", FAST_SEED, *FAST_SFT, *flags), timeout=sft_timeout)
+    common = ["--hf-checkpoint", out / "sft" / "iter_0000032", "--num-rollout", FAST_STEPS,
+              "--seed", FAST_SEED, *FAST_GRPO, *flags]
+    runs = out / "real", out / "shuffled_run"
+    finish(launch("train_grpo.py", runs[0], *common, "--prompt-data", real),
+           launch("train_grpo.py", runs[1], *common, "--prompt-data", shuffled), timeout=grpo_timeout)
+    rows = [[m for m in metrics(run) if "reward" in m] for run in runs]
+    got, ctrl = ([m["reward"] for m in r] for r in rows)
+    for name, xs in (("real", got), ("shuffled", ctrl)):
+        print(f"{name}: reward per 10 steps", [round(mean(xs[i:i + 10]), 3) for i in range(0, len(xs), 10)])
+    assert len(got) == len(ctrl) == FAST_STEPS
+    rise, ctrl_rise = mean(got[-10:]) - mean(got[:10]), mean(ctrl[-10:]) - mean(ctrl[:10])
+    assert rise >= 0.15 and mean(got[-10:]) >= mean(ctrl[-10:]) + 0.1, (got, ctrl)
+    assert ctrl_rise < 0.12, ctrl
+    return rows
+
+
 def test_grpo_reward_rises_from_a_picture_blind_start_and_the_shuffled_control_does_not(tiny_ckpt, tmp_path):
     """The fast learning check (~4 min on 2 cores): SFT on shuffled images teaches the answer
     format only; from there GRPO on the right images lifts the reward off chance (1 in 4) within
@@ -144,20 +170,4 @@ def test_grpo_reward_rises_from_a_picture_blind_start_and_the_shuffled_control_d
     first and last 10 steps): 0.21 -> 0.42, control 0.19 -> 0.20; GRPO seed 1 0.28 -> 0.47, a
     seed-1234 SFT 0.21 -> 0.57; controls rose at most 0.10. The reward leaves chance late (steps
     30-50), so the margins are small: the runs are deterministic for a given seed and machine."""
-    import data
-    real = data.write_synth(tmp_path / "data", 512, n_test=8, seed=FAST_SEED, kinds=("sides",), size=64)
-    shuffled = shuffled_twin(real, tmp_path / "shuffled", seed=FAST_SEED)
-    finish(launch("sft.py", tmp_path / "sft", "--hf-checkpoint", tiny_ckpt("qwen3_vl"), "--prompt-data", shuffled,
-                  "--seed", FAST_SEED, *FAST_SFT), timeout=900)
-    common = ["--hf-checkpoint", tmp_path / "sft" / "iter_0000032", "--num-rollout", FAST_STEPS,
-              "--seed", FAST_SEED, *FAST_GRPO]
-    runs = tmp_path / "real", tmp_path / "shuffled_run"
-    finish(launch("train_grpo.py", runs[0], *common, "--prompt-data", real),
-           launch("train_grpo.py", runs[1], *common, "--prompt-data", shuffled), timeout=1800)
-    got, ctrl = ([m["reward"] for m in metrics(run) if "reward" in m] for run in runs)
-    for name, xs in (("real", got), ("shuffled", ctrl)):
-        print(f"{name}: reward per 10 steps", [round(mean(xs[i:i + 10]), 3) for i in range(0, len(xs), 10)])
-    assert len(got) == len(ctrl) == FAST_STEPS
-    rise, ctrl_rise = mean(got[-10:]) - mean(got[:10]), mean(ctrl[-10:]) - mean(ctrl[:10])
-    assert rise >= 0.15 and mean(got[-10:]) >= mean(ctrl[-10:]) + 0.1, (got, ctrl)
-    assert ctrl_rise < 0.12, ctrl
+    fast_grpo_check(tiny_ckpt("qwen3_vl"), tmp_path)

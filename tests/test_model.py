@@ -20,6 +20,9 @@ import parallel
 from _model_tp_worker import grad_errors
 
 ARCHS = ["qwen3_vl", "qwen2_5_vl"]
+# Qwen3.5's logits are checked here too; its other checks (gradients with their own tolerances,
+# TP/SP/EP, Gated DeltaNet) are in test_qwen3_5.py.
+QWEN3_5 = ["qwen3_5", "qwen3_5_moe"]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +47,7 @@ def source_tensors(d):
     return {n: safe_open(f, "pt").get_tensor(n) for n, f in files.items()}
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + QWEN3_5)
 def test_logits_match_transformers(setup, arch):
     d, model, hf, (seqs, pv, grid) = setup(arch)
     assert len(seqs) >= 3 and len(grid) == 3 and len({tuple(g) for g in grid.tolist()}) == 2
