@@ -1,48 +1,35 @@
-"""SGLangEngine: a stock `python -m sglang.launch_server` subprocess driven over HTTP (rank 0).
+"""SGLangEngine: a stock `python -m sglang.launch_server` subprocess driven over HTTP (rank 0 only).
 
     engine = SGLangEngine(hf_dir, run_dir, server_args=["--mem-fraction-static", "0.5"])
-    outs = engine.generate([{"input_ids": ids, "images": [pil]}], sampling)   # rollout.Engine API
+    outs = engine.generate([{"input_ids": ids, "images": [pil]}], sampling)   # engines.Engine API
     engine.release(); ...train...; engine.resume(); engine.update_weights(buckets); engine.shutdown()
 
-Protocol: stock SGLang, no fork. POST /generate with "input_ids", images as data URIs and
-"return_logprob"; ids and logprobs come from meta_info.output_token_logprobs. The rollout keeps
-each image's placeholder EXPANDED to its grid's count, but SGLang wants ONE image pad per image
-and expands it itself (sglang 0.5.23 multimodal/processors/base_processor.py:586 build_input_ids;
-an expanded run makes it index past the image grids: HTTP 500 IndexError). So each run of image
-pads is collapsed to one pad here, and the server's meta_info.prompt_tokens (its own expansion)
-is returned for the rollout to check against the expanded length it holds.
+POST /generate with "input_ids", images as data URIs and "return_logprob". SGLang wants ONE image
+pad per image and expands it itself (sglang 0.5.23 multimodal/processors/base_processor.py:586
+build_input_ids; an expanded run makes it index past the image grids: HTTP 500 IndexError), so each
+run of pads is collapsed here, and the server's meta_info.prompt_tokens (its own expansion) is
+returned for the rollout to check against the expanded length it holds.
 
-Weight sync, three ways (`weight_sync`), each bucket of (HF name, full tensor) cast to the
-server's dtype:
-- "tensor" (colocated): POST /update_weights_from_tensor with the bucket pickled as SGLang's
-  MultiprocessingSerializer pickles it (ForkingPickler, base64; utils/common.py:3060), one copy
-  per server TP rank: CUDA tensors travel as IPC handles (the server copies from our memory; the
-  device named by its UUID, which utils/patch_torch.py:80 maps to the server's own numbering),
-  CPU tensors as /dev/shm files (sharing strategy file_system: the server is no child of ours).
-- "distributed" (server on GPUs of its own): a process group with the server
-  (/init_weights_update_group, NCCL on GPU, gloo on CPU) and per bucket
-  /update_weights_from_distributed (names, dtypes, shapes) while we broadcast the tensors in order.
-- "disk": the buckets become safetensors shards in <run_dir>/weights/a or /b in turn (never the
-  folder a restart would load) next to the checkpoint's config files, then
-  /update_weights_from_disk (which flushes the cache itself, io_struct.py:1970).
-The first two run inside /begin_weight_update ... /end_weight_update (sglang 0.5.23 refuses them
-outside that session: scheduler_components/weight_updater.py:192, 234) with flush_cache off and
-one /flush_cache at the end. A refused load answers HTTP 400 {"success": false, "message"},
-raised here with the message. A server restarted after a crash comes back with the weights it
-was started from (the disk path: the last synced folder); in the other modes the rollouts it
-serves until the next sync are failed as stale, never trained on.
+Weight sync (`weight_sync`; README, "Where SGLang runs"), buckets cast to the server's dtype:
+- "tensor": /update_weights_from_tensor, pickled as SGLang's MultiprocessingSerializer does
+  (utils/common.py:3060), one copy per server TP rank: CUDA tensors as IPC handles naming the
+  device by UUID (utils/patch_torch.py:80), CPU tensors as /dev/shm files.
+- "distributed": /init_weights_update_group, then per bucket /update_weights_from_distributed
+  while we broadcast its tensors in order.
+- "disk": safetensors in <run_dir>/weights/a or /b in turn (never the folder a restart would
+  load), then /update_weights_from_disk (which flushes the cache itself, io_struct.py:1970).
+The first two run inside /begin_weight_update ... /end_weight_update (refused outside it:
+scheduler_components/weight_updater.py:192, 234) with flush_cache off and one /flush_cache at the
+end. A refused load (HTTP 400 {"success": false, "message"}) raises with the message. A server
+restarted after a crash has the weights it was started from: in those two modes its answers are
+failed as stale until the next sync.
 
-Process hygiene: the server leads its own process group, logging to <run_dir>/sglang.log;
-shutdown(), atexit and SIGINT/SIGTERM handlers send the group SIGTERM, then SIGKILL after a
-grace period (proc.kill_group), and PR_SET_PDEATHSIG covers a SIGKILLed trainer: the server is
-started through `python proc.py <our pid> cmd...`, which arms it and execs the server (create
-the engine in the main thread: the signal follows the thread that started the server). Nothing
-is killed by name. A dead server is restarted (from the latest synced weights) and the requests
-in flight retried; an HTTP error on one request fails only that sample. Call on rank 0 only.
-`env` adds variables to the server's environment (CUDA_VISIBLE_DEVICES for a server on its own
-GPUs). release()/resume() (POST /release_memory_occupation, /resume_memory_occupation; body
-ReleaseMemoryOccupationReqInput / ResumeMemoryOccupationReqInput, io_struct.py:2177/2187, whose
-only field `tags` we leave unset = all memory) need --sglang-enable-memory-saver.
+The server leads its own process group and logs to <run_dir>/sglang.log. It is started through
+`python proc.py <our pid> cmd...`, which arms PR_SET_PDEATHSIG (create the engine in the main
+thread: the signal follows the thread that started it); shutdown(), atexit and SIGINT/SIGTERM end
+the group (proc.kill_group). A dead server is restarted and the requests in flight retried; an
+HTTP error fails only its sample. release()/resume() (io_struct.py:2177/2187, `tags` unset = all
+memory) need --sglang-enable-memory-saver.
 """
 import atexit
 import http.client
@@ -90,10 +77,7 @@ class ServerError(RuntimeError):
         return str(obj["message"]) if isinstance(obj, dict) and obj.get("message") else self.body
 
 
-# The launcher that arms PR_SET_PDEATHSIG (SIGKILL when the thread that started it dies) and
-# execs the server. SGLang's own subprocesses arm it too, so even a SIGKILLed trainer (OOM)
-# leaves no server behind.
-_LAUNCHER = str(Path(__file__).resolve().with_name("proc.py"))
+_LAUNCHER = str(Path(__file__).resolve().with_name("proc.py"))  # SGLang's own children arm PDEATHSIG too
 
 
 def read_image_token_id(hf_dir):
@@ -186,10 +170,8 @@ class SGLangEngine(Engine):
     def __init__(self, hf_dir, run_dir, server_args=(), timeout=900.0, launch_cmd=None,
                  weights_dir=None, max_restarts=3, max_inflight=256, request_timeout=3600.0, env=None,
                  config_dir=None, weight_sync="disk"):
-        # hf_dir: the weights the server starts from; config_dir (default hf_dir): where the
-        # config, tokenizer and processor files of each synced folder are copied from. A resumed
-        # run starts from a checkpoint that --save-keep may later remove, so it passes its
-        # --hf-checkpoint here.
+        # hf_dir: the weights the server starts from; config_dir (default hf_dir): where synced folders'
+        # config and tokenizer files come from (a resumed run's checkpoint may be pruned by --save-keep)
         self.model_path = str(hf_dir)
         self.hf_dir = str(config_dir or hf_dir)
         self.image_pad = read_image_token_id(hf_dir)
@@ -231,10 +213,7 @@ class SGLangEngine(Engine):
                "--port", str(self.port), *self.server_args]
         if sys.platform == "linux":
             cmd = [sys.executable, _LAUNCHER, str(os.getpid()), *cmd]
-        env = None  # inherit ours as it is
-        if self.env:
-            env = dict(os.environ)
-            env.update({k: str(v) for k, v in self.env.items()})
+        env = dict(os.environ, **{k: str(v) for k, v in self.env.items()}) if self.env else None
         with open(self.log_path, "ab") as log:
             extra = " ".join(f"{k}={v}" for k, v in self.env.items())
             log.write(f"\n=== {time.strftime('%H:%M:%S')} starting: {extra} {' '.join(cmd)}\n".encode())
