@@ -70,7 +70,7 @@ def main(argv=None):
     train = [encode(processor, r) for r in T.load_data(args, **fit)]
     evals = [encode(processor, r) for r in T.load_data(args, evaluation=True, **fit)]
 
-    ckpt = run.resume_dir()
+    ckpt = run.ckpt
     model = M.load_model(ckpt or args.hf_checkpoint, args.freeze_vit, args.transformer_impl, vars(args))
     per_epoch = math.ceil(len(train) / args.global_batch_size)
     total = per_epoch * args.num_epoch
@@ -84,7 +84,6 @@ def main(argv=None):
                 loss, _ = batch_loss(model, run, T.dp_shard(evals, run), args.max_tokens_per_gpu, False)
             model.train()
             run.log(step, {"eval_loss": loss})
-            return loss
 
     bar = tqdm(range(start, total), desc="sft", disable=run.rank != 0, initial=start, total=total)
     model.train()

@@ -12,13 +12,10 @@
     python train_grpo.py ... --max-turns 3
     # unknown `--sglang-<name> <value>` flags go to the SGLang server as `--<name> <value>`
 
-One step: rank 0 samples --n-samples-per-prompt responses for each of --rollout-batch-size
-prompts and scores them; advantages are normalised within each group, (r - mean) / (std +
-eps) (`--advantage-estimator grpo`) or r - mean (`dr_grpo`), and a group whose rewards are
-all equal gets exactly 0. Samples go to every rank, are packed by --max-tokens-per-gpu and
-trained with the PPO-clip loss (asymmetric clip: --eps-clip / --eps-clip-high), optional KL
-to a frozen reference and an entropy bonus. Old logprobs are the rollout engine's own (the
-weights that sampled them), unless --recompute-logprobs. Then the weights go to the engine.
+One step (README, "The algorithm"): rank 0 samples and scores --n-samples-per-prompt responses to
+each of --rollout-batch-size prompts; every rank trains on them with the PPO-clip loss. Unlike
+textbook GRPO: a group of equal rewards gets exactly 0 advantage, the clip is asymmetric
+(--eps-clip / --eps-clip-high), and old logprobs are the engine's own unless --recompute-logprobs.
 """
 import argparse
 import copy
@@ -229,7 +226,8 @@ def rollout_step(step, run, engine, processor, records, args):
             reasons = sorted({s.fail_reason or s.status for s in samples if s.status != "completed"})
             print(f"[grpo] step {step + 1}: no trainable sample among {len(samples)} "
                   f"({', '.join(reasons[:3]) or 'no response tokens'}): update skipped", flush=True)
-    T.broadcast_objects(payload, run)
+    if run.world > 1:
+        torch.distributed.broadcast_object_list(payload, src=0)
     items, metrics = payload[0]
     random.Random(args.seed + step).shuffle(items)
     return items, metrics
@@ -289,7 +287,7 @@ def main(argv=None):
     args = parse_args(argv)
     run = T.Run(args, "grpo")
     processor = AutoProcessor.from_pretrained(args.hf_checkpoint)
-    ckpt = run.resume_dir()
+    ckpt = run.ckpt
     model = M.load_model(ckpt or args.hf_checkpoint, args.freeze_vit, args.transformer_impl, vars(args))
     ref = None
     if args.kl_loss_coef:
@@ -326,11 +324,8 @@ COLOCATE_MEM_FRACTION = 0.4  # SGLang's share of each GPU when it shares them wi
 
 
 def sglang_placement(args, cuda, n_gpus, local_world, visible=None):
-    """-> (server flags, server environment): which GPUs the SGLang server gets. --colocate: this
-    node's training GPUs, with SGLang's memory saver (release/resume around training) and a
-    default --mem-fraction-static; --rollout-num-gpus N: the N GPUs after the training ones, never
-    a training GPU. Server TP = its GPU count unless --sglang-tp-size/--sglang-dp-size say
-    otherwise. On CPU (the test harness) the server runs where it is started."""
+    """-> (server flags, server environment): the GPUs the SGLang server gets (README, "Where SGLang
+    runs"). On CPU (the test harness) the server runs where it is started."""
     flags = list(args.sglang_args)
     if not cuda:
         return flags, {}
@@ -355,7 +350,7 @@ def sglang_placement(args, cuda, n_gpus, local_world, visible=None):
     return flags, {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
 
 
-def make_engine(args, hf_dir, run_dir, processor=None):
+def make_engine(args, hf_dir, run_dir):
     """The engine --rollout-engine names; auto = SGLang if importable and CUDA is present."""
     cuda = torch.cuda.is_available()
     kind = args.rollout_engine
@@ -365,7 +360,7 @@ def make_engine(args, hf_dir, run_dir, processor=None):
         if args.sglang_args:
             raise SystemExit(f"{' '.join(args.sglang_args)}: SGLang flags, but the rollout engine is local "
                              "(--rollout-engine sglang to use them)")
-        return engines.LocalEngine(hf_dir, "cuda" if cuda else "cpu", processor=processor)
+        return engines.LocalEngine(hf_dir, "cuda" if cuda else "cpu")
     flags, env = sglang_placement(args, cuda, torch.cuda.device_count() if cuda else 0,
                                   int(os.environ.get("LOCAL_WORLD_SIZE", 1)), os.environ.get("CUDA_VISIBLE_DEVICES"))
     if cuda and torch.cuda.get_device_capability()[0] >= 10 and "--mm-attention-backend" not in flags:

@@ -1,9 +1,5 @@
-"""Training plumbing shared by sft.py and train_grpo.py: flags, packing by token budget, sums
-over data-parallel ranks, metrics, and atomic checkpoints (Hugging Face weights + optimizer,
-RNG and data position). The optimizer and its step are in optim.py.
-
-Nothing here is run directly; both entry points import it.
-"""
+"""Training plumbing shared by sft.py and train_grpo.py: flags, packing by token budget, sums over
+data-parallel ranks, metrics, and atomic checkpoints (HF weights + optimizer, RNG, data position)."""
 import contextlib
 import fcntl
 import importlib
@@ -104,7 +100,7 @@ class Run:
         if self.rank == 0:
             self.save.mkdir(parents=True, exist_ok=True)
             self.lock = lock_folder(self.save)
-        self.ckpt = self.find_checkpoint()
+        self.ckpt = self.find_checkpoint()  # the checkpoint to resume from, or None: a fresh start
         if self.rank == 0 and self.ckpt is None:
             self.start_fresh()
         if self.rank == 0:
@@ -134,11 +130,10 @@ class Run:
             dist.barrier()
 
     # ---------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, model, opt, sched, step, extra=None):
+    def save_checkpoint(self, model, opt, sched, step):
         """<save>/iter_NNNNNNN: HF weights (loadable as they are) + train_state/, written under a
-        temporary name and renamed, so a half-written checkpoint is never visible. Optimizer
-        state is the same on every DP rank of a TP rank: DP rank 0 of each writes tp_RR.pt.
-        Then all but the newest --save-keep checkpoints are removed."""
+        temporary name and renamed, so a half-written checkpoint is never visible; then all but
+        the newest --save-keep checkpoints are removed."""
         name = f"iter_{step:07d}"
         tmp, final = self.save / f".tmp_{name}", self.save / name
         try:
@@ -154,7 +149,7 @@ class Run:
                 torch.save(state, tmp / "train_state" / state_name(self, opt))
             self.barrier()
             if self.rank == 0:
-                (tmp / "train_state" / "meta.json").write_text(json.dumps({"step": step, "tp": self.tp, **(extra or {})}))
+                (tmp / "train_state" / "meta.json").write_text(json.dumps({"step": step, "tp": self.tp}))
                 shutil.rmtree(final, ignore_errors=True)
                 os.replace(tmp, final)
                 atomic_write(self.save / "latest", name)
@@ -165,26 +160,18 @@ class Run:
                              f"checkpoint. Free space in --save and resume with --load {self.save}") from None
         if self.rank == 0:
             print(f"[run] saved checkpoint {final}", flush=True)
-            self.prune_checkpoints()
+            done = sorted(p for p in self.save.glob("iter_*") if (p / "train_state" / "meta.json").exists())
+            if self.args.save_keep > 0:
+                for old in done[:-self.args.save_keep]:
+                    shutil.rmtree(old, ignore_errors=True)
         self.barrier()
         return final
-
-    def prune_checkpoints(self):
-        keep = self.args.save_keep
-        done = sorted(p for p in self.save.glob("iter_*") if (p / "train_state" / "meta.json").exists())
-        if keep > 0:
-            for old in done[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
 
     def maybe_save(self, model, opt, sched, step, total):
         """Every --save-interval steps, and always after the last."""
         periodic = self.args.save_interval and step % self.args.save_interval == 0
         if periodic or step == total:
             self.save_checkpoint(model, opt, sched, step)
-
-    def resume_dir(self):
-        """The checkpoint folder to resume from (or None: a fresh start)."""
-        return self.ckpt
 
     def find_checkpoint(self):
         """The checkpoint --load points at: its `latest`, else (latest lost) its newest complete
@@ -280,14 +267,15 @@ def load_data(args, evaluation=False, verbose=True, measure=None, limit=None):
     return records[:args.eval_samples] if evaluation else records
 
 
-# flag -> (lowest value, why): checked at parse time, so a bad value fails before any work
+# flag -> lowest value: checked at parse time, so a bad value fails before any work
 POSITIVE = {"rollout_batch_size": 1, "n_samples_per_prompt": 1, "global_batch_size": 1, "max_tokens_per_gpu": 1,
             "tensor_model_parallel_size": 1, "num_epoch": 1, "rollout_max_response_len": 1,
             "max_context_len": 2, "max_turns": 1, "num_rollout": 0, "save_interval": 0, "save_keep": 0,
             "eval_interval": 0, "eval_samples": 0, "lr_warmup_iters": 0, "lr": 0, "min_lr": 0, "clip_grad": 0,
             "weight_decay": 0, "rollout_temperature": 0, "eps_clip": 0, "eps_clip_high": 0,
             "kl_loss_coef": 0, "entropy_coef": 0, "tis_cap": 0, "rollout_num_gpus": 0,
-            "distributed_timeout_minutes": 1, "sglang_server_timeout": 1, "dynamic_sampling_max_prompts": 1}
+            "distributed_timeout_minutes": 1, "sglang_server_timeout": 1, "dynamic_sampling_max_prompts": 1,
+            "decoupled_lr": 0}
 FRACTIONS = ("max_bad_frac", "adam_beta1", "adam_beta2", "rollout_top_p")  # in [0, 1]
 
 
@@ -301,8 +289,6 @@ def check_args(p, args):
         v = getattr(args, name, None)
         if v is not None and not 0 <= v <= 1:
             p.error(f"--{name.replace('_', '-')} {v}: must be in [0, 1]")
-    if getattr(args, "decoupled_lr", None) is not None and not args.decoupled_lr >= 0:
-        p.error(f"--decoupled-lr {args.decoupled_lr}: must be >= 0")
     return args
 
 
@@ -380,12 +366,6 @@ def global_sum(value, run, op=dist.ReduceOp.SUM):
     The tensor lives on run.device: NCCL has no CPU tensors."""
     t = torch.tensor(float(value), dtype=torch.float64, device=run.device)
     return parallel.all_reduce(t, run.dp_group, op).item()
-
-
-def broadcast_objects(objs, run):
-    """Rank 0's list of picklable objects to every rank, in place."""
-    if run.world > 1:
-        dist.broadcast_object_list(objs, src=0)
 
 
 # -------------------------------------------------------------------- packing
