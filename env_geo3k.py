@@ -5,20 +5,13 @@
     obs, done, info = env.step(response)    # run the last <tool_call> of the response
     message = env.format_observation(obs)   # {"role": "tool", "content": [image..., text]}
 
-Tests: `.venv/bin/pytest tests/test_env.py -q`.
-
 A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in strict JSON, as Qwen2.5-VL
-and Qwen3-VL write it, or Qwen3.5's XML form `<tool_call>\n<function=NAME>\n<parameter=K>\nV\n
-</parameter>\n</function>\n</tool_call>` (V is text for a string parameter, else JSON). Tools are
-plain functions `(env, arguments) -> (text, images, score)` that raise ToolError on bad arguments;
-a fork adds a tool with one function, one TOOLS entry and one TOOL_SPECS entry (the JSON-schema
-spec chat templates render as `tools=`; the docstring's first line is the usage shown to the model
-on errors and in prompts of templates without tools). Nothing the model writes is evaluated or
-executed: arguments are parsed as JSON or text and checked as data.
-Options read from args: max_turns (required), oracle (default True; False makes calc_score
-only record the answer, as evaluation must: an oracle tool inflates multi-turn accuracy),
-rm_type ("math"), min_pixels (crop area floor, default 56*56), max_payload (4096 chars).
-On the turn before the last, every observation tells the model its next answer is final.
+and Qwen3-VL write it, or Qwen3.5's XML form (parse_xml). A tool is a function (README, "Adding a
+tool") with a TOOLS entry and a TOOL_SPECS entry (the JSON-schema spec templates render as
+`tools=`). Nothing the model writes is evaluated or executed: arguments are checked as data.
+Options read from args: max_turns (required), oracle (default True; False makes calc_score only
+record the answer, as evaluation must: an oracle tool inflates multi-turn accuracy), rm_type
+("math"), min_pixels (crop area floor, default 56*56), max_payload (4096 chars).
 """
 import json
 import math
@@ -149,10 +142,6 @@ def _field(sample, name):  # sample: a dict, an object or None
     return sample.get(name) if isinstance(sample, dict) else getattr(sample, name, None)
 
 
-def _reject_constant(name):
-    raise ValueError(f"{name} is not valid JSON")
-
-
 class Geo3kEnv:
     def __init__(self, label, images, max_turns, oracle=True, rm_type="math",
                  min_pixels=MIN_SIDE * MIN_SIDE, max_payload=4096):
@@ -181,7 +170,7 @@ class Geo3kEnv:
         if payload.startswith("<function="):
             return self.parse_xml(payload, info)
         try:
-            call = json.loads(payload, parse_constant=_reject_constant)
+            call = json.loads(payload, parse_constant=reward.reject_constant)
         except (ValueError, RecursionError) as e:
             reason = str(e) if isinstance(e, ValueError) else "nested too deeply"
             raise ToolError(f"invalid JSON in tool call ({reason}); use double quotes, no trailing "
@@ -224,7 +213,7 @@ class Geo3kEnv:
             arguments[key] = raw
             if _param_type(name, key) != "string":
                 try:
-                    arguments[key] = json.loads(raw, parse_constant=_reject_constant)
+                    arguments[key] = json.loads(raw, parse_constant=reward.reject_constant)
                 except (ValueError, RecursionError):
                     pass
             pos = p.end()

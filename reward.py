@@ -4,7 +4,6 @@
     r = get_reward_fn("geo3k")(response, "5 \\sqrt { 3 }")       # 1.0 or 0.0, never raises
     rs = batch_rewards(responses, labels, rm_type="math")        # process pool for big batches
 
-Tests: `.venv/bin/pytest -q tests/test_reward.py`. Speed: `.venv/bin/python bench/reward_bench.py`.
 Rewards are exactly 0.0 or 1.0, so a group of equal rewards gets an advantage of exactly 0;
 format_ok is a metric and is deliberately not mixed into the reward.
 """
@@ -18,6 +17,7 @@ import math
 import multiprocessing as mp
 import os
 import re
+import signal
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -25,6 +25,8 @@ from contextlib import contextmanager, suppress
 
 import sympy
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+import proc
 
 # We disable math-verify's own timeouts (signals: main thread only) and bound time ourselves,
 # so its once-per-process "timeout is disabled" warning is noise.
@@ -218,7 +220,7 @@ def geo3k_reward(response, label, tol=0.05):
     return _score(response, label, tol)
 
 
-def _no_constant(name):
+def reject_constant(name):  # json's parse_constant: NaN / Infinity are not JSON
     raise ValueError(f"{name} is not valid JSON")
 
 
@@ -230,7 +232,7 @@ def format_ok(response):
         if response.count("<tool_call>") != len(calls) or response.count("</tool_call>") != len(calls):
             return False  # an unclosed or stray tag is broken syntax
         for body in calls:
-            call = json.loads(body, parse_constant=_no_constant)  # strict: no NaN/Infinity
+            call = json.loads(body, parse_constant=reject_constant)  # strict: no NaN/Infinity
             if not (isinstance(call, dict) and isinstance(call.get("name"), str)
                     and isinstance(call.get("arguments"), dict)):
                 return False
@@ -261,16 +263,6 @@ def _score_chunk(rm_type, responses, labels):
     return [fn(r, l) for r, l in zip(responses, labels)]
 
 
-def _die_with_parent(parent):
-    """Pool worker start-up: the kernel sends SIGTERM when the trainer dies, even by SIGKILL
-    (Linux PR_SET_PDEATHSIG, armed for the thread that created the pool); without it idle
-    workers outlive a killed trainer. Elsewhere this is a no-op. A worker whose trainer died
-    before the arming exits at once (proc.die_with_parent checks the parent pid)."""
-    import signal
-    import proc
-    proc.die_with_parent(signal.SIGTERM, parent)
-
-
 _POOLS = {}  # workers -> ProcessPoolExecutor, kept alive: a worker pays sympy's import once
 
 
@@ -292,9 +284,11 @@ def batch_rewards(responses, labels, rm_type="math", workers=None, min_parallel=
     step = -(-len(responses) // (4 * workers))  # 4 chunks a worker evens out slow answers
     spans = [(i, i + step) for i in range(0, len(responses), step)]
     try:
-        if workers not in _POOLS:  # spawn, not fork: forking the trainer's threads can deadlock
+        if workers not in _POOLS:  # spawn, not fork: forking the trainer's threads can deadlock;
+            # each worker gets SIGTERM when the trainer dies, SIGKILL included (idle ones would outlive it)
             _POOLS[workers] = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
-                                                  initializer=_die_with_parent, initargs=(os.getpid(),))
+                                                  initializer=proc.die_with_parent,
+                                                  initargs=(signal.SIGTERM, os.getpid()))
         futures = [_POOLS[workers].submit(_score_chunk, rm_type, responses[a:b], labels[a:b]) for a, b in spans]
         return [r for f in futures for r in f.result()]
     except Exception:  # broken pool, or no child processes allowed here: score in this process

@@ -4,20 +4,12 @@ generation with exact token bookkeeping, group sampling and scoring.
     engine = train_grpo.make_engine(args, hf_dir, run_dir)   # engines.LocalEngine / SGLangEngine
     samples = generate_group_samples(engine, processor, records, args)
 
-Tests: `.venv/bin/pytest tests/test_rollout.py tests/test_templates.py -q` (CPU, tiny checkpoint,
-the real Qwen3-VL, Qwen2.5-VL and Qwen3.5 chat templates).
-
-Token-in/token-out: a sample's token list is built once, here; it is what the engine is sent
-each turn and what the trainer reads, and nothing the model wrote is ever re-tokenised. The
-prompt is the chat template run through the processor (which expands each `<|image_pad|>` to
-its grid's count; multi-turn tools go in as `tools=` where the template renders them), a model
-turn is the engine's ids as returned, an observation turn is what the template adds to the
-conversation so far when the tool message and the next generation prompt follow (`\\n`, the
-tool turn, the assistant header), with its images: see encode_observation. Each turn checks that
-the engine saw exactly the tokens sent (SGLang re-expanding image tokens shows as a prompt length
-mismatch), each sample that its placeholder runs match the images' grids. A sample failing a
-check is `failed` with its reason and an all-zero loss mask, and is counted in the metrics;
-neither it nor an `aborted` one may be trained on.
+Token-in/token-out: a sample's token list is built once, here (encode_prompt, the engine's ids,
+encode_observation); it is what the engine is sent each turn and what the trainer reads, and
+nothing the model wrote is ever re-tokenised. Each turn checks that the engine saw exactly the
+tokens sent (SGLang re-expanding image tokens shows as a prompt length mismatch), each sample that
+its placeholder runs match the images' grids. A sample failing a check is `failed` with its reason
+and an all-zero loss mask; neither it nor an `aborted` one is trained on.
 """
 import math
 import os
@@ -150,10 +142,9 @@ def encode_observation(processor, history, message, images, tools=None):
     to `history` (prompt, model turns as assistant messages, earlier tool messages) when the tool
     `message` and the next generation prompt follow, from the last <|im_end|> on: "\\n", the tool
     turn (a user turn with <tool_response> for Qwen3-VL / Qwen3.5, a `tool` turn for Qwen2.5-VL),
-    the assistant header. Rendering the whole conversation is what real templates need (Qwen2.5-VL
-    adds a default system prompt, Qwen3.5 raises without a user query); only the added text is
-    tokenised, so earlier turns, the model's own tokens above all, are never re-tokenised. The
-    history's rendering must be an exact prefix of the longer one, or this raises."""
+    the assistant header. The whole conversation is rendered, as real templates need (Qwen2.5-VL
+    adds a default system prompt, Qwen3.5 raises without a user query), and only the added text
+    tokenised; the history's rendering must be an exact prefix of the longer one, or this raises."""
     before = render(processor, history, tools)
     after = render(processor, history + [message], tools, add_generation_prompt=True)
     if not after.startswith(before):
