@@ -4,12 +4,8 @@
     python data.py show tests/data/geo3k_real/test.parquet   # load and summarise a source
 
 `load_geo3k(source, split=None)` returns a list of {"problem", "answer", "images"} records
-(images as RGB PIL images) from a hub id (`hiyouga/geometry3k`), a parquet or jsonl file,
-or a folder holding `<split>.parquet` / `<split>.jsonl`. Bad rows (undecodable image, empty
-answer, missing column) are reported by row index and reason; above `max_bad_frac` of the
-rows the load stops, below it they are skipped and counted aloud. Rows a `check` finds too long
-are skipped and counted. Rows reach no file outside the data set's folder and no URL unless the
-caller allows it (allow_outside, allow_urls).
+(images as RGB PIL images) from a hub id (`hiyouga/geometry3k`), a parquet or jsonl file, or a
+folder holding `<split>.parquet` / `<split>.jsonl`; how bad rows are handled: README, "Reliability".
 """
 import argparse
 import base64
@@ -28,9 +24,7 @@ URL_MAX_BYTES, URL_TIMEOUT = 32 << 20, 20  # with allow_urls: one image's body, 
 
 SINGLE_TURN_INSTRUCTION = ("Solve the geometry problem shown in the diagram. Think briefly, then "
                            "give the final answer as \\boxed{<answer>}.")
-# The tools themselves reach the model through the chat template's own `tools=` rendering, in
-# the format it was trained on (env_geo3k.TOOL_SPECS), or, for templates that ignore `tools=`
-# (Qwen2.5-VL), as a hand-written list appended here: rollout.chat_prompt decides.
+# The tools themselves reach the model as rollout.chat_prompt decides (the template's `tools=`, or a list here).
 MULTI_TURN_SYSTEM = (
     "You solve geometry problems from diagrams. You may call one of your tools, then stop and "
     "wait for its result: calc_score checks a candidate answer, crop shows a region of an image "
@@ -105,17 +99,15 @@ def image_to_data_uri(img):
 # ---------------------------------------------------------------------------------- loading
 def _read_rows(source, split):
     """-> (rows, base_dir, name): raw dict rows of a file, folder or hub data set."""
-    path = Path(source)
+    path, split = Path(source), split or "train"
     if path.is_dir():
-        for cand in (path / f"{split or 'train'}.parquet", path / f"{split or 'train'}.jsonl"):
+        for cand in (path / f"{split}.parquet", path / f"{split}.jsonl"):
             if cand.exists():
                 return _read_rows(cand, None)
-        shards = sorted((path / "data").glob(f"{split or 'train'}-*.parquet"))  # hub snapshot layout
+        shards = sorted((path / "data").glob(f"{split}-*.parquet"))  # hub snapshot layout
         if shards:
-            rows = [r for s in shards for r in _read_rows(s, None)[0]]
-            return rows, path, str(path)
-        raise DataError(f"{path}: no {split or 'train'}.parquet, {split or 'train'}.jsonl or "
-                        f"data/{split or 'train'}-*.parquet inside")
+            return [r for s in shards for r in _read_rows(s, None)[0]], path, str(path)
+        raise DataError(f"{path}: no {split}.parquet, {split}.jsonl or data/{split}-*.parquet inside")
     if path.suffix in (".parquet", ".jsonl", ".json") and not path.exists():
         raise DataError(f"{path}: no such file or folder")
     if path.suffix == ".parquet":
@@ -145,9 +137,9 @@ def _read_rows(source, split):
     if source.count("/") == 1 and not source.startswith((".", "/")) and not path.parent.is_dir():
         try:
             import datasets
-            ds = datasets.load_dataset(source, split=split or "train")
+            ds = datasets.load_dataset(source, split=split)
         except Exception as e:  # noqa: BLE001 - network, auth or a missing split: say which source
-            raise DataError(f"cannot load hub data set {source!r} split {split or 'train'!r}: {e}")
+            raise DataError(f"cannot load hub data set {source!r} split {split!r}: {e}")
         return list(ds), None, source
     raise DataError(f"{source}: no such file or folder")
 
@@ -179,8 +171,9 @@ def _record(row, base_dir, input_key, label_key, max_pixels, allow_urls, allow_o
 
 def load_geo3k(source, split=None, input_key="problem", label_key="answer", max_bad_frac=0.01,
                max_pixels=MAX_PIXELS, verbose=True, check=None, allow_urls=False, allow_outside=False):
-    """Load geo3k-style records; stop when more than `max_bad_frac` of the rows are unusable.
-    `check(record)` raises ValueError for a bad row, TooLong for one to skip and count."""
+    """Load geo3k-style records; stop when more than `max_bad_frac` of the rows are unusable (each
+    named by row and reason). `check(record)` raises ValueError for a bad row, TooLong for one to
+    skip and count."""
     rows, base_dir, name = _read_rows(str(source), split)
     records, bad, long = [], [], []
     for i, row in enumerate(rows):

@@ -15,8 +15,7 @@ class Engine:
     batch items: {"input_ids": [int], "images": [PIL][, "max_new_tokens": int]};
     sampling: {temperature, top_p, top_k, max_new_tokens, stop_token_ids}. logprobs are
     log_softmax(logits / T) of the new ids (T = 1 for greedy; before top-p/top-k, as SGLang
-    reports them). `LocalEngine` runs transformers in process, `SGLangEngine` (sglang_engine.py)
-    a stock `sglang.launch_server` subprocess on rank 0."""
+    reports them)."""
 
     def generate(self, batch, sampling):
         raise NotImplementedError
@@ -24,15 +23,12 @@ class Engine:
     def update_weights(self, buckets):
         raise NotImplementedError
 
-    # A server engine frees its GPU memory for training (release), takes it back (resume),
-    # drops its caches (flush) and stops (shutdown); in process there is nothing to do.
+    # A server engine frees its GPU memory for training (release), takes it back (resume) and
+    # stops (shutdown); in process there is nothing to do.
     def release(self):
         pass
 
     def resume(self):
-        pass
-
-    def flush(self):
         pass
 
     def shutdown(self):

@@ -1,17 +1,14 @@
 """qwen3_5.py: the Qwen3.5 language model's layers on Megatron-core (dense and MoE).
 
-    spec = qwen3_5.block_spec(hf_text_config, te=False, moe=...)   # model.py builds GPTModel from it
-    qwen3_5.config_kwargs(hf_text_config)                           # its TransformerConfig fields
+    spec = qwen3_5.block_spec(hf_text_config, te=False)       # model.py builds GPTModel from it
+    qwen3_5.config_kwargs(hf_text_config, options)             # its TransformerConfig fields
 
-Layers follow `layer_types`: "full_attention" is Megatron's SelfAttention with the output gate
-(q_proj holds [q | gate] per head; out = attn * sigmoid(gate)) and partial MRoPE; "linear_attention"
-is GatedDeltaNet below (Megatron 0.16's ssm/gated_delta_net.py needs FLA and Transformer Engine and
-rejects packed sequences). The MLP is Megatron's dense MLP or its MoELayer (softmax router, top-k
-renormalised, a shared expert scaled by sigmoid(shared_expert_gate(x))). Qwen3.5's norms are
-zero-centred, x_hat * (1 + w), except the GDN output norm (w * x_hat * silu(z)).
-Packed sequences reach GatedDeltaNet as cu_seqlens (packed_seq_params); each sequence's conv and
-recurrent state start from zero, so neighbours never mix. Heads are split over TP; with sequence
-parallelism the column-parallel input projections gather the sequence and out_proj scatters it.
+Layers follow `layer_types` (README, "Qwen3.5"): "full_attention" is Megatron's SelfAttention with
+the output gate (q_proj holds [q | gate] per head) and partial MRoPE; "linear_attention" is
+GatedDeltaNet below (Megatron 0.16's ssm/gated_delta_net.py needs FLA and Transformer Engine and
+rejects packed sequences). Norms are zero-centred, x_hat * (1 + w), except the GDN output norm
+(w * x_hat * silu(z)). With sequence parallelism the column-parallel input projections gather the
+sequence and out_proj scatters it.
 """
 import copy
 
