@@ -113,12 +113,6 @@ def expert_id(model, name):
     return model.ep_rank * model.local_experts + int(m[1] or m[4])
 
 
-def _gdn_sections(model, x, n):
-    """Split dim 0 of x (a Gated DeltaNet [q | k | v] tensor over n parts of the heads) into its three sections."""
-    kd, vd = model.gdn_dims
-    return x.split([kd // n, kd // n, vd // n])
-
-
 def _rows(s, r, tp):
     """Rank r's 1/tp of a lazy safetensors slice along dim 0."""
     k = s.get_shape()[0] // tp
@@ -148,12 +142,8 @@ def shard(model, kind, slices):
         k, v = (_rows(s, r, tp).reshape(g, d, -1) for s in slices[1:])
         return torch.cat([q[:, :, 0].flatten(1, 2), q[:, :, 1].flatten(1, 2), k, v], 1).flatten(0, 1)
     if kind == "qkv":  # per local query group g: [q heads of g; k_g; v_g]
-        g = model.groups // tp
-        parts = []
-        for s in slices:
-            x = _rows(s, r, tp)
-            parts.append(x.reshape(g, -1, *x.shape[1:]))
-        return torch.cat(parts, 1).flatten(0, 1)
+        g, parts = model.groups // tp, [_rows(s, r, tp) for s in slices]
+        return torch.cat([x.reshape(g, -1, *x.shape[1:]) for x in parts], 1).flatten(0, 1)
     k = model.padded_vocab // tp  # vocab: rows of the padded vocabulary, padding = 0
     x = slices[0][min(r * k, model.vocab):min((r + 1) * k, model.vocab)]
     return torch.cat([x, x.new_zeros(k - len(x), *x.shape[1:])])
@@ -173,8 +163,9 @@ def full(model, kind, t):
         return [torch.cat(parts)[:model.vocab]]
     if kind == "rows":
         return [torch.cat(parts)]
-    if kind == "gdn":
-        sections = [_gdn_sections(model, p, model.tp) for p in parts]
+    if kind == "gdn":  # each rank's [q_r; k_r; v_r] -> [q; k; v]
+        kd, vd = model.gdn_dims
+        sections = [p.split([kd // model.tp, kd // model.tp, vd // model.tp]) for p in parts]
         return [torch.cat([torch.cat([s[i] for s in sections]) for i in range(3)])]
     if kind == "fc1":  # [gate_r; up_r] of every rank -> gate, up
         halves = [p.chunk(2) for p in parts]

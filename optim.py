@@ -1,10 +1,7 @@
 """The optimizer: AdamW with its LR schedule, and one optimizer step over data/tensor parallel
-ranks (gradients summed over DP, clipped by their global norm over TP). Three paths:
-- fp32 (default): torch AdamW on the model's parameters;
-- --bf16 / --use-distributed-optimizer on CPU: MasterAdamW, the maths of Megatron's mixed-precision
-  and distributed optimizers in torch (fp32 masters and Adam states of this DP rank's shard);
-- the same flags on CUDA: megatron-core's DDP and optimizer (megatron_optimizer).
-Parameters with `allreduce == False` (MoE experts, Megatron's mark) are never sharded here.
+ranks (gradients summed over DP, clipped by their global norm over TP). fp32: torch AdamW; --bf16 /
+--use-distributed-optimizer: MasterAdamW on CPU, megatron-core's DDP and optimizer on CUDA (README,
+"Precision"). Parameters with `allreduce == False` (MoE experts, Megatron's mark) are never sharded.
 """
 import math
 
@@ -180,9 +177,7 @@ def grad_norm_and_clip(grads, run, clip):
     """Global L2 norm of [(param, grad)]: TP-sharded parameters (Megatron marks them with
     `tensor_model_parallel`) are summed over the TP group, replicated ones counted once, MoE
     experts (`allreduce` False: each EP rank holds others) summed over the EP group."""
-    sharded = torch.zeros((), dtype=torch.float64, device=run.device)
-    replicated = torch.zeros((), dtype=torch.float64, device=run.device)
-    experts = torch.zeros((), dtype=torch.float64, device=run.device)
+    sharded, replicated, experts = (torch.zeros((), dtype=torch.float64, device=run.device) for _ in range(3))
     for p, g in grads:
         sq = g.detach().double().pow(2).sum()
         if not getattr(p, "allreduce", True):
@@ -201,13 +196,11 @@ def grad_norm_and_clip(grads, run, clip):
 
 
 def allreduce_grads(grads, run):
-    """Sum [(param, grad)] over data-parallel ranks (the loss is already divided by the global
-    token count, so the sum is the global-batch gradient, equal to one rank holding the whole
-    batch). Every trainable parameter takes part, with a zero gradient where this rank had none
-    (no sample, or no image in its batch), so every rank sends the same tensors in the same
-    order; at any DP size, as Megatron's gradient buffers do, so DP=1 and DP=2 take the same step.
-    One flat reduce per process group: MoE experts (Megatron marks them `allreduce` False) over the
-    expert-data-parallel group, the ranks holding the same experts, whose tokens they did not see."""
+    """Sum [(param, grad)] over data-parallel ranks (the loss is already divided by the global token
+    count, so the sum is the global-batch gradient). Every trainable parameter takes part, a zero
+    gradient where this rank had none, so every rank sends the same tensors in the same order.
+    One flat reduce per process group: MoE experts (`allreduce` False) over the expert-data-parallel
+    group, the ranks holding the same experts, whose tokens they did not see."""
     by_group = {}
     for p, g in grads:
         by_group.setdefault(run.dp_group if getattr(p, "allreduce", True) else parallel.expert_dp_group(), []).append(g)

