@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 import parallel
 
@@ -76,7 +78,6 @@ def weight_files(hf_dir):
 
 def open_weights(f):
     """safe_open(f), or an error naming the file (safetensors' own says only what broke)."""
-    from safetensors import safe_open
     try:
         return safe_open(f, "pt")
     except Exception as e:  # noqa: BLE001 - SafetensorError (truncated, bad header), OSError
@@ -264,7 +265,6 @@ def hf_tensors(model, grad=False):
         for n, x in zip(hf, tensors):
             if n in model.src:
                 yield n, x.to(model.src[n][1])
-    from safetensors import safe_open
     for n in [] if grad else sorted(k for k in model.src if k.startswith("mtp.")):
         with safe_open(model.src_files[n], "pt") as f:
             yield n, f.get_tensor(n)
@@ -289,7 +289,6 @@ def write_hf(buckets, out_dir, src_dir):
     (a single one named model.safetensors, else with an index), plus the source folder's
     config, tokenizer, processor and template files. Old weight files there are removed first.
     -> number of tensors written."""
-    from safetensors.torch import save_file
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for f in out.iterdir():

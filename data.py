@@ -17,6 +17,8 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 from PIL import Image, ImageDraw
 
 MAX_PIXELS = 1 << 20  # decoded images above this are downscaled (the processor resizes again)
@@ -111,7 +113,6 @@ def _read_rows(source, split):
     if path.suffix in (".parquet", ".jsonl", ".json") and not path.exists():
         raise DataError(f"{path}: no such file or folder")
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
         try:
             return pq.read_table(path).to_pylist(), path.parent, str(path)
         except Exception as e:  # noqa: BLE001 - arrow raises several types for a file that is not parquet
@@ -310,8 +311,6 @@ def synth_records(n, seed=0, kinds=("polygon",), size=128, jitter=0.0):
 
 
 def write_synth(out, n, n_test=64, seed=0, kinds=("polygon",), size=128, jitter=0.0):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for split, count, s in (("train", n, seed), ("test", n_test, seed + 1_000_003)):

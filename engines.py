@@ -7,6 +7,9 @@
 An engine takes token ids and images and returns token ids and their logprobs; it knows nothing
 of samples, episodes or rewards (rollout.py), so rollout.py and the engines do not import each other.
 """
+import torch
+from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
+
 IMAGE_PAD = "<|image_pad|>"
 
 
@@ -40,8 +43,6 @@ class LocalEngine(Engine):
     batches; HF computes the MRoPE positions."""
 
     def __init__(self, hf_dir, device="cpu", dtype="float32", max_batch=16, processor=None):
-        import torch
-        from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.device, self.max_batch = torch.device(device), max_batch
         self.processor = processor or AutoProcessor.from_pretrained(hf_dir)
@@ -58,8 +59,6 @@ class LocalEngine(Engine):
                 for out in self._generate(batch[i:i + self.max_batch], sampling)]
 
     def _generate(self, batch, sp):
-        import torch
-        from transformers import GenerationConfig
         lens = [len(b["input_ids"]) for b in batch]
         B, L = len(batch), max(lens)
         ids = torch.full((B, L), self.pad_id, dtype=torch.long)      # (B, L), left padded
@@ -96,7 +95,6 @@ class LocalEngine(Engine):
 
     def update_weights(self, buckets):
         """Copy (HF name, full tensor) buckets into the model; returns the number of tensors."""
-        import torch
         params, n = self.model.state_dict(), 0
         with torch.no_grad():
             for name, t in (item for bucket in buckets for item in bucket):

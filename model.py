@@ -19,6 +19,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from PIL import Image
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModel, AutoModelForImageTextToText, AutoProcessor
 
 import attention
 import convert
@@ -199,7 +202,6 @@ class MegatronVLM(torch.nn.Module):
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt import gpt_layer_specs as specs
         from megatron.core.transformer import TransformerConfig
-        from transformers import AutoModel
         tc = hf_config.text_config
         self.hf_config, self.hf_dir = hf_config, Path(hf_dir)
         self.tp_rank, self.tp = parallel.tp_rank_size()
@@ -398,7 +400,6 @@ class MegatronVLM(torch.nn.Module):
 def load_model(hf_dir, freeze_vit=False, transformer_impl=None, options=None):
     """MegatronVLM on the current parallel state (initialised if needed), weights from the HF
     safetensors, each TP rank reading only its slices. Parameters are fp32, or bf16 with options["bf16"]."""
-    from transformers import AutoConfig
     rank, _, device = parallel.init_distributed()
     model = MegatronVLM(AutoConfig.from_pretrained(hf_dir), hf_dir, transformer_impl, options)
     convert.load_weights(model, hf_dir)
@@ -416,8 +417,6 @@ def load_model(hf_dir, freeze_vit=False, transformer_impl=None, options=None):
 def check_inputs(hf_dir):
     """A packed batch as the processor makes it: [image A + text], [text only], [image B, image A + text].
     Returns (seqs, pixel_values, image_grid_thw) with the images of all sequences in order."""
-    from PIL import Image
-    from transformers import AutoProcessor
     proc = AutoProcessor.from_pretrained(hf_dir)
     g = torch.Generator().manual_seed(0)
 
@@ -454,8 +453,6 @@ def check(hf_dir, transformer_impl=None, tp=None, ep=1, sequence_parallel=False)
     """Megatron vs transformers (fp32) on check_inputs, and the export round trip; TP = world size
     unless given, EP = ep (MoE). Every rank runs the same inputs, on its device (cuda:LOCAL_RANK or cpu).
     Returns the max abs logit diff (inf when the export does not reproduce the checkpoint)."""
-    from safetensors import safe_open
-    from transformers import AutoModelForImageTextToText
     tp = tp or int(os.environ.get("WORLD_SIZE", 1))
     rank, world, device = parallel.init_distributed(tp, ep=ep)
     model = load_model(hf_dir, transformer_impl=transformer_impl, options={"sequence_parallel": sequence_parallel})

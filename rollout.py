@@ -16,6 +16,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from tqdm import tqdm
+
 import data
 import env_geo3k
 import model
@@ -268,7 +270,6 @@ def _finish_turn(s, env, chat, out, processor, args, stops):
 def run_episodes(engine, processor, records, args, groups=None):
     """n_samples_per_prompt episodes per record, turn by turn: each round sends every active
     episode's tokens to the engine at once (SGLang keeps them all in flight)."""
-    from tqdm import tqdm
     multi = args.max_turns > 1
     n = args.n_samples_per_prompt
     groups = groups if groups is not None else list(range(len(records)))

@@ -32,7 +32,10 @@ HTTP error fails only its sample. release()/resume() (io_struct.py:2177/2187, `t
 memory) need --sglang-enable-memory-saver.
 """
 import atexit
+import base64
+import datetime
 import http.client
+import io
 import json
 import os
 import signal
@@ -45,9 +48,15 @@ import urllib.error
 import urllib.request
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+import torch.multiprocessing
+
 import convert
+import data
 import proc
 from engines import Engine
 
@@ -99,7 +108,6 @@ def flag_value(args, names, default):
 def server_dtype(hf_dir, server_args):
     """The torch dtype the server holds its weights in: its --dtype, else (auto) the checkpoint's
     config dtype, never lower than what the server holds (SGLang's auto keeps a bf16 config's bf16)."""
-    import torch
     name = flag_value(server_args, ("--dtype",), "auto")
     if name == "auto":
         cfg = json.loads((Path(hf_dir) / "config.json").read_text())
@@ -115,20 +123,13 @@ def serialize_tensors(named):
     """[(name, tensor)] -> base64 text: SGLang's MultiprocessingSerializer form (ForkingPickler).
     CUDA tensors become IPC handles naming their GPU by UUID (sglang utils/patch_torch.py:80 reads
     either; an index would be ours, not the server's numbering); CPU tensors become /dev/shm files."""
-    import base64
-    import io
-    from multiprocessing.reduction import ForkingPickler
-    import torch
-    import torch.multiprocessing as tmp
-    from torch.multiprocessing import reductions
-
     def reduce(t):
-        fn, args = reductions.reduce_tensor(t)
+        fn, args = torch.multiprocessing.reductions.reduce_tensor(t)
         if t.is_cuda:  # args[6]: the device index (reductions.reduce_tensor's CUDA branch)
             args = (*args[:6], str(torch.cuda.get_device_properties(args[6]).uuid), *args[7:])
         return fn, args
     if any(not v.is_cuda for _, v in named):
-        tmp.set_sharing_strategy("file_system")  # an fd cannot be passed to a process not forked from us
+        torch.multiprocessing.set_sharing_strategy("file_system")  # an fd cannot be passed to a process not forked from us
     buf = io.BytesIO()
     pickler = ForkingPickler(buf)
     pickler.dispatch_table[torch.Tensor] = reduce
@@ -327,7 +328,6 @@ class SGLangEngine(Engine):
     def generate_payload(self, item, sp):
         """The /generate body for one batch item (see Engine.generate): image pads collapsed to
         one per image, images as data URIs, logprobs of the new tokens asked for."""
-        import data
         params = {"temperature": float(sp.get("temperature", 1.0)), "top_p": float(sp.get("top_p", 1.0)),
                   "top_k": int(sp.get("top_k", -1)),
                   "max_new_tokens": int(item.get("max_new_tokens", sp["max_new_tokens"])),
@@ -386,7 +386,6 @@ class SGLangEngine(Engine):
         return n
 
     def _sync_distributed(self, buckets):
-        import torch
         if self.group is None:
             self.group = self._join_group()
         n = 0
@@ -395,7 +394,7 @@ class SGLangEngine(Engine):
             body = {"names": [k for k, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
                     "shapes": [list(t.shape) for t in tensors], "group_name": GROUP, "flush_cache": False}
             answer = self.pool.submit(self._update, "/update_weights_from_distributed", body)
-            opts = torch.distributed.BroadcastOptions()  # rank 0 (us) to the server's ranks, in `names` order
+            opts = dist.BroadcastOptions()  # rank 0 (us) to the server's ranks, in `names` order
             for t in tensors:
                 self.group.broadcast([t], opts).wait()
             answer.result()
@@ -404,9 +403,6 @@ class SGLangEngine(Engine):
 
     def _join_group(self):
         """Rank 0 of a process group whose other ranks are the server's TP ranks (rank_offset 1)."""
-        import datetime
-        import torch
-        import torch.distributed as dist
         world, cuda = 1 + self.server_tp, torch.cuda.is_available()
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

