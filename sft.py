@@ -16,6 +16,7 @@ import math
 
 import torch
 from tqdm import tqdm
+from transformers import AutoProcessor
 
 import data
 import model as M
@@ -48,11 +49,8 @@ def batch_loss(model, run, items, max_tokens, backward):
     """Token-mean NLL of a global batch (this rank holds `items`); backward when asked."""
     n_tokens = T.global_sum(sum(int(it["mask"].sum()) for it in items), run)
     total = 0.0
-    for idx in T.pack_lockstep([len(it["ids"]) for it in items], max_tokens):
-        if not idx:  # another rank has more micro-batches: take part in the MoE collectives
-            T.idle([model], backward)
-            continue
-        logp, _ = model(**T.micro_batch([items[i] for i in idx]))
+    for _, inputs in T.micro_batches(items, max_tokens, [model], backward):
+        logp, _ = model(**inputs)
         loss = -logp.sum() / n_tokens
         if backward:
             loss.backward()
@@ -63,7 +61,6 @@ def batch_loss(model, run, items, max_tokens, backward):
 def main(argv=None):
     args = parse_args(argv)
     run = T.Run(args, "sft")
-    from transformers import AutoProcessor
     processor = AutoProcessor.from_pretrained(args.hf_checkpoint)
     fit = dict(verbose=run.rank == 0, measure=lambda r: len(encode(processor, r)["ids"]),
                limit=(args.max_tokens_per_gpu, f"--max-tokens-per-gpu {args.max_tokens_per_gpu}"))

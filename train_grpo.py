@@ -134,15 +134,11 @@ def policy_loss(model, ref, run, items, args, measure):
     n_tok = T.global_sum(sum(int(it["mask"].sum()) for it in items), run)
     n_seq = T.global_sum(len(items), run)
     stats = dict(loss=0.0, clipfrac=0.0, kl=0.0, entropy=0.0, diff_sum=0.0, diff_max=0.0)
-    bins = T.pack_lockstep([len(it["ids"]) for it in items], args.max_tokens_per_gpu)
-    stats["packing_fill"] = sum(len(it["ids"]) for it in items) / max(1, sum(map(bool, bins)) * args.max_tokens_per_gpu)
     temp = args.rollout_temperature or 1.0  # logprobs under the distribution the engine sampled from
-    for idx in bins:
-        if not idx:  # another rank has more micro-batches: take part in the MoE collectives
-            T.idle([model] + ([ref] if ref is not None else []), backward=True)
-            continue
-        mb = [items[i] for i in idx]
-        inputs = T.micro_batch(mb)
+    models = [model] + ([ref] if ref is not None else [])
+    n_mb = 0  # micro-batches of this rank: packing_fill (rank 0's) = real tokens / their budget
+    for mb, inputs in T.micro_batches(items, args.max_tokens_per_gpu, models, backward=True):
+        n_mb += 1
         logp, ent = model(**inputs, temperature=temp, with_entropy=True)
         dev = logp.device  # everything below on the model's device (CUDA under NCCL)
         old = torch.cat([it["old"] for it in mb]).to(dev)
@@ -174,8 +170,8 @@ def policy_loss(model, ref, run, items, args, measure):
             diff = (logp.detach() - torch.cat([it.get("rollout_old", it["old"]) for it in mb]).to(dev)).abs()
             stats["diff_sum"] += diff.sum().item()
             stats["diff_max"] = max(stats["diff_max"], diff.max().item() if len(diff) else 0.0)
-    out = {k: T.global_sum(v, run) for k, v in stats.items() if k not in ("diff_max", "diff_sum", "packing_fill")}
-    out["packing_fill"] = stats["packing_fill"]  # rank 0's micro-batches: real tokens / budget
+    out = {k: T.global_sum(v, run) for k, v in stats.items() if k not in ("diff_max", "diff_sum")}
+    out["packing_fill"] = sum(len(it["ids"]) for it in items) / max(1, n_mb * args.max_tokens_per_gpu)
     if measure:
         out["logprob_diff_mean"] = T.global_sum(stats["diff_sum"], run) / n_tok
         out["logprob_diff_max"] = T.global_sum(stats["diff_max"], run, op=torch.distributed.ReduceOp.MAX)
@@ -184,12 +180,8 @@ def policy_loss(model, ref, run, items, args, measure):
 
 def recompute_old(model, items, args):
     with torch.no_grad():
-        for idx in T.pack_lockstep([len(it["ids"]) for it in items], args.max_tokens_per_gpu):
-            if not idx:
-                T.idle([model], backward=False)
-                continue
-            mb = [items[i] for i in idx]
-            logp, _ = model(**T.micro_batch(mb), temperature=args.rollout_temperature or 1.0)
+        for mb, inputs in T.micro_batches(items, args.max_tokens_per_gpu, [model]):
+            logp, _ = model(**inputs, temperature=args.rollout_temperature or 1.0)
             for it, part in zip(mb, logp.cpu().split([len(it["old"]) for it in mb])):
                 it["rollout_old"], it["old"] = it["old"], part
 

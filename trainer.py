@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import convert
+import data
 import optim
 import parallel
 
@@ -246,7 +247,6 @@ def load_data(args, evaluation=False, verbose=True, measure=None, limit=None):
     """The training (or evaluation) records named by the flags; [] when no eval data is given.
     `measure(record)` -> its tokens, through the processor: a row it refuses (an image's aspect
     ratio...) is a bad row, named; one over `limit` = (tokens, "the flag") is skipped, counted."""
-    import data
     source = args.eval_prompt_data if evaluation else args.prompt_data
     if not source:
         return []
@@ -386,16 +386,24 @@ def pack(lengths, max_tokens):
     return [sorted(b) for b in bins]
 
 
-def pack_lockstep(lengths, max_tokens):
-    """pack(), plus empty micro-batches ([]) until every rank has as many as the busiest: with
-    expert parallelism each MoE layer runs collectives over ranks that hold different data, in
-    forward and backward, so all of them must run the same number of micro-batches (idle())."""
-    bins = pack(lengths, max_tokens)
+def micro_batches(items, max_tokens, models, backward=False):
+    """-> (items, model inputs) of each packed micro-batch of this rank's `items` (dicts of ids and
+    mask 1-D tensors, pixel_values and image_grid_thw or None). With expert parallelism each MoE
+    layer runs collectives over ranks that hold different data, in forward and backward, so every
+    rank runs as many micro-batches as the busiest: idle() for each one this rank lacks, at the end."""
+    bins = pack([len(it["ids"]) for it in items], max_tokens)
+    n = 0  # idle micro-batches to run, agreed before any runs: MoE collectives must not cross this reduce
     if parallel.ep_size() > 1:
         dev = "cuda" if torch.cuda.is_available() else "cpu"  # NCCL: the current device
-        n = parallel.all_reduce(torch.tensor(len(bins), device=dev), None, dist.ReduceOp.MAX)
-        bins += [[] for _ in range(int(n) - len(bins))]
-    return bins
+        n = int(parallel.all_reduce(torch.tensor(len(bins), device=dev), None, dist.ReduceOp.MAX)) - len(bins)
+    for idx in bins:
+        mb = [items[i] for i in idx]
+        pv = [it["pixel_values"] for it in mb if it.get("pixel_values") is not None]
+        grid = [it["image_grid_thw"] for it in mb if it.get("image_grid_thw") is not None]
+        yield mb, dict(seqs=[it["ids"] for it in mb], loss_masks=[it["mask"] for it in mb],
+                       pixel_values=torch.cat(pv) if pv else None, image_grid_thw=torch.cat(grid) if grid else None)
+    for _ in range(n):
+        idle(models, backward)
 
 
 def idle(models, backward):
@@ -420,15 +428,6 @@ def expert_load(model, run):
     share = load / load.sum(1, keepdim=True).clamp(min=1)  # (layers, experts)
     return {"expert_load": [round(x, 4) for x in share.mean(0).tolist()],
             "expert_load_max": round(float(share.max(1).values.mean() * share.shape[1]), 3)}
-
-
-def micro_batch(items):
-    """Model inputs for one packed micro-batch. Each item: dict(ids, mask, pixel_values,
-    image_grid_thw) with ids/mask 1-D tensors and image tensors (or None)."""
-    pv = [it["pixel_values"] for it in items if it.get("pixel_values") is not None]
-    grid = [it["image_grid_thw"] for it in items if it.get("image_grid_thw") is not None]
-    return dict(seqs=[it["ids"] for it in items], loss_masks=[it["mask"] for it in items],
-                pixel_values=torch.cat(pv) if pv else None, image_grid_thw=torch.cat(grid) if grid else None)
 
 
 def epoch_order(n, seed, epoch):
