@@ -109,15 +109,12 @@ class GatedDeltaNet(MegatronModule):
         self.kh, self.vh = dims["linear_num_key_heads"] // tp, dims["linear_num_value_heads"] // tp  # local heads
         self.dk, self.dv = dims["linear_key_head_dim"], dims["linear_value_head_dim"]
         conv = 2 * self.kh * self.dk + self.vh * self.dv  # local [q | k | v] channels
-        full = tp * conv
         lin = dict(config=config, init_method=config.init_method, bias=False)
-        self.in_proj_qkv = tensor_parallel.ColumnParallelLinear(config.hidden_size, full, gather_output=False, **lin)
-        self.in_proj_z = tensor_parallel.ColumnParallelLinear(config.hidden_size, tp * self.vh * self.dv,
-                                                              gather_output=False, **lin)
-        self.in_proj_b = tensor_parallel.ColumnParallelLinear(config.hidden_size, tp * self.vh,
-                                                              gather_output=False, **lin)
-        self.in_proj_a = tensor_parallel.ColumnParallelLinear(config.hidden_size, tp * self.vh,
-                                                              gather_output=False, **lin)
+        col = dict(lin, gather_output=False)
+        self.in_proj_qkv = tensor_parallel.ColumnParallelLinear(config.hidden_size, tp * conv, **col)
+        self.in_proj_z = tensor_parallel.ColumnParallelLinear(config.hidden_size, tp * self.vh * self.dv, **col)
+        self.in_proj_b = tensor_parallel.ColumnParallelLinear(config.hidden_size, tp * self.vh, **col)
+        self.in_proj_a = tensor_parallel.ColumnParallelLinear(config.hidden_size, tp * self.vh, **col)
         self.conv1d = torch.nn.Conv1d(conv, conv, dims["linear_conv_kernel_dim"], groups=conv, bias=False)
         self.A_log = torch.nn.Parameter(torch.zeros(self.vh))
         self.dt_bias = torch.nn.Parameter(torch.ones(self.vh))
