@@ -162,7 +162,10 @@ class _LogprobEntropy(torch.autograd.Function):
             hit = (local >= 0) & (local < z.shape[1])
             gz[hit, local[hit]] += g_lp[hit]
             gh.addmm_(gz, wc)
-            torch.mm(gz.T, h, out=gw[c:c + wc.shape[0]])
+            if gw.dtype == h.dtype:
+                torch.mm(gz.T, h, out=gw[c:c + wc.shape[0]])
+            else:  # bf16 weights, fp32 logits: mm's out= needs one dtype
+                gw[c:c + wc.shape[0]] = (gz.T @ h).to(gw.dtype)
         gh = gh / temp if temp != 1 else gh
         return _all_reduce(gh, group), gw, None, None, None, None, None  # each rank had part of the vocab
 
