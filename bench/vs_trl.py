@@ -27,6 +27,7 @@ What each side's phases hold:
     train   = the rest of the trainer step: loss forward (full logits) + backward + optimizer step
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -89,20 +90,22 @@ def trl_worker(a):
     def math_reward(completions, answer, **_):
         return [reward.math_reward(c[0]["content"], lab) for c, lab in zip(completions, answer)]
 
+    @contextlib.contextmanager
+    def clock(name):  # seconds of the block into trainer.phase[name]
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            trainer.phase[name] = time.perf_counter() - start
+
     class Timed(trl.GRPOTrainer):
         def _generate_and_score_completions(self, inputs):
-            start = time.perf_counter()
-            try:
+            with clock("rollout"):
                 return super()._generate_and_score_completions(inputs)
-            finally:
-                self.phase["rollout"] = time.perf_counter() - start
 
         def _generate(self, prompts):
-            start = time.perf_counter()
-            try:
+            with clock("generate"):
                 return super()._generate(prompts)
-            finally:
-                self.phase["generate"] = time.perf_counter() - start
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
