@@ -133,7 +133,6 @@ class Sampler:
             self.prev = None
 
     def __call__(self, input_ids, scores):                               # (B, L), (B, V) fp32
-        import torch
         self.settle(input_ids[:, -1])
         z = scores.float() / self.T if self.T > 0 and self.T != 1 else scores.float()
         m = z.amax(-1, keepdim=True)
@@ -157,16 +156,16 @@ class Sampler:
 
 def block_sums(e):
     """(B, V) -> (B, ceil(V / BLOCK)) fp64 sums of consecutive blocks of BLOCK entries."""
-    import torch
     full = e.shape[1] // BLOCK * BLOCK
-    parts = [e[:, :full].reshape(len(e), -1, BLOCK).sum(-1)] + ([e[:, full:].sum(-1, keepdim=True)] if full < e.shape[1] else [])
-    return torch.cat(parts, 1).double()
+    sums = e[:, :full].reshape(len(e), -1, BLOCK).sum(-1)
+    if full < e.shape[1]:  # the last, shorter block
+        sums = torch.cat([sums, e[:, full:].sum(-1, keepdim=True)], 1)
+    return sums.double()
 
 
 def draw(e, mass):
     """One index a row of the nonnegative weights e (B, V), with probability e / sum(e); mass =
     block_sums(e). fp64 cumulative sums: in fp32 a sum near 1 moves in steps of 6e-8."""
-    import torch
     c = mass.cumsum(-1)                                                  # (B, blocks)
     u = torch.rand(len(c), 1, dtype=c.dtype, device=c.device) * c[:, -1:]
     blk = torch.searchsorted(c, u, right=True).clamp(max=c.shape[1] - 1)  # first block whose end passes u
