@@ -18,6 +18,7 @@ import multiprocessing as mp
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -56,8 +57,9 @@ class _Timeout(BaseException):
 # (bigint powers) cannot be interrupted, so _parse keeps them out. The budget counts the thread's
 # own CPU time, so a verdict does not flip when the machine is busy.
 _LOCK = threading.Lock()  # a plain Lock: its C-level enter/exit cannot be split by _Timeout
-_ARMED = {}               # thread id -> (its CPU clock, CPU deadline, wall deadline)
+_ARMED = {}               # thread id -> [its CPU clock, CPU deadline, wall deadline, last fired]
 _WATCHDOG = [False]
+REFIRE_S = 0.2            # fire again this long after a _Timeout that some code swallowed
 
 
 def _async_raise(tid, exc):  # exc=None clears one set but not yet raised
@@ -67,10 +69,28 @@ def _async_raise(tid, exc):  # exc=None clears one set but not yet raised
 def _watchdog():
     while True:
         time.sleep(0.01)
-        with _LOCK:  # fires every tick while armed, in case some code swallowed one
-            for tid, (clock, cpu_end, wall_end) in _ARMED.items():
-                if clock() > cpu_end or time.monotonic() > wall_end:
+        with _LOCK:
+            for tid, arm in _ARMED.items():
+                clock, cpu_end, wall_end, fired = arm
+                now = time.monotonic()
+                if (clock() > cpu_end or now > wall_end) and now > fired + REFIRE_S:
+                    arm[3] = now
                     _async_raise(tid, ctypes.py_object(_Timeout))
+
+
+def _drop_timeouts(hook):
+    """A _Timeout can land in a __del__ run by the scoring thread (garbage freed or collected
+    while armed). CPython then hands it to sys.unraisablehook as 'Exception ignored in ...'; drop
+    those with one log line (the call still scores 0.0, see _deadline) and pass on the rest."""
+    def drop(unraisable):
+        if unraisable.exc_type is _Timeout:
+            logging.getLogger(__name__).warning("a reward time limit cut short %r", unraisable.object)
+        else:
+            hook(unraisable)
+    return drop
+
+
+sys.unraisablehook = _drop_timeouts(sys.unraisablehook)
 
 
 def _after_fork():  # the watchdog thread does not survive fork, and _LOCK may have been held
@@ -83,6 +103,8 @@ os.register_at_fork(after_in_child=_after_fork)
 
 @contextmanager
 def _deadline(cpu_s, wall_s):
+    """Raise _Timeout in this thread once it has used cpu_s of CPU or wall_s of wall time; a call
+    that ran over ends in _Timeout even where the first one landed elsewhere (in a __del__)."""
     tid = threading.get_ident()
     try:
         clock = functools.partial(time.clock_gettime, time.pthread_getcpuclockid(tid))
@@ -92,18 +114,22 @@ def _deadline(cpu_s, wall_s):
         if not _WATCHDOG[0]:
             threading.Thread(target=_watchdog, name="reward-watchdog", daemon=True).start()
             _WATCHDOG[0] = True
-        _ARMED[tid] = (clock, clock() + cpu_s, time.monotonic() + wall_s)
+        _ARMED[tid] = [clock, clock() + cpu_s, time.monotonic() + wall_s, -math.inf]
+    fired = False
     try:
         yield
     finally:
         while True:  # _Timeout may land in this cleanup too; leave only once disarmed and clear
             try:
                 with _LOCK:
-                    _ARMED.pop(tid, None)
+                    arm = _ARMED.pop(tid, None)
+                    fired = fired or (arm is not None and arm[3] > -math.inf)
                     _async_raise(tid, None)
                 break
             except _Timeout:
                 pass
+    if fired:
+        raise _Timeout
 
 
 def last_boxed(text):
