@@ -28,6 +28,11 @@ import convert
 import parallel
 import qwen3_5
 from parallel import all_reduce as _all_reduce
+# megatron-core after parallel: its CPU warning filter must come first
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt import GPTModel, gpt_layer_specs as specs
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer import TransformerConfig
 
 
 def rope_positions(hf_config, input_ids, image_grid_thw=None):
@@ -189,7 +194,6 @@ def layer_impl(impl=None):
         raise SystemExit(f"Transformer Engine cannot be imported ({type(e).__name__}: {e}). Install it after "
                          "torch with `pip install --no-build-isolation transformer-engine[pytorch]==2.20.2` "
                          "(README, GPU set-up), or pass --transformer-impl local (unfused, slow).")
-    from megatron.core.models.gpt import gpt_layer_specs as specs
     if not specs.HAVE_TE:
         raise SystemExit("megatron-core did not find Transformer Engine's layers although it imports; "
                          "check the versions (README, GPU set-up) or pass --transformer-impl local")
@@ -202,9 +206,6 @@ class MegatronVLM(torch.nn.Module):
     def __init__(self, hf_config, hf_dir, transformer_impl=None, options=None):
         """options: the trainer's flags (sequence_parallel, MoE, --recompute-*); EP comes from the parallel state."""
         super().__init__()
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt import gpt_layer_specs as specs
-        from megatron.core.transformer import TransformerConfig
         tc = hf_config.text_config
         self.hf_config, self.hf_dir = hf_config, Path(hf_dir)
         self.tp_rank, self.tp = parallel.tp_rank_size()
@@ -334,9 +335,6 @@ class MegatronVLM(torch.nn.Module):
 
     def _hidden(self, seqs, pixel_values=None, image_grid_thw=None):
         """Packed sequences (list of (T_i,) ids) -> final-norm hidden states (T, H), T = sum T_i."""
-        from megatron.core.packed_seq_params import PackedSeqParams
-        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region as sp_gather
-        from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region as sp_scatter
         lm, cfg = self.language_model, self.hf_config
         dev = self.inv_freq.device
         lens = [len(s) for s in seqs]
@@ -363,13 +361,13 @@ class MegatronVLM(torch.nn.Module):
         rot = self._rotary(pos)
         with parallel.megatron_on_cpu():
             if self.sp:  # (T / TP, 1, H) from here on: this rank's shard of the sequence
-                h = sp_scatter(h)
+                h = tensor_parallel.scatter_to_sequence_parallel_region(h)
             for lo, hi, again in self._chunks():  # --recompute-granularity full: again = True
                 run = functools.partial(self._layers, lo=lo, hi=hi, rot=rot, psp=psp, img=img, deep=deep)
                 h = torch.utils.checkpoint.checkpoint(run, h, use_reentrant=False) if again else run(h)
             h = lm.decoder.final_layernorm(h)
             if self.sp:  # the LM head's gradient is whole on every rank: gather, backward splits
-                h = sp_gather(h, tensor_parallel_output_grad=False)
+                h = tensor_parallel.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=False)
         return h[:len(h) - pad, 0]
 
     def forward(self, seqs, pixel_values=None, image_grid_thw=None, loss_masks=None, temperature=1.0,
@@ -394,10 +392,9 @@ class MegatronVLM(torch.nn.Module):
 
     def logits(self, seqs, pixel_values=None, image_grid_thw=None):
         """[(T_i, V) fp32 full logits] per sequence, gathered over TP: for parity checks only."""
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
         h = self._hidden(seqs, pixel_values, image_grid_thw)
         with parallel.megatron_on_cpu():  # the gather allocates on torch.cuda.current_device()
-            z = gather_from_tensor_model_parallel_region(h @ self._head_weight().T)[:, :self.vocab]
+            z = tensor_parallel.gather_from_tensor_model_parallel_region(h @ self._head_weight().T)[:, :self.vocab]
         return list(z.float().split([len(s) for s in seqs]))
 
 def load_model(hf_dir, freeze_vit=False, transformer_impl=None, options=None):

@@ -26,6 +26,10 @@ if not torch.cuda.is_available():  # Megatron's "no Apex / Transformer Engine" n
     # CUDA that call can only raise, so answering "cpu" for good changes nothing else.
     torch.cuda.current_device = lambda: "cpu"
 
+# megatron-core only now: the filter above must be in place before its import prints those notes
+from megatron.core import parallel_state as ps, tensor_parallel  # noqa: E402
+from megatron.core.tensor_parallel import random as mrandom  # noqa: E402
+
 
 @contextlib.contextmanager
 def megatron_on_cpu():
@@ -37,7 +41,6 @@ def megatron_on_cpu():
     if torch.cuda.is_available():
         yield
         return
-    from megatron.core.tensor_parallel import random as mrandom
     patches = [(torch.cuda, "current_device", lambda: "cpu"),
                (torch.cuda, "manual_seed", torch.manual_seed),
                (torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state()),
@@ -57,7 +60,6 @@ def init_distributed(tp=1, seed=1234, timeout_minutes=60, ep=1):
     """torchrun's environment (or a plain single process) -> (rank, world_size, device), with
     Megatron's parallel state at TP=tp (DP = world / tp) and EP=ep (MoE experts split over ep ranks,
     expert-TP 1: expert-DP = world / ep). A second call is a no-op."""
-    from megatron.core import parallel_state as ps, tensor_parallel
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if not dist.is_initialized():
@@ -89,42 +91,34 @@ def init_distributed(tp=1, seed=1234, timeout_minutes=60, ep=1):
 
 
 def tp_group():
-    from megatron.core import parallel_state as ps
     return ps.get_tensor_model_parallel_group()
 
 
 def tp_rank_size():
-    from megatron.core import parallel_state as ps
     return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
 
 
 def dp_group():
-    from megatron.core import parallel_state as ps
     return ps.get_data_parallel_group()
 
 
 def dp_rank_size():
-    from megatron.core import parallel_state as ps
     return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 
 
 def ep_group():  # ranks holding different experts: the grad norm sums expert squares over it
-    from megatron.core import parallel_state as ps
     return ps.get_expert_model_parallel_group()
 
 
 def ep_rank():
-    from megatron.core import parallel_state as ps
     return ps.get_expert_model_parallel_rank()
 
 
 def ep_size():
-    from megatron.core import parallel_state as ps
     return ps.get_expert_model_parallel_world_size()
 
 
 def expert_dp_group():  # ranks holding the same experts: expert grads are averaged over it
-    from megatron.core import parallel_state as ps
     return ps.get_expert_data_parallel_group()
 
 
