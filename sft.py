@@ -88,13 +88,12 @@ def main(argv=None):
         epoch, pos = divmod(step, per_epoch)
         order = T.epoch_order(len(train), args.seed, epoch)
         batch = [train[i] for i in order[pos * args.global_batch_size:(pos + 1) * args.global_batch_size]]
-        timer = T.Timer()
-        with timer("train"):
+        secs = {}
+        with T.timed(secs, "train"):
             loss, n_tokens = batch_loss(model, run, T.dp_shard(batch, run), args.max_tokens_per_gpu, True)
             stats = optim.optimizer_step(model, opt, sched, run, args)
-        secs = timer.t["train"]
         run.log(step + 1, {"loss": loss, **stats, **T.expert_load(model, run), "epoch": epoch, "tokens": n_tokens,
-                           "tokens_per_s": n_tokens / secs, "step_s": secs})
+                           "tokens_per_s": n_tokens / secs["train"], "step_s": secs["train"]})
         bar.set_postfix(loss=f"{loss:.4f}")
         if (args.eval_interval and (step + 1) % args.eval_interval == 0) or step + 1 == total:
             evaluate(step + 1)

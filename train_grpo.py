@@ -256,21 +256,21 @@ def sync_weights(model, engine, run):
 def grpo_step(step, run, engine, processor, records, model, ref, opt, sched, args, updates):
     """One step in slime's order: generate, release the engine's GPU memory (colocated), train,
     take the memory back, update the engine's weights (its update flushes its caches)."""
-    timer = T.Timer()
-    with timer("rollout"):
+    secs = {}
+    with T.timed(secs, "rollout"):
         items, metrics = rollout_step(step, run, engine, processor, records, args)
     if run.rank == 0 and args.colocate:
         engine.release()
-    with timer("train"):
+    with T.timed(secs, "train"):
         stats = train_step(model, ref, opt, sched, run, items, args, updates)
-    with timer("sync"):
+    with T.timed(secs, "sync"):
         if run.rank == 0 and args.colocate:
             engine.resume()
         sync_weights(model, engine, run)
     n_tok = sum(len(it["ids"]) for it in items)
     metrics.update(stats, **T.expert_load(model, run))
-    metrics.update(tokens=n_tok, rollout_s=timer.t["rollout"], train_s=timer.t["train"],
-                   sync_s=timer.t["sync"], tokens_per_s=n_tok / max(1e-9, timer.t["train"]))
+    metrics.update(tokens=n_tok, rollout_s=secs["rollout"], train_s=secs["train"],
+                   sync_s=secs["sync"], tokens_per_s=n_tok / max(1e-9, secs["train"]))
     run.log(step + 1, metrics)
     return metrics
 

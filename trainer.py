@@ -126,10 +126,6 @@ class Run:
         if self.wandb:
             self.wandb.log(metrics, step=step)
 
-    def barrier(self):
-        if dist.is_initialized() and self.world > 1:
-            dist.barrier()
-
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, model, opt, sched, step):
         """<save>/iter_NNNNNNN: HF weights (loadable as they are) + train_state/, written under a
@@ -141,14 +137,14 @@ class Run:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
                 (tmp / "train_state").mkdir(parents=True)
-            self.barrier()
+            dist.barrier()
             convert.save_hf(model, tmp, src_dir=self.args.hf_checkpoint)  # not a checkpoint pruning may remove
             names = [None] * self.world  # ranks whose state_name is the same hold the same state:
             dist.all_gather_object(names, state_name(self, opt))  # the first of them writes it
             if names.index(names[self.rank]) == self.rank:
                 state = {"optimizer": optim.state_of(opt), "scheduler": sched.state_dict(), "rng": rng_state()}
                 torch.save(state, tmp / "train_state" / state_name(self, opt))
-            self.barrier()
+            dist.barrier()
             if self.rank == 0:
                 (tmp / "train_state" / "meta.json").write_text(json.dumps({"step": step, "tp": self.tp}))
                 shutil.rmtree(final, ignore_errors=True)
@@ -165,7 +161,7 @@ class Run:
             if self.args.save_keep > 0:
                 for old in done[:-self.args.save_keep]:
                     shutil.rmtree(old, ignore_errors=True)
-        self.barrier()
+        dist.barrier()
         return final
 
     def maybe_save(self, model, opt, sched, step, total):
@@ -442,16 +438,11 @@ def dp_shard(items, run):
     return items[run.dp_rank::run.dp]
 
 
-class Timer:
-    """Seconds per named phase: `with timer("train"): ...`, then timer.t["train"]."""
-
-    def __init__(self):
-        self.t = {}
-
-    @contextlib.contextmanager
-    def __call__(self, name):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.t[name] = self.t.get(name, 0.0) + time.perf_counter() - start
+@contextlib.contextmanager
+def timed(seconds, name):
+    """seconds[name] = the block's wall time: `t = {}`, `with timed(t, "train"): ...`, then t["train"]."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[name] = time.perf_counter() - start
