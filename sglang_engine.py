@@ -10,19 +10,12 @@ build_input_ids; an expanded run makes it index past the image grids: HTTP 500 I
 run of pads is collapsed here, and the server's meta_info.prompt_tokens (its own expansion) is
 returned for the rollout to check against the expanded length it holds.
 
-Weight sync (`weight_sync`; README, "Where SGLang runs"), buckets cast to the server's dtype:
-- "tensor": /update_weights_from_tensor, pickled as SGLang's MultiprocessingSerializer does
-  (utils/common.py:3060), one copy per server TP rank: CUDA tensors as IPC handles naming the
-  device by UUID (utils/patch_torch.py:80), CPU tensors as /dev/shm files.
-- "distributed": /init_weights_update_group, then per bucket /update_weights_from_distributed
-  while we broadcast its tensors in order.
-- "disk": safetensors in <run_dir>/weights/a or /b in turn (never the folder a restart would
-  load), then /update_weights_from_disk (which flushes the cache itself, io_struct.py:1970).
-The first two run inside /begin_weight_update ... /end_weight_update (refused outside it:
-scheduler_components/weight_updater.py:192, 234) with flush_cache off and one /flush_cache at the
-end. A refused load (HTTP 400 {"success": false, "message"}) raises with the message. A server
-restarted after a crash has the weights it was started from: in those two modes its answers are
-failed as stale until the next sync.
+Weight sync (`weight_sync`; the modes: README, "Where SGLang runs"), buckets cast to the server's
+dtype: "tensor" (serialize_tensors, one copy per server TP rank) and "distributed" run inside
+/begin_weight_update ... /end_weight_update (refused outside it: scheduler_components/
+weight_updater.py:192, 234) with flush_cache off and one /flush_cache at the end; "disk"'s
+/update_weights_from_disk flushes the cache itself (io_struct.py:1970). A refused load (HTTP 400
+{"success": false, "message"}) raises with the message.
 
 The server leads its own process group and logs to <run_dir>/sglang.log. It is started through
 `python proc.py <our pid> cmd...`, which arms PR_SET_PDEATHSIG (create the engine in the main
@@ -120,7 +113,7 @@ def server_dtype(hf_dir, server_args):
 
 
 def serialize_tensors(named):
-    """[(name, tensor)] -> base64 text: SGLang's MultiprocessingSerializer form (ForkingPickler).
+    """[(name, tensor)] -> base64 text: SGLang's MultiprocessingSerializer (utils/common.py:3060) form.
     CUDA tensors become IPC handles naming their GPU by UUID (sglang utils/patch_torch.py:80 reads
     either; an index would be ours, not the server's numbering); CPU tensors become /dev/shm files."""
     def reduce(t):
@@ -168,9 +161,8 @@ def _install_handlers():
 
 
 class SGLangEngine(Engine):
-    def __init__(self, hf_dir, run_dir, server_args=(), timeout=900.0, launch_cmd=None,
-                 weights_dir=None, max_restarts=3, max_inflight=256, request_timeout=3600.0, env=None,
-                 config_dir=None, weight_sync="disk"):
+    def __init__(self, hf_dir, run_dir, server_args=(), timeout=900.0, launch_cmd=None, max_restarts=3,
+                 request_timeout=3600.0, env=None, config_dir=None, weight_sync="disk"):
         # hf_dir: the weights the server starts from; config_dir (default hf_dir): where synced folders'
         # config and tokenizer files come from (a resumed run's checkpoint may be pruned by --save-keep)
         self.model_path = str(hf_dir)
@@ -187,13 +179,12 @@ class SGLangEngine(Engine):
         self.env = dict(env or {})  # added to our environment for the server (and its restarts)
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.weights_dir = Path(weights_dir or self.run_dir / "weights")
         self.log_path = self.run_dir / "sglang.log"
         self.server_args = list(server_args)
         self.launch_cmd = list(launch_cmd or [sys.executable, "-m", "sglang.launch_server"])
         self.timeout, self.request_timeout = timeout, request_timeout
         self.max_restarts, self.restarts, self.epoch = max_restarts, 0, 0
-        self.pool = ThreadPoolExecutor(max_inflight, thread_name_prefix="sglang-req")
+        self.pool = ThreadPoolExecutor(256, thread_name_prefix="sglang-req")  # requests in flight at most
         self.lock = threading.Lock()
         self.proc = None
         _install_handlers()
@@ -224,13 +215,13 @@ class SGLangEngine(Engine):
         deadline = time.time() + self.timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                self._stop()
+                proc.kill_group(self.proc)
                 raise RuntimeError(f"SGLang server exited with code {self.proc.returncode} while "
                                    f"starting; last lines of {self.log_path}:\n{self.log_tail()}")
             if self._healthy(5.0):
                 return
             time.sleep(0.5)
-        self._stop()
+        proc.kill_group(self.proc)
         raise RuntimeError(f"SGLang server not healthy after {self.timeout:.0f}s (raise "
                            f"--sglang-server-timeout?); last lines of {self.log_path}:\n{self.log_tail()}")
 
@@ -247,10 +238,6 @@ class SGLangEngine(Engine):
         except (OSError, http.client.HTTPException):
             return False
 
-    def _stop(self):
-        if self.proc is not None:
-            proc.kill_group(self.proc)
-
     def _recover(self, epoch, error):
         """Called by a request that found the server gone: restart it once per failure epoch
         (concurrent requests that failed together share one restart), then they all retry."""
@@ -265,7 +252,7 @@ class SGLangEngine(Engine):
             self.restarts += 1
             print(f"[sglang] server down ({error}); restart {self.restarts}/{self.max_restarts} "
                   f"from {self.model_path}", file=sys.stderr)
-            self._stop()
+            proc.kill_group(self.proc)
             self._start()
             self.epoch += 1
             # it holds its launch weights: stale unless synced from disk; its process group is gone
@@ -368,9 +355,9 @@ class SGLangEngine(Engine):
     def _sync_disk(self, buckets):
         # Two folders in turn: the one the server runs (and a restart would load) is never the one
         # being rewritten, so a refused or interrupted sync leaves the last good weights loadable.
-        out = self.weights_dir / "a"
+        out = self.run_dir / "weights" / "a"
         if self.model_path == str(out):
-            out = self.weights_dir / "b"
+            out = self.run_dir / "weights" / "b"
         n = convert.write_hf(buckets, out, self.hf_dir)
         self._update("/update_weights_from_disk", {"model_path": str(out)})
         self.model_path = str(out)  # a restarted server comes back with these weights
