@@ -47,15 +47,12 @@ def decode_image(value, base_dir=None, max_pixels=MAX_PIXELS, allow_urls=False, 
     """bytes | {"bytes", "path"} | path | data URI | http(s) URL | PIL image -> RGB PIL image.
     A path must resolve inside `base_dir` (the data set's folder) unless allow_outside; a URL is
     fetched only when allow_urls, at most URL_MAX_BYTES, URL_TIMEOUT seconds per read."""
-    again = dict(base_dir=base_dir, max_pixels=max_pixels, allow_urls=allow_urls, allow_outside=allow_outside)
+    if isinstance(value, dict):  # parquet's image struct: its bytes, else its path
+        if not (value.get("bytes") or value.get("path")):
+            raise ValueError("image dict has neither 'bytes' nor 'path'")
+        value = value.get("bytes") or value["path"]
     if isinstance(value, Image.Image):
         img = value
-    elif isinstance(value, dict):
-        if value.get("bytes"):
-            return decode_image(value["bytes"], **again)
-        if value.get("path"):
-            return decode_image(value["path"], **again)
-        raise ValueError("image dict has neither 'bytes' nor 'path'")
     elif isinstance(value, (bytes, bytearray, memoryview)):
         img = Image.open(io.BytesIO(bytes(value)))
     elif isinstance(value, str) and value.startswith("data:"):

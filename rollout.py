@@ -100,10 +100,6 @@ def encode_images(processor, images):
     return out["pixel_values"], out["image_grid_thw"]
 
 
-def token_id(processor, token):
-    return processor.tokenizer.convert_tokens_to_ids(token)
-
-
 def render(processor, messages, tools=None, add_generation_prompt=False):
     """The chat template's text for `messages` (tools reach only templates that render them)."""
     return processor.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
@@ -176,7 +172,7 @@ def encode_target(processor, messages, text, tools=None):
 
 def check_images(processor, ids, images):
     """None if every image's placeholder count is what its grid implies, else the reason."""
-    start, end, pad = (token_id(processor, t) for t in (VISION_START, VISION_END, IMAGE_PAD))
+    start, end, pad = processor.tokenizer.convert_tokens_to_ids([VISION_START, VISION_END, IMAGE_PAD])
     runs, n = [], None  # lengths of the pad runs between <|vision_start|> and <|vision_end|>
     for t in ids:
         if t == start:
@@ -246,7 +242,7 @@ def _finish_turn(s, env, chat, out, processor, args, stops):
     s.tool_calls += int(bool(info.get("ran")))  # calls that ran, not every <tool_call> tag
     if done:
         return False
-    im_end = token_id(processor, IM_END)
+    im_end = processor.tokenizer.convert_tokens_to_ids(IM_END)
     close = [] if ids and ids[-1] == im_end else [im_end]  # stopped on another stop token
     # The model's text continues the generation prompt's opener (Qwen3.5's <think> block), so the
     # assistant message is opener + text: the template renders it as the tokens the model saw and
@@ -278,7 +274,7 @@ def run_episodes(engine, processor, records, args, groups=None):
         messages, tools = chat_prompt(processor, rec, multi)
         prompt = (messages, tools, encode_prompt(processor, messages, list(rec["images"]), tools))
         eps += [_episode(processor, rec, args, g, multi, prompt) for _ in range(n)]
-    stops = [token_id(processor, IM_END), token_id(processor, ENDOFTEXT)]
+    stops = processor.tokenizer.convert_tokens_to_ids([IM_END, ENDOFTEXT])
     sampling = dict(temperature=args.rollout_temperature, stop_token_ids=stops,
                     top_p=args.rollout_top_p, top_k=args.rollout_top_k)
     budget, context = args.rollout_max_response_len, args.max_context_len
