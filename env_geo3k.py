@@ -147,7 +147,7 @@ class Geo3kEnv:
                  min_pixels=MIN_SIDE * MIN_SIDE, max_payload=4096):
         self.label = None if label is None else str(label)
         self.problem_images = list(images or [])
-        self.max_turns, self.oracle, self.rm_type = max_turns, oracle, rm_type
+        self.max_turns, self.oracle = max_turns, oracle
         self.min_pixels, self.max_payload = min_pixels, max_payload
         self.reward_fn = reward.get_reward_fn(rm_type)
         self.reset()
@@ -201,12 +201,12 @@ class Geo3kEnv:
         if not name:
             raise ToolError("tool call needs a function name: <function=NAME>")
         info["tool"] = name
-        arguments, pos = {}, 0
+        stray = _XML_PARAMETER.sub(" ", body).strip()  # text outside the <parameter> blocks
+        if stray:
+            raise ToolError(f"unexpected text {stray[:80]!r} in tool call; each argument goes "
+                            "in <parameter=NAME>...</parameter>")
+        arguments = {}
         for p in _XML_PARAMETER.finditer(body):
-            between = body[pos:p.start()].strip()
-            if between:
-                raise ToolError(f"unexpected text {between[:80]!r} in tool call; each argument "
-                                "goes in <parameter=NAME>...</parameter>")
             key, raw = p.group(1).strip(), p.group(2)
             if key in arguments:
                 raise ToolError(f"parameter {key[:80]!r} given twice")
@@ -216,11 +216,6 @@ class Geo3kEnv:
                     arguments[key] = json.loads(raw, parse_constant=reward.reject_constant)
                 except (ValueError, RecursionError):
                     pass
-            pos = p.end()
-        rest = body[pos:].strip()
-        if rest:
-            raise ToolError(f"unexpected text {rest[:80]!r} in tool call; each argument goes "
-                            "in <parameter=NAME>...</parameter>")
         if not arguments:
             raise ToolError("tool call needs at least one <parameter=NAME> argument")
         info["arguments"] = arguments
