@@ -42,7 +42,6 @@ class TooLong(ValueError):
     """A row over a length limit (raised by a load `check`): skipped and counted, not an error."""
 
 
-# ---------------------------------------------------------------------------------- images
 def decode_image(value, base_dir=None, max_pixels=MAX_PIXELS, allow_urls=False, allow_outside=False):
     """bytes | {"bytes", "path"} | path | data URI | http(s) URL | PIL image -> RGB PIL image.
     A path must resolve inside `base_dir` (the data set's folder) unless allow_outside; a URL is
@@ -95,7 +94,6 @@ def image_to_data_uri(img):
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-# ---------------------------------------------------------------------------------- loading
 def _read_rows(source, split):
     """-> (rows, base_dir, name): raw dict rows of a file, folder or hub data set."""
     path, split = Path(source), split or "train"
@@ -205,7 +203,6 @@ def _listing(rows):
     return "\n".join(f"  row {i}: {why}" for i, why in rows[:10]) + ("\n  ..." if len(rows) > 10 else "")
 
 
-# ---------------------------------------------------------------------------------- prompts
 def user_content(problem, n_images):
     """Chat content parts: each `<image>` marker in the problem becomes an image part (in
     order); images without a marker go first, as geo3k problems start with `<image>`."""
@@ -238,7 +235,6 @@ def sft_messages(record):
     return prompt_messages(record) + [{"role": "assistant", "content": sft_target(record["answer"])}]
 
 
-# ---------------------------------------------------------------------------------- synthetic
 POLYGON_QUESTIONS = {  # question -> answer as a function of the number of sides n
     "Find the sum of the interior angles of the polygon.": lambda n: 180 * (n - 2),
     "Find the measure of each interior angle of the regular polygon.": lambda n: 180 * (n - 2) / n,

@@ -413,7 +413,6 @@ def load_model(hf_dir, freeze_vit=False, transformer_impl=None, options=None):
     return model.to(device)
 
 
-# --- parity check ---------------------------------------------------------------------------------
 def check_inputs(hf_dir):
     """A packed batch as the processor makes it: [image A + text], [text only], [image B, image A + text].
     Returns (seqs, pixel_values, image_grid_thw) with the images of all sequences in order."""

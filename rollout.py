@@ -52,7 +52,6 @@ class Sample:
         return self.prompt_ids + self.response_ids
 
 
-# ---------------------------------------------------------------------------------- flags
 def add_rollout_args(p):
     g = p.add_argument_group("rollout")
     g.add_argument("--rollout-engine", default="auto", choices=["auto", "sglang", "local"],
@@ -91,7 +90,6 @@ def sglang_server_args(argv):
     return out
 
 
-# ---------------------------------------------------------------------------------- tokens
 def encode_images(processor, images):
     """-> (pixel_values (sum patches, C*T*P*P), image_grid_thw (n, 3)) as the trainer feeds them."""
     if not images:
@@ -190,7 +188,6 @@ def check_images(processor, ids, images):
     return None
 
 
-# ---------------------------------------------------------------------------------- rollouts
 def _fail(s, reason):
     s.status, s.fail_reason, s.reward = "failed", reason, 0.0
     s.loss_mask = [0] * len(s.response_ids)  # never trained on, even by a trainer that forgets

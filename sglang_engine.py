@@ -195,7 +195,6 @@ class SGLangEngine(Engine):
             self.shutdown()
             raise
 
-    # ------------------------------------------------------------------ server process
     def _start(self):
         with socket.socket() as s:  # a free port
             s.bind(("127.0.0.1", 0))
@@ -265,7 +264,6 @@ class SGLangEngine(Engine):
         self.pool.shutdown(wait=False, cancel_futures=True)
         _LIVE.discard(self)
 
-    # ------------------------------------------------------------------ HTTP
     def _post(self, path, payload, timeout=None):
         req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
                                      headers={"Content-Type": "application/json"}, method="POST")
@@ -291,7 +289,6 @@ class SGLangEngine(Engine):
                 self._recover(epoch, e)
         raise RuntimeError(f"SGLang {path}: no answer after {self.max_restarts + 2} tries")
 
-    # ------------------------------------------------------------------ Engine API
     def generate(self, batch, sampling):
         return list(self.pool.map(lambda item: self._generate_one(item, sampling), batch))
 

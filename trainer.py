@@ -126,7 +126,6 @@ class Run:
         if self.wandb:
             self.wandb.log(metrics, step=step)
 
-    # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, model, opt, sched, step):
         """<save>/iter_NNNNNNN: HF weights (loadable as they are) + train_state/, written under a
         temporary name and renamed, so a half-written checkpoint is never visible; then all but
@@ -356,7 +355,6 @@ def versions():
     return out
 
 
-# -------------------------------------------------------------------- reductions
 def global_sum(value, run, op=dist.ReduceOp.SUM):
     """Sum a number over data-parallel ranks (e.g. loss tokens of the global batch); or max, by op.
     The tensor lives on run.device: NCCL has no CPU tensors."""
@@ -364,7 +362,6 @@ def global_sum(value, run, op=dist.ReduceOp.SUM):
     return parallel.all_reduce(t, run.dp_group, op).item()
 
 
-# -------------------------------------------------------------------- packing
 def pack(lengths, max_tokens):
     """Indices grouped into micro-batches of at most `max_tokens` tokens (first-fit
     decreasing; a single longer sequence gets a micro-batch of its own)."""
