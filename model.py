@@ -215,7 +215,8 @@ class MegatronVLM(torch.nn.Module):
         self.vocab = tc.vocab_size
         self.padded_vocab = -(-self.vocab // self.tp) * self.tp  # VocabParallelEmbedding splits evenly
         self.tie = bool(getattr(hf_config, "tie_word_embeddings", False))
-        qwen3, self.q35 = hf_config.model_type.startswith("qwen3"), qwen3_5.is_qwen3_5(hf_config)
+        qwen3 = hf_config.model_type.startswith("qwen3")  # Qwen3-VL and Qwen3.5: QK-norm, no QKV bias
+        self.q35 = hf_config.model_type in ("qwen3_5", "qwen3_5_moe")
         self.impl = layer_impl(transformer_impl)
         self.te = self.impl == "transformer_engine"
         opts = options or {}

@@ -36,10 +36,6 @@ if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16 defines it o
     moe_utils.te_general_gemm = None  # but the router's fp32 gemm tests it for None (moe_utils.py:1192)
 
 
-def is_qwen3_5(hf_config):
-    return hf_config.model_type in ("qwen3_5", "qwen3_5_moe")
-
-
 def config_kwargs(tc, opts):
     """TransformerConfig fields for a Qwen3.5 text config `tc` (dense or MoE); opts: the trainer's
     MoE flags (moe_token_dispatcher_type, moe_router_dtype, moe_aux_loss_coeff)."""
@@ -125,12 +121,9 @@ class GatedDeltaNet(MegatronModule):
                                                           input_is_parallel=True, skip_bias_add=True, **lin)
 
     def forward(self, hidden_states, packed_seq_params=None, **_):
-        qkv, _ = self.in_proj_qkv(hidden_states)  # (T, 1, conv): the whole sequence under SP
-        z, _ = self.in_proj_z(hidden_states)
-        b, _ = self.in_proj_b(hidden_states)
-        a, _ = self.in_proj_a(hidden_states)
+        projections = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        qkv, z, b, a = (proj(hidden_states)[0][:, 0] for proj in projections)  # (T, conv)...: all T under SP
         cu = packed_seq_params.cu_seqlens_q
-        qkv, z, b, a = qkv[:, 0], z[:, 0], b[:, 0], a[:, 0]
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # (T, vh) log decay
         if qkv.is_cuda and chunk_gated_delta_rule is not None:
