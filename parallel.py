@@ -90,36 +90,21 @@ def init_distributed(tp=1, seed=1234, timeout_minutes=60, ep=1):
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def tp_group():
-    return ps.get_tensor_model_parallel_group()
+# groups and ranks: megatron-core's own parallel-state functions, under short names
+tp_group = ps.get_tensor_model_parallel_group
+dp_group = ps.get_data_parallel_group
+ep_group = ps.get_expert_model_parallel_group  # ranks with other experts: the grad norm sums over it
+ep_rank = ps.get_expert_model_parallel_rank
+ep_size = ps.get_expert_model_parallel_world_size
+expert_dp_group = ps.get_expert_data_parallel_group  # ranks with the same experts: expert grads reduced over it
 
 
 def tp_rank_size():
     return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
 
 
-def dp_group():
-    return ps.get_data_parallel_group()
-
-
 def dp_rank_size():
     return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-
-
-def ep_group():  # ranks holding different experts: the grad norm sums expert squares over it
-    return ps.get_expert_model_parallel_group()
-
-
-def ep_rank():
-    return ps.get_expert_model_parallel_rank()
-
-
-def ep_size():
-    return ps.get_expert_model_parallel_world_size()
-
-
-def expert_dp_group():  # ranks holding the same experts: expert grads are averaged over it
-    return ps.get_expert_data_parallel_group()
 
 
 def all_reduce(t, group, op=dist.ReduceOp.SUM):
