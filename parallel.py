@@ -96,7 +96,7 @@ dp_group = ps.get_data_parallel_group
 ep_group = ps.get_expert_model_parallel_group  # ranks with other experts: the grad norm sums over it
 ep_rank = ps.get_expert_model_parallel_rank
 ep_size = ps.get_expert_model_parallel_world_size
-expert_dp_group = ps.get_expert_data_parallel_group  # ranks with the same experts: expert grads reduced over it
+expert_dp_group = ps.get_expert_data_parallel_group  # ranks with the same experts: grads reduced here
 
 
 def tp_rank_size():
