@@ -176,10 +176,8 @@ class _LogprobEntropy(torch.autograd.Function):
 
 
 def layer_impl(impl=None):
-    """Megatron's --transformer-impl: "transformer_engine" (fused kernels, THD packing; the default
-    on CUDA) or "local" (plain torch, attention.py's attention; the CPU path). Asking for Transformer
-    Engine where it cannot run is an error that says why: a broken TE import must not silently
-    fall back to the local spec (megatron-core swallows the ImportError and sets HAVE_TE=False)."""
+    """Megatron's --transformer-impl: transformer_engine (the CUDA default) or local (attention.py's,
+    the CPU path). TE where it cannot load is an error saying why (README, GPU set-up)."""
     if impl is None:
         impl = "transformer_engine" if torch.cuda.is_available() else "local"
     if impl not in ("transformer_engine", "local"):
@@ -312,11 +310,9 @@ class MegatronVLM(torch.nn.Module):
         return n
 
     def _chunks(self):
-        """[(first layer, end, recompute?)]: Megatron's --recompute-method uniform checkpoints every
-        chunk of --recompute-num-layers layers, block only the first that many layers; only the
-        chunk inputs are kept and the layers rerun in backward. torch's non-reentrant checkpoint,
-        not Megatron's CheckpointFunction: the latter restores CUDA RNG state in backward, which
-        runs outside megatron_on_cpu here; dropout is 0 so no RNG state needs restoring."""
+        """[(first layer, end, recompute?)] as the --recompute-* flags say. torch's non-reentrant
+        checkpoint, not Megatron's CheckpointFunction: the latter restores CUDA RNG state in backward,
+        which runs outside megatron_on_cpu here; dropout is 0 so no RNG state needs restoring."""
         n, (gran, method, k) = len(self.language_model.decoder.layers), self.recompute
         if gran != "full":
             return [(0, n, False)]

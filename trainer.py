@@ -127,9 +127,8 @@ class Run:
             self.wandb.log(metrics, step=step)
 
     def save_checkpoint(self, model, opt, sched, step):
-        """<save>/iter_NNNNNNN: HF weights (loadable as they are) + train_state/, written under a
-        temporary name and renamed, so a half-written checkpoint is never visible; then all but
-        the newest --save-keep checkpoints are removed."""
+        """<save>/iter_NNNNNNN (HF weights + train_state/), written as .tmp_<name> and renamed: a
+        half-written checkpoint is never visible. Then only the newest --save-keep stay."""
         name = f"iter_{step:07d}"
         tmp, final = self.save / f".tmp_{name}", self.save / name
         try:
@@ -288,8 +287,7 @@ def check_args(p, args):
 
 
 def lock_folder(folder):
-    """Hold <folder>/.lock for this process's life: one trainer per run folder. The kernel drops
-    an flock when its process dies, SIGKILL included, so a dead run never leaves it held."""
+    """Hold <folder>/.lock (an flock) for this process's life: one trainer per run folder (README)."""
     f = open(folder / ".lock", "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -381,9 +379,8 @@ def pack(lengths, max_tokens):
 
 def micro_batches(items, max_tokens, models, backward=False):
     """-> (items, model inputs) of each packed micro-batch of this rank's `items` (dicts of ids and
-    mask 1-D tensors, pixel_values and image_grid_thw or None). With expert parallelism each MoE
-    layer runs collectives over ranks that hold different data, in forward and backward, so every
-    rank runs as many micro-batches as the busiest: idle() for each one this rank lacks, at the end."""
+    mask 1-D tensors, pixel_values and image_grid_thw or None); with EP, then idle() ones up to the
+    busiest rank's count: MoE layers run collectives in forward and backward (README, "Qwen3.5")."""
     bins = pack([len(it["ids"]) for it in items], max_tokens)
     n = 0  # idle micro-batches to run, agreed before any runs: MoE collectives must not cross this reduce
     if parallel.ep_size() > 1:
