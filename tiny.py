@@ -116,18 +116,17 @@ def tiny_config(arch, hidden=64, layers=2, heads=4, kv_heads=2, vit_hidden=32, v
     raise SystemExit(f"unknown --arch {arch!r}: use qwen3_vl, qwen2_5_vl, qwen3_5 or qwen3_5_moe")
 
 
-def qwen3_5_config(arch, text, vision, tie, head_dim, section=None):
+def qwen3_5_config(arch, text, vision, tie, head_dim, section):
     """Qwen3.5 at toy size: every 2nd layer full (gated) attention, the others Gated DeltaNet (2 key
     heads repeated to 4 value heads, as 35B-A3B's 16 -> 32), partial rotary 0.25 of head_dim with
     interleaved MRoPE; _moe: 4 experts, top-2, a gated shared expert. Token ids are the tiny Qwen
     tokenizer's (the real 248k vocabulary is not needed to test the maths)."""
     n = text["num_hidden_layers"]
-    half = head_dim // 8  # rotary frequencies: a quarter of head_dim rotates
     text.update(head_dim=head_dim, layer_types=["full_attention" if i % 2 else "linear_attention" for i in range(n)],
                 linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
                 linear_num_key_heads=2, linear_num_value_heads=4, rope_parameters=dict(
                     rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25, mrope_interleaved=True,
-                    mrope_section=list(section or [half - 2 * (half // 4), half // 4, half // 4])[:3]))
+                    mrope_section=section[:3]))
     vision.update(patch_size=16, num_position_embeddings=64, hidden_act="gelu_pytorch_tanh", deepstack_visual_indexes=[])
     ids = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
     if arch == "qwen3_5":
@@ -144,8 +143,7 @@ def sizes_like(config_json, head_dim=16):
     text = cfg.get("text_config", cfg)  # Qwen2.5-VL's config is flat
     ratio = text["num_attention_heads"] // text["num_key_value_heads"]
     kv = 2
-    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-    real = rope["mrope_section"]
+    real = (text.get("rope_parameters") or text.get("rope_scaling") or {})["mrope_section"]
     half = head_dim // 2
     section = [round(x * half / sum(real)) for x in real]
     section[0] += half - sum(section)
