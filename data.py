@@ -43,9 +43,8 @@ class TooLong(ValueError):
 
 
 def decode_image(value, base_dir=None, max_pixels=MAX_PIXELS, allow_urls=False, allow_outside=False):
-    """bytes | {"bytes", "path"} | path | data URI | http(s) URL | PIL image -> RGB PIL image.
-    A path must resolve inside `base_dir` (the data set's folder) unless allow_outside; a URL is
-    fetched only when allow_urls, at most URL_MAX_BYTES, URL_TIMEOUT seconds per read."""
+    """bytes | {"bytes", "path"} | path | data URI | http(s) URL | PIL image -> RGB PIL image. Paths
+    stay inside `base_dir` unless allow_outside, URLs need allow_urls (README, "Reliability")."""
     if isinstance(value, dict):  # parquet's image struct: its bytes, else its path
         if not (value.get("bytes") or value.get("path")):
             raise ValueError("image dict has neither 'bytes' nor 'path'")

@@ -209,10 +209,8 @@ def allreduce_grads(grads, run):
             continue
         flat = torch.cat([g.reshape(-1) for g in gs])
         dist.all_reduce(flat, group=group)
-        off = 0
-        for g in gs:
-            g.copy_(flat[off:off + g.numel()].view_as(g))
-            off += g.numel()
+        for g, summed in zip(gs, flat.split([g.numel() for g in gs])):
+            g.copy_(summed.view_as(g))
 
 
 def optimizer_step(model, opt, sched, run, args):

@@ -365,10 +365,8 @@ def make_engine(args, hf_dir, run_dir):
 
 
 def draw(records, step, args):
-    """The prompts of a step: a fixed function of (seed, step), so a resumed run sees the same.
-    With --dynamic-sampling, more prompts follow the batch's own, up to
-    --dynamic-sampling-max-prompts: rollout.generate_group_samples works through them until
-    --rollout-batch-size groups with mixed rewards are kept."""
+    """The prompts of a step: a fixed function of (seed, step), so a resumed run sees the same. With
+    --dynamic-sampling, up to --dynamic-sampling-max-prompts: the over-sample generate_group_samples takes."""
     n, k, orders, out = len(records), args.rollout_batch_size, {}, []
     for j in range(step * k, (step + 1) * k):
         epoch, pos = divmod(j, n)
