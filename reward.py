@@ -132,14 +132,10 @@ def _deadline(cpu_s, wall_s):
         raise _Timeout
 
 
-def last_boxed(text):
-    """Content of the last \\boxed{...} / \\fbox{...}; None if absent, unclosed or too long."""
-    if not isinstance(text, str):
-        return None
-    starts = [m.end() for m in _BOX_START.finditer(text)]
-    if not starts:
-        return None
-    i, depth, start = starts[-1], 1, starts[-1]
+def _box_end(text, start):
+    """Index of the brace that closes the box whose content begins at start; None if unclosed or
+    longer than MAX_BOX_CHARS."""
+    i, depth = start, 1
     while i < len(text) and i - start <= MAX_BOX_CHARS:
         c = text[i]
         if c == "\\":  # skip the escaped char: \{ and \} do not count as grouping
@@ -147,9 +143,26 @@ def last_boxed(text):
             continue
         depth += (c == "{") - (c == "}")
         if depth == 0:
-            return text[start:i]
+            return i
         i += 1
     return None
+
+
+def last_boxed(text):
+    """Content of the last \\boxed{...} / \\fbox{...}; None if absent, too long, or if any box is
+    left open (a later box closing inside an open one is malformed output, not an answer)."""
+    if not isinstance(text, str):
+        return None
+    starts = [m.end() for m in _BOX_START.finditer(text)]
+    if not starts:
+        return None
+    end = -1
+    for start in starts:  # outermost boxes only: a closed box closes every box inside it
+        if start > end:
+            end = _box_end(text, start)
+            if end is None:
+                return None
+    return text[starts[-1]:_box_end(text, starts[-1])]
 
 
 def _clean(s):

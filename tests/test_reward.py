@@ -174,6 +174,12 @@ def test_real_geo3k_answers(geo3k_real):
     ("\\boxed {3}", "3"),
     ("\\boxed{\\{1,2\\}}", "\\{1,2\\}"),   # escaped braces do not close the box
     ("\\boxed{1", None),
+    # a box left open makes the answer malformed, also when a later box closes inside it: the
+    # CPU demo's GRPO was rewarded for looping "\\boxed{5 \\boxed{5 ... \\boxed{5}", which greedy
+    # decoding then never closed
+    ("Answer: \\boxed{5 \\boxed{5 \\boxed{5}", None),
+    ("\\boxed{3 and then \\boxed{5}", None),
+    ("\\boxed{x = \\boxed{5}}", "5"),      # nested and closed: the innermost, last box
     ("no box", None),
     ("\\boxed{" + "1" * 2000 + "}", None),
     (None, None),
