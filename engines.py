@@ -18,13 +18,8 @@ class Engine:
     batch items: {"input_ids": [int], "images": [PIL][, "max_new_tokens": int]};
     sampling: {temperature, top_p, top_k, max_new_tokens, stop_token_ids}. logprobs are
     log_softmax(logits / T) of the new ids (T = 1 for greedy; before top-p/top-k, as SGLang
-    reports them)."""
-
-    def generate(self, batch, sampling):
-        raise NotImplementedError
-
-    def update_weights(self, buckets):
-        raise NotImplementedError
+    reports them). update_weights(buckets of (HF name, full tensor)) -> tensors loaded. Both are
+    each engine's own."""
 
     # A server engine frees its GPU memory for training (release), takes it back (resume) and
     # stops (shutdown); in process there is nothing to do.
