@@ -6,7 +6,8 @@
 #       synthetic geometry set: SFT warm-up -> GRPO single-turn -> GRPO multi-turn (calc_score + crop
 #       tools) -> eval. The warm-up (24 steps) teaches only the answer format: accuracy stays at
 #       chance (1 in 4). GRPO then learns from the reward alone to read the number of sides from the
-#       picture (reward 0.22 -> 0.97). ~19 min on 2 cores; see README "Known limits".
+#       picture (reward 0.25 -> 0.87, greedy accuracy 0.30 -> 1.0), then the multi-turn prompt
+#       (reward 0.33 -> ~0.9). ~9 min on 2 cores; see README "Known limits".
 #       Writes runs/cpu-demo/: each stage's metrics.jsonl and checkpoints, summary.md, reward_curve.png.
 #
 #   MODEL=Qwen/Qwen3-VL-2B-Instruct DATA=hiyouga/geometry3k NUM_GPUS=4 MODE=multi_turn bash run.sh
@@ -54,7 +55,7 @@ if [[ "$NUM_GPUS" == 0 ]]; then
   $PY train_grpo.py --hf-checkpoint "$RUN/sft/$(cat "$RUN/sft/latest")" --save "$RUN/grpo" \
       "${GRPO[@]}" --num-rollout 100
   $PY train_grpo.py --hf-checkpoint "$RUN/grpo/$(cat "$RUN/grpo/latest")" --save "$RUN/grpo_mt" \
-      "${GRPO[@]}" --num-rollout 10 --max-turns 3
+      "${GRPO[@]}" --num-rollout 30 --max-turns 3
   $PY report.py "$RUN"
   echo "final Hugging Face checkpoint: $RUN/grpo_mt/$(cat "$RUN/grpo_mt/latest")"
   exit 0
