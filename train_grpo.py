@@ -366,7 +366,8 @@ def make_engine(args, hf_dir, run_dir):
 
 def draw(records, step, args):
     """The prompts of a step: a fixed function of (seed, step), so a resumed run sees the same. With
-    --dynamic-sampling, up to --dynamic-sampling-max-prompts: the over-sample generate_group_samples takes."""
+    --dynamic-sampling, extra prompts follow (--dynamic-sampling-max-prompts in all), for
+    generate_group_samples to draw on until enough groups have mixed rewards."""
     n, k, orders, out = len(records), args.rollout_batch_size, {}, []
     for j in range(step * k, (step + 1) * k):
         epoch, pos = divmod(j, n)
