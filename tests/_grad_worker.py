@@ -1,0 +1,90 @@
+"""The GRPO gradient of fixed samples, term by term, for tests/test_layouts.py: run as one process or
+under torchrun (TP, DP, EP). For each term (pg: advantages only; entropy: --entropy-coef alone; kl:
+--kl-loss-coef alone against --ref) it runs train_grpo.policy_loss over this rank's share, sums the
+gradients over data-parallel ranks as the optimizer step does, and rank 0 writes every parameter's
+full gradient under its HF name to <out>/<term>.safetensors, with the loss in <out>/<term>.json.
+
+    python tests/_grad_worker.py CKPT GEO3K_PARQUET --out DIR [--ref CKPT] [--tp N [--sp]] [--ep N] [--freeze-vit]
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import convert  # noqa: E402
+import data  # noqa: E402
+import model as M  # noqa: E402
+import optim  # noqa: E402
+import rollout as R  # noqa: E402
+import train_grpo as G  # noqa: E402
+import trainer as T  # noqa: E402
+
+
+def samples(proc, source, n_prompts=4, group=4, seed=0):
+    """n_prompts x group samples of real prompts with images: responses of 3-40 tokens drawn from the
+    ordinary vocabulary, mixed advantages, engine logprobs off by a little (so the clip engages)."""
+    g = torch.Generator().manual_seed(seed)
+    items = []
+    for k, rec in enumerate(data.load_geo3k(source)[:n_prompts]):
+        prompt = R.encode_prompt(proc, data.prompt_messages(rec), rec["images"])
+        for j in range(group):
+            n = int(torch.randint(3, 41, (1,), generator=g))
+            resp = torch.randint(0, 151_000, (n,), generator=g).tolist()
+            s = R.Sample(prompt_ids=prompt, response_ids=resp, loss_mask=[1] * n, rollout_logprobs=[0.0] * n,
+                         images=rec["images"], group=k)
+            items.append(G.to_item(s, proc, adv=float(torch.randn((), generator=g))))
+    return items
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("ckpt")
+    p.add_argument("source")
+    p.add_argument("--out", required=True)
+    p.add_argument("--ref", default=None, help="reference checkpoint of the KL term (default: no KL term)")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--sp", action="store_true", help="--sequence-parallel (Qwen3.5 on CPU: its norms allow it)")
+    p.add_argument("--freeze-vit", action="store_true")
+    p.add_argument("--max-tokens-per-gpu", default="700")
+    a = p.parse_args()
+    out = Path(a.out)
+    args = G.parse_args(["--hf-checkpoint", a.ckpt, "--prompt-data", a.source, "--save", str(out / "run"),
+                         "--tensor-model-parallel-size", str(a.tp), "--expert-model-parallel-size", str(a.ep),
+                         "--max-tokens-per-gpu", a.max_tokens_per_gpu, "--overwrite"]
+                        + (["--sequence-parallel"] if a.sp else []))
+    run = T.Run(args, "test")
+    model = M.load_model(a.ckpt, a.freeze_vit, options=vars(args))
+    ref = M.load_model(a.ref, True, options=vars(args)).eval() if a.ref else None
+    from transformers import AutoProcessor
+    items = samples(AutoProcessor.from_pretrained(a.ckpt), a.source)
+    G.recompute_old(model, items, args)
+    g = torch.Generator().manual_seed(1)
+    for it in items:  # the engine's logprobs a little off the trainer's: some ratios clip
+        it["old"] = it["old"] + 0.3 * torch.randn(len(it["old"]), generator=g)
+    terms = {"pg": {}, "entropy": dict(entropy_coef=1.0)}
+    if ref is not None:
+        terms["kl"] = dict(kl_loss_coef=1.0)
+    for term, coefs in terms.items():
+        targs = argparse.Namespace(**{**vars(args), **coefs})
+        mine = [dict(it, adv=it["adv"] if term == "pg" else 0.0) for it in T.dp_shard(items, run)]
+        model.zero_grad(set_to_none=True)
+        stats = G.policy_loss(model, ref if term == "kl" else None, run, mine, targs, measure=False)
+        params = [q for q in model.parameters() if q.requires_grad]
+        for q in params:
+            if q.grad is None:
+                q.grad = torch.zeros_like(q)
+        optim.allreduce_grads([(q, q.grad) for q in params], run)
+        grads = {n: t.detach().cpu().contiguous() for n, t in convert.hf_tensors(model, grad=True)}
+        if run.rank == 0:
+            frozen = {n for n in grads if a.freeze_vit and n.startswith(model.vis_prefix)}
+            save_file({n: t for n, t in grads.items() if n not in frozen}, str(out / f"{term}.safetensors"))
+            (out / f"{term}.json").write_text(json.dumps({k: stats[k] for k in ("loss", "entropy", "kl", "clipfrac")}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""The reference every parallel layout is held to: the same samples give the same GRPO gradient,
+parameter by parameter, in one process and under TP, DP and EP, for each loss term (policy
+gradient, entropy, KL) with the vision tower trained and frozen, dense and MoE.
+
+The checkpoints are the tiny ones with their weights redrawn large (2-D weights N(0, 0.08^2), norm
+scales 1 + 0.2 N(0, 1)): the logits are far from uniform there, unlike the default tiny checkpoint's
+(N(0, 0.02^2)), which is where issue 30 saw one process and two disagree. tests/_grad_worker.py
+computes and writes the gradients; this file compares them.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import GEO3K_REAL, ROOT
+
+# Per tensor (L2 over its elements): |g_layout - g_one| <= REL |g_one| + ABS |whole gradient|.
+# Measured: 3.3e-6 relative at worst for dense tensors (a QK-norm scale at TP=2). Qwen3.5's first
+# Gated DeltaNet decay gate (A_log, dt_bias: a sum over every token's decay, mostly cancelling, ~1e-5
+# of the whole gradient) moves 1.5e-4 relative in ONE process when only the thread count changes
+# and 3.2e-4 when only the micro-batch budget does: float32 reduction order, which ABS covers
+# (those moves are ~1e-9 of the whole gradient's ~1). A wrong shard, a missing or doubled reduce
+# or a 1/DP scale is off by O(1) relative.
+REL, ABS = 2e-5, 1e-7
+
+
+def redraw(ckpt, out, seed):
+    """A copy of `ckpt` with its weights redrawn: every 2-D (and 3-D fused expert) weight from
+    N(0, 0.08^2), every norm scale from 1 + 0.2 N(0, 1) (Qwen3.5's zero-centred text norms: 0.2 N)."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    centred = cfg["model_type"].startswith("qwen3_5")
+    out.mkdir(exist_ok=True)
+    for f in ckpt.iterdir():
+        if f.name != "model.safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    g = torch.Generator().manual_seed(seed)
+    sd = load_file(ckpt / "model.safetensors")
+    for k in sorted(sd):
+        v = sd[k]
+        if v.ndim == 2 or "experts" in k:
+            sd[k] = 0.08 * torch.randn(v.shape, generator=g)
+        elif "norm" in k and k.endswith("weight"):
+            zero = centred and "visual" not in k and "linear_attn.norm" not in k
+            sd[k] = (0.0 if zero else 1.0) + 0.2 * torch.randn(v.shape, generator=g)
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def peaked(tiny_ckpt, tmp_path_factory):
+    """peaked(arch, seed) -> a redrawn tiny checkpoint of that family (Qwen3-VL: 4 layers, hidden
+    96, 6 query / 2 KV heads, a depth-3 vision tower feeding deepstack layers)."""
+    made = {}
+
+    def get(arch, seed=1234):
+        if (arch, seed) not in made:
+            sizes = dict(hidden=96, heads=6, kv_heads=2, layers=4, vit_depth=3) if arch == "qwen3_vl" else {}
+            made[arch, seed] = redraw(tiny_ckpt(arch, **sizes), tmp_path_factory.mktemp(f"{arch}_{seed}"), seed)
+        return made[arch, seed]
+    return get
+
+
+def grads(ckpt, out, nproc=1, *flags, ref=None):
+    """{term: (HF name -> gradient, stats)} from tests/_grad_worker.py, one process or torchrun."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                  "--nproc_per_node", str(nproc)]
+    cmd = launch + [str(ROOT / "tests" / "_grad_worker.py"), str(ckpt), str(GEO3K_REAL / "test.parquet"),
+                    "--out", str(out), *flags] + (["--ref", str(ref)] if ref else [])
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return {f.stem: (load_file(f), json.loads(f.with_suffix(".json").read_text())) for f in out.glob("*.safetensors")}
+
+
+def norm(grads):
+    return sum(float(t.double().pow(2).sum()) for t in grads.values()) ** 0.5
+
+
+def assert_same(got, want, name):
+    assert got.keys() == want.keys(), (name, got.keys() ^ want.keys())
+    for term, (g, stats) in got.items():
+        w, wstats = want[term]
+        assert g.keys() == w.keys(), (name, term, g.keys() ^ w.keys())
+        total = norm(w)
+        bad = {k: float((g[k] - w[k]).norm() / w[k].norm().clamp(min=1e-30)) for k in w
+               if (g[k] - w[k]).norm() > REL * w[k].norm() + ABS * total}
+        assert not bad, (name, term, dict(sorted(bad.items(), key=lambda kv: -kv[1])[:6]))
+        assert abs(norm(g) - total) <= 1e-5 * total, (name, term, norm(g), total)
+        for k in ("loss", "entropy", "kl"):
+            assert abs(stats[k] - wstats[k]) <= 1e-6 * max(1.0, abs(wstats[k])), (name, term, k, stats, wstats)
+
+
+@pytest.mark.parametrize("freeze", [False, True], ids=["vit_trained", "vit_frozen"])
+def test_dense_gradients_equal_in_one_process_tp2_and_dp2(peaked, tmp_path, freeze):
+    ckpt, ref = peaked("qwen3_vl"), peaked("qwen3_vl", seed=99)
+    extra = ["--freeze-vit"] if freeze else []
+    one = grads(ckpt, tmp_path / "one", 1, *extra, ref=ref)
+    assert set(one) == {"pg", "entropy", "kl"}
+    for term, (g, stats) in one.items():  # every term has a gradient, and only trained tensors have one
+        assert sum(float(t.norm()) for t in g.values()) > 0, term
+        assert any(k.startswith("model.visual.") for k in g) != freeze, term
+    assert 0 < one["pg"][1]["clipfrac"] < 1 and one["kl"][1]["kl"] > 0
+    assert_same(grads(ckpt, tmp_path / "dp2", 2, *extra, ref=ref), one, "dp2")
+    assert_same(grads(ckpt, tmp_path / "tp2", 2, "--tp", "2", *extra, ref=ref), one, "tp2")
+
+
+def test_moe_gradients_equal_in_one_process_and_ep2(peaked, tmp_path):
+    """Qwen3.5-MoE: experts split over two ranks (EP2 x DP2), and TP2 with sequence parallel."""
+    ckpt = peaked("qwen3_5_moe")
+    one = grads(ckpt, tmp_path / "one", 1)
+    assert any(".experts." in k for k in one["pg"][0])
+    assert_same(grads(ckpt, tmp_path / "ep2", 2, "--ep", "2"), one, "ep2")
+    assert_same(grads(ckpt, tmp_path / "tp2sp", 2, "--tp", "2", "--sp"), one, "tp2+sp")
