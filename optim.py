@@ -3,6 +3,7 @@ ranks (gradients summed over DP, clipped by their global norm over TP). fp32: to
 --use-distributed-optimizer: MasterAdamW on CPU, megatron-core's DDP and optimizer on CUDA (README,
 "Precision"). Parameters with `allreduce == False` (MoE experts, Megatron's mark) are never sharded.
 """
+import copy
 import math
 
 import torch
@@ -37,17 +38,44 @@ def build_optimizer(model, args, total_steps):
     mixed = getattr(args, "bf16", False) or getattr(args, "use_distributed_optimizer", False)
     if mixed and torch.cuda.is_available():
         opt = megatron_optimizer(model, args)
-        inner = opt.optimizer  # megatron's wrapped torch optimizer: its groups carry max_lr, wd_mult
-        for g in inner.param_groups:
+        # megatron's groups (over every optimizer of a ChainedOptimizer: MoE experts get their own,
+        # optimizer/__init__.py get_megatron_optimizer, megatron-core 0.16.1) carry max_lr, wd_mult
+        for g in opt.param_groups:
             g["lr"], g["weight_decay"] = g["max_lr"], args.weight_decay * g["wd_mult"]
-        return opt, torch.optim.lr_scheduler.LambdaLR(inner, factor)
+        return opt, Schedule(opt, factor)
     groups = param_groups(model, args)
     if mixed:
         opt = MasterAdamW(groups, args)
-        return opt, torch.optim.lr_scheduler.LambdaLR(opt.inner, factor)
+        return opt, Schedule(opt, factor)
     opt = torch.optim.AdamW([{"params": ps, "lr": lr, "weight_decay": wd} for lr, wd, ps in groups],
                             lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=1e-8)
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    return opt, Schedule(opt, factor)
+
+
+class Schedule:
+    """torch's LambdaLR for any optimizer with param_groups: lr of group i = its lr at the start x
+    factor(steps taken). LambdaLR takes only a torch Optimizer, and megatron's ChainedOptimizer
+    (MoE) is none; the groups are read anew at each step, as a load_state_dict replaces them."""
+
+    def __init__(self, opt, factor):
+        self.opt, self.factor, self.last_epoch = opt, factor, 0
+        self.base = [g["lr"] for g in opt.param_groups]
+        self._apply()
+
+    def _apply(self):
+        for g, lr in zip(self.opt.param_groups, self.base):
+            g["lr"] = lr * self.factor(self.last_epoch)
+
+    def step(self):
+        self.last_epoch += 1
+        self._apply()
+
+    def state_dict(self):  # LambdaLR's key: checkpoints of either load in the other
+        return {"last_epoch": self.last_epoch}
+
+    def load_state_dict(self, state):
+        self.last_epoch = state["last_epoch"]
+        self._apply()
 
 
 def megatron_optimizer(model, args):
@@ -56,13 +84,10 @@ def megatron_optimizer(model, args):
     not overlapped with backward: which parameters get gradients changes per batch (the vision
     tower on text-only ones), and the overlapped reduce asserts when a bucket's parameters did
     not all report ready (param_and_grad_buffer.py:524-535, megatron-core 0.16.1)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     for n, p in model.named_parameters():  # megatron's --decoupled-lr selects params by this mark
         p.is_embedding_or_output_parameter = "word_embeddings" in n or "output_layer" in n
-    ddp = DistributedDataParallel(model.language_model.config, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32, overlap_grad_reduce=False,
-        use_distributed_optimizer=args.use_distributed_optimizer), model)
+    ddp = megatron_ddp(model, args)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     opt = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, decoupled_lr=args.decoupled_lr,
@@ -73,23 +98,44 @@ def megatron_optimizer(model, args):
     return opt
 
 
+def megatron_ddp(model, args):
+    """megatron-core's DDP around the model, SUMMING gradients over DP ranks as allreduce_grads does:
+    our loss is already divided by the global batch's token count. Without calculate_per_token_loss
+    DDP scales each gradient by 1/DP before the sum (distributed_data_parallel.py:254-288,
+    megatron-core 0.16.1): grad norms DP x too small, --clip-grad acting as clip x DP. The flag is
+    set on a copy of the config: on the model's own it would also rescale the MoE aux loss
+    (transformer/moe/router.py:456)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    config = copy.copy(model.language_model.config)
+    config.calculate_per_token_loss = True
+    with parallel.megatron_on_cpu():  # on CPU only for the test that holds the two paths together
+        return DistributedDataParallel(config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32, overlap_grad_reduce=False,
+            use_distributed_optimizer=args.use_distributed_optimizer), model)
+
+
+def _inner(opt):
+    """megatron's wrapped torch optimizers: one, or one per part of a ChainedOptimizer (MoE experts)."""
+    return [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])]
+
+
 def state_of(opt):
     """The optimizer's checkpoint state. Megatron's distributed optimizer leaves this rank's masters
-    and Adam moments out of state_dict() (distrib_optimizer.py:628-635): add its inner optimizer's."""
+    and Adam moments out of state_dict() (distrib_optimizer.py:628-635): add its inner optimizers'."""
     if not hasattr(opt, "ddp") or not opt.sharded:
         return opt.state_dict()
-    inner = opt.optimizer
-    return {"megatron": opt.state_dict(), "inner": inner.state_dict(),
-            "masters": [p.detach().clone() for g in inner.param_groups for p in g["params"]]}
+    return {"megatron": opt.state_dict(), "inner": [o.state_dict() for o in _inner(opt)],
+            "masters": [[p.detach().clone() for g in o.param_groups for p in g["params"]] for o in _inner(opt)]}
 
 
 def load_state(opt, state):
     if not hasattr(opt, "ddp") or not opt.sharded:
         return opt.load_state_dict(state)
     opt.load_state_dict(state["megatron"])
-    opt.optimizer.load_state_dict(state["inner"])
-    for p, saved in zip([p for g in opt.optimizer.param_groups for p in g["params"]], state["masters"]):
-        p.data.copy_(saved)
+    for o, inner, masters in zip(_inner(opt), state["inner"], state["masters"]):
+        o.load_state_dict(inner)
+        for p, saved in zip([p for g in o.param_groups for p in g["params"]], masters):
+            p.data.copy_(saved)
 
 
 class MasterAdamW:

@@ -115,3 +115,35 @@ def test_moe_gradients_equal_in_one_process_and_ep2(peaked, tmp_path):
     assert any(".experts." in k for k in one["pg"][0])
     assert_same(grads(ckpt, tmp_path / "ep2", 2, "--ep", "2"), one, "ep2")
     assert_same(grads(ckpt, tmp_path / "tp2sp", 2, "--tp", "2", "--sp"), one, "tp2+sp")
+
+
+DDP_WORKER = """
+import sys, types
+sys.path.insert(0, sys.argv[2])
+import torch, optim, parallel, model as M
+rank, world, _ = parallel.init_distributed(1)
+m = M.load_model(sys.argv[1])
+args = types.SimpleNamespace(accumulate_allreduce_grads_in_fp32=False, use_distributed_optimizer=False)
+ddp = optim.megatron_ddp(m, args)  # the CUDA path's reduce (it runs on CPU over gloo too)
+for p in m.parameters():
+    p.main_grad.fill_(rank + 1.0)
+with parallel.megatron_on_cpu():
+    ddp.finish_grad_sync()
+grads = [(p, torch.full_like(p, rank + 1.0)) for p in m.parameters()]  # the CPU path's reduce
+optim.allreduce_grads(grads, types.SimpleNamespace(dp_group=parallel.dp_group()))
+assert all(torch.equal(p.main_grad, g) for p, g in grads), "the paths differ"
+print("summed", float(next(m.parameters()).main_grad.flatten()[0]))
+"""
+
+
+def test_megatron_ddp_sums_gradients_as_the_cpu_path_does(tiny_ckpt, tmp_path):
+    """Our loss is divided by the global token count, so DP ranks' gradients are summed: on the CUDA
+    path (megatron-core's DDP, which averages unless told otherwise) as on the CPU path."""
+    script = tmp_path / "ddp_worker.py"
+    script.write_text(DDP_WORKER)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(script), str(tiny_ckpt("qwen3_vl")), str(ROOT)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stdout.count("summed 3.0") == 2, r.stdout  # ranks held 1 and 2

@@ -183,3 +183,32 @@ def test_fast_learning_check_in_bf16(tiny_ckpt, tmp_path):
     gap = [m["logprob_diff_mean"] for m in real if "logprob_diff_mean" in m]
     print(f"bf16 logprob gap mean {mean(gap):.2e} max {max(gap):.2e}")
     assert len(gap) == FAST_STEPS, gap
+
+
+def test_schedule_scales_every_group_of_a_chained_optimizer():
+    """optim.Schedule gives LambdaLR's lrs for a torch optimizer, and the same over every group of a
+    megatron ChainedOptimizer (MoE experts get an optimizer of their own; LambdaLR refuses such an
+    object), also after a load_state_dict replaced the group dicts."""
+    import types
+    import optim
+    args = types.SimpleNamespace(lr_warmup_iters=2, lr_decay_style="cosine", min_lr=1e-5, lr=1e-3, decoupled_lr=None,
+                                 weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.98, bf16=False,
+                                 use_distributed_optimizer=False)
+    factor = optim.build_optimizer(torch.nn.Linear(2, 2), args, total_steps=6)[1].factor  # warmup, then cosine
+    w = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+
+    def adam(*lrs):
+        return torch.optim.AdamW([{"params": [p], "lr": lr} for p, lr in zip(w, lrs)])
+    ref, plain, dense, experts = adam(1e-3, 1e-2), adam(1e-3, 1e-2), adam(1e-3, 1e-2), adam(1e-3)
+    Chained = type("Chained", (), {"param_groups": property(lambda _: dense.param_groups + experts.param_groups)})
+    scheds = [torch.optim.lr_scheduler.LambdaLR(ref, factor), optim.Schedule(plain, factor),
+              optim.Schedule(Chained(), factor)]
+    for _ in range(6):
+        want = [g["lr"] for g in ref.param_groups]
+        assert [g["lr"] for g in plain.param_groups] == pytest.approx(want, rel=1e-12)
+        assert [g["lr"] for g in dense.param_groups + experts.param_groups] == pytest.approx(want + want[:1], rel=1e-12)
+        for s in scheds:
+            s.step()
+    experts.load_state_dict(experts.state_dict())  # new group dicts, as a resume makes
+    scheds[2].load_state_dict(scheds[0].state_dict())  # LambdaLR's state loads too
+    assert experts.param_groups[0]["lr"] == pytest.approx(1e-3 * factor(6), rel=1e-12) and factor(6) < factor(2)
