@@ -32,6 +32,11 @@ class Engine:
     def shutdown(self):
         pass
 
+    def sync_plan(self):
+        """(trainer ranks that each serialise their own copy of a weight bucket, its dtype): one
+        but for a colocated SGLang server of TP > 1 (sglang_engine.serialize_on_ranks)."""
+        return 1, None
+
 
 class LocalEngine(Engine):
     """A transformers model in process (fp32 by default): `generate` with KV cache on left-padded

@@ -11,7 +11,8 @@ run of pads is collapsed here, and the server's meta_info.prompt_tokens (its own
 returned for the rollout to check against the expanded length it holds.
 
 Weight sync (`weight_sync`; the modes: README, "Where SGLang runs"), buckets cast to the server's
-dtype: "tensor" (serialize_tensors, one copy per server TP rank) and "distributed" run inside
+dtype: "tensor" (serialize_tensors; a server of TP > 1 gets each trainer rank's own copy,
+serialize_on_ranks) and "distributed" run inside
 /begin_weight_update ... /end_weight_update (refused outside it: scheduler_components/
 weight_updater.py:192, 234) with flush_cache off and one /flush_cache at the end; "disk"'s
 /update_weights_from_disk flushes the cache itself (io_struct.py:1970). A refused load (HTTP 400
@@ -41,6 +42,7 @@ import urllib.error
 import urllib.request
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
@@ -99,8 +101,8 @@ def flag_value(args, names, default):
 
 
 def server_dtype(hf_dir, server_args):
-    """The torch dtype the server holds its weights in: its --dtype, else (auto) the checkpoint's
-    config dtype, never lower than what the server holds (SGLang's auto keeps a bf16 config's bf16)."""
+    """The torch dtype the server holds its weights in: its --dtype, else the checkpoint's config
+    dtype, which SGLangEngine then passes as --dtype (SGLang's own auto would not keep float32)."""
     name = flag_value(server_args, ("--dtype",), "auto")
     if name == "auto":
         cfg = json.loads((Path(hf_dir) / "config.json").read_text())
@@ -128,6 +130,28 @@ def serialize_tensors(named):
     pickler.dispatch_table[torch.Tensor] = reduce
     pickler.dump([(k, v.detach()) for k, v in named])
     return base64.b64encode(buf.getvalue()).decode()
+
+
+@dataclass
+class Serialized:
+    """A bucket the trainer ranks serialised: blobs[i] is server TP rank i's copy."""
+    names: list
+    blobs: list
+
+
+def serialize_on_ranks(buckets, rank, ranks, dtype):
+    """Colocated "tensor" sync into a server of TP `ranks` > 1, run on every trainer rank: rank i <
+    `ranks` serialises its own GPU's copy of each bucket for server TP rank i (the same GPU: both take
+    the node's GPUs in order), gathered on rank 0, which gets Serialized buckets (the others: None).
+    Each server rank opens only blobs[tp_rank] (sglang 0.5.23 managers/tp_worker.py:194-201); one
+    blob for all would open a CUDA context on GPU 0 in every server rank, outside its memory saver,
+    and copy each bucket across GPUs. Each bucket stays alive until rank 0 has posted it."""
+    for bucket in buckets:
+        bucket = [(k, v.to(dtype)) for k, v in bucket]
+        blobs = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(serialize_tensors(bucket) if rank < ranks else None, blobs, dst=0)
+        yield Serialized([k for k, _ in bucket], blobs[:ranks]) if rank == 0 else None
+        dist.barrier()  # rank 0's post has returned: the server has copied every blob's tensors
 
 
 def collapse_image_pads(ids, pad):
@@ -176,7 +200,14 @@ class SGLangEngine(Engine):
             raise ValueError("weight sync over a process group takes a server with one data-parallel "
                              "replica (rank = 1 + TP rank); use --dp-size 1 or weight_sync disk")
         self.dtype = server_dtype(config_dir or hf_dir, server_args)
+        if flag_value(server_args, ("--dtype",), None) is None:  # say it: SGLang's auto serves a float32
+            # config in float16 (sglang 0.5.23 configs/model_config.py:2303-2319), not the dtype we sync in
+            server_args = [*server_args, "--dtype", str(self.dtype).removeprefix("torch.")]
         self.env = dict(env or {})  # added to our environment for the server (and its restarts)
+        # SGLang caches vision-encoder outputs by image content (100 MB LRU, mem_cache/multimodal_cache.py)
+        # and no weight update or /flush_cache clears it: a trained vision tower would see an image it
+        # met before encoded by old weights. Size 0 refuses every entry. The user's own setting wins.
+        self.env.setdefault("SGLANG_VLM_CACHE_SIZE_MB", os.environ.get("SGLANG_VLM_CACHE_SIZE_MB", "0"))
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.run_dir / "sglang.log"
@@ -328,7 +359,7 @@ class SGLangEngine(Engine):
     def update_weights(self, buckets):
         """Load (HF name, full tensor) buckets into the server by self.weight_sync (module doc);
         -> number of tensors. A load the server refuses raises RuntimeError with its message."""
-        buckets = ([(k, v.to(self.dtype)) for k, v in b] for b in buckets)
+        buckets = (b if isinstance(b, Serialized) else [(k, v.to(self.dtype)) for k, v in b] for b in buckets)
         if self.weight_sync == "disk":
             return self._sync_disk(buckets)
         self._update("/begin_weight_update", {})
@@ -363,10 +394,15 @@ class SGLangEngine(Engine):
     def _sync_tensor(self, buckets):
         n = 0
         for bucket in buckets:
-            blob = serialize_tensors(bucket)  # the tensors stay alive until the server answers
-            self._update("/update_weights_from_tensor", {"serialized_named_tensors": [blob] * self.server_tp,
-                                                         "flush_cache": False})
-            n += len(bucket)
+            if isinstance(bucket, Serialized):
+                blobs, names = bucket.blobs, bucket.names
+            elif self.server_tp > 1 and any(v.is_cuda for _, v in bucket):
+                raise ValueError("tensor sync into a server of TP > 1 takes each rank's own copy: "
+                                 "pass sglang_engine.serialize_on_ranks buckets")
+            else:  # the tensors stay alive until the server answers
+                blobs, names = [serialize_tensors(bucket)] * self.server_tp, bucket
+            self._update("/update_weights_from_tensor", {"serialized_named_tensors": blobs, "flush_cache": False})
+            n += len(names)
         return n
 
     def _sync_distributed(self, buckets):
@@ -415,6 +451,9 @@ class SGLangEngine(Engine):
                     raise
                 time.sleep(0.5)
         raise RuntimeError("SGLang /flush_cache kept refusing (requests still running?)")
+
+    def sync_plan(self):
+        return (self.server_tp, self.dtype) if self.weight_sync == "tensor" and self.server_tp > 1 else (1, None)
 
     def release(self):
         self._call("/release_memory_occupation", {})

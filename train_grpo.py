@@ -75,6 +75,9 @@ def parse_args(argv=None):
         p.error("--n-samples-per-prompt 1: a group of one has zero advantage, GRPO would learn nothing")
     if args.sglang_args and args.rollout_engine == "local":
         p.error(f"{' '.join(args.sglang_args)}: SGLang flags, but --rollout-engine local")
+    if args.colocate and args.weight_sync == "distributed":  # rank 0 and the server's TP rank 0 share GPU 0
+        p.error("--colocate --weight-sync distributed: NCCL refuses a communicator that holds one GPU twice; "
+                "colocated weights go by --weight-sync tensor (the default) or disk")
     return T.check_args(p, args)
 
 
@@ -243,14 +246,42 @@ def train_step(model, ref, opt, sched, run, items, args, updates):
     return stats
 
 
-def sync_weights(model, engine, run):
-    """Full HF tensors to the engine (the export gathers over TP on every rank; rank 0 sends)."""
+def sync_weights(model, engine, run, plan=(1, None)):
+    """Full HF tensors to the engine (the export gathers over TP on every rank; rank 0 sends). `plan`:
+    the engine's sync_plan(), on every rank: a colocated server of TP > 1 gets its TP rank i's copy
+    from trainer rank i's GPU."""
     buckets = convert.export_hf(model)
+    if plan[0] > 1:
+        buckets = sglang_engine.serialize_on_ranks(buckets, run.rank, *plan)
     if run.rank == 0:
         engine.update_weights(buckets)
     else:
         for _ in buckets:
             pass
+
+
+def step_aside(run, engine):
+    """Colocated: the server frees the GPUs before any rank trains (ranks other than 0 would
+    otherwise start their forwards, --recompute-logprobs first, while SGLang still holds them)."""
+    if run.rank == 0:
+        engine.release()
+    torch.distributed.barrier()
+
+
+def step_back(run, engine):
+    """Colocated: every rank hands its cached activations back to CUDA before the server takes
+    the GPUs again (the caching allocator keeps the training peak: the resume of weights, KV cache
+    and graphs would not fit on an 80 GB GPU)."""
+    held = {}
+    if torch.cuda.is_available():  # what training took at its peak, and what this rank still holds
+        held["gpu_train_peak_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        torch.cuda.empty_cache()
+        held["gpu_held_at_resume_gib"] = torch.cuda.memory_reserved() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+    torch.distributed.barrier()
+    if run.rank == 0:
+        engine.resume()
+    return held
 
 
 def grpo_step(step, run, engine, processor, records, model, ref, opt, sched, args, updates):
@@ -259,14 +290,14 @@ def grpo_step(step, run, engine, processor, records, model, ref, opt, sched, arg
     secs = {}
     with T.timed(secs, "rollout"):
         items, metrics = rollout_step(step, run, engine, processor, records, args)
-    if run.rank == 0 and args.colocate:
-        engine.release()
+    if args.colocate:
+        step_aside(run, engine)
     with T.timed(secs, "train"):
         stats = train_step(model, ref, opt, sched, run, items, args, updates)
     with T.timed(secs, "sync"):
-        if run.rank == 0 and args.colocate:
-            engine.resume()
-        sync_weights(model, engine, run)
+        if args.colocate:
+            metrics.update(step_back(run, engine))
+        sync_weights(model, engine, run, run.sync_plan)
     n_tok = sum(len(it["ids"]) for it in items)
     metrics.update(stats, **T.expert_load(model, run))
     metrics.update(tokens=n_tok, rollout_s=secs["rollout"], train_s=secs["train"],
@@ -295,6 +326,10 @@ def main(argv=None):
                    limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len} with room for a response"))
         records, eval_records = T.load_data(args, **fit), T.load_data(args, evaluation=True, **fit)
         engine = make_engine(args, str(ckpt or args.hf_checkpoint), str(run.save))
+    plan = [engine.sync_plan() if engine is not None else None]
+    if run.world > 1:  # every rank takes part in a sync that serialises on several ranks
+        torch.distributed.broadcast_object_list(plan, src=0)
+    run.sync_plan = plan[0]
     try:
         if run.rank == 0 and eval_records and start == 0:
             evaluate(engine, processor, eval_records, args, 0, run)
@@ -320,6 +355,9 @@ def sglang_placement(args, cuda, n_gpus, local_world, visible=None):
     runs"). On CPU (the test harness) the server runs where it is started."""
     flags = list(args.sglang_args)
     if not cuda:
+        if args.colocate:  # sglang 0.5.23's release calls torch.cuda.synchronize: it kills a CPU server
+            raise SystemExit("--colocate needs CUDA (SGLang's /release_memory_occupation is CUDA-only and "
+                             "kills a CPU server); on CPU leave it out: the server runs beside training")
         return flags, {}
     ids = visible.split(",") if visible else [str(i) for i in range(n_gpus)]
     if args.colocate:

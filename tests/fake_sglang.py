@@ -234,12 +234,16 @@ def end_update(st, body):
 
 
 def from_tensor(st, body):
+    import torch
     import torch.multiprocessing  # noqa: F401 - registers torch's reducers
     from multiprocessing.reduction import ForkingPickler
     if st.get("session") is None:  # stock 0.5.23: scheduler_components/weight_updater.py:234
         raise RuntimeError("update_weights_from_tensor must run between begin_weight_update() and end_weight_update()")
-    blobs = body["serialized_named_tensors"]
-    named = ForkingPickler.loads(base64.b64decode(blobs[0]))  # TP rank 0's copy
+    copies = [ForkingPickler.loads(base64.b64decode(b)) for b in body["serialized_named_tensors"]]  # one a TP rank
+    named = copies[0]
+    if any([n for n, _ in c] != [n for n, _ in named] or not all(map(torch.equal, (t for _, t in c), (t for _, t in named)))
+           for c in copies):
+        raise RuntimeError("the TP ranks' copies of a bucket differ")
     st["session"].update({n: t.clone() for n, t in named})
     return "Success"
 

@@ -274,6 +274,16 @@ def test_placement_of_the_sglang_server():
     with pytest.raises(SystemExit, match="--colocate .* --rollout-num-gpus"):
         G.sglang_placement(args(), True, 8, 4)
     assert G.sglang_placement(args(extra=["--sglang-device", "cpu"]), False, 0, 1) == (["--device", "cpu"], {})
+    with pytest.raises(SystemExit, match="--colocate needs CUDA"):  # release would kill a CPU server
+        G.sglang_placement(args("--colocate"), False, 0, 1)
+
+
+def test_colocated_distributed_weight_sync_is_refused_at_parse_time(capsys):
+    """Rank 0 and the colocated server's TP rank 0 share GPU 0: NCCL refuses such a group."""
+    with pytest.raises(SystemExit):
+        G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--colocate",
+                      "--weight-sync", "distributed"])
+    assert "--colocate --weight-sync distributed" in capsys.readouterr().err
 
 
 def test_dynamic_sampling_tops_up_through_the_trainer(processor, records):
@@ -336,3 +346,25 @@ def test_step_where_every_sample_failed(processor, records, capsys):
         in capsys.readouterr().out
     stats = G.train_step(torch.nn.Linear(1, 1), None, None, None, run, items, args, updates=1)  # no step taken
     assert stats == {"updates_skipped": 1}
+
+
+def test_colocated_engine_steps_aside_for_every_rank(monkeypatch):
+    """The release is seen by every rank before training (a barrier after it); the resume comes
+    only after every rank emptied PyTorch's cache (empty_cache, then a barrier)."""
+    import types
+    events = []
+    engine = types.SimpleNamespace(release=lambda: events.append("release"), resume=lambda: events.append("resume"))
+    monkeypatch.setattr(G.torch.distributed, "barrier", lambda *a, **k: events.append("barrier"))
+    monkeypatch.setattr(G.torch.cuda, "is_available", lambda: True)
+    held = [40 * 2**30]  # the caching allocator's peak, until empty_cache hands it back
+    monkeypatch.setattr(G.torch.cuda, "empty_cache", lambda: (events.append("empty_cache"), held.__setitem__(0, 2**30)))
+    monkeypatch.setattr(G.torch.cuda, "max_memory_reserved", lambda: 40 * 2**30)
+    monkeypatch.setattr(G.torch.cuda, "memory_reserved", lambda: held[0])
+    monkeypatch.setattr(G.torch.cuda, "reset_peak_memory_stats", lambda: None)
+    for rank, want in ((0, ["release", "barrier", "empty_cache", "barrier", "resume"]),
+                       (1, ["barrier", "empty_cache", "barrier"])):
+        events.clear()
+        run = types.SimpleNamespace(rank=rank)
+        G.step_aside(run, engine)
+        assert G.step_back(run, engine) == {"gpu_train_peak_gib": 40.0, "gpu_held_at_resume_gib": 1.0}
+        assert events == want, (rank, events)

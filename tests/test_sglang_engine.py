@@ -69,7 +69,11 @@ def sglang(ckpt, run_dir, *extra, **kw):
 def test_sglang_protocol_and_weight_sync(ckpt, processor, records, tmp_path):
     eng, rec = sglang(ckpt, tmp_path, "--mem-fraction-static", "0.5", "--cuda-graph-bs", "1", "2")
     try:
-        assert "passthrough=[\"--mem-fraction-static\", \"0.5\", \"--cuda-graph-bs\", \"1\", \"2\"]" in eng.log_tail()
+        # the dtype said explicitly (SGLang's auto would serve this float32 checkpoint in float16), and
+        # the vision-feature cache off (it would outlive weight updates)
+        assert ("passthrough=[\"--mem-fraction-static\", \"0.5\", \"--cuda-graph-bs\", \"1\", \"2\", "
+                "\"--dtype\", \"float32\"]") in eng.log_tail()
+        assert "starting: SGLANG_VLM_CACHE_SIZE_MB=0 " in eng.log_tail()
         samples = rollout.run_episodes(eng, processor, records[:2], rollout_args(rollout_max_response_len=64))
         digest = weights_digest(ckpt)
         for s in samples:
@@ -326,3 +330,46 @@ def test_weight_sync_without_the_disk_is_bit_exact(mode, ckpt, tmp_path):
         assert torch.equal(load_file(str(dump / "update_1.safetensors"))[next(iter(want))], want[next(iter(want))])
     finally:
         eng.shutdown()
+
+
+IPC_WORKER = """
+import sys, types
+sys.path.insert(0, sys.argv[1])
+import torch, parallel, model as M, train_grpo as G
+from sglang_engine import SGLangEngine
+ckpt, run_dir, fake = sys.argv[2:5]
+rank, world, _ = parallel.init_distributed(1)
+m = M.load_model(ckpt)
+eng = None
+if rank == 0:  # the server's TP is 2: one blob a server TP rank
+    eng = SGLangEngine(ckpt, run_dir, server_args=["--fake-record", run_dir + "/requests.jsonl", "--fake-dump",
+                       run_dir + "/dump", "--tp-size", "2"], launch_cmd=[sys.executable, fake], weight_sync="tensor")
+plan = [eng.sync_plan() if eng else None]
+torch.distributed.broadcast_object_list(plan)
+G.sync_weights(m, eng, types.SimpleNamespace(rank=rank), plan[0])
+if eng:
+    eng.shutdown()
+"""
+
+
+def test_tensor_sync_to_a_tp2_server_sends_each_ranks_own_copy(ckpt, tmp_path):
+    """Server TP rank i opens only blob i (sglang tp_worker.py:194-201): trainer rank i serialises its
+    own (GPU's) copy, so the two blobs differ (CPU: each names its own process's /dev/shm file) while
+    their tensors are export_hf's, bit for bit."""
+    import subprocess
+    import torch
+    import convert
+    import model as M
+    from safetensors.torch import load_file
+    (tmp_path / "dump").mkdir()
+    script = tmp_path / "ipc_worker.py"
+    script.write_text(IPC_WORKER)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(script), str(Path(__file__).parents[1]), str(ckpt), str(tmp_path), FAKE],
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    bodies = [x["json"] for x in read_record(tmp_path / "requests.jsonl") if x["path"] == "/update_weights_from_tensor"]
+    assert bodies and all(len(set(b["serialized_named_tensors"])) == 2 for b in bodies)
+    want = {k: v for b in convert.export_hf(M.load_model(ckpt)) for k, v in b}
+    got = load_file(str(tmp_path / "dump" / "update_0.safetensors"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

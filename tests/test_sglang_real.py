@@ -161,6 +161,22 @@ class TestRealServer:
         assert back["ids"] == before["ids"]
         assert max(abs(a - b) for a, b in zip(back["logprobs"], before["logprobs"])) < 1e-5
 
+    def test_new_vision_weights_reach_an_image_seen_before(self, real, processor, records, ckpt):
+        """Only the vision tower changes: an image the server met before must be encoded anew. SGLang
+        caches vision features by image content (mem_cache/multimodal_cache.py) through weight updates
+        and flushes; the engine starts it with SGLANG_VLM_CACHE_SIZE_MB=0. With the cache on (100), the
+        answer after the update is the old one, logprob for logprob."""
+        from safetensors.torch import load_file
+        item = prompt_item(processor, records[2])
+        before = real.generate([item], GREEDY)[0]
+        state = load_file(str(Path(ckpt) / "model.safetensors"))
+        gen = torch.Generator().manual_seed(2)
+        vision = [(k, v + 0.5 * torch.randn(v.shape, generator=gen)) for k, v in state.items() if ".visual." in k]
+        assert vision and real.update_weights([vision]) == len(vision)
+        after = real.generate([item], GREEDY)[0]
+        real.update_weights([list(state.items())])
+        assert after["logprobs"] != before["logprobs"], "the server answered from vision features of the old weights"
+
     @pytest.mark.parametrize("mode", ["tensor", "distributed"])
     def test_weight_sync_without_the_disk(self, mode, real, processor, records, ckpt):
         """The same engine, switched to /update_weights_from_tensor (CPU tensors as /dev/shm files)
