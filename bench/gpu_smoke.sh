@@ -31,8 +31,9 @@ metric() {  # metric RUN_DIR: the last step's failed_frac, logprob gap and grad 
 import json, sys
 rows = [json.loads(x) for x in open(sys.argv[1] + "/metrics.jsonl") if '"reward"' in x]
 last = rows[-1]
+mem = "".join(f" {k}={last[k]:.2f}" for k in ("gpu_train_peak_gib", "gpu_held_at_resume_gib") if k in last)
 print(f"steps={len(rows)} failed_frac={last['failed_frac']} reward={last['reward']:.3f} sync_s={last.get('sync_s', 0):.2f} "
-      f"logprob_diff_mean={last.get('logprob_diff_mean', float('nan')):.2e} grad_norm={last.get('grad_norm', 0):.3g}")
+      f"logprob_diff_mean={last.get('logprob_diff_mean', float('nan')):.2e} grad_norm={last.get('grad_norm', 0):.3g}{mem}")
 sys.exit(0 if rows and all(r["failed_frac"] == 0 for r in rows) and last.get("grad_norm", 0) > 0
          and last.get("logprob_diff_mean", 1) < 1e-2 else 1)
 EOF
@@ -79,12 +80,27 @@ check grpo_bf16_distopt_full_recompute "${TR[@]}" train_grpo.py "${GRPO[@]}" --r
 check grpo_bf16_resume "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine local "${BF16[@]}" \
   --recompute-granularity full --num-rollout 4 --save "$DIR/grpo_bf16" --load "$DIR/grpo_bf16"
 check grpo_bf16_metrics metric "$DIR/grpo_bf16"
+# Qwen3.5-MoE in bf16 with the distributed optimizer: the routed experts get an optimizer of their own
+# (megatron's ChainedOptimizer: optim.Schedule over every group, state saved and resumed per part)
+check tiny_moe bash -c "$PY model.py tiny --arch qwen3_5_moe --out $DIR/tiny_moe && echo made"
+MOE=(--hf-checkpoint "$DIR/tiny_moe" --prompt-data "$DIR/data" --rollout-batch-size 4 --n-samples-per-prompt 4
+     --rollout-max-response-len 32 --lr 1e-5 --save-interval 2 --rollout-engine local "${BF16[@]}" --save "$DIR/grpo_moe")
+check grpo_moe_bf16_distopt "${TR[@]}" train_grpo.py "${MOE[@]}" --num-rollout 2
+check grpo_moe_bf16_resume "${TR[@]}" train_grpo.py "${MOE[@]}" --num-rollout 3 --load "$DIR/grpo_moe"
+check grpo_moe_bf16_metrics metric "$DIR/grpo_moe"
 if "$PY" -c "import sglang" 2>/dev/null; then
   # stock SGLang on the same GPU as training: the memory saver releases it while training; weights
   # go over CUDA IPC (/update_weights_from_tensor, devices named by UUID), then by the disk
   check grpo_sglang_colocated "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine sglang --colocate \
     --weight-sync tensor --sglang-mem-fraction-static 0.3 --save "$DIR/grpo_sglang"
+  # the release -> train -> resume cycle: metrics carry the training peak and what PyTorch still held at the resume
   check grpo_sglang_colocated_metrics metric "$DIR/grpo_sglang"
+  # the same image before and after a vision-only weight update: the answer must change (SGLang's
+  # vision-feature cache would keep the old features; the engine starts it with SGLANG_VLM_CACHE_SIZE_MB=0)
+  check sglang_vision_update_reaches_seen_image "$PY" bench/vision_cache_check.py --hf-checkpoint "$DIR/tiny" \
+    --weight-sync tensor --mem-fraction-static 0.3
+  # a float32 checkpoint is served in float32 (the engine passes --dtype; SGLang's auto would pick float16)
+  check sglang_dtype_of_fp32_checkpoint grep -m1 -o -- "--dtype float32" "$DIR/grpo_sglang/sglang.log"
   check grpo_sglang_disk_sync "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine sglang --colocate \
     --weight-sync disk --sglang-mem-fraction-static 0.3 --save "$DIR/grpo_sglang_disk"
   check grpo_sglang_disk_sync_metrics metric "$DIR/grpo_sglang_disk"
