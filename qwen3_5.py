@@ -7,10 +7,11 @@ Layers follow `layer_types` (README, "Qwen3.5"): "full_attention" is Megatron's 
 the output gate (q_proj holds [q | gate] per head) and partial MRoPE; "linear_attention" is
 GatedDeltaNet below (Megatron 0.16's ssm/gated_delta_net.py needs FLA and Transformer Engine and
 rejects packed sequences). Norms are zero-centred, x_hat * (1 + w), except the GDN output norm
-(w * x_hat * silu(z)). With sequence parallelism the column-parallel input projections gather the
-sequence and out_proj scatters it.
+(w * x_hat * silu(z)). With sequence parallelism GatedDeltaNet gathers the sequence once for its four
+input projections and out_proj scatters it.
 """
 import copy
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -24,12 +25,20 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-try:  # GPU kernels, used when importable on CUDA (requirements-gpu.txt)
-    from causal_conv1d import causal_conv1d_fn  # causal-conv1d 1.7.0: x (B, C, T), weight (C, K), seq_idx (B, T)
-    # flash-linear-attention 0.6.0, fla/ops/gated_delta_rule/chunk.py:397: q, k, v (B, T, H, D), varlen by cu_seqlens
+# GPU kernels, used when importable on CUDA (setup.sh's GPU branch). Each imports on its own: a broken
+# causal-conv1d build (a source build against torch's ABI) must not also turn FLA off. check_kernels
+# reports what is missing when a model is built on CUDA.
+MISSING = {}  # package -> the ImportError it raised
+try:  # causal-conv1d 1.7.0: x (B, C, T), weight (C, K), seq_idx (B, T)
+    from causal_conv1d import causal_conv1d_fn
+except ImportError as e:
+    causal_conv1d_fn, MISSING["causal-conv1d"] = None, e
+try:  # flash-linear-attention 0.6.0, fla/ops/gated_delta_rule/chunk.py:397: q, k, v (B, T, H, D), varlen by cu_seqlens
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-except ImportError:
-    causal_conv1d_fn = chunk_gated_delta_rule = None
+except ImportError as e:
+    chunk_gated_delta_rule, MISSING["flash-linear-attention"] = None, e
+INSTALL = {"causal-conv1d": "pip install --no-build-isolation causal-conv1d==1.7.0  (after torch; GPU=1 bash setup.sh)",
+           "flash-linear-attention": "pip install flash-linear-attention==0.6.0  (GPU=1 bash setup.sh)"}
 
 CHUNK = 64  # positions per chunk of the CPU delta rule
 if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16 defines it only when TE imports,
@@ -106,7 +115,17 @@ class GatedDeltaNet(MegatronModule):
         self.dk, self.dv = dims["linear_key_head_dim"], dims["linear_value_head_dim"]
         conv = 2 * self.kh * self.dk + self.vh * self.dv  # local [q | k | v] channels
         lin = dict(config=config, init_method=config.init_method, bias=False)
-        col = dict(lin, gather_output=False)
+        # forward() gathers the sequence (SP) or marks the input for one gradient all-reduce (TP) once, for
+        # all four projections; they must not do it again each. In megatron-core 0.16.1 (tensor_parallel/
+        # layers.py) disable_grad_reduce=True turns off the dgrad all-reduce and the copy-to-TP region
+        # (:920-921, :994-999), and a config with sequence_parallel=False turns off the forward all-gather,
+        # the wgrad re-gather and the dgrad reduce-scatter (:912, :1028, :478-483, :515-522, :548-555).
+        # The copy shares every other field; the block sets _cpu_offloading_context before building its
+        # layers (transformer_block.py:314-323), so the copy has it too.
+        self.sequence_parallel = config.sequence_parallel and tp > 1
+        unsharded = copy.copy(config)
+        unsharded.sequence_parallel = False
+        col = dict(lin, config=unsharded, gather_output=False, disable_grad_reduce=True)
         self.in_proj_qkv = tensor_parallel.ColumnParallelLinear(config.hidden_size, tp * conv, **col)
         self.in_proj_z = tensor_parallel.ColumnParallelLinear(config.hidden_size, tp * self.vh * self.dv, **col)
         self.in_proj_b = tensor_parallel.ColumnParallelLinear(config.hidden_size, tp * self.vh, **col)
@@ -121,16 +140,19 @@ class GatedDeltaNet(MegatronModule):
                                                           input_is_parallel=True, skip_bias_add=True, **lin)
 
     def forward(self, hidden_states, packed_seq_params=None, **_):
+        if self.sequence_parallel:  # (T/tp, 1, H) -> (T, 1, H); backward: one reduce-scatter. The gathered
+            # x is kept for the four wgrads (memory: T x H a layer) instead of re-gathered by each of them
+            x = tensor_parallel.gather_from_sequence_parallel_region(hidden_states)
+        else:  # identity; backward: one all-reduce over TP (none at TP=1)
+            x = tensor_parallel.copy_to_tensor_model_parallel_region(hidden_states)
         projections = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
-        qkv, z, b, a = (proj(hidden_states)[0][:, 0] for proj in projections)  # (T, conv)...: all T under SP
+        qkv, z, b, a = (proj(x)[0][:, 0] for proj in projections)  # (T, conv), (T, vh*dv), (T, vh), (T, vh)
         cu = packed_seq_params.cu_seqlens_q
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # (T, vh) log decay
-        if qkv.is_cuda and chunk_gated_delta_rule is not None:
-            o = self._cuda(qkv, g, beta, cu)
-        else:
-            o = self._torch(qkv, g, beta, cu)
-        o = o.float()  # (T, vh, dv); gated RMSNorm per head: w * x_hat * silu(z)
+        q, k, v = self._split(self._conv(qkv, cu))  # (T, vh, d)
+        o = self._delta_rule(q, k, v, g, beta, cu).float()  # (T, vh, dv)
+        # gated RMSNorm per head: w * x_hat * silu(z)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm.weight.float()
         o = o * F.silu(z.float().view(o.shape))
         out, _ = self.out_proj(o.to(hidden_states.dtype).flatten(1)[:, None])
@@ -143,32 +165,62 @@ class GatedDeltaNet(MegatronModule):
         q, k = (t * torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + 1e-6) for t in (q.float(), k.float()))
         return q * self.dk ** -0.5, k, v.unflatten(-1, (self.vh, self.dv)).float()
 
-    def _torch(self, qkv, g, beta, cu):
-        """Per-sequence padded batch (S, L): causal depthwise conv + silu, then the delta rule."""
-        lens = (cu[1:] - cu[:-1]).tolist()
-        x = pad_sequence(qkv.split(lens), batch_first=True)  # (S, L, conv), zeros after each end
+    def _conv(self, qkv, cu):
+        """Causal depthwise conv + silu within each sequence of the packed (T, conv) -> (T, conv):
+        causal-conv1d on CUDA (seq_idx keeps state from crossing cu), else torch on a padded batch."""
+        lens = cu[1:] - cu[:-1]
         w = self.conv1d.weight  # (conv, 1, K)
+        if qkv.is_cuda and causal_conv1d_fn is not None:
+            seq_idx = torch.repeat_interleave(torch.arange(len(lens), device=qkv.device, dtype=torch.int32), lens)
+            # seq_idx needs the channel-last layout: (1, conv, T) with stride 1 along conv
+            return causal_conv1d_fn(qkv[None].transpose(1, 2), w[:, 0], None, seq_idx=seq_idx[None],
+                                    activation="silu")[0].T
+        lens = lens.tolist()
+        x = pad_sequence(qkv.split(lens), batch_first=True)  # (S, L, conv), zeros after each end
         x = F.silu(F.conv1d(F.pad(x.transpose(1, 2), (w.shape[-1] - 1, 0)), w, groups=w.shape[0])).transpose(1, 2)
-        q, k, v = self._split(x)  # (S, L, vh, d)
-        g, beta = (pad_sequence(t.split(lens), batch_first=True).transpose(1, 2) for t in (g, beta.float()))
-        o = delta_rule(*(t.transpose(1, 2) for t in (q, k, v)), g, beta).transpose(1, 2)  # (S, L, vh, dv)
+        return torch.cat([x[i, :n] for i, n in enumerate(lens)])
+
+    def _delta_rule(self, q, k, v, g, beta, cu):
+        """q, k (T, vh, dk), v (T, vh, dv), g, beta (T, vh) -> o (T, vh, dv), per sequence: FLA's varlen
+        chunked kernel on CUDA, else delta_rule above on a padded batch (S, L)."""
+        if v.is_cuda and chunk_gated_delta_rule is not None:
+            o, _ = chunk_gated_delta_rule(q[None].to(v.dtype), k[None].to(v.dtype), v[None], g[None],
+                                          beta[None].float(), scale=1.0, cu_seqlens=cu.long())  # q already scaled
+            return o[0]
+        lens = (cu[1:] - cu[:-1]).tolist()
+        q, k, v, g, beta = (pad_sequence(t.split(lens), batch_first=True).transpose(1, 2)
+                            for t in (q, k, v, g, beta.float()))  # (S, vh, L, ...)
+        o = delta_rule(q, k, v, g, beta).transpose(1, 2)  # (S, L, vh, dv)
         return torch.cat([o[i, :n] for i, n in enumerate(lens)])
 
-    def _cuda(self, qkv, g, beta, cu):
-        """FLA's varlen chunked delta rule + causal-conv1d with per-sequence seq_idx (no state crosses cu)."""
-        lens = cu[1:] - cu[:-1]
-        seq_idx = torch.repeat_interleave(torch.arange(len(lens), device=qkv.device, dtype=torch.int32), lens)
-        # seq_idx needs the channel-last layout: (1, conv, T) with stride 1 along conv
-        x = causal_conv1d_fn(qkv[None].transpose(1, 2), self.conv1d.weight[:, 0], None, seq_idx=seq_idx[None],
-                             activation="silu")[0].T  # (T, conv)
-        q, k, v = self._split(x)
-        o, _ = chunk_gated_delta_rule(q[None].to(v.dtype), k[None].to(v.dtype), v[None], g[None], beta[None].float(),
-                                      scale=1.0, cu_seqlens=cu.long())  # q already scaled
-        return o[0]
+
+def check_kernels(te):
+    """On CUDA, say at model build what runs in place of a missing Gated DeltaNet kernel (nothing on CPU).
+    FLA missing: the torch delta rule above, a Python loop over 64-token chunks of a padded batch, many
+    times slower and larger at the recipe's 4096-token responses: an error, as a missing Transformer
+    Engine is (model.layer_impl), unless --transformer-impl local asked for unfused layers on purpose.
+    causal-conv1d missing: torch's depthwise conv, a small cost next to the delta rule (FLA still runs
+    it), so a warning: a broken source build should not stop a run that is only slightly slower."""
+    if not torch.cuda.is_available():
+        return
+
+    def why(pkg):
+        e = MISSING.get(pkg)
+        return f"{pkg} cannot be imported ({type(e).__name__}: {e}); install it with `{INSTALL[pkg]}`"
+    if chunk_gated_delta_rule is None:
+        if te:
+            raise SystemExit(f"Qwen3.5 on CUDA: {why('flash-linear-attention')}, or pass --transformer-impl local "
+                             "to run Gated DeltaNet's torch delta rule (slow).")
+        warnings.warn(f"Qwen3.5 on CUDA: {why('flash-linear-attention')}. Gated DeltaNet runs its torch delta "
+                      "rule instead (slow).", stacklevel=2)
+    if causal_conv1d_fn is None:
+        warnings.warn(f"Qwen3.5 on CUDA: {why('causal-conv1d')}. Gated DeltaNet runs its conv in torch instead "
+                      "(slower).", stacklevel=2)
 
 
 def block_spec(tc, te):
     """TransformerBlockSubmodules: one layer spec per `layer_types` entry, zero-centred norms."""
+    check_kernels(te)
     moe = getattr(tc, "num_experts", None)
     if moe and getattr(tc, "mlp_only_layers", None):  # released configs have []: every layer is MoE
         raise ValueError(f"config.json text_config.mlp_only_layers {tc.mlp_only_layers}: dense layers in a MoE "

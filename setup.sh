@@ -1,7 +1,7 @@
 # setup.sh: sourced by run.sh and test.sh. Creates .venv (Python 3.11) on first use and
 # installs requirements.txt into it; later runs reuse it and reinstall only when
 # requirements.txt changes. On a CUDA machine, `GPU=1 bash setup.sh` also installs SGLang
-# (requirements-gpu.txt) and Transformer Engine, built against the installed torch.
+# (requirements-gpu.txt), then Transformer Engine and causal-conv1d, built against the installed torch.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 PY=${PYTHON:-python3.11}
@@ -21,15 +21,23 @@ if [[ "$(cat .venv/.requirements 2>/dev/null)" != "$want" ]]; then
     || { echo "[setup] install failed: see the pip output above"; exit 1; }
   echo "$want" > .venv/.requirements
 fi
-if [[ "${GPU:-0}" == 1 && "$(cat .venv/.requirements-gpu 2>/dev/null)" != "$want" ]]; then
-  echo "[setup] GPU extras: sglang, then Transformer Engine built against this torch (10-30 min)"
+want_gpu=$(cat requirements.txt requirements-gpu.txt | sha256sum | cut -c1-16)
+if [[ "${GPU:-0}" == 1 && "$(cat .venv/.requirements-gpu 2>/dev/null)" != "$want_gpu" ]]; then
+  echo "[setup] GPU extras: sglang, then Transformer Engine and causal-conv1d built against this torch (10-30 min)"
   .venv/bin/python -m pip install -q -r requirements-gpu.txt
   # TE's own docs: install after torch, without build isolation, or pip builds it against a newer torch.
-  .venv/bin/python -m pip install -q pybind11 ninja
+  # causal-conv1d (Qwen3.5's Gated DeltaNet) is a torch extension built from source too: the same way.
+  # Without isolation their build requirements come from .venv: causal-conv1d's setup.py imports
+  # packaging and wheel (its pyproject.toml's build-system requires).
+  .venv/bin/python -m pip install -q pybind11 ninja packaging wheel
   .venv/bin/python -m pip install -q --no-build-isolation "transformer-engine[pytorch]==2.20.2"
-  .venv/bin/python -c "import sglang, transformer_engine.pytorch, torch, transformers; print('[setup] GPU extras:', \
-    'sglang', sglang.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" \
+  # Rebuilt even if present: a build made with isolation (in .venv or pip's wheel cache) is not reused.
+  .venv/bin/python -m pip install -q --no-build-isolation --no-cache-dir --force-reinstall --no-deps \
+    causal-conv1d==1.7.0
+  .venv/bin/python -c "import sglang, transformer_engine.pytorch, torch, transformers, fla.ops.gated_delta_rule, \
+    causal_conv1d; print('[setup] GPU extras:', 'sglang', sglang.__version__, 'torch', torch.__version__, \
+    'transformers', transformers.__version__)" \
     || { echo "[setup] GPU extras failed: see the pip output above"; exit 1; }
-  echo "$want" > .venv/.requirements-gpu
+  echo "$want_gpu" > .venv/.requirements-gpu
 fi
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-0} TOKENIZERS_PARALLELISM=false

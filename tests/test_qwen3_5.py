@@ -5,10 +5,13 @@ architectures too); TP=2 (+SP), EP=2 and TP2 x EP2 run `model.py check` / the gr
 worker under torchrun. Gated DeltaNet's packing is checked against per-sequence runs and a plain
 token-by-token recurrence.
 """
+import collections
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -147,6 +150,59 @@ def test_chunked_delta_rule_equals_the_recurrence():
         s = s + k[:, :, t, :, None] * d[:, :, None]
         ref.append((s * q[:, :, t, :, None]).sum(-2))
     torch.testing.assert_close(qwen3_5.delta_rule(q, k, v, decay, beta), torch.stack(ref, 2), rtol=0, atol=1e-4)
+
+
+def gdn_collectives():
+    """The worker of test_gated_deltanet_communicates_once (torchrun, 2 processes, TP2): one GatedDeltaNet
+    forward and backward with and without SP; rank 0 prints the collectives each direction called."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.tensor_parallel import layers, mappings
+    from megatron.core.transformer import TransformerConfig
+    rank, _, _ = parallel.init_distributed(2)
+    calls = collections.Counter()
+
+    def counted(kind, fn):
+        def call(*a, **k):
+            calls[kind] += 1
+            return fn(*a, **k)
+        return call
+    for mod in (layers, mappings):  # both bind torch's functions at import (layers.py:79-86, mappings.py:10-18)
+        mod.dist_all_gather_func = counted("all_gather", mod.dist_all_gather_func)
+        mod.dist_reduce_scatter_func = counted("reduce_scatter", mod.dist_reduce_scatter_func)
+    torch.distributed.all_reduce = counted("all_reduce", torch.distributed.all_reduce)
+    dims = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                linear_conv_kernel_dim=4)
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32)  # two packed sequences, 20 tokens
+    for sp in (True, False):
+        cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, tensor_model_parallel_size=2,
+                                sequence_parallel=sp, use_cpu_initialization=True)
+        with parallel.megatron_on_cpu():
+            gdn = qwen3_5.GatedDeltaNet(cfg, dims=dims)
+            x = torch.randn(10 if sp else 20, 1, 64, requires_grad=True)  # (T / TP under SP, 1, H)
+            calls.clear()
+            out, _ = gdn(x, packed_seq_params=PackedSeqParams(cu_seqlens_q=cu))
+            forward = dict(calls)
+            calls.clear()
+            out.sum().backward()
+        if rank == 0:
+            print("collectives", json.dumps({"sp": sp, "forward": forward, "backward": dict(calls)}))
+
+
+def test_gated_deltanet_communicates_once():
+    """TP2 + SP: one all-gather of the input for the four input projections (backward: its one
+    reduce-scatter), plus out_proj's reduce-scatter (backward: its all-gather); each projection gathering
+    on its own made it 4 all-gathers forward, 5 all-gathers and 4 reduce-scatters backward. TP2 without SP:
+    one all-reduce of the input gradient (was 4) and out_proj's forward all-reduce."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))  # run as a script
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        __file__, "gdn-collectives"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    got = {d["sp"]: d for d in (json.loads(x.split(" ", 1)[1]) for x in r.stdout.splitlines()
+                                if x.startswith("collectives "))}
+    print(got)
+    assert got[True]["forward"] == {"all_gather": 1, "reduce_scatter": 1}, got
+    assert got[True]["backward"] == {"all_gather": 1, "reduce_scatter": 1}, got
+    assert got[False]["forward"] == {"all_reduce": 1} and got[False]["backward"] == {"all_reduce": 1}, got
 
 
 @pytest.mark.parametrize("arch,flags", [pytest.param("qwen3_5", ["--sequence-parallel"], marks=pytest.mark.slow),
@@ -299,3 +355,52 @@ def test_moe_grpo_reward_rises_from_a_picture_blind_start(tiny_ckpt, tmp_path):
     from test_learning import fast_grpo_check
     real, _ = fast_grpo_check(tiny_ckpt("qwen3_5_moe"), tmp_path, sft_timeout=1800, grpo_timeout=3600)
     assert all("expert_load" in m for m in real)
+
+
+def fresh_qwen3_5(tmp_path, monkeypatch, fla):
+    """qwen3_5.py imported anew, under another name (the loaded module and its classes stay as they are),
+    where causal_conv1d is a broken build (its extension's ImportError) and FLA imports or does not."""
+    (tmp_path / "causal_conv1d").mkdir(exist_ok=True)
+    (tmp_path / "causal_conv1d" / "__init__.py").write_text(
+        'raise ImportError("causal_conv1d_cuda.so: undefined symbol: _ZN3c104cuda9SetDevice")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fake = types.ModuleType("fla.ops.gated_delta_rule")  # FLA's module: qwen3_5 imports only this name
+    fake.chunk_gated_delta_rule = lambda *a, **k: None
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fake if fla else None)  # None: ImportError
+    spec = importlib.util.spec_from_file_location("qwen3_5_fresh", ROOT / "qwen3_5.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_missing_gdn_kernels_are_said_at_model_build(tiny_ckpt, tmp_path, monkeypatch, recwarn):
+    """A broken causal-conv1d leaves FLA on (each imports on its own); on CUDA, building the model says
+    which kernel is missing, its ImportError and the install command: a warning for the conv (its torch
+    fallback is cheap), an error for FLA unless --transformer-impl local (te=False) asked for the
+    unfused path. Importing says nothing, and nothing is said on CPU."""
+    from transformers import AutoConfig
+    tc = AutoConfig.from_pretrained(tiny_ckpt("qwen3_5")).text_config
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    q = fresh_qwen3_5(tmp_path, monkeypatch, fla=True)
+    assert q.chunk_gated_delta_rule is sys.modules["fla.ops.gated_delta_rule"].chunk_gated_delta_rule
+    assert q.causal_conv1d_fn is None and not recwarn.list  # import: nothing said
+    with pytest.warns(UserWarning, match=r"causal-conv1d cannot be imported \(ImportError: causal_conv1d_cuda.so: "
+                      r"undefined symbol.*pip install --no-build-isolation causal-conv1d==1.7.0.*conv in torch"):
+        q.block_spec(tc, te=False)
+    q.check_kernels(te=True)  # FLA present: a warning only, no exit
+    q = fresh_qwen3_5(tmp_path, monkeypatch, fla=False)
+    with pytest.raises(SystemExit, match=r"flash-linear-attention cannot be imported \(ModuleNotFoundError.*"
+                       r"pip install flash-linear-attention==0.6.0.*--transformer-impl local"):
+        q.check_kernels(te=True)
+    with pytest.warns(UserWarning) as said:
+        q.block_spec(tc, te=False)
+    assert len(said) == 2 and all(any(f"{pkg} cannot be imported" in str(w.message) for w in said)
+                                  for pkg in ("causal-conv1d", "flash-linear-attention"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    recwarn.clear()
+    q.block_spec(tc, te=False)
+    assert not recwarn.list
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["gdn-collectives"]:
+    gdn_collectives()
