@@ -56,6 +56,12 @@ check tiny_checkpoints bash -c "$PY model.py tiny --arch qwen3_vl --out $DIR/tin
 check check_te_qwen3_vl "$PY" model.py check --hf-checkpoint "$DIR/tiny" --transformer-impl transformer_engine
 check check_te_qwen2_5_vl "$PY" model.py check --hf-checkpoint "$DIR/tiny25" --transformer-impl transformer_engine
 check check_local_spec "$PY" model.py check --hf-checkpoint "$DIR/tiny" --transformer-impl local
+# Qwen3.5: Gated DeltaNet through FLA's varlen kernel and causal-conv1d (check_kernels stops the build if
+# FLA is missing), then with causal-conv1d taken away: FLA's delta rule after the torch conv
+check tiny_qwen3_5 bash -c "$PY model.py tiny --arch qwen3_5 --out $DIR/tiny35 && echo made"
+check check_te_qwen3_5 "$PY" model.py check --hf-checkpoint "$DIR/tiny35"
+check check_qwen3_5_torch_conv "$PY" -c "import runpy, sys, qwen3_5; qwen3_5.causal_conv1d_fn = None
+sys.argv = ['model.py', 'check', '--hf-checkpoint', '$DIR/tiny35']; runpy.run_path('model.py', run_name='__main__')"
 # torchrun with one process: the NCCL backend, so every collective must take CUDA tensors.
 TR=("$PY" -m torch.distributed.run --standalone --nproc_per_node 1)
 check sft_4_steps "${TR[@]}" sft.py --hf-checkpoint "$DIR/tiny" --prompt-data "$DIR/data" --save "$DIR/sft" \
