@@ -21,6 +21,8 @@ class Engine:
     reports them). update_weights(buckets of (HF name, full tensor)) -> tensors loaded. Both are
     each engine's own."""
 
+    concurrent = False  # generate may be called from many threads at once (else rollout batches rounds)
+
     # A server engine frees its GPU memory for training (release), takes it back (resume) and
     # stops (shutdown); in process there is nothing to do.
     def release(self):

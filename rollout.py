@@ -13,7 +13,11 @@ and an all-zero loss mask; neither it nor an `aborted` one is trained on.
 """
 import math
 import os
+import statistics
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
@@ -260,91 +264,212 @@ def _finish_turn(s, env, chat, out, processor, args, stops):
     return True
 
 
-def run_episodes(engine, processor, records, args, groups=None):
-    """n_samples_per_prompt episodes per record, turn by turn: each round sends every active
-    episode's tokens to the engine at once (SGLang keeps them all in flight)."""
-    multi = args.max_turns > 1
-    n = args.n_samples_per_prompt
+class _Rounds:
+    """A batch engine (Engine.concurrent False: the local engine, the tests' scripted ones) fed by
+    episodes that each ask on their own: a batch goes once every live episode waits, in episode
+    order. These are a lockstep rollout's rounds, so the samples are the same as a serial loop's."""
+
+    def __init__(self, engine):
+        self.engine, self.cond, self.live, self.waiting, self.answers = engine, threading.Condition(), 0, {}, {}
+        self.broken = None  # the error that ended the rollout: no round will come
+
+    def join(self, n):
+        with self.cond:
+            self.live += n
+
+    def leave(self):
+        with self.cond:
+            self.live -= 1
+            batch = self._take()
+        self._run(batch)
+
+    def generate(self, key, item, sampling):
+        with self.cond:
+            self.waiting[key] = (item, sampling)
+            batch = self._take()
+        self._run(batch)
+        with self.cond:
+            while key not in self.answers and self.broken is None:
+                self.cond.wait()
+            out = self.answers.pop(key, self.broken)
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def _take(self):  # under the lock: the whole round once every live episode waits
+        if not self.waiting or len(self.waiting) < self.live:
+            return []
+        batch, self.waiting = sorted(self.waiting.items()), {}
+        return batch
+
+    def _run(self, batch):
+        if not batch:
+            return
+        items = [item for _, (item, _) in batch]
+        sampling = dict(batch[0][1][1], max_new_tokens=max(it["max_new_tokens"] for it in items))
+        try:
+            outs = self.engine.generate(items, sampling)
+        except BaseException as e:  # noqa: BLE001 - every waiting episode raises it
+            outs = [e] * len(batch)
+        with self.cond:
+            self.answers.update(zip([k for k, _ in batch], outs))
+            self.cond.notify_all()
+
+
+class _Pipeline:
+    """Each episode on its own thread: its next turn goes to the engine as soon as its env step is
+    done, its reward as soon as it ends; the CPU work (templates, image processor, env, reward) runs
+    in at most as many threads at once as this machine has cores, while other episodes generate.
+    SGLang (Engine.concurrent) takes every request as it comes; a batch engine gets _Rounds."""
+
+    def __init__(self, engine, processor, args, reward_fn, dynamic, target):
+        self.engine, self.processor, self.args, self.dynamic, self.target = engine, processor, args, dynamic, target
+        self.reward_fn = reward_fn
+        self.rounds = None if getattr(engine, "concurrent", False) else _Rounds(engine)
+        self.cpu = threading.Semaphore(len(os.sched_getaffinity(0)))
+        self.lock, self.done = threading.Lock(), threading.Event()
+        self.stops = processor.tokenizer.convert_tokens_to_ids([IM_END, ENDOFTEXT])
+        self.sampling = dict(temperature=args.rollout_temperature, stop_token_ids=self.stops,
+                             top_p=args.rollout_top_p, top_k=args.rollout_top_k)
+        size = target * (args.n_samples_per_prompt + 1)  # a thread an episode (a round waits for all)
+        self.pool = ThreadPoolExecutor(size if self.rounds else min(size, 1024), thread_name_prefix="episode")
+        self.groups, self.kept, self.open, self.errors, self.calls = {}, [], 0, [], []
+        self.t0 = time.perf_counter()
+
+    def run(self, records, groups):
+        self.records, self.order, self.next = records, list(groups), 0
+        self.bar = tqdm(total=0, desc="rollout", file=sys.stderr, mininterval=1.0, leave=False)
+        with self.lock:
+            for _ in range(min(self.target, len(records))):
+                self._start_group()
+            if not self.open:
+                self.done.set()
+        self.done.wait()
+        self.pool.shutdown(wait=False)
+        self.bar.close()
+        if self.errors:
+            raise self.errors[0]
+        busy, end = 0.0, 0.0  # engine busy: the union of the requests' (start, end)
+        for a, b in sorted(self.calls):
+            busy, end = busy + max(0.0, b - max(a, end)), max(end, b)
+        stats = dict(wall_s=time.perf_counter() - self.t0, engine_busy_s=busy)
+        out = [s for g in sorted(self.kept)[:self.target] for s in self.groups[g]]
+        for smp in out:
+            smp.metadata["rollout"] = stats
+        return out
+
+    def _start_group(self):  # under self.lock
+        pos, self.next = self.next, self.next + 1
+        n, self.open = self.args.n_samples_per_prompt, self.open + 1
+        self.groups[self.order[pos]] = [None] * n
+        self.bar.total += n
+        if self.rounds:
+            self.rounds.join(n)  # before any round that must wait for them can go
+        self.pool.submit(self._group, self.records[pos], self.order[pos])
+
+    def _group(self, rec, g):
+        try:
+            with self.cpu:  # the chat template and the processor once per prompt, not per sample
+                messages, tools = chat_prompt(self.processor, rec, self.args.max_turns > 1)
+                prompt = (messages, tools, encode_prompt(self.processor, messages, list(rec["images"]), tools))
+            for j in range(self.args.n_samples_per_prompt):
+                self.pool.submit(self._episode, rec, g, j, prompt)
+        except BaseException as e:  # noqa: BLE001 - surfaced by run()
+            self._stop(e)
+
+    def _episode(self, rec, g, j, prompt):
+        try:
+            with self.cpu:
+                t = time.perf_counter()
+                s, env, chat = _episode(self.processor, rec, self.args, g, self.args.max_turns > 1, prompt)
+                own = time.perf_counter() - t
+            engine_s, active = 0.0, True
+            while active:
+                room = min(self.args.rollout_max_response_len - len(s.response_ids), self.args.max_context_len - len(s.tokens))
+                if room <= 0:
+                    s.status = "truncated"
+                    break
+                t = time.perf_counter()
+                item = {"input_ids": s.tokens, "images": s.images, "max_new_tokens": room}
+                out = (self.rounds.generate((g, j), item, self.sampling) if self.rounds
+                       else self.engine.generate([item], dict(self.sampling, max_new_tokens=room))[0])
+                call = (t, time.perf_counter())
+                self.calls.append(call)  # list.append is atomic: no lock
+                engine_s += call[1] - t
+                with self.cpu:
+                    t = time.perf_counter()
+                    try:
+                        active = _finish_turn(s, env, chat, out, self.processor, self.args, self.stops)
+                    except Exception as e:  # noqa: BLE001 - one bad episode must not end the rollout
+                        _fail(s, f"{type(e).__name__}: {e}")
+                        active = False
+                    own += time.perf_counter() - t
+            with self.cpu:
+                t = time.perf_counter()
+                if env is not None:
+                    env.close()
+                reason = None if s.status == "failed" else check_images(self.processor, s.tokens, s.images)
+                if reason:
+                    _fail(s, reason)
+                if self.reward_fn is not False:
+                    _score(s, self.args, self.reward_fn)
+                s.metadata.update(engine_s=engine_s, own_s=own + time.perf_counter() - t,
+                                  end_s=time.perf_counter() - self.t0)
+            self._finished(g, j, s)
+        except BaseException as e:  # noqa: BLE001 - the engine gave up (a dead server): run() raises it
+            self._stop(e)
+
+    def _finished(self, g, j, s):
+        with self.lock:
+            group = self.groups[g]
+            group[j] = s
+            self.bar.update(1)
+            if all(x is not None for x in group):
+                self.open -= 1
+                if not self.dynamic or len({x.reward for x in group}) > 1:
+                    self.kept.append(g)
+                elif len(self.kept) + self.open < self.target and self.next < len(self.records):
+                    self._start_group()  # the moment a group is known all-equal, another is drawn
+                if not self.open:
+                    self.done.set()
+        if self.rounds:
+            self.rounds.leave()
+
+    def _stop(self, e):
+        with self.lock:
+            self.errors.append(e)
+            self.done.set()
+        if self.rounds:
+            with self.rounds.cond:  # episodes waiting for a round that cannot come stop too
+                self.rounds.broken = e
+                self.rounds.cond.notify_all()
+
+
+def run_episodes(engine, processor, records, args, groups=None, reward_fn=False):
+    """n_samples_per_prompt episodes per record (group = record position, or `groups`), each on its
+    own (_Pipeline); scored when reward_fn is None (--rm-type's) or a function."""
     groups = groups if groups is not None else list(range(len(records)))
-    eps = []
-    for rec, g in zip(records, groups):  # the chat template and the processor once per prompt, not per sample
-        messages, tools = chat_prompt(processor, rec, multi)
-        prompt = (messages, tools, encode_prompt(processor, messages, list(rec["images"]), tools))
-        eps += [_episode(processor, rec, args, g, multi, prompt) for _ in range(n)]
-    stops = processor.tokenizer.convert_tokens_to_ids([IM_END, ENDOFTEXT])
-    sampling = dict(temperature=args.rollout_temperature, stop_token_ids=stops,
-                    top_p=args.rollout_top_p, top_k=args.rollout_top_k)
-    budget, context = args.rollout_max_response_len, args.max_context_len
-    active = list(range(len(eps)))
-    bar = tqdm(total=len(eps), desc="rollout", file=sys.stderr, mininterval=1.0, leave=False)
-    while active:
-        reqs, live = [], []
-        for i in active:
-            s = eps[i][0]
-            room = min(budget - len(s.response_ids), context - len(s.tokens))
-            if room <= 0:
-                s.status = "truncated"
-                continue
-            live.append(i)
-            reqs.append({"input_ids": s.tokens, "images": s.images, "max_new_tokens": room})
-        longest = max([r["max_new_tokens"] for r in reqs], default=0)
-        outs = engine.generate(reqs, dict(sampling, max_new_tokens=longest)) if reqs else []
-        active = []
-        for i, out in zip(live, outs):
-            s, env, chat = eps[i]
-            try:
-                if _finish_turn(s, env, chat, out, processor, args, stops):  # falsy once failed
-                    active.append(i)
-            except Exception as e:  # noqa: BLE001 - one bad episode must not end the rollout
-                _fail(s, f"{type(e).__name__}: {e}")
-        bar.update(len(eps) - len(active) - bar.n)
-    bar.close()
-    for s, env, _ in eps:
-        if env is not None:
-            env.close()
-        reason = None if s.status == "failed" else check_images(processor, s.tokens, s.images)
-        if reason:
-            _fail(s, reason)
-    return [s for s, _, _ in eps]
+    return _Pipeline(engine, processor, args, reward_fn, False, len(records)).run(records, groups)
 
 
-def _score(samples, args, reward_fn):
-    """reward.py's RM (a process pool for big batches) or `reward_fn`; failed samples get 0."""
-    live = [s for s in samples if s.status != "failed"]
-    texts, labels = [s.response_text for s in live], [s.label for s in live]
-    rewards = (reward.batch_rewards(texts, labels, args.rm_type)
-               if reward_fn is None else [reward_fn(t, lab) for t, lab in zip(texts, labels)])
-    for s, r in zip(live, rewards):
-        s.reward = float(r)
-    for s in samples:
-        s.metadata["format_ok"] = bool(reward.format_ok(s.response_text))
+def _score(s, args, reward_fn):
+    """reward.py's RM or `reward_fn`: 0 for a failed sample."""
+    if s.status != "failed":
+        s.reward = float((reward_fn or reward.get_reward_fn(args.rm_type))(s.response_text, s.label))
+    s.metadata["format_ok"] = bool(reward.format_ok(s.response_text))
 
 
 def generate_group_samples(engine, processor, records, args, reward_fn=None):
     """records x n_samples_per_prompt scored samples (group = record position). With
-    args.dynamic_sampling, groups whose rewards are all equal are dropped and replaced from
-    the records not yet used, until rollout_batch_size groups are kept (the caller passes
+    args.dynamic_sampling, a group whose rewards are all equal is dropped and another record
+    started as soon as that is known, until rollout_batch_size groups are kept (the caller passes
     more records than that: the over-sample)."""
-    if not args.dynamic_sampling:
-        samples = run_episodes(engine, processor, records, args)
-        _score(samples, args, reward_fn)
-        return samples
-    target = args.rollout_batch_size or len(records)
-    kept, pos, drawn = [], 0, 0
-    while len(kept) < target and pos < len(records):
-        rate = len(kept) / drawn if drawn else 1.0   # observed keep rate sizes the next draw
-        take = min(len(records) - pos, math.ceil((target - len(kept)) / max(rate, 0.25)))
-        idx = list(range(pos, pos + take))
-        pos, drawn = pos + take, drawn + take
-        samples = run_episodes(engine, processor, [records[i] for i in idx], args, groups=idx)
-        _score(samples, args, reward_fn)
-        for g in idx:
-            group = [s for s in samples if s.group == g]
-            if len({s.reward for s in group}) > 1:
-                kept.append(group)
-    out = [s for group in kept[:target] for s in group]
-    for s in out:
-        s.metadata["ds_drawn_groups"], s.metadata["ds_kept_groups"] = drawn, len(kept)
+    target = (args.rollout_batch_size or len(records)) if args.dynamic_sampling else len(records)
+    pipe = _Pipeline(engine, processor, args, reward_fn, args.dynamic_sampling, target)
+    out = pipe.run(records, list(range(len(records))))
+    if args.dynamic_sampling:
+        for s in out:
+            s.metadata["ds_drawn_groups"], s.metadata["ds_kept_groups"] = pipe.next, len(pipe.kept)
     return out
 
 
@@ -362,6 +487,12 @@ def rollout_metrics(samples):
          "tool_calls": sum(s.tool_calls for s in samples) / n,
          "format_ok_frac": sum(bool(s.metadata.get("format_ok")) for s in samples) / n,
          "samples": len(samples)}
+    if samples and "rollout" in samples[0].metadata:  # where the rollout's time went
+        ends = [s.metadata["end_s"] for s in samples]
+        m.update({f"rollout_{k}": v for k, v in samples[0].metadata["rollout"].items() if k.endswith("_s")},
+                 rollout_critical_path_s=max(s.metadata["engine_s"] for s in samples),
+                 rollout_own_s_per_sample=sum(s.metadata["own_s"] for s in samples) / n,
+                 rollout_tail_s=max(ends) - statistics.median(ends))
     if samples and "ds_drawn_groups" in samples[0].metadata:
         m["ds_keep_frac"] = samples[0].metadata["ds_kept_groups"] / max(samples[0].metadata["ds_drawn_groups"], 1)
     return m

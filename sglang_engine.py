@@ -320,7 +320,11 @@ class SGLangEngine(Engine):
                 self._recover(epoch, e)
         raise RuntimeError(f"SGLang {path}: no answer after {self.max_restarts + 2} tries")
 
+    concurrent = True  # rollout.py sends each episode's turn on its own: the server batches continuously
+
     def generate(self, batch, sampling):
+        if len(batch) == 1:  # an episode's own thread (rollout._Pipeline): no hop through the pool
+            return [self._generate_one(batch[0], sampling)]
         return list(self.pool.map(lambda item: self._generate_one(item, sampling), batch))
 
     def _generate_one(self, item, sp):

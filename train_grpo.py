@@ -24,6 +24,7 @@ import math
 import os
 import random
 import sys
+import time
 
 import torch
 from tqdm import tqdm
@@ -204,43 +205,67 @@ def evaluate(engine, processor, records, args, step, run):
     return out
 
 
-def rollout_step(step, run, engine, processor, records, args):
-    """Rank 0 draws the step's prompts, samples and scores them, and turns the usable samples into
-    trainer items; every rank returns the same (items, metrics). Failed and aborted samples are
+def rollout_step(step, run, engine, processor, records, args, updates=1):
+    """Rank 0 draws the step's prompts, samples and scores them; each rank receives only its share of
+    the usable samples (hand_out) and builds its trainer items itself. -> (this rank's items of each
+    update, None for an update with no sample; metrics, rank 0's). Failed and aborted samples are
     counted in the metrics and never trained on."""
-    payload = [None]
+    shares, metrics = None, {}
     if run.rank == 0:
         batch = draw(records, step, args)
         samples = R.generate_group_samples(engine, processor, batch, args)
         metrics = R.rollout_metrics(samples)
         good = [s for s in samples if s.status not in ("failed", "aborted") and any(s.loss_mask)]
         adv = advantages([s.reward for s in good], [s.group for s in good], args.advantage_estimator)
-        encoded = {}
-        payload = [([to_item(s, processor, a, encoded) for s, a in zip(good, adv)], metrics)]
-        if not any(sum(s.loss_mask) for s in good):
+        metrics["tokens"] = sum(len(s.tokens) for s in good)
+        if not good:
             reasons = sorted({s.fail_reason or s.status for s in samples if s.status != "completed"})
             print(f"[grpo] step {step + 1}: no trainable sample among {len(samples)} "
                   f"({', '.join(reasons[:3]) or 'no response tokens'}): update skipped", flush=True)
-    if run.world > 1:
-        torch.distributed.broadcast_object_list(payload, src=0)
-    items, metrics = payload[0]
-    random.Random(args.seed + step).shuffle(items)
+        shares = split_batch(good, adv, random.Random(args.seed + step), args.global_batch_size, updates, run.dp)
+    t = time.perf_counter()
+    encoded = {}  # a group's images, shared in the payload, are encoded once on each rank
+    items = [None if part is None else [to_item(s, processor, a, encoded) for s, a in part]
+             for part in hand_out(shares, run)]
+    metrics["handoff_s"] = time.perf_counter() - t
     return items, metrics
 
 
+def split_batch(good, adv, rng, global_batch_size, updates, dp):
+    """rank 0: [for each DP rank: its (sample, advantage) pairs of each update (None: an update with
+    no sample)], shuffled by `rng`, each update's global batch strided over the DP ranks. A sample
+    keeps only what to_item reads: token ids, masks, logprobs and its images (decoded, uint8)."""
+    pairs = [(R.Sample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, loss_mask=s.loss_mask,
+                       rollout_logprobs=s.rollout_logprobs, images=s.images), a) for s, a in zip(good, adv)]
+    rng.shuffle(pairs)
+    chunks = [pairs[u * global_batch_size:(u + 1) * global_batch_size] for u in range(updates)]
+    return [[c[r::dp] if c else None for c in chunks] for r in range(dp)]
+
+
+def hand_out(shares, run):
+    """Each rank receives its DP rank's share from rank 0 (a scatter: its TP peers get the same, the
+    other DP ranks' never reach it; a group's images pickle once per rank)."""
+    if run.world == 1:
+        return shares[0]
+    dp_of = [None] * run.world
+    torch.distributed.all_gather_object(dp_of, run.dp_rank)
+    mine = [None]
+    torch.distributed.scatter_object_list(mine, [shares[r] for r in dp_of] if run.rank == 0 else None, src=0)
+    return mine[0]
+
+
 def train_step(model, ref, opt, sched, run, items, args, updates):
-    """`updates` optimizer steps over the global batch. A chunk with no loss token anywhere
-    (every rank sees the same items, so all agree) is skipped on every rank in lockstep."""
+    """One optimizer step per update over this rank's `items` of it; an update with no sample
+    (None on every rank alike) is skipped on every rank in lockstep."""
     model.train()
     if args.recompute_logprobs:
-        recompute_old(model, items, args)
+        recompute_old(model, [it for part in items if part for it in part], args)
     stats = {"updates_skipped": 0}
-    for u in range(updates):
-        chunk = items[u * args.global_batch_size:(u + 1) * args.global_batch_size]
-        if not any(bool(it["mask"].any()) for it in chunk):
+    for part in items:
+        if part is None:
             stats["updates_skipped"] += 1
             continue
-        s = policy_loss(model, ref, run, T.dp_shard(chunk, run), args, measure="logprob_diff_mean" not in stats)
+        s = policy_loss(model, ref, run, part, args, measure="logprob_diff_mean" not in stats)
         s.update(optim.optimizer_step(model, opt, sched, run, args))
         stats.update(s)  # the last update's stats; logprob_diff_* from the first
     return stats
@@ -289,7 +314,7 @@ def grpo_step(step, run, engine, processor, records, model, ref, opt, sched, arg
     take the memory back, update the engine's weights (its update flushes its caches)."""
     secs = {}
     with T.timed(secs, "rollout"):
-        items, metrics = rollout_step(step, run, engine, processor, records, args)
+        items, metrics = rollout_step(step, run, engine, processor, records, args, updates)
     if args.colocate:
         step_aside(run, engine)
     with T.timed(secs, "train"):
@@ -298,10 +323,9 @@ def grpo_step(step, run, engine, processor, records, model, ref, opt, sched, arg
         if args.colocate:
             metrics.update(step_back(run, engine))
         sync_weights(model, engine, run, run.sync_plan)
-    n_tok = sum(len(it["ids"]) for it in items)
     metrics.update(stats, **T.expert_load(model, run))
-    metrics.update(tokens=n_tok, rollout_s=secs["rollout"], train_s=secs["train"],
-                   sync_s=secs["sync"], tokens_per_s=n_tok / max(1e-9, secs["train"]))
+    metrics.update(rollout_s=secs["rollout"], train_s=secs["train"],
+                   sync_s=secs["sync"], tokens_per_s=metrics.get("tokens", 0) / max(1e-9, secs["train"]))
     run.log(step + 1, metrics)
     return metrics
 

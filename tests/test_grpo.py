@@ -312,14 +312,14 @@ def test_dynamic_sampling_tops_up_through_the_trainer(processor, records):
             return outs
     base = ["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--rollout-batch-size", "3",
             "--n-samples-per-prompt", "2", "--dynamic-sampling"]
-    run = types.SimpleNamespace(rank=0, world=1)
+    run = types.SimpleNamespace(rank=0, world=1, dp=1)
     for cap in (None, "4"):
         args = G.parse_args(base + (["--dynamic-sampling-max-prompts", cap] if cap else []))
         drawn = G.draw(recs, 0, args)
         assert len(drawn) == (12 if cap is None else 4) and len({r["index"] for r in drawn}) == len(drawn)
         assert drawn[:3] == G.draw(recs, 0, G.parse_args(base[:-1]))  # the batch's own prompts come first
         kept = min(3, sum(int(r["answer"]) % 3 == 0 for r in drawn))  # mixed groups there are to keep
-        items, m = G.rollout_step(0, run, Engine(), processor, recs, args)
+        (items,), m = G.rollout_step(0, run, Engine(), processor, recs, args)
         assert len(items) == 2 * kept and m["samples"] == 2 * kept, (cap, kept, len(items))
         assert all(it["adv"] != 0 for it in items)  # only groups with mixed rewards
         if cap is None:  # the batch's own prompts hold fewer mixed groups: the over-sample filled it
@@ -339,9 +339,9 @@ def test_step_where_every_sample_failed(processor, records, capsys):
                     for _ in batch]
     args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--rollout-batch-size", "2",
                          "--n-samples-per-prompt", "2"])
-    run = types.SimpleNamespace(rank=0, world=1)
+    run = types.SimpleNamespace(rank=0, world=1, dp=1)
     items, m = G.rollout_step(0, run, Failing(), processor, records, args)
-    assert items == [] and m["failed_frac"] == 1.0 and m["samples"] == 4
+    assert items == [None] and m["failed_frac"] == 1.0 and m["samples"] == 4
     assert "step 1: no trainable sample among 4 (SGLang /generate -> HTTP 500: IndexError): update skipped" \
         in capsys.readouterr().out
     stats = G.train_step(torch.nn.Linear(1, 1), None, None, None, run, items, args, updates=1)  # no step taken
@@ -368,3 +368,41 @@ def test_colocated_engine_steps_aside_for_every_rank(monkeypatch):
         G.step_aside(run, engine)
         assert G.step_back(run, engine) == {"gpu_train_peak_gib": 40.0, "gpu_held_at_resume_gib": 1.0}
         assert events == want, (rank, events)
+
+
+def test_each_rank_builds_todays_items_from_only_its_share(processor, records):
+    """What a DP rank receives (split_batch's share, pickled as the scatter sends it) builds exactly
+    the items it trained on when rank 0 broadcast every item: ids, masks, logprobs, advantages, pixel
+    values and grids, in order, for each update; it holds no other rank's sample and a group's images
+    once (uint8 pixels, not the processor's float32 patches)."""
+    import pickle
+    import random
+    import types
+    import rollout
+    import trainer as T
+    from test_rollout import ANSWER, CROP_CALL, ScriptedEngine
+    args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--max-turns", "3",
+                         "--n-samples-per-prompt", "4", "--global-batch-size", "6", "--rollout-max-response-len", "400"])
+    good = rollout.run_episodes(ScriptedEngine(processor, [CROP_CALL, ANSWER]), processor, records[:3], args)
+    assert all(len(s.images) == 2 and s.tool_calls == 1 for s in good)  # the prompt's image and a crop
+    adv = [0.5 * i - 2 for i in range(len(good))]
+    encoded = {}  # before: every item on rank 0, broadcast whole, then shuffled, chunked, strided
+    before = [G.to_item(s, processor, a, encoded) for s, a in zip(good, adv)]
+    random.Random(7).shuffle(before)
+    updates, dp = 2, 2
+    shares = G.split_batch(good, adv, random.Random(7), 6, updates, dp)
+    whole = len(pickle.dumps(before))  # what broadcast_object_list sent every rank
+    for r in range(dp):
+        payload = pickle.dumps(shares[r])
+        assert len(payload) < whole / dp, (len(payload), whole)
+        mine, enc = pickle.loads(payload), {}
+        for u in range(updates):
+            got = [G.to_item(s, processor, a, enc) for s, a in mine[u]]
+            want = T.dp_shard(before[u * 6:(u + 1) * 6], types.SimpleNamespace(dp_rank=r, dp=dp))
+            assert len(got) == len(want) == 3
+            for g, w in zip(got, want):
+                assert g.keys() == w.keys() and g["adv"] == w["adv"]
+                assert all(torch.equal(g[k], w[k]) for k in ("ids", "mask", "old", "pixel_values", "image_grid_thw"))
+        shared = {id(s.images[0]) for part in mine for s, _ in part}  # a prompt's image travels once,
+        assert len(shared) <= 3 < sum(len(part) for part in mine)     # not once per sample
+        print(f"rank {r}: {len(payload)} bytes; every item broadcast: {whole}")

@@ -338,3 +338,55 @@ def test_prompt_encoded_once_per_group(processor, records, monkeypatch):
     a, b = samples[0], samples[1]
     assert a.prompt_ids == b.prompt_ids and a.prompt_ids is not b.prompt_ids
     assert a.turns == 2 and a.response_ids == b.response_ids and a.status == b.status == "completed"
+
+
+def test_episodes_flow_on_their_own_and_dynamic_sampling_redraws_at_once(processor, records):
+    """With a concurrent engine (SGLang's kind) an episode's next turn goes out while another episode
+    is still generating, and a group known to be all-equal is replaced at once, not after the batch;
+    the samples are the ones a lockstep batch engine gives."""
+    import threading
+    import time
+    recs = [dict(r, problem=f"{r['problem']} ({i})") for i, r in enumerate(records[:3])]  # distinct prompts
+
+    def encoded(multi):  # each record's prompt ids, as the rollout encodes them
+        out = []
+        for r in recs:
+            messages, tools = rollout.chat_prompt(processor, r, multi)
+            out.append(tuple(rollout.encode_prompt(processor, messages, r["images"], tools)))
+        return out
+    prompts = encoded(True)
+    log, lock = [], threading.Lock()  # (prompt index, turn, start, end) of every request
+
+    class Concurrent(ScriptedEngine):
+        concurrent = True
+
+        def answer(self, item, p):
+            return self.script[min(self.turn(item["input_ids"]), len(self.script) - 1)]
+
+        def generate(self, batch, sampling):
+            (item,) = batch
+            p = next(k for k, ids in enumerate(prompts) if tuple(item["input_ids"][:len(ids)]) == ids)
+            start = time.monotonic()
+            time.sleep(1.0 if p == 0 else 0.05)
+            with lock:
+                log.append((p, self.turn(item["input_ids"]), start, time.monotonic()))
+                ids = self.tok.encode(self.answer(item, p)) + [self.im_end]
+            return [{"ids": ids, "logprobs": [-0.5] * len(ids), "finish": "stop", "prompt_tokens": len(item["input_ids"])}]
+    args = rollout_args(max_turns=2, n_samples_per_prompt=1, rollout_max_response_len=400)
+    got = rollout.run_episodes(Concurrent(processor, [CROP_CALL, ANSWER]), processor, recs[:2], args)
+    want = rollout.run_episodes(ScriptedEngine(processor, [CROP_CALL, ANSWER]), processor, recs[:2], args)
+    assert [s.tokens for s in got] == [s.tokens for s in want] and [s.loss_mask for s in got] == [s.loss_mask for s in want]
+    slow_first_end = min(end for p, turn, _, end in log if p == 0 and turn == 0)
+    assert any(p == 1 and turn == 1 and start < slow_first_end for p, turn, start, _ in log), log
+
+    class Alternating(Concurrent):  # a prompt's first request is right (\boxed{360}), later ones wrong
+        def answer(self, item, p):
+            return ANSWER if sum(q == p for q, *_ in log) == 1 else "\\boxed{1}"
+    log.clear()
+    recs = [dict(recs[0], answer="360"), dict(recs[1], answer="7"), dict(recs[2], answer="360")]
+    prompts[:] = encoded(False)
+    args = rollout_args(n_samples_per_prompt=2, dynamic_sampling=True, rollout_batch_size=2)
+    kept = rollout.generate_group_samples(Alternating(processor, []), processor, recs, args)
+    assert sorted({s.group for s in kept}) == [0, 2] and sorted(s.reward for s in kept) == [0, 0, 1, 1]
+    # group 1 (quick, all wrong) is dropped, and group 2 starts while group 0 (slow) still generates
+    assert min(start for p, _, start, _ in log if p == 2) < min(end for p, *_, end in log if p == 0), log
