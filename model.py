@@ -473,7 +473,7 @@ def check(hf_dir, transformer_impl=None, tp=None, ep=1, sequence_parallel=False)
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["tiny"]:
-        import tiny
+        from tools import tiny
         tiny.main(sys.argv[2:])
     elif sys.argv[1:2] == ["check"]:
         p = argparse.ArgumentParser(description="Megatron vs transformers logits on one checkpoint")

@@ -110,7 +110,7 @@ def render(processor, messages, tools=None, add_generation_prompt=False):
 
 def chat_prompt(processor, record, multi_turn=False):
     """-> (messages, tools) of a record's prompt. Multi-turn: the tools go in the model's own
-    trained format where its template renders a `tools=` list (Qwen3-VL, Qwen3.5, tiny.py's),
+    trained format where its template renders a `tools=` list (Qwen3-VL, Qwen3.5, tools/tiny.py's),
     else (Qwen2.5-VL ignores it) as env_geo3k's hand-written list in the system prompt."""
     if not multi_turn:
         return data.prompt_messages(record), None

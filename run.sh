@@ -38,8 +38,8 @@ if [[ "$NUM_GPUS" == 0 ]]; then
   RUN=runs/${NAME:-cpu-demo}
   rm -rf "$RUN"; mkdir -p "$RUN"
   PY=.venv/bin/python
-  $PY data.py synth --n 1024 --n-test 64 --out "$RUN/data" --kinds sides    # regular 3-6-gons: how many sides?
-  $PY data.py synth --n 384 --seed 1 --out "$RUN/warmup" --kinds sides     # other problems, for SFT
+  $PY tools/synth.py --n 1024 --n-test 64 --out "$RUN/data" --kinds sides    # regular 3-6-gons: how many sides?
+  $PY tools/synth.py --n 384 --seed 1 --out "$RUN/warmup" --kinds sides     # other problems, for SFT
   $PY model.py tiny --arch qwen3_vl --out "$RUN/base"                        # random weights, real tokenizer
   EVAL=(--eval-prompt-data "$RUN/data" --eval-split test --eval-samples 64)
   $PY train_grpo.py --hf-checkpoint "$RUN/base" --prompt-data "$RUN/data" --save "$RUN/base_eval" \
@@ -56,7 +56,7 @@ if [[ "$NUM_GPUS" == 0 ]]; then
       "${GRPO[@]}" --num-rollout 100
   $PY train_grpo.py --hf-checkpoint "$RUN/grpo/$(cat "$RUN/grpo/latest")" --save "$RUN/grpo_mt" \
       "${GRPO[@]}" --num-rollout 30 --max-turns 3
-  $PY report.py "$RUN"
+  $PY tools/report.py "$RUN"
   echo "final Hugging Face checkpoint: $RUN/grpo_mt/$(cat "$RUN/grpo_mt/latest")"
   exit 0
 fi

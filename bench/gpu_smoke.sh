@@ -50,7 +50,7 @@ except Exception as e:
 print(f'{torch.cuda.get_device_name()} torch {torch.__version__} cuda {torch.version.cuda} '
       f'transformers {transformers.__version__} megatron-core {megatron.core.__version__} TE {te}')"
 check tiny_checkpoints bash -c "$PY model.py tiny --arch qwen3_vl --out $DIR/tiny && $PY model.py tiny --arch qwen2_5_vl --out $DIR/tiny25 \
-  && $PY data.py synth --n 64 --n-test 8 --kinds sides --out $DIR/data && echo made"
+  && $PY tools/synth.py --n 64 --n-test 8 --kinds sides --out $DIR/data && echo made"
 # Logits of Megatron (TE spec, THD packing) vs transformers, both on cuda:0; fp32, so 1e-4 holds
 # where TE keeps fp32 (unfused attention); a FAIL here with a small diff is TE's kernel choice.
 check check_te_qwen3_vl "$PY" model.py check --hf-checkpoint "$DIR/tiny" --transformer-impl transformer_engine

@@ -29,12 +29,12 @@ def main():
     p.add_argument("--response-len", type=int, default=32)
     a = p.parse_args()
     os.environ["HF_HUB_OFFLINE"] = "1"
-    import data
-    import tiny
+    from tools import synth
+    from tools import tiny
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         ckpt = tiny.make_tiny(tmp / "ckpt", "qwen3_vl")
-        data.write_synth(tmp / "data", 256, n_test=8, seed=0)
+        synth.write_synth(tmp / "data", 256, n_test=8, seed=0)
         cmd = [sys.executable, str(ROOT / "train_grpo.py"), "--hf-checkpoint", str(ckpt),
                "--prompt-data", str(tmp / "data"), "--save", str(tmp / "run"), "--rollout-engine", "local",
                "--num-rollout", str(a.steps), "--rollout-batch-size", str(a.rollout_batch_size),

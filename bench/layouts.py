@@ -32,14 +32,14 @@ def main():
     p.add_argument("--out", default=None, help="keep the runs here (default: a temporary folder)")
     a = p.parse_args()
     os.environ["HF_HUB_OFFLINE"] = "1"
-    import data
-    import tiny
+    from tools import synth
+    from tools import tiny
     from test_layouts import redraw
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(a.out or tmp)
         base = tiny.make_tiny(out / "base", "qwen3_vl", hidden=96, heads=6, kv_heads=2, layers=4, vit_depth=3)
         ckpt = redraw(base, out / "ckpt", 1234)
-        data.write_synth(out / "data", 32, n_test=4, seed=0, size=96)
+        synth.write_synth(out / "data", 32, n_test=4, seed=0, size=96)
         print(f"{'layout':<24} {'loss':>16} {'grad_norm':>14} {'entropy':>14}")
         for name, nproc, flags in LAYOUTS:
             launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", nproc[0]]

@@ -83,7 +83,7 @@ def main():
     os.environ["HF_HUB_OFFLINE"] = "1"
     import data
     import rollout
-    import tiny
+    from tools import tiny
     import train_grpo
     from transformers import AutoProcessor
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.busy)]

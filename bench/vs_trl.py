@@ -160,12 +160,12 @@ def main():
     if probe.returncode:
         sys.exit(f"vs_trl: {a.trl_python} cannot import trl; install it in a venv of its own (see --help) "
                  f"and pass --trl-python")
-    import data
-    import tiny
+    from tools import synth
+    from tools import tiny
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         ckpt = tiny.make_tiny(tmp / "ckpt", "qwen3_vl")
-        data.write_synth(tmp / "data", 64, n_test=8, seed=0)
+        synth.write_synth(tmp / "data", 64, n_test=8, seed=0)
         mine, theirs, load = [], [], []
         for r in range(a.rounds):
             mine += ours(ckpt, tmp / "data", tmp / f"ours{r}", a)

@@ -22,7 +22,7 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """tiny_ckpt("qwen3_vl") -> path of a tiny random checkpoint, built once per arch."""
-    import tiny
+    from tools import tiny
     made = {}
 
     def get(arch="qwen3_vl", **sizes):
@@ -53,7 +53,8 @@ def processor(ckpt):
 @pytest.fixture(scope="session")
 def records(tmp_path_factory):
     import data
-    out = data.write_synth(tmp_path_factory.mktemp("synth"), n=4, n_test=1, seed=0)
+    from tools import synth
+    out = synth.write_synth(tmp_path_factory.mktemp("synth"), n=4, n_test=1, seed=0)
     return data.load_geo3k(out, "train")
 
 

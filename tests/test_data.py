@@ -8,7 +8,8 @@ import pytest
 from PIL import Image, ImageDraw
 
 import data
-import tiny
+from tools import synth
+from tools import tiny
 
 IMAGE_PAD = 151655
 
@@ -161,14 +162,14 @@ def _sides_from_image(img):
 
 
 def test_synth_is_deterministic_and_answers_follow_from_the_drawing(tmp_path):
-    a = data.synth_records(24, seed=3, kinds=("polygon", "triangle"))
-    assert a == data.synth_records(24, seed=3, kinds=("polygon", "triangle"))
-    assert a != data.synth_records(24, seed=4, kinds=("polygon", "triangle"))
-    for rec in data.synth_records(40, seed=1, kinds=("polygon",)):
+    a = synth.synth_records(24, seed=3, kinds=("polygon", "triangle"))
+    assert a == synth.synth_records(24, seed=3, kinds=("polygon", "triangle"))
+    assert a != synth.synth_records(24, seed=4, kinds=("polygon", "triangle"))
+    for rec in synth.synth_records(40, seed=1, kinds=("polygon",)):
         n = _sides_from_image(data.decode_image(rec["images"][0]))
-        want = data.POLYGON_QUESTIONS[rec["problem"].removeprefix("<image>")](n)
-        assert data._num(want) == rec["answer"]
-    out = data.write_synth(tmp_path / "s", 8, n_test=4, seed=0)
+        want = synth.POLYGON_QUESTIONS[rec["problem"].removeprefix("<image>")](n)
+        assert synth._num(want) == rec["answer"]
+    out = synth.write_synth(tmp_path / "s", 8, n_test=4, seed=0)
     assert len(data.load_geo3k(out, "train")) == 8 and len(data.load_geo3k(out, "test")) == 4
 
 

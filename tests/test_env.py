@@ -350,7 +350,7 @@ def test_format_observation():
 
 
 def test_episode_renders_through_chat_template(geo3k_real):
-    import tiny
+    from tools import tiny
     processor = tiny.tiny_processor("qwen3_vl")
     record = json.loads((geo3k_real / "test.jsonl").read_text().splitlines()[0])
     image = Image.open(geo3k_real / record["image"]).convert("RGB")

@@ -20,6 +20,7 @@ import torch
 from PIL import Image
 
 import data
+from tools import synth as synth_set
 import trainer as T
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -265,7 +266,7 @@ def test_collective_sockets_bind_to_loopback_whatever_the_host_name_says(tmp_pat
 # ------------------------------------------------------------------ slow: through the entry points
 @pytest.fixture(scope="module")
 def synth(tmp_path_factory):
-    return data.write_synth(tmp_path_factory.mktemp("faults") / "d", 16, n_test=2, seed=0, kinds=("sides",), size=64)
+    return synth_set.write_synth(tmp_path_factory.mktemp("faults") / "d", 16, n_test=2, seed=0, kinds=("sides",), size=64)
 
 
 def sft_cmd(ckpt, d, save, *extra):
@@ -323,7 +324,7 @@ def test_nan_weights_are_named_at_load(ckpt, synth, tmp_path):
 
 @pytest.mark.slow
 def test_grpo_survives_a_refused_image_and_names_its_row(ckpt, tmp_path):
-    rs = data.synth_records(100, seed=0, kinds=("sides",))  # 128 px: prompts of ~60 tokens
+    rs = synth_set.synth_records(100, seed=0, kinds=("sides",))  # 128 px: prompts of ~60 tokens
     rs[7]["images"] = [{"bytes": png((4000, 2)), "path": None}]
     d = parquet(tmp_path / "d" / "train.parquet", rs).parent
     r = run("train_grpo.py", "--hf-checkpoint", ckpt, "--prompt-data", d, "--save", tmp_path / "run",

@@ -138,8 +138,8 @@ def test_short_run_logs_syncs_and_resumes_after_sigkill(tiny_ckpt, tmp_path):
     2's checkpoint resumes with --load and logs the same steps with the same losses and grad
     norms as the uninterrupted run: none lost or repeated, weights, optimizer and RNG restored.
     (The random model's reward is 0; the entropy bonus gives every step a real gradient.)"""
-    import data
-    data.write_synth(tmp_path / "d", 64, n_test=8, seed=0, kinds=("sides",))
+    from tools import synth
+    synth.write_synth(tmp_path / "d", 64, n_test=8, seed=0, kinds=("sides",))
     common = ["--hf-checkpoint", tiny_ckpt("qwen3_vl"), "--prompt-data", tmp_path / "d", "--rollout-engine",
               "local", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-max-response-len",
               "12", "--num-rollout", "4", "--lr", "1e-3", "--entropy-coef", "0.01", "--save-interval", "1",
@@ -188,8 +188,8 @@ def test_prompts_over_the_context_limit_never_reach_a_step(tiny_ckpt, tmp_path):
     as "truncated" samples, and divided by zero in policy_loss before that); with none left the
     run stops before its first step. A step with no trainable sample is still skipped: see the
     HTTP 500 test."""
-    import data
-    data.write_synth(tmp_path / "d", 8, n_test=2, seed=0)
+    from tools import synth
+    synth.write_synth(tmp_path / "d", 8, n_test=2, seed=0)
     r = subprocess.run([PY, str(ROOT / "train_grpo.py"), "--hf-checkpoint", str(tiny_ckpt("qwen3_vl")),
                         "--prompt-data", str(tmp_path / "d"), "--save", str(tmp_path / "run"),
                         "--rollout-engine", "local", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",

@@ -93,9 +93,9 @@ def shuffled_twin(real, out, seed=0):
 @pytest.fixture(scope="module")
 def warm(tiny_ckpt, tmp_path_factory):
     """SFT on the synthetic set and on its shuffled-image twin -> (data, shuffled data, root)."""
-    import data
+    from tools import synth
     root = tmp_path_factory.mktemp("learning")
-    real = data.write_synth(root / "data", 1024, n_test=64, seed=0, kinds=("sides",))
+    real = synth.write_synth(root / "data", 1024, n_test=64, seed=0, kinds=("sides",))
     shuffled = shuffled_twin(real, root / "shuffled")
     base = tiny_ckpt("qwen3_vl")
     finish(launch("sft.py", root / "sft", "--hf-checkpoint", base, "--prompt-data", real, *SFT),
@@ -142,8 +142,8 @@ def fast_grpo_check(ckpt, out, *flags, sft_timeout=900, grpo_timeout=1800):
     epoch on shuffled 64-pixel pictures (the answer format only), then FAST_STEPS GRPO steps on the
     right pictures and on the shuffled ones. Asserts that the reward rises off chance on the right
     pictures and not on the shuffled ones; returns each GRPO run's step rows (real, shuffled)."""
-    import data
-    real = data.write_synth(out / "data", 512, n_test=8, seed=FAST_SEED, kinds=("sides",), size=64)
+    from tools import synth
+    real = synth.write_synth(out / "data", 512, n_test=8, seed=FAST_SEED, kinds=("sides",), size=64)
     shuffled = shuffled_twin(real, out / "shuffled", seed=FAST_SEED)
     finish(launch("sft.py", out / "sft", "--hf-checkpoint", ckpt, "--prompt-data", shuffled,
                   "--seed", FAST_SEED, *FAST_SFT, *flags), timeout=sft_timeout)

@@ -231,7 +231,7 @@ def test_tiny_with_a_real_configs_structure(tiny_ckpt, name):
     bit-exactly (a tied checkpoint has no lm_head tensor to give back)."""
     if not (REAL_MODELS / name).exists():
         pytest.skip(f"reference configs not found ({REAL_MODELS}); they are not shipped with the repo")
-    import tiny
+    from tools import tiny
     arch, sizes = tiny.sizes_like(REAL_MODELS / name / "config.json")
     assert sizes["tie"] and sizes["heads"] // sizes["kv_heads"] == {"Qwen3-VL-2B-Instruct": 2}.get(name, 8)
     d = tiny_ckpt(arch, **sizes)

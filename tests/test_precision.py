@@ -147,9 +147,9 @@ def test_grpo_bf16_updates_match_fp32_at_tp1_tp2_dp2(tiny_ckpt, geo3k_real, tmp_
 def test_distributed_optimizer_dp2_shards_checkpoints_and_resumes(tiny_ckpt, tmp_path):
     """SFT at DP=2: the sharded optimizer takes the replicated optimizer's steps; each DP rank saves
     only its shard; a run resumed from step 2 reaches the same losses at steps 3 and 4."""
-    import data
+    from tools import synth
     from test_sft import metrics, sft
-    data.write_synth(tmp_path / "d", 16, n_test=2, seed=0)
+    synth.write_synth(tmp_path / "d", 16, n_test=2, seed=0)
     common = ["--hf-checkpoint", tiny_ckpt("qwen3_vl"), "--prompt-data", tmp_path / "d", "--lr", "1e-3",
               "--global-batch-size", "4", "--num-epoch", "1", "--save-interval", "2"]
     sft(*common, "--save", tmp_path / "plain", nproc=2)

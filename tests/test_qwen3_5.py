@@ -274,8 +274,8 @@ def run_entry(script, *args, nproc=1):
 def test_sft_and_grpo_run_end_to_end_with_tiny_moe(tiny_ckpt, tmp_path):
     """SFT then GRPO (--rollout-engine local) on the tiny Qwen3.5-MoE: the expert load is logged
     every step, and the trainer's logprobs equal the rollout engine's (transformers') ones."""
-    import data
-    data.write_synth(tmp_path / "d", 8, n_test=2, seed=0)
+    from tools import synth
+    synth.write_synth(tmp_path / "d", 8, n_test=2, seed=0)
     d = tiny_ckpt("qwen3_5_moe")
     sft = run_entry("sft.py", "--hf-checkpoint", d, "--prompt-data", tmp_path / "d", "--save", tmp_path / "sft",
                     "--global-batch-size", "4", "--num-epoch", "1", "--lr", "1e-3")
@@ -295,9 +295,9 @@ def test_ep2_sft_equals_one_process(tiny_ckpt, tmp_path):
     """EP2 (2 processes, 5 samples a step: 3 and 2 per rank, 100-token micro-batches, so one rank
     runs idle micro-batches) takes the same steps as one process: loss, grad norm, final weights;
     each EP rank saves its experts' optimizer state."""
-    import data
+    from tools import synth
     from test_grpo import assert_same_weights
-    data.write_synth(tmp_path / "d", 8, n_test=2, seed=0)
+    synth.write_synth(tmp_path / "d", 8, n_test=2, seed=0)
     common = ["--hf-checkpoint", tiny_ckpt("qwen3_5_moe"), "--prompt-data", tmp_path / "d", "--global-batch-size",
               "5", "--num-epoch", "1", "--lr", "1e-3", "--max-tokens-per-gpu", "100"]
     one = run_entry("sft.py", *common, "--save", tmp_path / "one")
@@ -316,8 +316,8 @@ def test_ep2_resume_equals_one_process_resume(tiny_ckpt, tmp_path):
     """One epoch, then --load for a second: at EP2 each EP rank reloads its experts' optimizer state
     (tp_00_ep_0R.pt), so the resumed steps equal one process resumed the same way (the schedule
     differs from an uninterrupted run, the comparison does not)."""
-    import data
-    data.write_synth(tmp_path / "d", 8, n_test=2, seed=0)
+    from tools import synth
+    synth.write_synth(tmp_path / "d", 8, n_test=2, seed=0)
     common = ["--hf-checkpoint", tiny_ckpt("qwen3_5_moe"), "--prompt-data", tmp_path / "d", "--global-batch-size",
               "6", "--lr", "1e-3", "--max-tokens-per-gpu", "120"]
     runs = {}
@@ -335,9 +335,9 @@ def test_moe_sft_reads_the_picture_and_the_shuffled_control_does_not(tiny_ckpt, 
     """test_learning's SFT check on the tiny Qwen3.5-MoE: two epochs on the synthetic "how many
     sides?" set. Measured (load ~13, 2 cores, 7.5 min a run): greedy accuracy 1.0, the shuffled-image
     control 0.30 (chance 0.25); final losses 0.0004 and 0.19."""
-    import data
+    from tools import synth
     from test_learning import SFT, accuracy, finish, launch, shuffled_twin
-    real = data.write_synth(tmp_path / "data", 1024, n_test=64, seed=0, kinds=("sides",))
+    real = synth.write_synth(tmp_path / "data", 1024, n_test=64, seed=0, kinds=("sides",))
     shuffled = shuffled_twin(real, tmp_path / "shuffled")
     base = tiny_ckpt("qwen3_5_moe")
     finish(launch("sft.py", tmp_path / "sft", "--hf-checkpoint", base, "--prompt-data", real, *SFT),

@@ -166,7 +166,7 @@ def test_multi_turn_crop_matches_full_render(processor, records):
         {"role": "assistant", "content": CROP_CALL},
         {"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": observation}]},
         {"role": "assistant", "content": ANSWER}]
-    # tiny.py's template renders tools=, so the specs go there, in its format, not in the system text
+    # tools/tiny.py's template renders tools=, so the specs go there, in its format, not in the system text
     text = processor.apply_chat_template(messages, tools=env_geo3k.TOOL_SPECS, tokenize=False)
     assert '"name": "crop"' in text and "<tools>" in text
     full = processor(text=[text.removesuffix("\n")], images=s.images)["input_ids"][0]

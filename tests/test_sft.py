@@ -136,8 +136,8 @@ def test_tp2_and_dp2_equal_one_process(tiny_ckpt, geo3k_real, tmp_path):
 
 
 def test_sigkill_then_load_resumes_on_the_same_data_order(tiny_ckpt, tmp_path):
-    import data
-    data.write_synth(tmp_path / "d", 48, n_test=4, seed=0)
+    from tools import synth
+    synth.write_synth(tmp_path / "d", 48, n_test=4, seed=0)
     common = ["--hf-checkpoint", tiny_ckpt("qwen3_vl"), "--prompt-data", tmp_path / "d", "--lr", "1e-3",
               "--global-batch-size", "8", "--num-epoch", "2", "--save-interval", "2"]
     sft(*common, "--save", tmp_path / "full")

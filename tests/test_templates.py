@@ -18,7 +18,7 @@ import data
 import engines
 import env_geo3k
 import rollout
-import tiny
+from tools import tiny
 from conftest import ROOT, rollout_args
 
 REAL = ROOT.parent / "shared" / "real_models"

@@ -1,7 +1,7 @@
 """report.py: the summary of a run.sh pipeline: a table of reward and accuracy before and
 after each stage, and a reward-curve PNG.
 
-    python report.py runs/cpu-demo            # reads <run>/<stage>/metrics.jsonl
+    python tools/report.py runs/cpu-demo            # reads <run>/<stage>/metrics.jsonl
 """
 import json
 import sys

@@ -1,0 +1,1 @@
+"""What never runs in a training job on real data: tiny checkpoints, the synthetic set, the run report."""
