@@ -1,33 +1,27 @@
 """Pure reward functions for geo3k GRPO: binary math reward, geo3k tolerance reward, format check.
 
-    from reward import get_reward_fn, batch_rewards, format_ok
-    r = get_reward_fn("geo3k")(response, "5 \\sqrt { 3 }")       # 1.0 or 0.0, never raises
-    rs = batch_rewards(responses, labels, rm_type="math")        # process pool for big batches
+    from reward import get_reward_fn, format_ok
+    r = get_reward_fn("geo3k")(response, "5 \\sqrt { 3 }")       # 1.0 or 0.0, never raises; thread-safe
 
 Rewards are exactly 0.0 or 1.0, so a group of equal rewards gets an advantage of exactly 0;
 format_ok is a metric and is deliberately not mixed into the reward.
 """
-import atexit
 import ctypes
 import functools
 import itertools
 import json
 import logging
 import math
-import multiprocessing as mp
 import os
 import re
-import signal
 import sys
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager, suppress
 
 import sympy
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-import proc
 
 # We disable math-verify's own timeouts (signals: main thread only) and bound time ourselves,
 # so its once-per-process "timeout is disabled" warning is noise.
@@ -295,41 +289,3 @@ def get_reward_fn(rm_type):
     if rm_type not in REWARDS:
         raise ValueError(f"unknown --rm-type {rm_type!r}; choose one of {sorted(REWARDS)}")
     return REWARDS[rm_type]
-
-
-def _score_chunk(rm_type, responses, labels):
-    fn = REWARDS[rm_type]
-    return [fn(r, l) for r, l in zip(responses, labels)]
-
-
-_POOLS = {}  # workers -> ProcessPoolExecutor, kept alive: a worker pays sympy's import once
-
-
-@atexit.register
-def _shutdown_pools():
-    for pool in _POOLS.values():
-        pool.shutdown(wait=False, cancel_futures=True)
-
-
-def batch_rewards(responses, labels, rm_type="math", workers=None, min_parallel=64):
-    """Rewards for a batch, in order; a process pool for batches of >= min_parallel items."""
-    get_reward_fn(rm_type)
-    responses, labels = list(responses), list(labels)
-    if len(responses) != len(labels):
-        raise ValueError(f"{len(responses)} responses but {len(labels)} labels")
-    workers = workers or min(8, len(os.sched_getaffinity(0)))
-    if workers <= 1 or len(responses) < min_parallel:
-        return _score_chunk(rm_type, responses, labels)
-    step = -(-len(responses) // (4 * workers))  # 4 chunks a worker evens out slow answers
-    spans = [(i, i + step) for i in range(0, len(responses), step)]
-    try:
-        if workers not in _POOLS:  # spawn, not fork: forking the trainer's threads can deadlock;
-            # each worker gets SIGTERM when the trainer dies, SIGKILL included (idle ones would outlive it)
-            _POOLS[workers] = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
-                                                  initializer=proc.die_with_parent,
-                                                  initargs=(signal.SIGTERM, os.getpid()))
-        futures = [_POOLS[workers].submit(_score_chunk, rm_type, responses[a:b], labels[a:b]) for a, b in spans]
-        return [r for f in futures for r in f.result()]
-    except Exception:  # broken pool, or no child processes allowed here: score in this process
-        _POOLS.pop(workers, None)
-        return _score_chunk(rm_type, responses, labels)

@@ -1,10 +1,11 @@
-"""Time reward scoring: 4,096 responses of about 1 KB each, scored by reward.batch_rewards.
+"""Time reward scoring: 4,096 responses of about 1 KB each, scored as the rollout scores them (each
+episode in its own thread as it ends, as many at once as there are cores: rollout._Pipeline).
 
-    .venv/bin/python bench/reward_bench.py                  # math RM, workers=2
-    .venv/bin/python bench/reward_bench.py --rm-type geo3k --workers 2 --n 4096 --serial
+    .venv/bin/python bench/reward_bench.py                  # math RM, threads = cores
+    .venv/bin/python bench/reward_bench.py --rm-type geo3k --threads 8 --n 4096
 
-Prints responses/s and total seconds for the first batch (includes starting the worker
-processes) and for a second batch on the warm pool; --serial also times one process.
+Prints responses/s and total seconds in one thread and in --threads threads, and how many
+verdicts differ between them (a difference means a call ran into its time limit).
 Answers mix the geo3k forms the reward must judge: radicals, fractions, decimals, degrees,
 `x = 13`, units, choice letters, wrong values.
 """
@@ -13,6 +14,7 @@ import os
 import random
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import reward  # noqa: E402
@@ -49,25 +51,19 @@ def timed(label, fn, n):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=4096, help="responses per batch")
-    ap.add_argument("--workers", type=int, default=2, help="worker processes")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="scoring threads at once")
     ap.add_argument("--rm-type", default="math", choices=sorted(reward.REWARDS))
-    ap.add_argument("--serial", action="store_true", help="also time a single process")
     args = ap.parse_args()
     print(vars(args), f"mean response {sum(map(len, make_batch(64)[0])) / 64:.0f} chars")
     responses, labels = make_batch(args.n)
-    run = lambda: reward.batch_rewards(responses, labels, args.rm_type, workers=args.workers)  # noqa: E731
-    cold = timed(f"workers={args.workers} first (spawns pool)", run, args.n)
-    warm = timed(f"workers={args.workers} warm pool", run, args.n)
-    runs = {"first": cold, "warm": warm}
-    if args.serial:
-        runs["serial"] = timed("serial (one process)", lambda: [reward.REWARDS[args.rm_type](r, l)
-                                                                 for r, l in zip(responses, labels)], args.n)
-    # a verdict must not depend on the run: differences mean a call hit its time limit
-    for name, out in runs.items():
-        diff = [i for i, (a, b) in enumerate(zip(out, warm)) if a != b]
-        for i in diff[:5]:
-            print(f"  {name} != warm at {i}: {responses[i][-40:]!r} label {labels[i]!r}: {out[i]} vs {warm[i]}")
-        print(f"{name}: {len(diff)} rewards differ from the warm run")
+    fn = reward.get_reward_fn(args.rm_type)
+    serial = timed("one thread", lambda: [fn(r, lab) for r, lab in zip(responses, labels)], args.n)
+    with ThreadPoolExecutor(args.threads) as pool:
+        threaded = timed(f"{args.threads} threads", lambda: list(pool.map(fn, responses, labels)), args.n)
+    diff = [i for i, (a, b) in enumerate(zip(serial, threaded)) if a != b]
+    for i in diff[:5]:
+        print(f"  differs at {i}: {responses[i][-40:]!r} label {labels[i]!r}: {serial[i]} vs {threaded[i]}")
+    print(f"{len(diff)} rewards differ between one thread and {args.threads}")
 
 
 if __name__ == "__main__":
