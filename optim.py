@@ -55,7 +55,8 @@ def build_optimizer(model, args, total_steps):
 class Schedule:
     """torch's LambdaLR for any optimizer with param_groups: lr of group i = its lr at the start x
     factor(steps taken). LambdaLR takes only a torch Optimizer, and megatron's ChainedOptimizer
-    (MoE) is none; the groups are read anew at each step, as a load_state_dict replaces them."""
+    (MoE) is none; the groups are read anew at each step, as a load_state_dict replaces them. Each
+    group keeps its peak lr under LambdaLR's key, "initial_lr"."""
 
     def __init__(self, opt, factor):
         self.opt, self.factor, self.last_epoch = opt, factor, 0
@@ -64,7 +65,7 @@ class Schedule:
 
     def _apply(self):
         for g, lr in zip(self.opt.param_groups, self.base):
-            g["lr"] = lr * self.factor(self.last_epoch)
+            g["lr"] = g.setdefault("initial_lr", lr) * self.factor(self.last_epoch)
 
     def step(self):
         self.last_epoch += 1
