@@ -147,7 +147,7 @@ def serialize_on_ranks(buckets, rank, ranks, dtype):
     blob for all would open a CUDA context on GPU 0 in every server rank, outside its memory saver,
     and copy each bucket across GPUs. Each bucket stays alive until rank 0 has posted it."""
     for bucket in buckets:
-        bucket = [(k, v.to(dtype)) for k, v in bucket]
+        bucket = [(k, v.to(dtype)) for k, v in bucket] if rank < ranks else bucket  # the others only wait
         blobs = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(serialize_tensors(bucket) if rank < ranks else None, blobs, dst=0)
         yield Serialized([k for k, _ in bucket], blobs[:ranks]) if rank == 0 else None
