@@ -80,6 +80,7 @@ def main():
     p.add_argument("--dp", type=int, default=0, help="also measure the bytes each of DP ranks receives")
     a = p.parse_args()
     sys.path.insert(0, a.code)
+    sys.path.append(str(ROOT))  # tools/ (the tiny checkpoint) from this checkout, whatever --code is
     os.environ["HF_HUB_OFFLINE"] = "1"
     import data
     import rollout
