@@ -19,6 +19,7 @@ import re
 import signal
 import subprocess
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -57,15 +58,16 @@ def harness_env():
 
 
 class Recording(SGLangEngine):
-    """Keeps every (path, body) it sends, for the check against sglang's request classes."""
+    """Keeps every (path, body) its server is sent, for the check against sglang's request classes."""
 
     def __init__(self, *args, **kw):
-        self.sent = []
         super().__init__(*args, **kw)
+        self.sent, post = [], self.server.post
 
-    def _post(self, path, payload, timeout=None):
-        self.sent.append((path, payload))
-        return super()._post(path, payload, timeout)
+        def record(path, payload, timeout=None):
+            self.sent.append((path, payload))
+            return post(path, payload, timeout)
+        self.server.post = record
 
 
 class CropFirst(engines.Engine):
@@ -204,17 +206,17 @@ class TestRealServer:
     def test_killed_server_restarts_and_retries(self, real, processor, records):
         item = prompt_item(processor, records[1])
         before = real.generate([item], GREEDY)[0]
-        pgid = real.proc.pid
+        pgid = real.server.proc.pid
         os.killpg(pgid, signal.SIGKILL)
         deadline = time.time() + 30
         while time.time() < deadline and any_alive(pgid):
-            real.proc.poll()
+            real.server.proc.poll()
             time.sleep(0.2)
         assert not any_alive(pgid)  # SGLang's scheduler and detokenizer went with it
         t = time.time()
         after = real.generate([item], GREEDY)[0]  # meets a dead server: restart, then the retry
         print(f"\n[sglang_real] restart + retried request: {time.time() - t:.0f}s")
-        assert real.restarts == 1 and real.proc.pid != pgid
+        assert real.server.restarts == 1 and real.server.proc.pid != pgid
         assert after["ids"] == before["ids"] and after["prompt_tokens"] == len(item["input_ids"])
 
     def test_requests_parse_with_sglangs_own_classes(self, real, harness_env, processor, records, ckpt,
@@ -228,7 +230,7 @@ class TestRealServer:
                     for item in (one, two)]
         sent = list(real.sent)
         for path in ("release", "resume"):  # not called on the server: its release needs CUDA
-            stub = type("Stub", (), {"_call": lambda self, p, body: sent.append((p, body))})()
+            stub = types.SimpleNamespace(server=types.SimpleNamespace(call=lambda p, body: sent.append((p, body))))
             getattr(SGLangEngine, path)(stub)
         job = tmp_path / "job.json"
         job.write_text(json.dumps({"sent": sent, "tokenize": tokenize, "argv": ["--model-path", str(ckpt), *FLAGS],

@@ -1,0 +1,195 @@
+"""The SGLang server process (rank 0 only): `python -m sglang.launch_server` on a free port, leading
+its own process group, logging to <run_dir>/sglang.log, started through `python proc.py <our pid>
+cmd...`, which arms PR_SET_PDEATHSIG (create it in the main thread: the signal follows the thread that
+started it); stop(), atexit and SIGINT/SIGTERM end the group (proc.kill_group). Server.call POSTs to
+it; a request that finds it dead restarts it and retries, an HTTP error is the caller's (ServerError).
+"""
+import atexit
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import proc
+
+_LAUNCHER = str(Path(__file__).resolve().with_name("proc.py"))  # SGLang's own children arm PDEATHSIG too
+_LIVE = weakref.WeakSet()  # servers that must die with us
+_HANDLERS = []
+
+
+class ServerDown(Exception):
+    """The server did not answer (dead, restarting, connection reset)."""
+
+
+class ServerError(RuntimeError):
+    """The server answered with an HTTP error: a bad request of ours, not a crash."""
+
+    def __init__(self, path, code, body):
+        super().__init__(f"SGLang {path} -> HTTP {code}: {body[:2000]}")
+        self.code, self.body = code, body
+
+    def message(self):
+        """The server's own "message" field when the body is JSON carrying one, else the body."""
+        try:
+            obj = json.loads(self.body)
+        except ValueError:
+            obj = None
+        return str(obj["message"]) if isinstance(obj, dict) and obj.get("message") else self.body
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop_all():
+    for server in list(_LIVE):
+        server.stop()
+
+
+def _install_handlers():
+    if _HANDLERS or threading.current_thread() is not threading.main_thread():
+        return
+    atexit.register(_stop_all)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        prev = signal.getsignal(sig)
+        if prev == signal.SIG_IGN:
+            continue
+
+        def handler(signum, frame, prev=prev):
+            _stop_all()
+            if callable(prev):
+                prev(signum, frame)  # SIGINT's default raises KeyboardInterrupt
+            else:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+        signal.signal(sig, handler)
+    _HANDLERS.append(True)
+
+
+class Server:
+    """One server process and the requests to it. A request that finds it dead restarts it (at
+    most max_restarts times, from model_path, with the same args and env) and calls on_restart()."""
+
+    def __init__(self, model_path, run_dir, args, env, launch_cmd, timeout, request_timeout, max_restarts,
+                 on_restart):
+        self.model_path = str(model_path)  # what a restart loads: a "disk" weight sync moves it
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.run_dir / "sglang.log"
+        self.args, self.env = list(args), dict(env)  # env: added to our environment for the server
+        self.launch_cmd = list(launch_cmd or [sys.executable, "-m", "sglang.launch_server"])
+        self.timeout, self.request_timeout, self.on_restart = timeout, request_timeout, on_restart
+        self.max_restarts, self.restarts, self.epoch = max_restarts, 0, 0
+        self.pool = ThreadPoolExecutor(256, thread_name_prefix="sglang-req")  # requests in flight at most
+        self.lock = threading.Lock()
+        self.proc = None
+        _install_handlers()
+        _LIVE.add(self)
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [*self.launch_cmd, "--model-path", self.model_path, "--host", "127.0.0.1",
+               "--port", str(self.port), *self.args]
+        if sys.platform == "linux":
+            cmd = [sys.executable, _LAUNCHER, str(os.getpid()), *cmd]
+        env = dict(os.environ, **{k: str(v) for k, v in self.env.items()}) if self.env else None
+        with open(self.log_path, "ab") as log:
+            extra = " ".join(f"{k}={v}" for k, v in self.env.items())
+            log.write(f"\n=== {time.strftime('%H:%M:%S')} starting: {extra} {' '.join(cmd)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.time() + self.timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                proc.kill_group(self.proc)
+                raise RuntimeError(f"SGLang server exited with code {self.proc.returncode} while "
+                                   f"starting; last lines of {self.log_path}:\n{self.log_tail()}")
+            if self._healthy(5.0):
+                return
+            time.sleep(0.5)
+        proc.kill_group(self.proc)
+        raise RuntimeError(f"SGLang server not healthy after {self.timeout:.0f}s (raise "
+                           f"--sglang-server-timeout?); last lines of {self.log_path}:\n{self.log_tail()}")
+
+    def log_tail(self, n=40):
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError as e:
+            return f"(no log: {e})"
+
+    def _healthy(self, timeout):
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=timeout) as r:
+                return r.status == 200
+        except (OSError, http.client.HTTPException):
+            return False
+
+    def _recover(self, epoch, error):
+        """Called by a request that found the server gone: restart it once per failure epoch
+        (concurrent requests that failed together share one restart), then they all retry."""
+        with self.lock:
+            if self.epoch != epoch or self.proc is None:
+                return
+            if self.proc.poll() is None and self._healthy(30.0):
+                return  # a transient error: the server is fine, just retry
+            if self.restarts >= self.max_restarts:
+                raise RuntimeError(f"SGLang server died {self.restarts + 1} times ({error}); last lines "
+                                   f"of {self.log_path}:\n{self.log_tail()}")
+            self.restarts += 1
+            print(f"[sglang] server down ({error}); restart {self.restarts}/{self.max_restarts} "
+                  f"from {self.model_path}", file=sys.stderr)
+            proc.kill_group(self.proc)
+            self._start()
+            self.epoch += 1
+            self.on_restart()
+
+    def stop(self):
+        server, self.proc = self.proc, None
+        if server is not None:
+            proc.kill_group(server)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        _LIVE.discard(self)
+
+    def post(self, path, payload, timeout=None):
+        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.request_timeout) as r:
+                body = r.read().decode()
+        except urllib.error.HTTPError as e:
+            raise ServerError(path, e.code, e.read().decode(errors="replace")) from None
+        except (OSError, http.client.HTTPException) as e:
+            raise ServerDown(f"{type(e).__name__}: {e}") from None
+        try:
+            return json.loads(body)
+        except ValueError:
+            return body
+
+    def call(self, path, payload, timeout=None):
+        """POST, surviving server deaths: restart and retry (at most max_restarts + 1 tries)."""
+        for _ in range(self.max_restarts + 2):
+            epoch = self.epoch
+            try:
+                return self.post(path, payload, timeout)
+            except ServerDown as e:
+                self._recover(epoch, e)
+        raise RuntimeError(f"SGLang {path}: no answer after {self.max_restarts + 2} tries")
