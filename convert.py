@@ -1,13 +1,15 @@
 """Hugging Face <-> Megatron weights: one name map, loading each TP rank's slices, exporting full
 HF tensors (for checkpoints and for the rollout engine), and the one safetensors folder writer.
 
-    load_weights(model, hf_dir)                   # model: model.MegatronVLM on the current TP state
+    model.names = name_map(model, hf_dir)         # model: model.MegatronVLM on its parallel context
+    load_weights(model)
     for bucket in export_hf(model): ...           # [(HF name, full tensor)], names as in the source
     save_hf(model, out_dir)                        # a folder transformers and SGLang load as it is
 
 The vision tower keeps its HF names (replicated on every TP rank); language-model tensors are
 split over TP as Megatron's layers hold them and gathered back on export.
 """
+import dataclasses
 import json
 import re
 import shutil
@@ -17,8 +19,6 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
-
-import parallel
 
 # Megatron name inside decoder.layers.{i}. -> (how it is split over TP, HF names inside layers.{i}.)
 # rep: replicated; col: split along dim 1; fc1: [gate; up] rows; qkv: per query group [q, k, v].
@@ -87,7 +87,7 @@ def open_weights(f):
 def rule(model, name):
     """Megatron parameter name -> (kind, [full HF names as in the source checkpoint])."""
     if name.startswith("visual."):
-        return "rep", [model.vis_prefix + name[len("visual."):]]
+        return "rep", [model.names.vis_prefix + name[len("visual."):]]
     name = name[len("language_model."):]
     if name == "output_layer.weight":
         return "vocab", ["lm_head.weight"]
@@ -95,23 +95,23 @@ def rule(model, name):
         i, rest = name[len("decoder.layers."):].split(".", 1)
         m = _EXPERT.match(rest)
         if m:  # -> ("fused", [3-D name]) or ("expert", [gate, up] / [down]) of global expert e
-            fc, e = m[2] or m[3], model.ep_rank * model.local_experts + int(m[1] or m[4])
-            pre = f"{model.lm_prefix}layers.{i}.mlp.experts."
-            if model.fused_experts:
+            fc, e = m[2] or m[3], model.names.ep_rank * model.names.local_experts + int(m[1] or m[4])
+            pre = f"{model.names.lm_prefix}layers.{i}.mlp.experts."
+            if model.names.fused_experts:
                 return "fused", [pre + ("gate_up_proj" if fc == "linear_fc1" else "down_proj")]
             return "expert", [f"{pre}{e}.{x}_proj.weight" for x in (["gate", "up"] if fc == "linear_fc1" else ["down"])]
         kind, hf = _LAYER[rest]
         if kind == "qkv" and model.q35:  # q_proj holds [q | gate] per head
             kind = "qgkv"
-        return kind, [f"{model.lm_prefix}layers.{i}.{x}" for x in hf]
+        return kind, [f"{model.names.lm_prefix}layers.{i}.{x}" for x in hf]
     kind, hf = _TOP[name]
-    return kind, [model.lm_prefix + x for x in hf]
+    return kind, [model.names.lm_prefix + x for x in hf]
 
 
 def expert_id(model, name):
     """Global index of the routed expert a Megatron parameter belongs to."""
     m = _EXPERT.search(name)
-    return model.ep_rank * model.local_experts + int(m[1] or m[4])
+    return model.names.ep_rank * model.names.local_experts + int(m[1] or m[4])
 
 
 def _rows(s, r, tp):
@@ -135,7 +135,7 @@ def shard(model, kind, slices):
     if kind == "expert":  # whole: [gate; up] or down
         return torch.cat([s[:] for s in slices])
     if kind == "gdn":  # [q_r; k_r; v_r]
-        kd, vd = model.gdn_dims
+        kd, vd = model.names.gdn_dims
         return torch.cat([slices[0][o + r * n // tp:o + (r + 1) * n // tp] for o, n in ((0, kd), (kd, kd), (2 * kd, vd))])
     if kind == "qgkv":  # per local query group g: [q heads of g; their gates; k_g; v_g]
         g, d = model.groups // tp, model.head_dim
@@ -157,7 +157,7 @@ def full(model, kind, t):
     parts = [t]
     if model.tp > 1:
         parts = [torch.empty_like(t) for _ in range(model.tp)]
-        dist.all_gather(parts, t.contiguous(), group=model.tp_group)
+        dist.all_gather(parts, t.contiguous(), group=model.par.tp_group)
     if kind == "col":
         return [torch.cat(parts, 1)]
     if kind == "vocab":
@@ -165,7 +165,7 @@ def full(model, kind, t):
     if kind == "rows":
         return [torch.cat(parts)]
     if kind == "gdn":  # each rank's [q_r; k_r; v_r] -> [q; k; v]
-        kd, vd = model.gdn_dims
+        kd, vd = model.names.gdn_dims
         sections = [p.split([kd // model.tp, kd // model.tp, vd // model.tp]) for p in parts]
         return [torch.cat([torch.cat([s[i] for s in sections]) for i in range(3)])]
     if kind == "fc1":  # [gate_r; up_r] of every rank -> gate, up
@@ -180,28 +180,48 @@ def full(model, kind, t):
     return [y.flatten(0, 1) for y in x.split([rq * d, d, d], 1)]
 
 
-def load_weights(model, hf_dir):
-    """Copy the HF checkpoint's tensors into `model` (each TP rank reads only its slices) and
-    remember the source's names, shapes and dtypes, which export gives back."""
+@dataclasses.dataclass(frozen=True)
+class NameMap:
+    """What conversion knows of the source checkpoint and of this rank's share of it."""
+    src: dict  # HF name -> (shape, dtype): export gives back exactly these
+    files: dict  # HF name -> safetensors file; export passes `mtp.*` (multi-token prediction, untrained here) on from them
+    fused_experts: bool  # routed experts as 3-D gate_up_proj / down_proj (released checkpoints) or per expert
+    local_experts: int  # routed experts on this EP rank (0: dense)
+    ep_rank: int
+    gdn_dims: tuple  # Gated DeltaNet (key, value) widths: linear heads x head dim
+    lm_prefix: str  # "model.language_model." or the like
+    vis_prefix: str
+
+
+def name_map(model, hf_dir):
+    """The source checkpoint's names, shapes and dtypes (safetensors headers only) for `model`."""
     files = weight_files(hf_dir)
     if not files:
         raise FileNotFoundError(f"{hf_dir}: no *.safetensors weights")
+    src = {}
+    for f in set(files.values()):
+        with open_weights(f) as handle:
+            for k in handle.keys():
+                if files.get(k) == f:
+                    sl = handle.get_slice(k)
+                    src[k] = (sl.get_shape(), _DTYPES[sl.get_dtype()])
+    lm, tc = model.language_model.config, model.hf_config.text_config
+    local = (lm.num_moe_experts or 0) // lm.expert_model_parallel_size
+    return NameMap(
+        src=src, files=files, local_experts=local, ep_rank=model.par.ep_rank if local else 0,
+        fused_experts=any(k.endswith("mlp.experts.gate_up_proj") and not k.startswith("mtp.") for k in files),
+        gdn_dims=(getattr(tc, "linear_num_key_heads", 0) * getattr(tc, "linear_key_head_dim", 0),
+                  getattr(tc, "linear_num_value_heads", 0) * getattr(tc, "linear_value_head_dim", 0)),
+        lm_prefix=next(k for k in files if k.endswith("embed_tokens.weight")
+                       and not k.startswith("mtp."))[:-len("embed_tokens.weight")],
+        vis_prefix=next(k for k in files if k.endswith("patch_embed.proj.weight"))[:-len("patch_embed.proj.weight")])
+
+
+def load_weights(model):
+    """Copy the source checkpoint's tensors (model.names) into `model`, each TP rank reading only
+    its slices."""
+    files = model.names.files
     handles = {f: open_weights(f) for f in set(files.values())}
-    model.src = {}  # HF name -> (shape, dtype)
-    for k, f in files.items():
-        sl = handles[f].get_slice(k)
-        model.src[k] = (sl.get_shape(), _DTYPES[sl.get_dtype()])
-    model.src_files = files  # export passes `mtp.*` (multi-token prediction, untrained here) through from them
-    model.fused_experts = any(k.endswith("mlp.experts.gate_up_proj") and not k.startswith("mtp.") for k in files)
-    lm = model.language_model.config
-    model.local_experts = (lm.num_moe_experts or 0) // lm.expert_model_parallel_size
-    model.ep_rank = parallel.ep_rank() if model.local_experts else 0
-    tc = model.hf_config.text_config
-    model.gdn_dims = (getattr(tc, "linear_num_key_heads", 0) * getattr(tc, "linear_key_head_dim", 0),
-                      getattr(tc, "linear_num_value_heads", 0) * getattr(tc, "linear_value_head_dim", 0))
-    model.lm_prefix = next(k for k in files if k.endswith("embed_tokens.weight")
-                           and not k.startswith("mtp."))[:-len("embed_tokens.weight")]
-    model.vis_prefix = next(k for k in files if k.endswith("patch_embed.proj.weight"))[:-len("patch_embed.proj.weight")]
     with torch.no_grad():
         for name, p in model.named_parameters():
             kind, hf = rule(model, name)
@@ -226,19 +246,19 @@ def _experts(model, name, kind, hf, t, fused):
     """Routed-expert tensors of every EP rank -> [(HF name, tensor)]: per-expert names at once, a
     fused 3-D tensor once its layer's last expert is in (`fused` collects them by name)."""
     parts = [t]
-    if parallel.ep_size() > 1:
-        parts = [torch.empty_like(t) for _ in range(parallel.ep_size())]
-        dist.all_gather(parts, t.contiguous(), group=parallel.ep_group())
-    e0 = expert_id(model, name) - model.ep_rank * model.local_experts  # local index j
+    if model.ep > 1:
+        parts = [torch.empty_like(t) for _ in range(model.ep)]
+        dist.all_gather(parts, t.contiguous(), group=model.par.ep_group)
+    e0 = expert_id(model, name) - model.names.ep_rank * model.names.local_experts  # local index j
     out = []
     for r, x in enumerate(parts):
-        e = r * model.local_experts + e0
+        e = r * model.names.local_experts + e0
         if kind == "expert":
             names = [n.replace(f".experts.{expert_id(model, name)}.", f".experts.{e}.") for n in hf]
             out += list(zip(names, x.chunk(len(names))))
         else:
             fused.setdefault(hf[0], {})[e] = x
-    n_all = model.local_experts * len(parts)
+    n_all = model.names.local_experts * len(parts)
     if kind == "fused" and len(fused[hf[0]]) == n_all:
         out.append((hf[0], torch.stack([fused[hf[0]].pop(e) for e in range(n_all)])))
     return out
@@ -257,16 +277,16 @@ def hf_tensors(model, grad=False):
         kind, hf = rule(model, name)
         if kind in ("fused", "expert"):
             for n, x in _experts(model, name, kind, hf, t, fused):
-                yield n, x.to(model.src[n][1])
+                yield n, x.to(model.names.src[n][1])
             continue
         tensors = full(model, kind, t)
         if name.endswith("word_embeddings.weight") and model.tie:  # tied: emit lm_head if the source has it
             hf, tensors = hf + ["lm_head.weight"], tensors + tensors
         for n, x in zip(hf, tensors):
-            if n in model.src:
-                yield n, x.to(model.src[n][1])
-    for n in [] if grad else sorted(k for k in model.src if k.startswith("mtp.")):
-        with safe_open(model.src_files[n], "pt") as f:
+            if n in model.names.src:
+                yield n, x.to(model.names.src[n][1])
+    for n in [] if grad else sorted(k for k in model.names.src if k.startswith("mtp.")):
+        with safe_open(model.names.files[n], "pt") as f:
             yield n, f.get_tensor(n)
 
 

@@ -143,13 +143,12 @@ def _field(sample, name):  # sample: a dict, an object or None
 
 
 class Geo3kEnv:
-    def __init__(self, label, images, args):  # args: the options the module docstring names
+    def __init__(self, label, images, max_turns, oracle=True, rm_type="math", min_pixels=MIN_SIDE * MIN_SIDE,
+                 max_payload=4096):  # the options the module docstring names
         self.label = None if label is None else str(label)
         self.problem_images = list(images or [])
-        self.max_turns, self.oracle = args.max_turns, getattr(args, "oracle", True)
-        self.min_pixels = getattr(args, "min_pixels", None) or MIN_SIDE * MIN_SIDE
-        self.max_payload = getattr(args, "max_payload", None) or 4096
-        self.reward_fn = reward.get_reward_fn(getattr(args, "rm_type", "math") or "math")
+        self.max_turns, self.oracle, self.min_pixels, self.max_payload = max_turns, oracle, min_pixels, max_payload
+        self.reward_fn = reward.get_reward_fn(rm_type or "math")
         self.reset()
 
     def reset(self):
@@ -263,4 +262,7 @@ def build_env(sample=None, args=None, **_):
     images = _field(sample, "images")
     if images is None:
         images = (_field(sample, "multimodal_inputs") or {}).get("images")
-    return Geo3kEnv(label, images, args)
+    # the recipe's args namespace may hold any of the options, or none but max_turns
+    options = {k: getattr(args, k) for k in ("oracle", "rm_type", "min_pixels", "max_payload")
+               if getattr(args, k, None) is not None}
+    return Geo3kEnv(label, images, max_turns, **options)

@@ -1,5 +1,5 @@
-"""model.py: the Megatron VLM (Megatron-core GPTModel + Hugging Face vision tower) and its parity
-check against transformers. Weight conversion: convert.py; process groups: parallel.py.
+"""model.py: the Megatron VLM (Megatron-core GPTModel + Hugging Face vision tower). Its parity check
+against transformers: tools/check.py; weight conversion: convert.py; process groups: parallel.py.
 
     python model.py tiny --arch qwen3_vl --out ckpt/tiny                # tiny random checkpoint
     python model.py check --hf-checkpoint ckpt/tiny                     # Megatron vs transformers, TP=1
@@ -10,29 +10,30 @@ MultimodalRotaryEmbedding has no Qwen3-VL interleaved layout) and Qwen3-VL's dee
 added to the first layers' outputs at image positions, as transformers does. Packed sequences: one
 row of T tokens, THD + cu_seqlens (TE's attention; attention.py's on CPU).
 """
-import argparse
+import dataclasses
 import functools
-import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from PIL import Image
-from safetensors import safe_open
-from transformers import AutoConfig, AutoModel, AutoModelForImageTextToText, AutoProcessor
+# Imported without Transformer Engine and Apex (as on CPU), megatron-core prints six "... not
+# installed. Falling back to ..." UserWarnings, once a process. We let them print: they are true,
+# and a filter set at import would change the process (style practice 17) and would work only if
+# its module were imported before megatron-core, as parallel.py's once had to be. The tests quiet
+# them in pytest.ini.
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt import GPTModel, gpt_layer_specs as specs
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer import TransformerConfig
+from transformers import AutoConfig, AutoModel
 
 import attention
 import convert
 import parallel
 import qwen3_5
 from parallel import all_reduce as _all_reduce
-# megatron-core after parallel: its CPU warning filter must come first
-from megatron.core import tensor_parallel
-from megatron.core.models.gpt import GPTModel, gpt_layer_specs as specs
-from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.transformer import TransformerConfig
 
 
 def rope_positions(hf_config, input_ids, image_grid_thw=None):
@@ -198,16 +199,92 @@ def layer_impl(impl=None):
     return impl
 
 
-class MegatronVLM(torch.nn.Module):
-    """HF vision tower (.visual) + Megatron GPTModel (.language_model), on the current parallel state."""
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """How the model is built: the trainer's flags of the same names (Megatron's)."""
+    transformer_impl: str | None = None  # None: transformer_engine on CUDA, local on CPU
+    freeze_vit: bool = False
+    bf16: bool = False  # parameters in bf16 (the optimizer keeps fp32 masters)
+    sequence_parallel: bool = False
+    recompute_granularity: str | None = None  # full | selective
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+    moe_token_dispatcher_type: str = "allgather"
+    moe_router_dtype: str = "fp32"
+    moe_aux_loss_coeff: float = 0.0
 
-    def __init__(self, hf_config, hf_dir, transformer_impl=None, options=None):
-        """options: the trainer's flags (sequence_parallel, MoE, --recompute-*); EP comes from the parallel state."""
+    @classmethod
+    def from_args(cls, args):
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def transformer_config(hf_config, par, opts, te, sp):
+    """Megatron's TransformerConfig of an HF VLM config: Qwen2.5 / Qwen3 / Qwen3.5 decoder, RMSNorm,
+    SwiGLU, GQA, QKV bias or QK-norm (Qwen3-VL and Qwen3.5), no dropout."""
+    tc = hf_config.text_config
+    qwen3 = hf_config.model_type.startswith("qwen3")
+    q35 = hf_config.model_type in ("qwen3_5", "qwen3_5_moe")
+    extra = dict(add_qkv_bias=not qwen3, qk_layernorm=qwen3, ffn_hidden_size=getattr(tc, "intermediate_size", 0))
+    if q35:
+        extra.update(qwen3_5.config_kwargs(tc, opts))  # gated attention, MoE
+    return TransformerConfig(
+        num_layers=tc.num_hidden_layers, hidden_size=tc.hidden_size, sequence_parallel=sp,
+        expert_model_parallel_size=par.ep, layernorm_zero_centered_gamma=q35 and te,
+        num_attention_heads=tc.num_attention_heads, num_query_groups=tc.num_key_value_heads,
+        kv_channels=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+        normalization="RMSNorm", layernorm_epsilon=tc.rms_norm_eps, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=par.tp, expert_tensor_parallel_size=1,
+        params_dtype=torch.float32, perform_initialization=False,  # weights come from the checkpoint
+        use_cpu_initialization=not torch.cuda.is_available(), bias_activation_fusion=False,
+        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False,
+        cuda_graph_scope=[],  # what its default "full" becomes, with a deprecation warning (transformer_config.py:1700-1709)
+        recompute_granularity="selective" if opts.recompute_granularity == "selective" else None, **extra)
+
+
+def recompute_plan(n, granularity, method, k):
+    """[(first layer, end, recompute?)] of n decoder layers as the --recompute-* flags say. torch's
+    non-reentrant checkpoint, not Megatron's CheckpointFunction: the latter restores CUDA RNG state
+    in backward, which runs outside megatron_on_cpu here; dropout is 0 so no RNG state needs restoring."""
+    if granularity != "full":
+        return [(0, n, False)]
+    if method == "block":
+        return [(i, i + 1, True) for i in range(min(k, n))] + ([(k, n, False)] if k < n else [])
+    return [(i, min(i + k, n), True) for i in range(0, n, k)]
+
+
+def mrope_angles(pos, inv_freq, section, interleaved):
+    """(3, T) t/h/w positions -> (T, 1, 1, 2 len(inv_freq)) angles in Megatron's rotate-half layout."""
+    f = pos.to(inv_freq.device)[..., None].float() * inv_freq  # (3, T, d/2)
+    half = f.shape[-1]
+    if interleaved:  # Qwen3-VL: frequency j takes h if j%3==1, w if j%3==2 (within sections)
+        axis = torch.zeros(half, dtype=torch.long)
+        axis[1:3 * section[1]:3], axis[2:3 * section[2]:3] = 1, 2
+    else:  # Qwen2.5-VL: contiguous sections [t | h | w]
+        axis = torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+    f = f.gather(0, axis.to(f.device).expand(f.shape[1], half)[None])[0]  # (T, d/2)
+    return torch.cat([f, f], -1)[:, None, None]
+
+
+def sum_shared_grads_over_tp(language_model, par):
+    """Parameters shared over heads (each TP rank sees only its heads: QK-norms, GDN's norm) or over
+    the sequence (SP: each rank sees its shard) get their gradients summed over TP, as Megatron's
+    finalize_model_grads does."""
+    for name, p in language_model.named_parameters():
+        shared = any(k in name for k in ("q_layernorm", "k_layernorm", "self_attention.norm."))
+        if par.tp > 1 and (shared or getattr(p, "sequence_parallel", False)):
+            p.register_hook(lambda g: _all_reduce(g.clone(), par.tp_group))
+
+
+class MegatronVLM(torch.nn.Module):
+    """HF vision tower (.visual) + Megatron GPTModel (.language_model), on the parallel context `par`."""
+
+    def __init__(self, hf_config, hf_dir, par, opts=ModelOptions()):
         super().__init__()
         tc = hf_config.text_config
-        self.hf_config, self.hf_dir = hf_config, Path(hf_dir)
-        self.tp_rank, self.tp = parallel.tp_rank_size()
-        self.tp_group = parallel.tp_group()
+        self.hf_config, self.hf_dir, self.par = hf_config, Path(hf_dir), par
+        self.tp_rank, self.tp, self.ep = par.tp_rank, par.tp, par.ep
         self.head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
         self.groups, self.heads = tc.num_key_value_heads, tc.num_attention_heads
         self.vocab = tc.vocab_size
@@ -215,33 +292,17 @@ class MegatronVLM(torch.nn.Module):
         self.tie = bool(getattr(hf_config, "tie_word_embeddings", False))
         qwen3 = hf_config.model_type.startswith("qwen3")  # Qwen3-VL and Qwen3.5: QK-norm, no QKV bias
         self.q35 = hf_config.model_type in ("qwen3_5", "qwen3_5_moe")
-        self.impl = layer_impl(transformer_impl)
+        self.impl = layer_impl(opts.transformer_impl)
         self.te = self.impl == "transformer_engine"
-        opts = options or {}
-        self.recompute = (opts.get("recompute_granularity"), opts.get("recompute_method", "uniform"),
-                          opts.get("recompute_num_layers", 1))  # Megatron's three flags
+        self.recompute = (opts.recompute_granularity, opts.recompute_method, opts.recompute_num_layers)
         if self.recompute[0] == "selective" and not torch.cuda.is_available():  # its backward calls CUDA
             raise SystemExit("--recompute-granularity selective (Megatron's checkpointed core attention) "
                              "needs CUDA; on CPU use --recompute-granularity full")
-        self.sp = bool(opts.get("sequence_parallel")) and self.tp > 1
-        self.ep = parallel.ep_size()
+        self.sp = opts.sequence_parallel and self.tp > 1
         if getattr(tc, "num_experts", None) and self.tp > 1 and not self.sp:
             raise SystemExit("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (Megatron's rule)")
-        extra = dict(add_qkv_bias=not qwen3, qk_layernorm=qwen3, ffn_hidden_size=getattr(tc, "intermediate_size", 0))
-        if self.q35:
-            extra.update(qwen3_5.config_kwargs(tc, opts))  # gated attention, MoE
-        cfg = TransformerConfig(  # Qwen2.5 / Qwen3 decoder: RMSNorm, SwiGLU, GQA, QKV bias or QK-norm
-            num_layers=tc.num_hidden_layers, hidden_size=tc.hidden_size, sequence_parallel=self.sp,
-            expert_model_parallel_size=self.ep, layernorm_zero_centered_gamma=self.q35 and self.te,
-            num_attention_heads=self.heads, num_query_groups=self.groups, kv_channels=self.head_dim,
-            normalization="RMSNorm", layernorm_epsilon=tc.rms_norm_eps, gated_linear_unit=True,
-            activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-            tensor_model_parallel_size=self.tp, expert_tensor_parallel_size=1,
-            params_dtype=torch.float32, perform_initialization=False,  # weights come from the checkpoint
-            use_cpu_initialization=not torch.cuda.is_available(), bias_activation_fusion=False,
-            masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-            gradient_accumulation_fusion=False, persist_layer_norm=False,
-            recompute_granularity="selective" if self.recompute[0] == "selective" else None, **extra)
+        cfg = transformer_config(hf_config, par, opts, self.te, self.sp)
+        self.names = None  # convert.NameMap of the source checkpoint: load_model sets it
         if self.q35:  # per-layer specs: Gated DeltaNet or gated attention, dense MLP or MoE
             spec = qwen3_5.block_spec(tc, self.te)
         elif self.te:
@@ -258,12 +319,7 @@ class MegatronVLM(torch.nn.Module):
         # we embed, place the image features and scatter the sequence (SP) ourselves
         self.language_model.embedding.word_embeddings.reduce_scatter_embeddings = False
         self.visual = AutoModel.from_config(hf_config.vision_config)
-        for name, p in self.language_model.named_parameters():
-            shared = any(k in name for k in ("q_layernorm", "k_layernorm", "self_attention.norm."))
-            if self.tp > 1 and (shared or getattr(p, "sequence_parallel", False)):
-                # shared over heads (each rank sees only its heads) or over the sequence (SP: each rank
-                # sees its shard): sum grads over TP, as Megatron's finalize_model_grads does
-                p.register_hook(lambda g: _all_reduce(g.clone(), self.tp_group))
+        sum_shared_grads_over_tp(self.language_model, par)
         rp = tc.rope_parameters
         assert rp.get("rope_type", "default") == "default", rp
         self.mrope_section, self.mrope_interleaved = rp["mrope_section"], rp.get("mrope_interleaved", False)
@@ -284,18 +340,6 @@ class MegatronVLM(torch.nn.Module):
         out, self.routed = self.routed, None
         return out
 
-    def _rotary(self, pos):
-        """(3, T) t/h/w positions -> (T, 1, 1, head_dim) angles in Megatron's rotate-half layout."""
-        f = pos.to(self.inv_freq.device)[..., None].float() * self.inv_freq  # (3, T, d/2)
-        s, half = self.mrope_section, f.shape[-1]
-        if self.mrope_interleaved:  # Qwen3-VL: frequency j takes h if j%3==1, w if j%3==2 (within sections)
-            axis = torch.zeros(half, dtype=torch.long)
-            axis[1:3 * s[1]:3], axis[2:3 * s[2]:3] = 1, 2
-        else:  # Qwen2.5-VL: contiguous sections [t | h | w]
-            axis = torch.repeat_interleave(torch.arange(3), torch.tensor(s))
-        f = f.gather(0, axis.to(f.device).expand(f.shape[1], half)[None])[0]  # (T, d/2)
-        return torch.cat([f, f], -1)[:, None, None]
-
     def _head_weight(self):  # (V_local, H): this rank's rows of the (padded) vocabulary
         lm = self.language_model
         return lm.embedding.word_embeddings.weight if self.tie else lm.output_layer.weight
@@ -306,19 +350,8 @@ class MegatronVLM(torch.nn.Module):
         m = self.tp if self.sp else 1
         n = -(-n // m) * m
         if self.ep > 1:
-            n = int(_all_reduce(torch.tensor(n, device=self.inv_freq.device), parallel.ep_group(), dist.ReduceOp.MAX))
+            n = int(_all_reduce(torch.tensor(n, device=self.inv_freq.device), self.par.ep_group, dist.ReduceOp.MAX))
         return n
-
-    def _chunks(self):
-        """[(first layer, end, recompute?)] as the --recompute-* flags say. torch's non-reentrant
-        checkpoint, not Megatron's CheckpointFunction: the latter restores CUDA RNG state in backward,
-        which runs outside megatron_on_cpu here; dropout is 0 so no RNG state needs restoring."""
-        n, (gran, method, k) = len(self.language_model.decoder.layers), self.recompute
-        if gran != "full":
-            return [(0, n, False)]
-        if method == "block":
-            return [(i, i + 1, True) for i in range(min(k, n))] + ([(k, n, False)] if k < n else [])
-        return [(i, min(i + k, n), True) for i in range(0, n, k)]
 
     def _layers(self, h, lo, hi, rot, psp, img, deep):
         """Decoder layers lo..hi-1 on h (T, 1, H), with deepstack features added after layer i < len(deep)."""
@@ -355,11 +388,11 @@ class MegatronVLM(torch.nn.Module):
         # THD: attention (TE's, or attention.py's on CPU) and Gated DeltaNet run per segment of cu_seqlens
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                               max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
-        rot = self._rotary(pos)
+        rot = mrope_angles(pos, self.inv_freq, self.mrope_section, self.mrope_interleaved)
         with parallel.megatron_on_cpu():
             if self.sp:  # (T / TP, 1, H) from here on: this rank's shard of the sequence
                 h = tensor_parallel.scatter_to_sequence_parallel_region(h)
-            for lo, hi, again in self._chunks():  # --recompute-granularity full: again = True
+            for lo, hi, again in recompute_plan(len(lm.decoder.layers), *self.recompute):  # full: again = True
                 run = functools.partial(self._layers, lo=lo, hi=hi, rot=rot, psp=psp, img=img, deep=deep)
                 h = torch.utils.checkpoint.checkpoint(run, h, use_reentrant=False) if again else run(h)
             h = lm.decoder.final_layernorm(h)
@@ -384,7 +417,7 @@ class MegatronVLM(torch.nn.Module):
         k = self.padded_vocab // self.tp  # this rank's vocabulary rows: [k r, k r + k), some padding
         lp, ent = _LogprobEntropy.apply(h[torch.cat(rows).to(h.device)].float(), self._head_weight(),
                                         torch.cat(tgt).to(h.device), float(temperature), self.tp_rank * k,
-                                        max(0, min(k, self.vocab - self.tp_rank * k)), self.tp_group)
+                                        max(0, min(k, self.vocab - self.tp_rank * k)), self.par.tp_group)
         return lp, (ent if with_entropy else None)
 
     def logits(self, seqs, pixel_values=None, image_grid_thw=None):
@@ -394,81 +427,22 @@ class MegatronVLM(torch.nn.Module):
             z = tensor_parallel.gather_from_tensor_model_parallel_region(h @ self._head_weight().T)[:, :self.vocab]
         return list(z.float().split([len(s) for s in seqs]))
 
-def load_model(hf_dir, freeze_vit=False, transformer_impl=None, options=None):
-    """MegatronVLM on the current parallel state (initialised if needed), weights from the HF
-    safetensors, each TP rank reading only its slices. Parameters are fp32, or bf16 with options["bf16"]."""
-    rank, _, device = parallel.init_distributed()
-    model = MegatronVLM(AutoConfig.from_pretrained(hf_dir), hf_dir, transformer_impl, options)
-    convert.load_weights(model, hf_dir)
-    model.visual.requires_grad_(not freeze_vit)
-    if (options or {}).get("bf16"):
+def load_model(hf_dir, opts=ModelOptions(), par=None):
+    """MegatronVLM on the parallel context `par` (default: the current one, initialised if needed),
+    weights from the HF safetensors, each TP rank reading only its slices. Parameters are fp32, or
+    bf16 with opts.bf16."""
+    par = par or parallel.init_distributed()
+    model = MegatronVLM(AutoConfig.from_pretrained(hf_dir), hf_dir, par, opts)
+    model.names = convert.name_map(model, hf_dir)
+    convert.load_weights(model)
+    model.visual.requires_grad_(not opts.freeze_vit)
+    if opts.bf16:
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16)
-    if rank == 0:
+    if par.rank == 0:
         print(f"[model] {hf_dir}: layer spec {model.impl}, parameters {next(model.parameters()).dtype}, "
-              f"device {device}, TP {model.tp}", flush=True)
-    return model.to(device)
-
-
-def check_inputs(hf_dir):
-    """A packed batch as the processor makes it: [image A + text], [text only], [image B, image A + text].
-    Returns (seqs, pixel_values, image_grid_thw) with the images of all sequences in order."""
-    proc = AutoProcessor.from_pretrained(hf_dir)
-    g = torch.Generator().manual_seed(0)
-
-    def img(w, h):  # random pixels, reproducible
-        return Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8).numpy())
-    a, b = img(64, 96), img(112, 80)
-    convs = [([a], "What is the area of the triangle?", "Answer: \\boxed{12}"),
-             ([], "Hello, what is 2 + 3?", "2 + 3 = 5, so the answer is 5."),
-             ([b, a], "Compare the two figures.", "The first is larger.")]
-    seqs, pvs, grids = [], [], []
-    for images, q, ans in convs:
-        msgs = [{"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": q}]},
-                {"role": "assistant", "content": [{"type": "text", "text": ans}]}]
-        text = proc.apply_chat_template(msgs, tokenize=False)
-        enc = proc(text=[text], images=images or None, return_tensors="pt")
-        seqs.append(enc["input_ids"][0])
-        if images:
-            pvs.append(enc["pixel_values"])
-            grids.append(enc["image_grid_thw"])
-    return seqs, torch.cat(pvs).float(), torch.cat(grids)
-
-
-def hf_logits(hf, seqs, pixel_values=None, image_grid_thw=None):
-    """transformers' logits [(T_i, V)], one sequence at a time (no packing)."""
-    out = []
-    for s, (pv, g) in zip(seqs, split_images(hf.config, seqs, pixel_values, image_grid_thw)):
-        kw = {} if g is None else dict(pixel_values=pv, image_grid_thw=g,
-                                       mm_token_type_ids=(s == hf.config.image_token_id).int()[None])
-        out.append(hf(input_ids=s[None], **kw).logits[0].float())
-    return out
-
-
-def check(hf_dir, transformer_impl=None, tp=None, ep=1, sequence_parallel=False):
-    """Megatron vs transformers (fp32) on check_inputs, and the export round trip; TP = world size
-    unless given, EP = ep (MoE). Every rank runs the same inputs, on its device (cuda:LOCAL_RANK or cpu).
-    Returns the max abs logit diff (inf when the export does not reproduce the checkpoint)."""
-    tp = tp or int(os.environ.get("WORLD_SIZE", 1))
-    rank, world, device = parallel.init_distributed(tp, ep=ep)
-    model = load_model(hf_dir, transformer_impl=transformer_impl, options={"sequence_parallel": sequence_parallel})
-    files = convert.weight_files(hf_dir)
-    same = {}
-    for n, t in convert.hf_tensors(model):
-        with safe_open(files[n], "pt") as f:
-            same[n] = torch.equal(t.cpu(), f.get_tensor(n))
-    exact = same.keys() == files.keys() and all(same.values())
-    seqs, pv, grid = check_inputs(hf_dir)
-    seqs, pv, grid = [s.to(device) for s in seqs], pv.to(device), grid.to(device)
-    hf = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).to(device)
-    with torch.no_grad():
-        ours, theirs = model.logits(seqs, pv, grid), hf_logits(hf, seqs, pv, grid)
-        diff = max((x - y).abs().max().item() for x, y in zip(ours, theirs))
-    if rank == 0:
-        print(f"tp={tp} ep={ep} sp={model.sp} world={world} device={device} spec={model.impl} sequences={[len(s) for s in seqs]} "
-              f"image_grid_thw={grid.tolist()} export_exact={exact}")
-        print(f"max_abs_logit_diff={diff:.3g}")
-    return diff if exact else float("inf")
+              f"device {par.device}, TP {model.tp}", flush=True)
+    return model.to(par.device)
 
 
 if __name__ == "__main__":
@@ -476,15 +450,7 @@ if __name__ == "__main__":
         from tools import tiny
         tiny.main(sys.argv[2:])
     elif sys.argv[1:2] == ["check"]:
-        p = argparse.ArgumentParser(description="Megatron vs transformers logits on one checkpoint")
-        p.add_argument("--hf-checkpoint", required=True, help="Hugging Face checkpoint folder")
-        p.add_argument("--transformer-impl", default=None, choices=["transformer_engine", "local"],
-                       help="Megatron layer spec (default: transformer_engine on CUDA, local on CPU)")
-        p.add_argument("--tensor-model-parallel-size", type=int, default=None, help="TP (default: the world size)")
-        p.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP: MoE experts split over ranks")
-        p.add_argument("--sequence-parallel", action="store_true", help="split the sequence over TP ranks")
-        a = p.parse_args(sys.argv[2:])
-        sys.exit(0 if check(a.hf_checkpoint, a.transformer_impl, a.tensor_model_parallel_size,
-                            a.expert_model_parallel_size, a.sequence_parallel) <= 1e-4 else 1)
+        from tools import check
+        check.main(sys.argv[2:])
     else:
         sys.exit(__doc__)

@@ -8,6 +8,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from megatron.core.optimizer import MegatronOptimizer
 
 import parallel
 
@@ -35,7 +36,7 @@ def build_optimizer(model, args, total_steps):
         t = min(1.0, (step - args.lr_warmup_iters) / max(1, total_steps - args.lr_warmup_iters))
         floor = args.min_lr / args.lr if args.lr else 0.0
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
-    mixed = getattr(args, "bf16", False) or getattr(args, "use_distributed_optimizer", False)
+    mixed = args.bf16 or args.use_distributed_optimizer
     if mixed and torch.cuda.is_available():
         opt = megatron_optimizer(model, args)
         # megatron's groups (over every optimizer of a ChainedOptimizer: MoE experts get their own,
@@ -45,7 +46,7 @@ def build_optimizer(model, args, total_steps):
         return opt, Schedule(opt, factor)
     groups = param_groups(model, args)
     if mixed:
-        opt = MasterAdamW(groups, args)
+        opt = MasterAdamW(groups, args, model.par)
         return opt, Schedule(opt, factor)
     opt = torch.optim.AdamW([{"params": ps, "lr": lr, "weight_decay": wd} for lr, wd, ps in groups],
                             lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=1e-8)
@@ -123,14 +124,14 @@ def _inner(opt):
 def state_of(opt):
     """The optimizer's checkpoint state. Megatron's distributed optimizer leaves this rank's masters
     and Adam moments out of state_dict() (distrib_optimizer.py:628-635): add its inner optimizers'."""
-    if not hasattr(opt, "ddp") or not opt.sharded:
+    if not isinstance(opt, MegatronOptimizer) or not opt.sharded:
         return opt.state_dict()
     return {"megatron": opt.state_dict(), "inner": [o.state_dict() for o in _inner(opt)],
             "masters": [[p.detach().clone() for g in o.param_groups for p in g["params"]] for o in _inner(opt)]}
 
 
 def load_state(opt, state):
-    if not hasattr(opt, "ddp") or not opt.sharded:
+    if not isinstance(opt, MegatronOptimizer) or not opt.sharded:
         return opt.load_state_dict(state)
     opt.load_state_dict(state["megatron"])
     for o, inner, masters in zip(_inner(opt), state["inner"], state["masters"]):
@@ -144,10 +145,10 @@ class MasterAdamW:
     order) and cut into DP equal ranges, as Megatron's distributed optimizer cuts its gradient
     buffer; after each step the ranks' updated ranges are gathered into the model's parameters."""
 
-    def __init__(self, groups, args):
+    def __init__(self, groups, args, par):
         self.sharded = bool(args.use_distributed_optimizer)
-        self.dp_rank, self.dp = parallel.dp_rank_size() if self.sharded else (0, 1)
-        self.group = parallel.dp_group()
+        self.dp_rank, self.dp = (par.dp_rank, par.dp) if self.sharded else (0, 1)
+        self.group = par.dp_group
         self.params = [p for _, _, ps in groups for p in ps]
         n = sum(p.numel() for p in self.params if getattr(p, "allreduce", True))
         self.shard = -(-n // self.dp)
@@ -220,11 +221,11 @@ def _to_main_grad(p):
     p.grad = None
 
 
-def grad_norm_and_clip(grads, run, clip):
+def grad_norm_and_clip(grads, par, clip):
     """Global L2 norm of [(param, grad)]: TP-sharded parameters (Megatron marks them with
     `tensor_model_parallel`) are summed over the TP group, replicated ones counted once, MoE
     experts (`allreduce` False: each EP rank holds others) summed over the EP group."""
-    sharded, replicated, experts = (torch.zeros((), dtype=torch.float64, device=run.device) for _ in range(3))
+    sharded, replicated, experts = (torch.zeros((), dtype=torch.float64, device=par.device) for _ in range(3))
     for p, g in grads:
         sq = g.detach().double().pow(2).sum()
         if not getattr(p, "allreduce", True):
@@ -233,8 +234,8 @@ def grad_norm_and_clip(grads, run, clip):
             sharded += sq
         else:
             replicated += sq
-    parallel.all_reduce(sharded, run.tp_group)
-    parallel.all_reduce(experts, parallel.ep_group())
+    parallel.all_reduce(sharded, par.tp_group)
+    parallel.all_reduce(experts, par.ep_group)
     norm = math.sqrt((sharded + replicated + experts).item())
     if clip and norm > clip:
         for _, g in grads:
@@ -242,7 +243,7 @@ def grad_norm_and_clip(grads, run, clip):
     return norm
 
 
-def allreduce_grads(grads, run):
+def allreduce_grads(grads, par):
     """Sum [(param, grad)] over data-parallel ranks (the loss is already divided by the global token
     count, so the sum is the global-batch gradient). Every trainable parameter takes part, a zero
     gradient where this rank had none, so every rank sends the same tensors in the same order.
@@ -250,7 +251,7 @@ def allreduce_grads(grads, run):
     group, the ranks holding the same experts, whose tokens they did not see."""
     by_group = {}
     for p, g in grads:
-        by_group.setdefault(run.dp_group if getattr(p, "allreduce", True) else parallel.expert_dp_group(), []).append(g)
+        by_group.setdefault(par.dp_group if getattr(p, "allreduce", True) else par.expert_dp_group, []).append(g)
     for group, gs in by_group.items():
         if dist.get_world_size(group) <= 1:
             continue
@@ -260,10 +261,10 @@ def allreduce_grads(grads, run):
             g.copy_(summed.view_as(g))
 
 
-def optimizer_step(model, opt, sched, run, args):
+def optimizer_step(model, opt, sched, par, args):
     """Reduce, clip and apply the accumulated gradients; advance the LR schedule; clear grads."""
     lr = opt.param_groups[0]["lr"]
-    if hasattr(opt, "ddp"):  # CUDA, megatron-core: its optimizer clips (config.clip_grad) and steps
+    if isinstance(opt, MegatronOptimizer):  # CUDA: its optimizer clips (config.clip_grad) and steps
         opt.ddp.finish_grad_sync()
         _, norm, _ = opt.step()
         opt.ddp.zero_grad_buffer()
@@ -277,8 +278,8 @@ def optimizer_step(model, opt, sched, run, args):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             grads = [(p, p.grad) for p in params]
-        allreduce_grads(grads, run)
-        norm = grad_norm_and_clip(grads, run, args.clip_grad)
+        allreduce_grads(grads, par)
+        norm = grad_norm_and_clip(grads, par, args.clip_grad)
         opt.step()
         opt.zero_grad(set_to_none=True)
     sched.step()

@@ -1,34 +1,54 @@
-"""Parallel state: torchrun's environment -> the process group and Megatron's tensor/data/expert
-parallel groups, and the few collectives the trainers use. Nothing else lives here.
+"""Parallel state: torchrun's environment -> one frozen `Parallel` context with the rank, world,
+device and the groups and ranks of every parallelism, megatron-core's parallel state underneath
+(its rank order: TP fastest, then CP, EP, DP, PP). The model, optimizer, conversion and trainer
+take this object; nothing else reaches for a group. Plus the few collectives the trainers use.
 
-    rank, world, device = parallel.init_distributed(tp=2)   # under torchrun, or a plain process
-    with parallel.megatron_on_cpu():                          # only where Megatron code runs
+    par = parallel.init_distributed(tp=2)   # under torchrun, or a plain process
+    par.rank, par.world, par.device, par.tp_group, par.dp_rank, par.ep, ...
+    with parallel.megatron_on_cpu():          # only where Megatron code runs
         ...
 
 A plain process (no RANK from torchrun) is a world of one with an in-memory store. Sockets and
 the torchrun watch: README, "Reliability".
 """
 import contextlib
+import dataclasses
 import datetime
 import os
 import signal
-import warnings
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps, tensor_parallel
+from megatron.core.tensor_parallel import random as mrandom
 
 import proc
 
-if not torch.cuda.is_available():  # Megatron's "no Apex / Transformer Engine" notes are expected on CPU
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|full scope).*")
-    # Backward passes run outside megatron_on_cpu, and the sequence-/expert-parallel collectives
-    # allocate there on torch.cuda.current_device() (tensor_parallel/mappings.py:141): with no
-    # CUDA that call can only raise, so answering "cpu" for good changes nothing else.
-    torch.cuda.current_device = lambda: "cpu"
 
-# megatron-core only now: the filter above must be in place before its import prints those notes
-from megatron.core import parallel_state as ps, tensor_parallel  # noqa: E402
-from megatron.core.tensor_parallel import random as mrandom  # noqa: E402
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+    """Who this process is in each parallelism: size, rank and process group of TP, PP, CP, DP
+    (data-parallel: the ranks holding the same model shard) and EP; expert_dp_group holds the ranks
+    with the same experts (MoE gradients are reduced there)."""
+    rank: int
+    world: int
+    device: torch.device
+    tp: int
+    tp_rank: int
+    tp_group: object
+    pp: int
+    pp_rank: int
+    pp_group: object
+    cp: int
+    cp_rank: int
+    cp_group: object
+    dp: int
+    dp_rank: int
+    dp_group: object
+    ep: int
+    ep_rank: int
+    ep_group: object
+    expert_dp_group: object
 
 
 @contextlib.contextmanager
@@ -56,11 +76,16 @@ def megatron_on_cpu():
             setattr(obj, name, fn)
 
 
-def init_distributed(tp=1, seed=1234, timeout_minutes=60, ep=1):
-    """torchrun's environment (or a plain single process) -> (rank, world_size, device), with
-    Megatron's parallel state at TP=tp (DP = world / tp) and EP=ep (MoE experts split over ep ranks,
-    expert-TP 1: expert-DP = world / ep). A second call is a no-op."""
+def init_distributed(tp=1, seed=1234, timeout_minutes=60, ep=1, pp=1, cp=1):
+    """torchrun's environment (or a plain single process) -> the Parallel context, with Megatron's
+    parallel state at TP=tp (DP = world / tp) and EP=ep (MoE experts split over ep ranks, expert-TP 1:
+    expert-DP = world / ep). A second call returns the context the first one set up."""
     cuda = torch.cuda.is_available()
+    if not cuda:
+        # Backward passes run outside megatron_on_cpu, and the sequence-/expert-parallel collectives
+        # allocate there on torch.cuda.current_device() (tensor_parallel/mappings.py:141): with no
+        # CUDA that call can only raise, so answering "cpu" for good changes nothing else.
+        torch.cuda.current_device = _cpu
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if not dist.is_initialized():
         if cuda:
@@ -81,30 +106,31 @@ def init_distributed(tp=1, seed=1234, timeout_minutes=60, ep=1):
         world = dist.get_world_size()
         if tp < 1 or world % tp:
             raise SystemExit(f"--tensor-model-parallel-size {tp} must divide the world size {world}")
+        if pp != 1 or cp != 1:
+            raise SystemExit("pipeline and context parallelism are not built yet: "
+                             "--pipeline-model-parallel-size and --context-parallel-size must be 1")
         if ep < 1 or world % ep:
             raise SystemExit(f"--expert-model-parallel-size {ep} must divide the world size {world}")
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                     pipeline_model_parallel_size=pp, context_parallel_size=cp,
                                      expert_tensor_parallel_size=1)
         with megatron_on_cpu():
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    return dist.get_rank(), dist.get_world_size(), device
+    return Parallel(
+        rank=dist.get_rank(), world=dist.get_world_size(), device=device,
+        tp=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp=ps.get_pipeline_model_parallel_world_size(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
+        cp_group=ps.get_context_parallel_group(),
+        dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(), dp_group=ps.get_data_parallel_group(),
+        ep=ps.get_expert_model_parallel_world_size(), ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_group=ps.get_expert_model_parallel_group(), expert_dp_group=ps.get_expert_data_parallel_group())
 
 
-# groups and ranks: megatron-core's own parallel-state functions, under short names
-tp_group = ps.get_tensor_model_parallel_group
-dp_group = ps.get_data_parallel_group
-ep_group = ps.get_expert_model_parallel_group  # ranks with other experts: the grad norm sums over it
-ep_rank = ps.get_expert_model_parallel_rank
-ep_size = ps.get_expert_model_parallel_world_size
-expert_dp_group = ps.get_expert_data_parallel_group  # ranks with the same experts: grads reduced here
-
-
-def tp_rank_size():
-    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-
-
-def dp_rank_size():
-    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+def _cpu():
+    return "cpu"
 
 
 def all_reduce(t, group, op=dist.ReduceOp.SUM):

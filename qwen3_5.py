@@ -41,8 +41,6 @@ INSTALL = {"causal-conv1d": "pip install --no-build-isolation causal-conv1d==1.7
            "flash-linear-attention": "pip install flash-linear-attention==0.6.0  (GPU=1 bash setup.sh)"}
 
 CHUNK = 64  # positions per chunk of the CPU delta rule
-if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16 defines it only when TE imports,
-    moe_utils.te_general_gemm = None  # but the router's fp32 gemm tests it for None (moe_utils.py:1192)
 
 
 def config_kwargs(tc, opts):
@@ -50,15 +48,17 @@ def config_kwargs(tc, opts):
     MoE flags (moe_token_dispatcher_type, moe_router_dtype, moe_aux_loss_coeff)."""
     kw = dict(attention_output_gate=True, qk_layernorm=True, add_qkv_bias=False)
     if getattr(tc, "num_experts", None):
-        aux = float(opts.get("moe_aux_loss_coeff", 0.0))
+        if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16 defines it only when TE
+            moe_utils.te_general_gemm = None  # imports, but the router's fp32 gemm tests it for None (moe_utils.py:1192)
+        aux = float(opts.moe_aux_loss_coeff)
         kw.update(num_moe_experts=tc.num_experts, moe_router_topk=tc.num_experts_per_tok,
                   moe_ffn_hidden_size=tc.moe_intermediate_size, ffn_hidden_size=tc.moe_intermediate_size,
                   moe_shared_expert_intermediate_size=tc.shared_expert_intermediate_size,
                   moe_shared_expert_gate=True, moe_router_score_function="softmax",
                   moe_router_pre_softmax=False,  # softmax over the top-k logits = HF's renormalised top-k
                   moe_router_load_balancing_type="aux_loss" if aux > 0 else "none", moe_aux_loss_coeff=aux,
-                  moe_token_dispatcher_type=opts.get("moe_token_dispatcher_type", "allgather"),
-                  moe_router_dtype=opts.get("moe_router_dtype", "fp32"), moe_grouped_gemm=torch.cuda.is_available())
+                  moe_token_dispatcher_type=opts.moe_token_dispatcher_type,
+                  moe_router_dtype=opts.moe_router_dtype, moe_grouped_gemm=torch.cuda.is_available())
     return kw
 
 

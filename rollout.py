@@ -1,7 +1,7 @@
 """Rollouts: `Sample`, prompts and observations through the chat template, single/multi-turn
 generation with exact token bookkeeping, group sampling and scoring.
 
-    engine = train_grpo.make_engine(args, hf_dir, run_dir)   # engines.LocalEngine / SGLangEngine
+    engine = sglang_engine.make_engine(args, hf_dir, run_dir)   # engines.LocalEngine / SGLangEngine
     samples = generate_group_samples(engine, processor, records, args)
 
 Token-in/token-out: a sample's token list is built once, here (encode_prompt, the engine's ids,
@@ -11,6 +11,7 @@ tokens sent (SGLang re-expanding image tokens shows as a prompt length mismatch)
 its placeholder runs match the images' grids. A sample failing a check is `failed` with its reason
 and an all-zero loss mask; neither it nor an `aborted` one is trained on.
 """
+import dataclasses
 import math
 import os
 import statistics
@@ -56,42 +57,25 @@ class Sample:
         return self.prompt_ids + self.response_ids
 
 
-def add_rollout_args(p):
-    g = p.add_argument_group("rollout")
-    g.add_argument("--rollout-engine", default="auto", choices=["auto", "sglang", "local"],
-                   help="auto: SGLang when importable and CUDA is present, else in-process transformers")
-    g.add_argument("--rollout-batch-size", type=int, default=8, help="prompts per rollout")
-    g.add_argument("--n-samples-per-prompt", type=int, default=4, help="responses per prompt (GRPO group)")
-    g.add_argument("--rollout-max-response-len", type=int, default=256,
-                   help="token budget of a whole response (model + observation turns)")
-    g.add_argument("--rollout-temperature", type=float, default=1.0, help="0 = greedy")
-    g.add_argument("--rollout-top-p", type=float, default=1.0, help="nucleus sampling")
-    g.add_argument("--rollout-top-k", type=int, default=-1, help="-1 = off")
-    g.add_argument("--max-turns", type=int, default=1, help="1 = single-turn; >1 drives env_geo3k")
-    g.add_argument("--max-context-len", type=int, default=8192, help="prompt + response token cap")
-    g.add_argument("--dynamic-sampling", action="store_true",
-                   help="drop groups whose rewards are all equal; top up from the extra prompts given")
-    g.add_argument("--rm-type", default="math", help="reward.get_reward_fn type")
-    g.add_argument("--sglang-server-timeout", type=float, default=900.0,
-                   help="seconds to wait for the SGLang server's /health")
-    return p
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """What a rollout reads: the rollout flags of the same names (flags.add_rollout_args), and the
+    env's oracle switch (evaluation turns it off: an oracle tool inflates multi-turn accuracy)."""
+    rollout_batch_size: int = 8
+    n_samples_per_prompt: int = 4
+    rollout_max_response_len: int = 256
+    rollout_temperature: float = 1.0
+    rollout_top_p: float = 1.0
+    rollout_top_k: int = -1
+    max_turns: int = 1
+    max_context_len: int = 8192
+    dynamic_sampling: bool = False
+    rm_type: str = "math"
+    oracle: bool = True
 
-
-def sglang_server_args(argv):
-    """Unknown trainer flags -> SGLang server flags: `--sglang-<name> [values]` -> `--<name> [values]`.
-    Anything else is an error (a typo must not pass silently)."""
-    out = []
-    for a in argv:
-        if a.startswith("--sglang-"):
-            name, eq, value = a[len("--sglang-"):].partition("=")
-            out.append("--" + name)
-            if eq:
-                out.append(value)
-        elif a.startswith("--") or not out:
-            raise SystemExit(f"unknown argument {a!r} (server flags are passed as --sglang-<name> <value>)")
-        else:
-            out.append(a)  # a flag's value; nargs='+' flags take several: --cuda-graph-bs 1 2 4
-    return out
+    @classmethod
+    def from_args(cls, args):
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name != "oracle"})
 
 
 def encode_images(processor, images):

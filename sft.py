@@ -19,6 +19,7 @@ from tqdm import tqdm
 from transformers import AutoProcessor
 
 import data
+import flags as F
 import model as M
 import optim
 import rollout
@@ -27,48 +28,48 @@ import trainer as T
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    T.add_train_args(p)
-    p.add_argument("--num-epoch", type=int, default=1, help="passes over the training data")
+    F.add_train_args(p)
+    p.add_argument_group("SFT").add_argument("--num-epoch", type=F.POSITIVE, default=1, help="passes over the training data")
     p.set_defaults(lr=1e-5, lr_decay_style="cosine")
-    return T.check_args(p, p.parse_args(argv))
+    return p.parse_args(argv)
 
 
 def encode(processor, record):
-    """-> dict(ids, mask, pixel_values, image_grid_thw): the prompt exactly as a rollout encodes
+    """-> the trainer's Item: the prompt exactly as a rollout encodes
     it, then the answer as the chat template renders it after that prompt (through <|im_end|>),
     with loss mask 1."""
     messages = data.prompt_messages(record)
     prompt = rollout.encode_prompt(processor, messages, record["images"])
     target = rollout.encode_target(processor, messages, data.sft_target(record["answer"]))
     pixel_values, grid = rollout.encode_images(processor, record["images"])
-    return dict(ids=torch.tensor(prompt + target), mask=torch.tensor([False] * len(prompt) + [True] * len(target)),
-                pixel_values=pixel_values, image_grid_thw=grid)
+    return T.Item(ids=torch.tensor(prompt + target), mask=torch.tensor([False] * len(prompt) + [True] * len(target)),
+                  pixel_values=pixel_values, image_grid_thw=grid)
 
 
-def batch_loss(model, run, items, max_tokens, backward):
+def batch_loss(model, par, items, max_tokens, backward):
     """Token-mean NLL of a global batch (this rank holds `items`); backward when asked."""
-    n_tokens = T.global_sum(sum(int(it["mask"].sum()) for it in items), run)
+    n_tokens = T.global_sum(sum(int(it.mask.sum()) for it in items), par)
     total = 0.0
-    for _, inputs in T.micro_batches(items, max_tokens, [model], backward):
+    for _, inputs in T.micro_batches(items, max_tokens, [model], par, backward):
         logp, _ = model(**inputs)
         loss = -logp.sum() / n_tokens
         if backward:
             loss.backward()
         total += loss.item()
-    return T.global_sum(total, run), n_tokens
+    return T.global_sum(total, par), n_tokens
 
 
 def main(argv=None):
     args = parse_args(argv)
-    run = T.Run(args, "sft")
+    par, run = T.start(args, "sft")
     processor = AutoProcessor.from_pretrained(args.hf_checkpoint)
-    fit = dict(verbose=run.rank == 0, measure=lambda r: len(encode(processor, r)["ids"]),
+    fit = dict(verbose=par.rank == 0, measure=lambda r: len(encode(processor, r).ids),
                limit=(args.max_tokens_per_gpu, f"--max-tokens-per-gpu {args.max_tokens_per_gpu}"))
     train = [encode(processor, r) for r in T.load_data(args, **fit)]
     evals = [encode(processor, r) for r in T.load_data(args, evaluation=True, **fit)]
 
     ckpt = run.ckpt
-    model = M.load_model(ckpt or args.hf_checkpoint, args.freeze_vit, args.transformer_impl, vars(args))
+    model = M.load_model(ckpt or args.hf_checkpoint, M.ModelOptions.from_args(args), par)
     per_epoch = math.ceil(len(train) / args.global_batch_size)
     total = per_epoch * args.num_epoch
     opt, sched = optim.build_optimizer(model, args, total)
@@ -78,11 +79,11 @@ def main(argv=None):
         if evals:
             model.eval()
             with torch.no_grad():
-                loss, _ = batch_loss(model, run, T.dp_shard(evals, run), args.max_tokens_per_gpu, False)
+                loss, _ = batch_loss(model, par, T.dp_shard(evals, par), args.max_tokens_per_gpu, False)
             model.train()
             run.log(step, {"eval_loss": loss})
 
-    bar = tqdm(range(start, total), desc="sft", disable=run.rank != 0, initial=start, total=total)
+    bar = tqdm(range(start, total), desc="sft", disable=par.rank != 0, initial=start, total=total)
     model.train()
     for step in bar:
         epoch, pos = divmod(step, per_epoch)
@@ -90,9 +91,9 @@ def main(argv=None):
         batch = [train[i] for i in order[pos * args.global_batch_size:(pos + 1) * args.global_batch_size]]
         secs = {}
         with T.timed(secs, "train"):
-            loss, n_tokens = batch_loss(model, run, T.dp_shard(batch, run), args.max_tokens_per_gpu, True)
-            stats = optim.optimizer_step(model, opt, sched, run, args)
-        run.log(step + 1, {"loss": loss, **stats, **T.expert_load(model, run), "epoch": epoch, "tokens": n_tokens,
+            loss, n_tokens = batch_loss(model, par, T.dp_shard(batch, par), args.max_tokens_per_gpu, True)
+            stats = optim.optimizer_step(model, opt, sched, par, args)
+        run.log(step + 1, {"loss": loss, **stats, **T.expert_load(model), "epoch": epoch, "tokens": n_tokens,
                            "tokens_per_s": n_tokens / secs["train"], "step_s": secs["train"]})
         bar.set_postfix(loss=f"{loss:.4f}")
         if (args.eval_interval and (step + 1) % args.eval_interval == 0) or step + 1 == total:

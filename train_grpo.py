@@ -18,10 +18,8 @@ textbook GRPO: a group of equal rewards gets exactly 0 advantage, the clip is as
 (--eps-clip / --eps-clip-high), and old logprobs are the engine's own unless --recompute-logprobs.
 """
 import argparse
-import copy
-import importlib.util
+import dataclasses
 import math
-import os
 import random
 import sys
 import time
@@ -31,9 +29,10 @@ from tqdm import tqdm
 from transformers import AutoProcessor
 
 import convert
-import engines
+import flags as F
 import model as M
 import optim
+import reward
 import rollout as R
 import sglang_engine
 import trainer as T
@@ -42,25 +41,27 @@ import trainer as T
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)  # no --sglang-* flag may pass as an abbreviation
-    T.add_train_args(p)
-    R.add_rollout_args(p)
-    a = p.add_argument
-    a("--num-rollout", type=int, default=100, help="GRPO steps (rollout + update); 0: evaluate only")
+    F.add_train_args(p)
+    F.add_rollout_args(p)
+    a = p.add_argument_group("GRPO").add_argument
+    a("--num-rollout", type=F.COUNT, default=100, help="GRPO steps (rollout + update); 0: evaluate only")
     a("--advantage-estimator", default="grpo", choices=["grpo", "dr_grpo"], help="dr_grpo: no std division")
-    a("--eps-clip", type=float, default=0.2, help="PPO clip below 1")
-    a("--eps-clip-high", type=float, default=0.28, help="PPO clip above 1")
-    a("--kl-loss-coef", type=float, default=0.0, help="KL to the initial policy (0: no reference model)")
+    a("--eps-clip", type=F.at_least(0.0), default=0.2, help="PPO clip below 1")
+    a("--eps-clip-high", type=F.at_least(0.0), default=0.28, help="PPO clip above 1")
+    a("--kl-loss-coef", type=F.at_least(0.0), default=0.0, help="KL to the initial policy (0: no reference model)")
     a("--kl-loss-type", default="low_var_kl", choices=["k1", "k2", "k3", "low_var_kl"])
-    a("--entropy-coef", type=float, default=0.0, help="entropy bonus")
+    a("--entropy-coef", type=F.at_least(0.0), default=0.0, help="entropy bonus")
     a("--loss-agg", default="token", choices=["token", "sequence"], help="mean over tokens or over sequences")
     a("--recompute-logprobs", action="store_true", help="old logprobs from the trainer, not the engine")
-    a("--tis-cap", type=float, default=0.0, help="with --recompute-logprobs: cap on the trainer/rollout ratio (TIS; 0: off)")
-    a("--dynamic-sampling-max-prompts", type=int, default=None,
+    a("--tis-cap", type=F.at_least(0.0), default=0.0,
+      help="with --recompute-logprobs: cap on the trainer/rollout ratio (TIS; 0: off)")
+    a("--dynamic-sampling-max-prompts", type=F.POSITIVE, default=None,
       help="with --dynamic-sampling: prompts drawn at most in a step, the batch's own included "
            "(default 4 x --rollout-batch-size)")
+    a = p.add_argument_group("engine placement").add_argument
     a("--colocate", action="store_true",
       help="SGLang shares the training GPUs: started with its memory saver, released while training")
-    a("--rollout-num-gpus", type=int, default=0,
+    a("--rollout-num-gpus", type=F.COUNT, default=0,
       help="SGLang on N GPUs of its own on rank 0's node, after the training GPUs (disaggregated)")
     a("--weight-sync", default="auto", choices=["auto", "tensor", "distributed", "disk"],
       help="how new weights reach SGLang: tensor (CUDA IPC, colocated), distributed (an NCCL group, "
@@ -70,8 +71,10 @@ def parse_args(argv=None):
     bad = [u for u in unknown if u.startswith("--") and not u.startswith("--sglang-")]
     if bad:
         p.error(f"unrecognized arguments: {' '.join(bad)}")
-    args.sglang_args = R.sglang_server_args(unknown)
+    args.sglang_args = sglang_engine.sglang_server_args(unknown)
     args.global_batch_size = args.global_batch_size or args.rollout_batch_size * args.n_samples_per_prompt
+    if args.rm_type not in reward.REWARDS:
+        p.error(f"--rm-type {args.rm_type}: choose one of {', '.join(sorted(reward.REWARDS))}")
     if args.n_samples_per_prompt == 1 and args.num_rollout:
         p.error("--n-samples-per-prompt 1: a group of one has zero advantage, GRPO would learn nothing")
     if args.sglang_args and args.rollout_engine == "local":
@@ -79,7 +82,7 @@ def parse_args(argv=None):
     if args.colocate and args.weight_sync == "distributed":  # rank 0 and the server's TP rank 0 share GPU 0
         p.error("--colocate --weight-sync distributed: NCCL refuses a communicator that holds one GPU twice; "
                 "colocated weights go by --weight-sync tensor (the default) or disk")
-    return T.check_args(p, args)
+    return args
 
 
 def advantages(rewards, groups, estimator):
@@ -128,35 +131,35 @@ def to_item(sample, processor, adv, encoded=None):
     pv, grid = encoded[key]
     mask = [0] * len(sample.prompt_ids) + list(sample.loss_mask)
     old = [0.0] * len(sample.prompt_ids) + list(sample.rollout_logprobs)
-    return dict(ids=torch.tensor(sample.tokens), mask=torch.tensor(mask, dtype=torch.bool),
-                pixel_values=pv, image_grid_thw=grid, adv=adv,
-                old=torch.tensor([o for o, m in zip(old, mask) if m], dtype=torch.float32))
+    return T.Item(ids=torch.tensor(sample.tokens), mask=torch.tensor(mask, dtype=torch.bool),
+                  pixel_values=pv, image_grid_thw=grid, adv=adv,
+                  rollout_logprobs=torch.tensor([o for o, m in zip(old, mask) if m], dtype=torch.float32))
 
 
-def policy_loss(model, ref, run, items, args, measure):
+def policy_loss(model, ref, par, items, args, measure):
     """PPO-clip loss over a global batch held as this rank's `items`; backward per micro-batch."""
-    n_tok = T.global_sum(sum(int(it["mask"].sum()) for it in items), run)
-    n_seq = T.global_sum(len(items), run)
+    n_tok = T.global_sum(sum(int(it.mask.sum()) for it in items), par)
+    n_seq = T.global_sum(len(items), par)
     stats = dict(loss=0.0, clipfrac=0.0, kl=0.0, entropy=0.0, diff_sum=0.0, diff_max=0.0)
     temp = args.rollout_temperature or 1.0  # logprobs under the distribution the engine sampled from
     models = [model] + ([ref] if ref is not None else [])
     n_mb = 0  # micro-batches of this rank: packing_fill (rank 0's) = real tokens / their budget
-    for mb, inputs in T.micro_batches(items, args.max_tokens_per_gpu, models, backward=True):
+    for mb, inputs in T.micro_batches(items, args.max_tokens_per_gpu, models, par, backward=True):
         n_mb += 1
         logp, ent = model(**inputs, temperature=temp, with_entropy=True)
         dev = logp.device  # everything below on the model's device (CUDA under NCCL)
-        old = torch.cat([it["old"] for it in mb]).to(dev)
-        adv = torch.cat([torch.full((len(it["old"]),), float(it["adv"])) for it in mb]).to(dev)
+        old = torch.cat([it.old for it in mb]).to(dev)
+        adv = torch.cat([torch.full((len(it.old),), float(it.adv)) for it in mb]).to(dev)
         # token weights: token-level mean over the global batch, or per-sequence mean then mean
         if args.loss_agg == "token":
             w = torch.full_like(logp, 1.0 / n_tok)
         else:
-            w = torch.cat([torch.full((len(it["old"]),), 1.0 / max(1, len(it["old"])) / n_seq) for it in mb]).to(dev)
+            w = torch.cat([torch.full((len(it.old),), 1.0 / max(1, len(it.old)) / n_seq) for it in mb]).to(dev)
         ratio = torch.exp(logp - old)
         clipped = ratio.clamp(1 - args.eps_clip, 1 + args.eps_clip_high)
         pg = -torch.minimum(ratio * adv, clipped * adv)
-        if args.tis_cap and "rollout_old" in mb[0]:  # truncated importance sampling: trainer / rollout
-            roll = torch.cat([it["rollout_old"] for it in mb]).to(dev)
+        if args.tis_cap and mb[0].recomputed_logprobs is not None:  # truncated importance sampling: trainer / rollout
+            roll = torch.cat([it.rollout_logprobs for it in mb]).to(dev)
             pg = pg * torch.exp(old - roll).clamp(max=args.tis_cap)
         loss_tok = pg - args.entropy_coef * ent if args.entropy_coef else pg  # without: no entropy backward
         if ref is not None:
@@ -171,23 +174,23 @@ def policy_loss(model, ref, run, items, args, measure):
         stats["clipfrac"] += ((clipped * adv < ratio * adv).float() * w).sum().item()  # the clip cut the gradient
         stats["entropy"] += (ent.detach() * w).sum().item()
         if measure:  # weights are still those the engine sampled with: logprobs must agree
-            diff = (logp.detach() - torch.cat([it.get("rollout_old", it["old"]) for it in mb]).to(dev)).abs()
+            diff = (logp.detach() - torch.cat([it.rollout_logprobs for it in mb]).to(dev)).abs()
             stats["diff_sum"] += diff.sum().item()
             stats["diff_max"] = max(stats["diff_max"], diff.max().item() if len(diff) else 0.0)
-    out = {k: T.global_sum(v, run) for k, v in stats.items() if k not in ("diff_max", "diff_sum")}
-    out["packing_fill"] = sum(len(it["ids"]) for it in items) / max(1, n_mb * args.max_tokens_per_gpu)
+    out = {k: T.global_sum(v, par) for k, v in stats.items() if k not in ("diff_max", "diff_sum")}
+    out["packing_fill"] = sum(len(it.ids) for it in items) / max(1, n_mb * args.max_tokens_per_gpu)
     if measure:
-        out["logprob_diff_mean"] = T.global_sum(stats["diff_sum"], run) / n_tok
-        out["logprob_diff_max"] = T.global_sum(stats["diff_max"], run, op=torch.distributed.ReduceOp.MAX)
+        out["logprob_diff_mean"] = T.global_sum(stats["diff_sum"], par) / n_tok
+        out["logprob_diff_max"] = T.global_sum(stats["diff_max"], par, op=torch.distributed.ReduceOp.MAX)
     return out
 
 
 def recompute_old(model, items, args):
     with torch.no_grad():
-        for mb, inputs in T.micro_batches(items, args.max_tokens_per_gpu, [model]):
+        for mb, inputs in T.micro_batches(items, args.max_tokens_per_gpu, [model], model.par):
             logp, _ = model(**inputs, temperature=args.rollout_temperature or 1.0)
-            for it, part in zip(mb, logp.cpu().split([len(it["old"]) for it in mb])):
-                it["rollout_old"], it["old"] = it["old"], part
+            for it, part in zip(mb, logp.cpu().split([len(it.rollout_logprobs) for it in mb])):
+                it.recomputed_logprobs = part
 
 
 def evaluate(engine, processor, records, args, step, run):
@@ -195,25 +198,24 @@ def evaluate(engine, processor, records, args, step, run):
     out = {}
     modes = [("eval", 1)] + ([("eval_multi_turn", args.max_turns)] if args.max_turns > 1 else [])
     for name, turns in modes:
-        eargs = copy.copy(args)
-        eargs.n_samples_per_prompt, eargs.rollout_temperature, eargs.max_turns = 1, 0.0, turns
-        eargs.oracle, eargs.dynamic_sampling = False, False
-        samples = R.generate_group_samples(engine, processor, records, eargs)
+        greedy = dataclasses.replace(R.RolloutConfig.from_args(args), n_samples_per_prompt=1, rollout_temperature=0.0,
+                                     max_turns=turns, oracle=False, dynamic_sampling=False)
+        samples = R.generate_group_samples(engine, processor, records, greedy)
         out[f"{name}_accuracy"] = sum(s.reward for s in samples) / max(1, len(samples))
     run.log(step, out)
     print(f"[eval] step {step}: {out}", flush=True)
     return out
 
 
-def rollout_step(step, run, engine, processor, records, args, updates=1):
+def rollout_step(step, par, engine, processor, records, args, updates=1):
     """Rank 0 draws the step's prompts, samples and scores them; each rank receives only its share of
     the usable samples (hand_out) and builds its trainer items itself. -> (this rank's items of each
     update, None for an update with no sample; metrics, rank 0's). Failed and aborted samples are
     counted in the metrics and never trained on."""
     shares, metrics = None, {}
-    if run.rank == 0:
+    if par.rank == 0:
         batch = draw(records, step, args)
-        samples = R.generate_group_samples(engine, processor, batch, args)
+        samples = R.generate_group_samples(engine, processor, batch, R.RolloutConfig.from_args(args))
         metrics = R.rollout_metrics(samples)
         good = [s for s in samples if s.status not in ("failed", "aborted") and any(s.loss_mask)]
         adv = advantages([s.reward for s in good], [s.group for s in good], args.advantage_estimator)
@@ -222,11 +224,11 @@ def rollout_step(step, run, engine, processor, records, args, updates=1):
             reasons = sorted({s.fail_reason or s.status for s in samples if s.status != "completed"})
             print(f"[grpo] step {step + 1}: no trainable sample among {len(samples)} "
                   f"({', '.join(reasons[:3]) or 'no response tokens'}): update skipped", flush=True)
-        shares = split_batch(good, adv, random.Random(args.seed + step), args.global_batch_size, updates, run.dp)
+        shares = split_batch(good, adv, random.Random(args.seed + step), args.global_batch_size, updates, par.dp)
     t = time.perf_counter()
     encoded = {}  # a group's images, shared in the payload, are encoded once on each rank
     items = [None if part is None else [to_item(s, processor, a, encoded) for s, a in part]
-             for part in hand_out(shares, run)]
+             for part in hand_out(shares, par)]
     metrics["handoff_s"] = time.perf_counter() - t
     return items, metrics
 
@@ -242,19 +244,19 @@ def split_batch(good, adv, rng, global_batch_size, updates, dp):
     return [[c[r::dp] if c else None for c in chunks] for r in range(dp)]
 
 
-def hand_out(shares, run):
+def hand_out(shares, par):
     """Each rank receives its DP rank's share from rank 0 (a scatter: its TP peers get the same, the
     other DP ranks' never reach it; a group's images pickle once per rank)."""
-    if run.world == 1:
+    if par.world == 1:
         return shares[0]
-    dp_of = [None] * run.world
-    torch.distributed.all_gather_object(dp_of, run.dp_rank)
+    dp_of = [None] * par.world
+    torch.distributed.all_gather_object(dp_of, par.dp_rank)
     mine = [None]
-    torch.distributed.scatter_object_list(mine, [shares[r] for r in dp_of] if run.rank == 0 else None, src=0)
+    torch.distributed.scatter_object_list(mine, [shares[r] for r in dp_of] if par.rank == 0 else None, src=0)
     return mine[0]
 
 
-def train_step(model, ref, opt, sched, run, items, args, updates):
+def train_step(model, ref, opt, sched, par, items, args, updates):
     """One optimizer step per update over this rank's `items` of it; an update with no sample
     (None on every rank alike) is skipped on every rank in lockstep."""
     model.train()
@@ -265,35 +267,35 @@ def train_step(model, ref, opt, sched, run, items, args, updates):
         if part is None:
             stats["updates_skipped"] += 1
             continue
-        s = policy_loss(model, ref, run, part, args, measure="logprob_diff_mean" not in stats)
-        s.update(optim.optimizer_step(model, opt, sched, run, args))
+        s = policy_loss(model, ref, par, part, args, measure="logprob_diff_mean" not in stats)
+        s.update(optim.optimizer_step(model, opt, sched, par, args))
         stats.update(s)  # the last update's stats; logprob_diff_* from the first
     return stats
 
 
-def sync_weights(model, engine, run, plan=(1, None)):
+def sync_weights(model, engine, par, plan=(1, None)):
     """Full HF tensors to the engine (the export gathers over TP on every rank; rank 0 sends). `plan`:
     the engine's sync_plan(), on every rank: a colocated server of TP > 1 gets its TP rank i's copy
     from trainer rank i's GPU."""
     buckets = convert.export_hf(model)
     if plan[0] > 1:
-        buckets = sglang_engine.serialize_on_ranks(buckets, run.rank, *plan)
-    if run.rank == 0:
+        buckets = sglang_engine.serialize_on_ranks(buckets, par.rank, *plan)
+    if par.rank == 0:
         engine.update_weights(buckets)
     else:
         for _ in buckets:
             pass
 
 
-def step_aside(run, engine):
+def step_aside(par, engine):
     """Colocated: the server frees the GPUs before any rank trains (ranks other than 0 would
     otherwise start their forwards, --recompute-logprobs first, while SGLang still holds them)."""
-    if run.rank == 0:
+    if par.rank == 0:
         engine.release()
     torch.distributed.barrier()
 
 
-def step_back(run, engine):
+def step_back(par, engine):
     """Colocated: every rank hands its cached activations back to CUDA before the server takes
     the GPUs again (the caching allocator keeps the training peak: the resume of weights, KV cache
     and graphs would not fit on an 80 GB GPU)."""
@@ -304,26 +306,27 @@ def step_back(run, engine):
         held["gpu_held_at_resume_gib"] = torch.cuda.memory_reserved() / 2**30
         torch.cuda.reset_peak_memory_stats()
     torch.distributed.barrier()
-    if run.rank == 0:
+    if par.rank == 0:
         engine.resume()
     return held
 
 
-def grpo_step(step, run, engine, processor, records, model, ref, opt, sched, args, updates):
+def grpo_step(step, par, run, engine, plan, processor, records, model, ref, opt, sched, args, updates):
     """One step in slime's order: generate, release the engine's GPU memory (colocated), train,
-    take the memory back, update the engine's weights (its update flushes its caches)."""
+    take the memory back, update the engine's weights (its update flushes its caches). `plan`:
+    the engine's sync_plan(), known to every rank."""
     secs = {}
     with T.timed(secs, "rollout"):
-        items, metrics = rollout_step(step, run, engine, processor, records, args, updates)
+        items, metrics = rollout_step(step, par, engine, processor, records, args, updates)
     if args.colocate:
-        step_aside(run, engine)
+        step_aside(par, engine)
     with T.timed(secs, "train"):
-        stats = train_step(model, ref, opt, sched, run, items, args, updates)
+        stats = train_step(model, ref, opt, sched, par, items, args, updates)
     with T.timed(secs, "sync"):
         if args.colocate:
-            metrics.update(step_back(run, engine))
-        sync_weights(model, engine, run, run.sync_plan)
-    metrics.update(stats, **T.expert_load(model, run))
+            metrics.update(step_back(par, engine))
+        sync_weights(model, engine, par, plan)
+    metrics.update(stats, **T.expert_load(model))
     metrics.update(rollout_s=secs["rollout"], train_s=secs["train"],
                    sync_s=secs["sync"], tokens_per_s=metrics.get("tokens", 0) / max(1e-9, secs["train"]))
     run.log(step + 1, metrics)
@@ -332,98 +335,43 @@ def grpo_step(step, run, engine, processor, records, model, ref, opt, sched, arg
 
 def main(argv=None):
     args = parse_args(argv)
-    run = T.Run(args, "grpo")
+    par, run = T.start(args, "grpo")
     processor = AutoProcessor.from_pretrained(args.hf_checkpoint)
-    ckpt = run.ckpt
-    model = M.load_model(ckpt or args.hf_checkpoint, args.freeze_vit, args.transformer_impl, vars(args))
+    ckpt, opts = run.ckpt, M.ModelOptions.from_args(args)
+    model = M.load_model(ckpt or args.hf_checkpoint, opts, par)
     ref = None
     if args.kl_loss_coef:
-        ref = M.load_model(args.hf_checkpoint, True, args.transformer_impl, vars(args)).eval()
+        ref = M.load_model(args.hf_checkpoint, dataclasses.replace(opts, freeze_vit=True), par).eval()
         ref.requires_grad_(False)
     updates = math.ceil(args.rollout_batch_size * args.n_samples_per_prompt / args.global_batch_size)
     opt, sched = optim.build_optimizer(model, args, args.num_rollout * updates)
     start = run.load_state(ckpt, opt, sched)["step"] if ckpt else 0
 
     records = eval_records = engine = None
-    if run.rank == 0:  # rank 0 owns the data, the engine and the rewards
+    if par.rank == 0:  # rank 0 owns the data, the engine and the rewards
+        reward.get_reward_fn(args.rm_type)  # its one-off warm-up here, not in the first rollout
         fit = dict(measure=lambda r: prompt_tokens(processor, r, args),
                    limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len} with room for a response"))
         records, eval_records = T.load_data(args, **fit), T.load_data(args, evaluation=True, **fit)
-        engine = make_engine(args, str(ckpt or args.hf_checkpoint), str(run.save))
+        engine = sglang_engine.make_engine(args, str(ckpt or args.hf_checkpoint), str(run.save))
     plan = [engine.sync_plan() if engine is not None else None]
-    if run.world > 1:  # every rank takes part in a sync that serialises on several ranks
+    if par.world > 1:  # every rank takes part in a sync that serialises on several ranks
         torch.distributed.broadcast_object_list(plan, src=0)
-    run.sync_plan = plan[0]
     try:
-        if run.rank == 0 and eval_records and start == 0:
+        if par.rank == 0 and eval_records and start == 0:
             evaluate(engine, processor, eval_records, args, 0, run)
-        bar = tqdm(range(start, args.num_rollout), desc="grpo", disable=run.rank != 0,
+        bar = tqdm(range(start, args.num_rollout), desc="grpo", disable=par.rank != 0,
                    initial=start, total=args.num_rollout)
         for step in bar:
-            metrics = grpo_step(step, run, engine, processor, records, model, ref, opt, sched, args, updates)
+            metrics = grpo_step(step, par, run, engine, plan[0], processor, records, model, ref, opt, sched, args, updates)
             bar.set_postfix(reward=f"{metrics.get('reward', 0):.3f}")
             last = step + 1 == args.num_rollout
-            if run.rank == 0 and eval_records and (last or (args.eval_interval and (step + 1) % args.eval_interval == 0)):
+            if par.rank == 0 and eval_records and (last or (args.eval_interval and (step + 1) % args.eval_interval == 0)):
                 evaluate(engine, processor, eval_records, args, step + 1, run)
             run.maybe_save(model, opt, sched, step + 1, args.num_rollout)
     finally:
         if engine is not None:
             engine.shutdown()
-
-
-COLOCATE_MEM_FRACTION = 0.4  # SGLang's share of each GPU when it shares them with training (README)
-
-
-def sglang_placement(args, cuda, n_gpus, local_world, visible=None):
-    """-> (server flags, server environment): the GPUs the SGLang server gets (README, "Where SGLang
-    runs"). On CPU (the test harness) the server runs where it is started."""
-    flags = list(args.sglang_args)
-    if not cuda:
-        if args.colocate:  # sglang 0.5.23's release calls torch.cuda.synchronize: it kills a CPU server
-            raise SystemExit("--colocate needs CUDA (SGLang's /release_memory_occupation is CUDA-only and "
-                             "kills a CPU server); on CPU leave it out: the server runs beside training")
-        return flags, {}
-    ids = visible.split(",") if visible else [str(i) for i in range(n_gpus)]
-    if args.colocate:
-        gpus = ids[:local_world]
-        if "--enable-memory-saver" not in flags:
-            flags.append("--enable-memory-saver")
-        if "--mem-fraction-static" not in flags:
-            flags += ["--mem-fraction-static", str(COLOCATE_MEM_FRACTION)]
-    elif args.rollout_num_gpus > 0:
-        gpus = ids[local_world:local_world + args.rollout_num_gpus]
-        if len(gpus) < args.rollout_num_gpus:
-            raise SystemExit(f"--rollout-num-gpus {args.rollout_num_gpus}: this node has {len(ids)} GPUs and "
-                             f"torchrun trains on {local_world}; lower --nproc_per_node or the rollout GPUs")
-    else:
-        raise SystemExit("--rollout-engine sglang on GPUs: say where the server runs, --colocate (it shares "
-                         "the training GPUs and is released while they train) or --rollout-num-gpus N "
-                         "(N GPUs of its own after the training GPUs)")
-    if not {"--tp-size", "--tp", "--dp-size", "--dp"} & set(flags):
-        flags += ["--tp-size", str(len(gpus))]
-    return flags, {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
-
-
-def make_engine(args, hf_dir, run_dir):
-    """The engine --rollout-engine names; auto = SGLang if importable and CUDA is present."""
-    cuda = torch.cuda.is_available()
-    kind = args.rollout_engine
-    if kind == "auto":
-        kind = "sglang" if importlib.util.find_spec("sglang") and cuda else "local"
-    if kind == "local":
-        if args.sglang_args:
-            raise SystemExit(f"{' '.join(args.sglang_args)}: SGLang flags, but the rollout engine is local "
-                             "(--rollout-engine sglang to use them)")
-        return engines.LocalEngine(hf_dir, "cuda" if cuda else "cpu")
-    flags, env = sglang_placement(args, cuda, torch.cuda.device_count() if cuda else 0,
-                                  int(os.environ.get("LOCAL_WORLD_SIZE", 1)), os.environ.get("CUDA_VISIBLE_DEVICES"))
-    if cuda and torch.cuda.get_device_capability()[0] >= 10 and "--mm-attention-backend" not in flags:
-        flags += ["--mm-attention-backend", "sdpa"]  # Blackwell: the published recipe's setting
-    sync = args.weight_sync
-    if sync == "auto":  # on CPU (the test harness): the disk, which any layout can use
-        sync = "tensor" if cuda and args.colocate else "distributed" if cuda and args.rollout_num_gpus else "disk"
-    return sglang_engine.SGLangEngine(hf_dir, run_dir, server_args=flags, timeout=args.sglang_server_timeout, env=env,
-                                      config_dir=args.hf_checkpoint, weight_sync=sync)
 
 
 def draw(records, step, args):

@@ -1,6 +1,7 @@
-"""Training plumbing shared by sft.py and train_grpo.py: flags, packing by token budget, sums over
+"""Training plumbing shared by sft.py and train_grpo.py: the trainer item, packing by token budget, sums over
 data-parallel ranks, metrics, and atomic checkpoints (HF weights + optimizer, RNG, data position)."""
 import contextlib
+import dataclasses
 import fcntl
 import importlib
 import json
@@ -22,90 +23,48 @@ import optim
 import parallel
 
 
-def add_train_args(p):
-    """Flags both trainers take (named as in slime / miles)."""
-    a = p.add_argument
-    a("--hf-checkpoint", required=True, help="Hugging Face checkpoint folder to start from")
-    a("--prompt-data", required=True, help="training data: hub id, .parquet, .jsonl or folder")
-    a("--input-key", default="problem", help="column holding the problem text")
-    a("--label-key", default="answer", help="column holding the answer")
-    a("--split", default=None, help="split of a hub id or folder (default: train)")
-    a("--eval-split", default="test", help="split of --eval-prompt-data when it is a hub id or folder")
-    a("--max-bad-frac", type=float, default=0.01, help="stop when more data rows than this are unusable")
-    a("--allow-image-urls", action="store_true", help="fetch http(s) images named in data rows "
-      "(at most data.URL_MAX_BYTES each); off: such rows are bad rows")
-    a("--allow-outside-paths", action="store_true",
-      help="let image paths in data rows leave the data set's folder (absolute paths, ..)")
-    a("--eval-prompt-data", default=None, help="evaluation data (same forms as --prompt-data)")
-    a("--eval-interval", type=int, default=0, help="evaluate every N steps (0: only at the end)")
-    a("--eval-samples", type=int, default=64, help="evaluate on the first N eval problems")
-    a("--save", required=True, help="run folder: metrics.jsonl, config, checkpoints")
-    a("--load", default=None, help="resume from the latest checkpoint in this run folder")
-    a("--overwrite", action="store_true", help="start fresh in a --save folder that holds an earlier "
-      "run: its checkpoints and metrics are deleted (without it: an error, unless --load resumes)")
-    a("--save-interval", type=int, default=50, help="checkpoint every N steps (0: only at the end)")
-    a("--save-keep", type=int, default=3, help="keep the newest N checkpoints in --save (0: keep all)")
-    a("--global-batch-size", type=int, default=16, help="samples per optimizer step, all ranks")
-    a("--max-tokens-per-gpu", type=int, default=4096, help="token budget of one packed micro-batch")
-    a("--lr", type=float, default=1e-6, help="peak learning rate")
-    a("--min-lr", type=float, default=0.0, help="floor of the cosine decay")
-    a("--decoupled-lr", type=float, default=None,
-      help="peak lr of the token embedding and output layer (Megatron's flag; default: --lr); "
-           "the schedule scales it as it scales --lr")
-    a("--lr-warmup-iters", type=int, default=0, help="linear warmup steps")
-    a("--lr-decay-style", default="constant", choices=["constant", "cosine"], help="after warmup")
-    a("--weight-decay", type=float, default=0.0, help="AdamW weight decay (not on norms/biases)")
-    a("--adam-beta1", type=float, default=0.9)
-    a("--adam-beta2", type=float, default=0.98)
-    a("--clip-grad", type=float, default=1.0, help="clip the global grad norm to this (0: off)")
-    a("--tensor-model-parallel-size", type=int, default=1, help="Megatron TP size")
-    a("--sequence-parallel", action="store_true", help="split the sequence over TP ranks outside attention "
-      "(Megatron's; required for MoE with TP > 1)")
-    a("--expert-model-parallel-size", type=int, default=1, help="EP: MoE experts split over this many ranks "
-      "(expert-TP 1; expert-DP = world / EP)")
-    a("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall"],
-      help="how tokens reach their experts' ranks (alltoall: GPU only in megatron-core 0.16)")
-    a("--moe-router-dtype", default="fp32", choices=["fp32", "fp64"], help="router logits and softmax dtype")
-    a("--moe-aux-loss-coeff", type=float, default=0.0, help="load-balancing auxiliary loss weight (0: off)")
-    a("--transformer-impl", default=None, choices=["transformer_engine", "local"],
-      help="Megatron layer spec (default: transformer_engine on CUDA, an error if it cannot load; local on CPU)")
-    a("--distributed-timeout-minutes", type=int, default=60,
-      help="collective timeout: rank 0 loads data, starts SGLang and evaluates while the others wait")
-    a("--freeze-vit", action="store_true", help="keep the vision tower fixed")
-    a("--bf16", action="store_true", help="compute in bf16 with fp32 master weights (optim.py); logprobs and loss in fp32")
-    a("--accumulate-allreduce-grads-in-fp32", action="store_true", help="with --bf16: gradients accumulated and reduced in fp32")
-    a("--use-distributed-optimizer", action="store_true", help="shard master weights and Adam states over DP ranks")
-    a("--recompute-granularity", default=None, choices=["full", "selective"],
-      help="recompute activations in backward: whole layers (full) or core attention only (selective)")
-    a("--recompute-method", default="uniform", choices=["uniform", "block"],
-      help="full: checkpoint every chunk of --recompute-num-layers layers (uniform), or only the first that many (block)")
-    a("--recompute-num-layers", type=int, default=1, help="layers per recomputed chunk (uniform) or recomputed layers (block)")
-    a("--seed", type=int, default=1234)
-    a("--wandb-project", default=None, help="log to wandb too, when it is installed")
+@dataclasses.dataclass
+class Item:
+    """One sequence as a trainer takes it. N = mask.sum(), the tokens the loss scores."""
+    ids: torch.Tensor  # (T,) prompt + response token ids
+    mask: torch.Tensor  # (T,) bool; mask[0] is False (token 0 has no logits before it)
+    pixel_values: torch.Tensor | None = None  # its images as the processor encodes them, or None
+    image_grid_thw: torch.Tensor | None = None
+    adv: float = 0.0  # GRPO: the sample's advantage
+    rollout_logprobs: torch.Tensor | None = None  # (N,) the engine's, as it sampled
+    recomputed_logprobs: torch.Tensor | None = None  # (N,) --recompute-logprobs: the trainer's, before the update
+
+    @property
+    def old(self):
+        """(N,) the PPO ratio's denominator: the trainer's own logprobs when recomputed, else the engine's."""
+        return self.rollout_logprobs if self.recomputed_logprobs is None else self.recomputed_logprobs
+
+
+def start(args, kind):
+    """A training job's first call: (the parallel context, its seeded RNGs, the run folder)."""
+    par = parallel.init_distributed(args.tensor_model_parallel_size, args.seed, args.distributed_timeout_minutes,
+                                    args.expert_model_parallel_size)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    return par, Run(args, kind, par)
 
 
 class Run:
-    """The distributed context, the run folder, metrics and checkpoints of one training job."""
+    """The run folder of one training job: its lock, the resume / overwrite policy, metrics, the
+    config, checkpoints. Global rank 0 writes; every rank takes part in a checkpoint."""
 
-    def __init__(self, args, kind):
-        self.args, self.kind = args, kind
-        self.rank, self.world, self.device = parallel.init_distributed(
-            args.tensor_model_parallel_size, args.seed, args.distributed_timeout_minutes, args.expert_model_parallel_size)
-        self.dp_rank, self.dp = parallel.dp_rank_size()
-        self.tp_rank, self.tp = parallel.tp_rank_size()
-        self.dp_group, self.tp_group = parallel.dp_group(), parallel.tp_group()
+    def __init__(self, args, kind, par):
+        self.args, self.kind, self.par, self.rank = args, kind, par, par.rank
         self.save = Path(args.save)
-        random.seed(args.seed)
-        torch.manual_seed(args.seed)
         self.wandb, self.lock = None, None
         if self.rank == 0:
             self.save.mkdir(parents=True, exist_ok=True)
             self.lock = lock_folder(self.save)
-        self.ckpt = self.find_checkpoint()  # the checkpoint to resume from, or None: a fresh start
+        self.ckpt = find_checkpoint(args.load, self.save)  # the checkpoint to resume from, or None: a fresh start
         if self.rank == 0 and self.ckpt is None:
-            self.start_fresh()
+            start_fresh(self.save, args.overwrite, args.load)
         if self.rank == 0:
-            config = dict(vars(args), kind=kind, world_size=self.world, versions=versions())
+            config = dict(vars(args), kind=kind, world_size=par.world, versions=versions())
             print(json.dumps(config, indent=1, default=str), flush=True)
             (self.save / f"config_{kind}.json").write_text(json.dumps(config, indent=1, default=str))
             if args.wandb_project:
@@ -137,14 +96,14 @@ class Run:
                 (tmp / "train_state").mkdir(parents=True)
             dist.barrier()
             convert.save_hf(model, tmp, src_dir=self.args.hf_checkpoint)  # not a checkpoint pruning may remove
-            names = [None] * self.world  # ranks whose state_name is the same hold the same state:
-            dist.all_gather_object(names, state_name(self, opt))  # the first of them writes it
+            names = [None] * self.par.world  # ranks whose state_name is the same hold the same state:
+            dist.all_gather_object(names, state_name(self.par, opt))  # the first of them writes it
             if names.index(names[self.rank]) == self.rank:
                 state = {"optimizer": optim.state_of(opt), "scheduler": sched.state_dict(), "rng": rng_state()}
-                torch.save(state, tmp / "train_state" / state_name(self, opt))
+                torch.save(state, tmp / "train_state" / state_name(self.par, opt))
             dist.barrier()
             if self.rank == 0:
-                (tmp / "train_state" / "meta.json").write_text(json.dumps({"step": step, "tp": self.tp}))
+                (tmp / "train_state" / "meta.json").write_text(json.dumps({"step": step, "tp": self.par.tp}))
                 shutil.rmtree(final, ignore_errors=True)
                 os.replace(tmp, final)
                 atomic_write(self.save / "latest", name)
@@ -168,73 +127,77 @@ class Run:
         if periodic or step == total:
             self.save_checkpoint(model, opt, sched, step)
 
-    def find_checkpoint(self):
-        """The checkpoint --load points at: its `latest`, else (latest lost) its newest complete
-        iter_*; None when --load is --save and holds none yet (slime's habit). Else an error."""
-        if not self.args.load:
-            return None
-        load, done = Path(self.args.load), []
-        if (load / "latest").exists():
-            load = load / (load / "latest").read_text().strip()
-        elif not (load / "train_state" / "meta.json").exists():
-            done = sorted(p for p in load.glob("iter_*") if (p / "train_state" / "meta.json").exists())
-            load = done[-1] if done else load
-        if not (load / "train_state" / "meta.json").exists():
-            if Path(self.args.load).resolve() == self.save.resolve() and not done:
-                return None
-            raise SystemExit(f"--load {self.args.load}: no checkpoint there (expected a 'latest' "
-                             f"file or an iter_* folder with train_state/meta.json)")
-        return load
-
-    def start_fresh(self):
-        """A fresh start may not mix with an earlier run's checkpoints: those need --load (resume)
-        or --overwrite (deleted). Metrics of a run that died before its first checkpoint go."""
-        old = sorted(self.save.glob("iter_*")) + sorted(self.save.glob("latest"))
-        if old and not self.args.overwrite:
-            raise SystemExit(f"--save {self.save} holds checkpoints of an earlier run ({old[0].name}...): "
-                             f"resume with --load {self.save}, or pass --overwrite to delete them and start fresh")
-        for p in old:
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-        if self.args.overwrite or self.args.load:
-            self.trim_metrics(0)
-        elif (self.save / "metrics.jsonl").exists() and (self.save / "metrics.jsonl").stat().st_size:
-            raise SystemExit(f"--save {self.save} holds metrics.jsonl of an earlier run: resume with "
-                             f"--load {self.save}, or pass --overwrite to start fresh")
-        print(f"[run] starting fresh in {self.save}", flush=True)
-
-    def trim_metrics(self, step):
-        """Keep metrics.jsonl up to `step` (what a killed run logged after its checkpoint goes),
-        dropping, with a note, lines a crash or a full disk tore."""
-        log = self.save / "metrics.jsonl"
-        if not log.exists():
-            return
-        keep, torn = [], []
-        for i, line in enumerate(log.read_text(errors="replace").splitlines()):
-            try:
-                if json.loads(line)["step"] <= step:
-                    keep.append(line)
-            except (ValueError, KeyError, TypeError):
-                torn.append(i + 1)
-        if torn:
-            print(f"[run] {log}: dropped unreadable line(s) {torn[:5]} (torn by a crash or a full disk)",
-                  file=sys.stderr, flush=True)
-        atomic_write(log, "".join(line + "\n" for line in keep))
-
     def load_state(self, ckpt, opt, sched):
         """Optimizer, schedule and RNG of this rank; returns the meta dict (step, data position)."""
         meta = read_state(ckpt / "train_state" / "meta.json", lambda f: json.loads(f.read_text()))
-        if meta.get("tp", self.tp) != self.tp:
+        if meta.get("tp", self.par.tp) != self.par.tp:
             raise SystemExit(f"--load {ckpt}: saved at --tensor-model-parallel-size {meta['tp']}, "
-                             f"resumed at {self.tp}; resume at the same TP size")
-        state = read_state(ckpt / "train_state" / state_name(self, opt),
+                             f"resumed at {self.par.tp}; resume at the same TP size")
+        state = read_state(ckpt / "train_state" / state_name(self.par, opt),
                            lambda f: torch.load(f, weights_only=False))
         optim.load_state(opt, state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         if self.rank == 0:
-            self.trim_metrics(meta["step"])
+            trim_metrics(self.save, meta["step"])
             print(f"[run] resumed from {ckpt} at step {meta['step']}", flush=True)
         return meta
+
+
+def find_checkpoint(load_flag, save):
+    """The checkpoint --load points at: its `latest`, else (latest lost) its newest complete
+    iter_*; None when --load is --save and holds none yet (slime's habit). Else an error."""
+    if not load_flag:
+        return None
+    load, done = Path(load_flag), []
+    if (load / "latest").exists():
+        load = load / (load / "latest").read_text().strip()
+    elif not (load / "train_state" / "meta.json").exists():
+        done = sorted(p for p in load.glob("iter_*") if (p / "train_state" / "meta.json").exists())
+        load = done[-1] if done else load
+    if not (load / "train_state" / "meta.json").exists():
+        if Path(load_flag).resolve() == Path(save).resolve() and not done:
+            return None
+        raise SystemExit(f"--load {load_flag}: no checkpoint there (expected a 'latest' "
+                         f"file or an iter_* folder with train_state/meta.json)")
+    return load
+
+
+def start_fresh(save, overwrite, load):
+    """A fresh start may not mix with an earlier run's checkpoints: those need --load (resume)
+    or --overwrite (deleted). Metrics of a run that died before its first checkpoint go."""
+    save = Path(save)
+    old = sorted(save.glob("iter_*")) + sorted(save.glob("latest"))
+    if old and not overwrite:
+        raise SystemExit(f"--save {save} holds checkpoints of an earlier run ({old[0].name}...): "
+                         f"resume with --load {save}, or pass --overwrite to delete them and start fresh")
+    for p in old:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    if overwrite or load:
+        trim_metrics(save, 0)
+    elif (save / "metrics.jsonl").exists() and (save / "metrics.jsonl").stat().st_size:
+        raise SystemExit(f"--save {save} holds metrics.jsonl of an earlier run: resume with "
+                         f"--load {save}, or pass --overwrite to start fresh")
+    print(f"[run] starting fresh in {save}", flush=True)
+
+
+def trim_metrics(save, step):
+    """Keep metrics.jsonl up to `step` (what a killed run logged after its checkpoint goes),
+    dropping, with a note, lines a crash or a full disk tore."""
+    log = Path(save) / "metrics.jsonl"
+    if not log.exists():
+        return
+    keep, torn = [], []
+    for i, line in enumerate(log.read_text(errors="replace").splitlines()):
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            torn.append(i + 1)
+    if torn:
+        print(f"[run] {log}: dropped unreadable line(s) {torn[:5]} (torn by a crash or a full disk)",
+              file=sys.stderr, flush=True)
+    atomic_write(log, "".join(line + "\n" for line in keep))
 
 
 def load_data(args, evaluation=False, verbose=True, measure=None, limit=None):
@@ -259,31 +222,6 @@ def load_data(args, evaluation=False, verbose=True, measure=None, limit=None):
     except data.DataError as e:
         raise SystemExit(f"--{'eval-' if evaluation else ''}prompt-data: {e}") from None
     return records[:args.eval_samples] if evaluation else records
-
-
-# flag -> lowest value: checked at parse time, so a bad value fails before any work
-POSITIVE = {"rollout_batch_size": 1, "n_samples_per_prompt": 1, "global_batch_size": 1, "max_tokens_per_gpu": 1,
-            "tensor_model_parallel_size": 1, "num_epoch": 1, "rollout_max_response_len": 1,
-            "max_context_len": 2, "max_turns": 1, "num_rollout": 0, "save_interval": 0, "save_keep": 0,
-            "eval_interval": 0, "eval_samples": 0, "lr_warmup_iters": 0, "lr": 0, "min_lr": 0, "clip_grad": 0,
-            "weight_decay": 0, "rollout_temperature": 0, "eps_clip": 0, "eps_clip_high": 0,
-            "kl_loss_coef": 0, "entropy_coef": 0, "tis_cap": 0, "rollout_num_gpus": 0,
-            "distributed_timeout_minutes": 1, "sglang_server_timeout": 1, "dynamic_sampling_max_prompts": 1,
-            "decoupled_lr": 0}
-FRACTIONS = ("max_bad_frac", "adam_beta1", "adam_beta2", "rollout_top_p")  # in [0, 1]
-
-
-def check_args(p, args):
-    """Numeric flags in range, or the parser's error naming the flag and its value."""
-    for name, low in POSITIVE.items():
-        v = getattr(args, name, None)
-        if v is not None and not v >= low:  # NaN fails too
-            p.error(f"--{name.replace('_', '-')} {v}: must be >= {low}")
-    for name in FRACTIONS:
-        v = getattr(args, name, None)
-        if v is not None and not 0 <= v <= 1:
-            p.error(f"--{name.replace('_', '-')} {v}: must be in [0, 1]")
-    return args
 
 
 def lock_folder(folder):
@@ -316,12 +254,12 @@ def atomic_write(path, text):
     os.replace(tmp, path)
 
 
-def state_name(run, opt):
+def state_name(par, opt):
     """This rank's train_state file: one per TP rank, or per (TP, DP) rank when the optimizer
     is sharded over DP (--use-distributed-optimizer: each rank saves only its shard)."""
-    dp = f"_dp_{run.dp_rank:03d}" if getattr(opt, "sharded", False) else ""
-    ep = f"_ep_{parallel.ep_rank():02d}" if parallel.ep_size() > 1 else ""  # MoE: each EP rank holds other experts
-    return f"tp_{run.tp_rank:02d}{ep}{dp}.pt"
+    dp = f"_dp_{par.dp_rank:03d}" if getattr(opt, "sharded", False) else ""
+    ep = f"_ep_{par.ep_rank:02d}" if par.ep > 1 else ""  # MoE: each EP rank holds other experts
+    return f"tp_{par.tp_rank:02d}{ep}{dp}.pt"
 
 
 def rng_state():
@@ -353,11 +291,11 @@ def versions():
     return out
 
 
-def global_sum(value, run, op=dist.ReduceOp.SUM):
+def global_sum(value, par, op=dist.ReduceOp.SUM):
     """Sum a number over data-parallel ranks (e.g. loss tokens of the global batch); or max, by op.
-    The tensor lives on run.device: NCCL has no CPU tensors."""
-    t = torch.tensor(float(value), dtype=torch.float64, device=run.device)
-    return parallel.all_reduce(t, run.dp_group, op).item()
+    The tensor lives on par.device: NCCL has no CPU tensors."""
+    t = torch.tensor(float(value), dtype=torch.float64, device=par.device)
+    return parallel.all_reduce(t, par.dp_group, op).item()
 
 
 def pack(lengths, max_tokens):
@@ -377,20 +315,18 @@ def pack(lengths, max_tokens):
     return [sorted(b) for b in bins]
 
 
-def micro_batches(items, max_tokens, models, backward=False):
-    """-> (items, model inputs) of each packed micro-batch of this rank's `items` (dicts of ids and
-    mask 1-D tensors, pixel_values and image_grid_thw or None); with EP, then idle() ones up to the
+def micro_batches(items, max_tokens, models, par, backward=False):
+    """-> (items, model inputs) of each packed micro-batch of this rank's `items` (Item); with EP, then idle() ones up to the
     busiest rank's count: MoE layers run collectives in forward and backward (README, "Qwen3.5")."""
-    bins = pack([len(it["ids"]) for it in items], max_tokens)
+    bins = pack([len(it.ids) for it in items], max_tokens)
     n = 0  # idle micro-batches to run, agreed before any runs: MoE collectives must not cross this reduce
-    if parallel.ep_size() > 1:
-        dev = "cuda" if torch.cuda.is_available() else "cpu"  # NCCL: the current device
-        n = int(parallel.all_reduce(torch.tensor(len(bins), device=dev), None, dist.ReduceOp.MAX)) - len(bins)
+    if par.ep > 1:
+        n = int(parallel.all_reduce(torch.tensor(len(bins), device=par.device), None, dist.ReduceOp.MAX)) - len(bins)
     for idx in bins:
         mb = [items[i] for i in idx]
-        pv = [it["pixel_values"] for it in mb if it.get("pixel_values") is not None]
-        grid = [it["image_grid_thw"] for it in mb if it.get("image_grid_thw") is not None]
-        yield mb, dict(seqs=[it["ids"] for it in mb], loss_masks=[it["mask"] for it in mb],
+        pv = [it.pixel_values for it in mb if it.pixel_values is not None]
+        grid = [it.image_grid_thw for it in mb if it.image_grid_thw is not None]
+        yield mb, dict(seqs=[it.ids for it in mb], loss_masks=[it.mask for it in mb],
                        pixel_values=torch.cat(pv) if pv else None, image_grid_thw=torch.cat(grid) if grid else None)
     for _ in range(n):
         idle(models, backward)
@@ -408,7 +344,7 @@ def idle(models, backward):
         lp.sum().backward()  # zero gradients, but every layer's backward collectives run
 
 
-def expert_load(model, run):
+def expert_load(model):
     """MoE metrics of the step: expert_load (each expert's share of routed tokens, mean over
     layers, all ranks) and expert_load_max (the busiest expert's share x experts; 1.0 is even)."""
     load = model.expert_load()
@@ -427,9 +363,9 @@ def epoch_order(n, seed, epoch):
     return order
 
 
-def dp_shard(items, run):
+def dp_shard(items, par):
     """This data-parallel rank's share of a global batch (strided, so lengths stay balanced)."""
-    return items[run.dp_rank::run.dp]
+    return items[par.dp_rank::par.dp]
 
 
 @contextlib.contextmanager

@@ -123,17 +123,13 @@ def measure(a):
     if a.recompute_granularity:
         flags += ["--recompute-granularity", a.recompute_granularity, "--recompute-num-layers", str(a.recompute_num_layers)]
     args = sft.parse_args(flags)
-    model = M.load_model(a.hf_checkpoint, options=vars(args))
+    model = M.load_model(a.hf_checkpoint, M.ModelOptions.from_args(args))
     opt, sched = optim.build_optimizer(model, args, 10)
     seq = torch.randint(0, 1000, (a.max_tokens_per_gpu,), generator=torch.Generator().manual_seed(0))
     out = {}
     kept = saved_bytes(lambda: out.update(loss=-model([seq])[0].mean()), list(model.parameters()))
     out["loss"].backward()
-
-    class Run:
-        device, dp, tp = torch.device("cpu"), 1, 1
-        dp_group, tp_group = optim.parallel.dp_group(), optim.parallel.tp_group()
-    optim.optimizer_step(model, opt, sched, Run(), args)
+    optim.optimizer_step(model, opt, sched, model.par, args)
     inner = getattr(opt, "inner", opt)
     states = sum(t.numel() * t.element_size() for st in inner.state.values() for t in st.values()
                  if torch.is_tensor(t) and t.numel() > 1)

@@ -7,6 +7,7 @@ full gradient under its HF name to <out>/<term>.safetensors, with the loss in <o
     python tests/_grad_worker.py CKPT GEO3K_PARQUET --out DIR [--ref CKPT] [--tp N [--sp]] [--ep N] [--freeze-vit]
 """
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -57,31 +58,32 @@ def main():
                          "--tensor-model-parallel-size", str(a.tp), "--expert-model-parallel-size", str(a.ep),
                          "--max-tokens-per-gpu", a.max_tokens_per_gpu, "--overwrite"]
                         + (["--sequence-parallel"] if a.sp else []))
-    run = T.Run(args, "test")
-    model = M.load_model(a.ckpt, a.freeze_vit, options=vars(args))
-    ref = M.load_model(a.ref, True, options=vars(args)).eval() if a.ref else None
+    par, _ = T.start(args, "test")
+    opts = M.ModelOptions.from_args(args)
+    model = M.load_model(a.ckpt, dataclasses.replace(opts, freeze_vit=a.freeze_vit), par)
+    ref = M.load_model(a.ref, dataclasses.replace(opts, freeze_vit=True), par).eval() if a.ref else None
     from transformers import AutoProcessor
     items = samples(AutoProcessor.from_pretrained(a.ckpt), a.source)
     G.recompute_old(model, items, args)
     g = torch.Generator().manual_seed(1)
     for it in items:  # the engine's logprobs a little off the trainer's: some ratios clip
-        it["old"] = it["old"] + 0.3 * torch.randn(len(it["old"]), generator=g)
+        it.recomputed_logprobs = it.recomputed_logprobs + 0.3 * torch.randn(len(it.old), generator=g)
     terms = {"pg": {}, "entropy": dict(entropy_coef=1.0)}
     if ref is not None:
         terms["kl"] = dict(kl_loss_coef=1.0)
     for term, coefs in terms.items():
         targs = argparse.Namespace(**{**vars(args), **coefs})
-        mine = [dict(it, adv=it["adv"] if term == "pg" else 0.0) for it in T.dp_shard(items, run)]
+        mine = [dataclasses.replace(it, adv=it.adv if term == "pg" else 0.0) for it in T.dp_shard(items, par)]
         model.zero_grad(set_to_none=True)
-        stats = G.policy_loss(model, ref if term == "kl" else None, run, mine, targs, measure=False)
+        stats = G.policy_loss(model, ref if term == "kl" else None, par, mine, targs, measure=False)
         params = [q for q in model.parameters() if q.requires_grad]
         for q in params:
             if q.grad is None:
                 q.grad = torch.zeros_like(q)
-        optim.allreduce_grads([(q, q.grad) for q in params], run)
+        optim.allreduce_grads([(q, q.grad) for q in params], par)
         grads = {n: t.detach().cpu().contiguous() for n, t in convert.hf_tensors(model, grad=True)}
-        if run.rank == 0:
-            frozen = {n for n in grads if a.freeze_vit and n.startswith(model.vis_prefix)}
+        if par.rank == 0:
+            frozen = {n for n in grads if a.freeze_vit and n.startswith(model.names.vis_prefix)}
             save_file({n: t for n, t in grads.items() if n not in frozen}, str(out / f"{term}.safetensors"))
             (out / f"{term}.json").write_text(json.dumps({k: stats[k] for k in ("loss", "entropy", "kl", "clipfrac")}))
 

@@ -54,19 +54,19 @@ def main():
                          "--lr", "1e-3", "--decoupled-lr", "1e-2", "--loss-agg", a.agg]
                         + (["--kl-loss-coef", "0.1", "--kl-loss-type", "low_var_kl"] if a.ref else [])
                         + a.flags.split())
-    run = T.Run(args, "test")
-    model = M.load_model(a.ckpt, options=vars(args))
-    ref = M.load_model(a.ref, options=vars(args)).eval() if a.ref else None
+    par, _ = T.start(args, "test")
+    model = M.load_model(a.ckpt, M.ModelOptions.from_args(args), par)
+    ref = M.load_model(a.ref, M.ModelOptions.from_args(args), par).eval() if a.ref else None
     opt, sched = optim.build_optimizer(model, args, 2)
     items = samples(a.ckpt, a.source)[:a.items]
     G.recompute_old(model, items, args)  # old logprobs: the model's own, then moved so the clip engages
     g = torch.Generator().manual_seed(0)
     for it in items:
-        it["old"] = it["old"] + 0.3 * torch.randn(len(it["old"]), generator=g)
+        it.recomputed_logprobs = it.recomputed_logprobs + 0.3 * torch.randn(len(it.old), generator=g)
     for update in range(2):
-        stats = G.policy_loss(model, ref, run, T.dp_shard(items, run), args, measure=False)
-        stats.update(optim.optimizer_step(model, opt, sched, run, args))
-        if run.rank == 0:
+        stats = G.policy_loss(model, ref, par, T.dp_shard(items, par), args, measure=False)
+        stats.update(optim.optimizer_step(model, opt, sched, par, args))
+        if par.rank == 0:
             print(f"update={update} loss={stats['loss']!r} grad_norm={stats['grad_norm']!r} "
                   f"clipfrac={stats['clipfrac']!r} kl={stats['kl']!r}", flush=True)
     convert.save_hf(model, Path(a.save) / "final")

@@ -8,7 +8,6 @@ grad_norm_rel_err=<z>` per checkpoint. Every rank runs the same inputs, so with 
 reduction (optim.allreduce_grads: DP group, experts over expert-DP) divided by DP is the reference.
 """
 import argparse
-import types
 import os
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import convert  # noqa: E402
 import model as M  # noqa: E402
+from tools import check  # noqa: E402
 import optim  # noqa: E402
 import parallel  # noqa: E402
 
@@ -46,14 +46,14 @@ def grad_errors(model, hf, seqs, pv, grid, temp=0.7, reduce=None):
     ((lp * w).sum() + 0.3 * ent.sum()).backward()
     if reduce is not None:
         reduce(model)
-    logp = [F.log_softmax(z[:-1] / temp, -1)[m[1:]] for z, m in zip(M.hf_logits(hf, seqs, pv, grid), masks)]
+    logp = [F.log_softmax(z[:-1] / temp, -1)[m[1:]] for z, m in zip(check.hf_logits(hf, seqs, pv, grid), masks)]
     ref_lp = torch.cat([x.gather(1, s[1:][m[1:], None])[:, 0] for x, s, m in zip(logp, seqs, masks)])
     ref_ent = torch.cat([-(x.exp() * x).sum(-1) for x in logp])
     ((ref_lp * w).sum() + 0.3 * ref_ent.sum()).backward()
     ref = {canonical(n): p.grad for n, p in hf.named_parameters()}
     rel = {canonical(n): ((g - ref[canonical(n)]).norm() / ref[canonical(n)].norm()).item()
            for n, g in convert.hf_tensors(model, grad=True)}
-    agree = all(torch.equal(parallel.all_reduce(p.grad.clone(), model.tp_group, torch.distributed.ReduceOp.MAX), p.grad)
+    agree = all(torch.equal(parallel.all_reduce(p.grad.clone(), model.par.tp_group, torch.distributed.ReduceOp.MAX), p.grad)
                 for p in model.parameters()
                 if not getattr(p, "tensor_model_parallel", False) and getattr(p, "allreduce", True))
     model.zero_grad(set_to_none=True)
@@ -83,14 +83,13 @@ if __name__ == "__main__":
     p.add_argument("--sp", action="store_true")
     a = p.parse_args()
     tp = a.tp or int(os.environ.get("WORLD_SIZE", 1))
-    rank, world, device = parallel.init_distributed(tp, ep=a.ep)
-    run = types.SimpleNamespace(dp=parallel.dp_rank_size()[1], dp_group=parallel.dp_group(),
-                                tp_group=parallel.tp_group(), device=device)
+    par = parallel.init_distributed(tp, ep=a.ep)
+    rank, world, device = par.rank, par.world, par.device
     for d in a.ckpts:
         hf = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32)
         norms = []
-        model = M.load_model(d, options={"sequence_parallel": a.sp})
-        rel, ref, lp_diff, agree = grad_errors(model, hf, *M.check_inputs(d), reduce=lambda m: dp_reduce(m, run, norms))
+        model = M.load_model(d, M.ModelOptions(sequence_parallel=a.sp), par)
+        rel, ref, lp_diff, agree = grad_errors(model, hf, *check.check_inputs(d), reduce=lambda m: dp_reduce(m, par, norms))
         decay = {n: e for n, e in rel.items() if n.endswith(("A_log", "dt_bias"))}  # Qwen3.5's GDN decay:
         rel = {n: e for n, e in rel.items() if n not in decay}  # ill-conditioned in fp32 (tests/test_qwen3_5.py)
         worst = max(rel, key=rel.get)

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -52,37 +51,56 @@ def run(script, *args, preexec=None, timeout=600):
                           text=True, timeout=timeout, preexec_fn=preexec)
 
 
-def bare_run(save, **flags):
-    """A Run without the distributed start: the folder-keeping methods only."""
-    r = T.Run.__new__(T.Run)
-    r.rank, r.save = 0, Path(save)
-    r.args = Namespace(**dict(dict(load=None, overwrite=False, save=str(save)), **flags))
-    return r
-
-
 # ------------------------------------------------------------------ 6, 9, 11: flags at parse time
 GRPO = ["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x"]
 
 
 @pytest.mark.parametrize("entry,flags,named", [
-    ("train_grpo", ["--rollout-batch-size", "0"], "--rollout-batch-size 0"),
-    ("train_grpo", ["--n-samples-per-prompt", "0"], "--n-samples-per-prompt 0"),
+    ("train_grpo", ["--rollout-batch-size", "0"], "--rollout-batch-size: 0:"),
+    ("train_grpo", ["--n-samples-per-prompt", "0"], "--n-samples-per-prompt: 0:"),
     ("train_grpo", ["--n-samples-per-prompt", "1"], "--n-samples-per-prompt 1: a group of one"),
-    ("train_grpo", ["--num-rollout", "-2"], "--num-rollout -2"),
-    ("train_grpo", ["--rollout-temperature=-1"], "--rollout-temperature -1.0"),
-    ("train_grpo", ["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size 0"),
-    ("train_grpo", ["--max-context-len", "0"], "--max-context-len 0"),
-    ("train_grpo", ["--rollout-top-p", "1.5"], "--rollout-top-p 1.5"),
+    ("train_grpo", ["--num-rollout", "-2"], "--num-rollout: -2:"),
+    ("train_grpo", ["--rollout-temperature=-1"], "--rollout-temperature: -1:"),
+    ("train_grpo", ["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size: 0:"),
+    ("train_grpo", ["--max-context-len", "0"], "--max-context-len: 0:"),
+    ("train_grpo", ["--rollout-top-p", "1.5"], "--rollout-top-p: 1.5:"),
+    ("train_grpo", ["--rm-type", "gsm8k"], "--rm-type gsm8k: choose one of geo3k, math"),
     ("train_grpo", ["--rollout-engine", "local", "--sglang-mem-fraction-statc", "0.5"], "--mem-fraction-statc"),
-    ("sft", ["--global-batch-size", "0"], "--global-batch-size 0"),
-    ("sft", ["--num-epoch", "0"], "--num-epoch 0"),
-    ("sft", ["--lr", "nan"], "--lr nan"),
+    ("sft", ["--global-batch-size", "0"], "--global-batch-size: 0:"),
+    ("sft", ["--num-epoch", "0"], "--num-epoch: 0:"),
+    ("sft", ["--lr", "nan"], "--lr: nan:"),
 ])
 def test_bad_numeric_flags_fail_at_parse_time_naming_the_flag(entry, flags, named, capsys):
     mod = __import__(entry)
     with pytest.raises(SystemExit) as e:
         mod.parse_args(GRPO + flags)
     assert e.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_every_numeric_flag_declares_its_bound():
+    """A number flag's type is its bound (flags.at_least / flags.fraction), declared with the flag;
+    only the seed and --rollout-top-k (-1: off) take any integer."""
+    import argparse
+    import sft
+    import train_grpo
+    for mod in (train_grpo, sft):
+        box = {}
+
+        def grab(self, *a, **k):
+            box["parser"] = self
+            raise SystemExit(0)
+        parse, known = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
+        argparse.ArgumentParser.parse_args = argparse.ArgumentParser.parse_known_args = grab
+        try:
+            with pytest.raises(SystemExit):
+                mod.parse_args(GRPO)
+        finally:
+            argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args = parse, known
+        plain = sorted(a.option_strings[0] for a in box["parser"]._actions if a.type in (int, float))
+        assert set(plain) <= {"--rollout-top-k", "--seed"}, (mod.__name__, plain)
+        groups = [g.title for g in box["parser"]._action_groups if g._group_actions]
+        assert {"data and evaluation", "model and parallelism", "precision and memory", "optimizer",
+                "run folder"} <= set(groups), groups
 
 
 def test_a_checkpoint_is_periodic_by_default():
@@ -198,18 +216,18 @@ def test_a_fresh_start_never_mixes_with_an_earlier_run(tmp_path):
     (tmp_path / "iter_0000004" / "train_state" / "meta.json").write_text('{"step": 4}')
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 5)))
     with pytest.raises(SystemExit, match=f"--save {tmp_path} holds checkpoints.*--load {tmp_path}.*--overwrite"):
-        bare_run(tmp_path).start_fresh()
+        T.start_fresh(tmp_path, overwrite=False, load=None)
     assert (tmp_path / "iter_0000004").exists() and len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4
     # --load = --save with `latest` lost: the newest complete checkpoint, not a fresh start
-    assert bare_run(tmp_path, load=str(tmp_path)).find_checkpoint() == tmp_path / "iter_0000004"
-    bare_run(tmp_path, overwrite=True).start_fresh()
+    assert T.find_checkpoint(str(tmp_path), tmp_path) == tmp_path / "iter_0000004"
+    T.start_fresh(tmp_path, overwrite=True, load=None)
     assert not list(tmp_path.glob("iter_*")) and (tmp_path / "metrics.jsonl").read_text() == ""
 
 
 def test_resume_drops_a_torn_metrics_line_and_says_so(tmp_path, capsys):
     lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in range(1, 6)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n" + lines[0][:7])  # a full disk mid-line
-    bare_run(tmp_path).trim_metrics(4)
+    T.trim_metrics(tmp_path, 4)
     assert (tmp_path / "metrics.jsonl").read_text().splitlines() == lines[:4]
     assert "metrics.jsonl: dropped unreadable line(s) [6]" in capsys.readouterr().err
 

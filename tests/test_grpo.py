@@ -14,6 +14,8 @@ import pytest
 import torch
 
 import train_grpo as G
+import trainer as T
+from sglang_engine import COLOCATE_MEM_FRACTION, sglang_placement
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -217,10 +219,10 @@ class FakeModel(torch.nn.Module):
 def loss_items(old, adv, rollout_old=None):
     items = []
     for i, (o, a) in enumerate(zip(old, adv)):
-        it = dict(ids=torch.arange(len(o) + 2), mask=torch.tensor([False, False] + [True] * len(o)),
-                  pixel_values=None, image_grid_thw=None, adv=a, old=torch.tensor(o))
-        if rollout_old is not None:
-            it["rollout_old"] = torch.tensor(rollout_old[i])
+        it = T.Item(ids=torch.arange(len(o) + 2), mask=torch.tensor([False, False] + [True] * len(o)), adv=a,
+                    rollout_logprobs=torch.tensor(o))
+        if rollout_old is not None:  # o: what --recompute-logprobs computed; the engine's are rollout_old
+            it.rollout_logprobs, it.recomputed_logprobs = torch.tensor(rollout_old[i]), torch.tensor(o)
         items.append(it)
     return items
 
@@ -239,19 +241,19 @@ def test_policy_loss_aggregation_and_tis_by_hand(agg, tis, want):
     parallel.init_distributed(1)
     args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--loss-agg", agg,
                          "--tis-cap", str(tis), "--max-tokens-per-gpu", "1"])  # one sample a micro-batch
-    run = types.SimpleNamespace(dp=1, dp_group=None, device=torch.device("cpu"))
+    par = types.SimpleNamespace(dp=1, ep=1, dp_group=None, device=torch.device("cpu"))
     items = loss_items([[-1.0, -0.5], [-2.0]], [1.0, -1.0], [[-1.5, -0.5], [-1.0]] if tis else None)
     model = FakeModel([-0.6, -0.7, -2.0])
     model.offset = 0
     seen = []
 
     def forward(seqs, loss_masks, **kw):  # micro-batches come in pack order: find each sample's tokens
-        k = [i for i, it in enumerate(items) if torch.equal(it["mask"], loss_masks[0])][0]
+        k = [i for i, it in enumerate(items) if torch.equal(it.mask, loss_masks[0])][0]
         seen.append(k)
         model.offset = [0, 2][k]
         return FakeModel.forward(model, seqs, loss_masks, **kw)
     model.forward = forward
-    stats = G.policy_loss(model, None, run, items, args, measure=True)
+    stats = G.policy_loss(model, None, par, items, args, measure=True)
     assert sorted(seen) == [0, 1]
     assert stats["loss"] == pytest.approx(want, abs=1e-6)
     assert stats["clipfrac"] == pytest.approx(1 / 3 if agg == "token" else 0.25, abs=1e-6)
@@ -263,19 +265,19 @@ def test_placement_of_the_sglang_server():
     def args(*flags, extra=()):
         a = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", *flags, *extra])
         return a
-    flags, env = G.sglang_placement(args("--colocate"), True, 8, 4)
+    flags, env = sglang_placement(args("--colocate"), True, 8, 4)
     assert env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
-    assert flags == ["--enable-memory-saver", "--mem-fraction-static", str(G.COLOCATE_MEM_FRACTION), "--tp-size", "4"]
-    flags, env = G.sglang_placement(args("--rollout-num-gpus", "2", extra=["--sglang-dp-size", "2"]), True, 8, 6,
-                                    visible="3,4,5,6,7,0,1,2")
+    assert flags == ["--enable-memory-saver", "--mem-fraction-static", str(COLOCATE_MEM_FRACTION), "--tp-size", "4"]
+    flags, env = sglang_placement(args("--rollout-num-gpus", "2", extra=["--sglang-dp-size", "2"]), True, 8, 6,
+                                  visible="3,4,5,6,7,0,1,2")
     assert env == {"CUDA_VISIBLE_DEVICES": "1,2"} and flags == ["--dp-size", "2"]
     with pytest.raises(SystemExit, match="--rollout-num-gpus 4: this node has 8 GPUs and torchrun trains on 6"):
-        G.sglang_placement(args("--rollout-num-gpus", "4"), True, 8, 6)
+        sglang_placement(args("--rollout-num-gpus", "4"), True, 8, 6)
     with pytest.raises(SystemExit, match="--colocate .* --rollout-num-gpus"):
-        G.sglang_placement(args(), True, 8, 4)
-    assert G.sglang_placement(args(extra=["--sglang-device", "cpu"]), False, 0, 1) == (["--device", "cpu"], {})
+        sglang_placement(args(), True, 8, 4)
+    assert sglang_placement(args(extra=["--sglang-device", "cpu"]), False, 0, 1) == (["--device", "cpu"], {})
     with pytest.raises(SystemExit, match="--colocate needs CUDA"):  # release would kill a CPU server
-        G.sglang_placement(args("--colocate"), False, 0, 1)
+        sglang_placement(args("--colocate"), False, 0, 1)
 
 
 def test_colocated_distributed_weight_sync_is_refused_at_parse_time(capsys):
@@ -312,16 +314,16 @@ def test_dynamic_sampling_tops_up_through_the_trainer(processor, records):
             return outs
     base = ["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--rollout-batch-size", "3",
             "--n-samples-per-prompt", "2", "--dynamic-sampling"]
-    run = types.SimpleNamespace(rank=0, world=1, dp=1)
+    par = types.SimpleNamespace(rank=0, world=1, dp=1)
     for cap in (None, "4"):
         args = G.parse_args(base + (["--dynamic-sampling-max-prompts", cap] if cap else []))
         drawn = G.draw(recs, 0, args)
         assert len(drawn) == (12 if cap is None else 4) and len({r["index"] for r in drawn}) == len(drawn)
         assert drawn[:3] == G.draw(recs, 0, G.parse_args(base[:-1]))  # the batch's own prompts come first
         kept = min(3, sum(int(r["answer"]) % 3 == 0 for r in drawn))  # mixed groups there are to keep
-        (items,), m = G.rollout_step(0, run, Engine(), processor, recs, args)
+        (items,), m = G.rollout_step(0, par, Engine(), processor, recs, args)
         assert len(items) == 2 * kept and m["samples"] == 2 * kept, (cap, kept, len(items))
-        assert all(it["adv"] != 0 for it in items)  # only groups with mixed rewards
+        assert all(it.adv != 0 for it in items)  # only groups with mixed rewards
         if cap is None:  # the batch's own prompts hold fewer mixed groups: the over-sample filled it
             assert kept == 3 and sum(int(r["answer"]) % 3 == 0 for r in drawn[:3]) < 3
     assert kept < 3  # with the cap, the top-up stopped before the batch was full
@@ -339,12 +341,12 @@ def test_step_where_every_sample_failed(processor, records, capsys):
                     for _ in batch]
     args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--rollout-batch-size", "2",
                          "--n-samples-per-prompt", "2"])
-    run = types.SimpleNamespace(rank=0, world=1, dp=1)
-    items, m = G.rollout_step(0, run, Failing(), processor, records, args)
+    par = types.SimpleNamespace(rank=0, world=1, dp=1)
+    items, m = G.rollout_step(0, par, Failing(), processor, records, args)
     assert items == [None] and m["failed_frac"] == 1.0 and m["samples"] == 4
     assert "step 1: no trainable sample among 4 (SGLang /generate -> HTTP 500: IndexError): update skipped" \
         in capsys.readouterr().out
-    stats = G.train_step(torch.nn.Linear(1, 1), None, None, None, run, items, args, updates=1)  # no step taken
+    stats = G.train_step(torch.nn.Linear(1, 1), None, None, None, par, items, args, updates=1)  # no step taken
     assert stats == {"updates_skipped": 1}
 
 
@@ -364,9 +366,9 @@ def test_colocated_engine_steps_aside_for_every_rank(monkeypatch):
     for rank, want in ((0, ["release", "barrier", "empty_cache", "barrier", "resume"]),
                        (1, ["barrier", "empty_cache", "barrier"])):
         events.clear()
-        run = types.SimpleNamespace(rank=rank)
-        G.step_aside(run, engine)
-        assert G.step_back(run, engine) == {"gpu_train_peak_gib": 40.0, "gpu_held_at_resume_gib": 1.0}
+        par = types.SimpleNamespace(rank=rank)
+        G.step_aside(par, engine)
+        assert G.step_back(par, engine) == {"gpu_train_peak_gib": 40.0, "gpu_held_at_resume_gib": 1.0}
         assert events == want, (rank, events)
 
 
@@ -379,7 +381,6 @@ def test_each_rank_builds_todays_items_from_only_its_share(processor, records):
     import random
     import types
     import rollout
-    import trainer as T
     from test_rollout import ANSWER, CROP_CALL, ScriptedEngine
     args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--max-turns", "3",
                          "--n-samples-per-prompt", "4", "--global-batch-size", "6", "--rollout-max-response-len", "400"])
@@ -401,8 +402,9 @@ def test_each_rank_builds_todays_items_from_only_its_share(processor, records):
             want = T.dp_shard(before[u * 6:(u + 1) * 6], types.SimpleNamespace(dp_rank=r, dp=dp))
             assert len(got) == len(want) == 3
             for g, w in zip(got, want):
-                assert g.keys() == w.keys() and g["adv"] == w["adv"]
-                assert all(torch.equal(g[k], w[k]) for k in ("ids", "mask", "old", "pixel_values", "image_grid_thw"))
+                assert g.adv == w.adv and g.recomputed_logprobs is w.recomputed_logprobs is None
+                assert all(torch.equal(getattr(g, k), getattr(w, k))
+                           for k in ("ids", "mask", "rollout_logprobs", "pixel_values", "image_grid_thw"))
         shared = {id(s.images[0]) for part in mine for s, _ in part}  # a prompt's image travels once,
         assert len(shared) <= 3 < sum(len(part) for part in mine)     # not once per sample
         print(f"rank {r}: {len(payload)} bytes; every item broadcast: {whole}")

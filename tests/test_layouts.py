@@ -121,7 +121,8 @@ DDP_WORKER = """
 import sys, types
 sys.path.insert(0, sys.argv[2])
 import torch, optim, parallel, model as M
-rank, world, _ = parallel.init_distributed(1)
+par = parallel.init_distributed(1)
+rank = par.rank
 m = M.load_model(sys.argv[1])
 args = types.SimpleNamespace(accumulate_allreduce_grads_in_fp32=False, use_distributed_optimizer=False)
 ddp = optim.megatron_ddp(m, args)  # the CUDA path's reduce (it runs on CPU over gloo too)
@@ -130,7 +131,7 @@ for p in m.parameters():
 with parallel.megatron_on_cpu():
     ddp.finish_grad_sync()
 grads = [(p, torch.full_like(p, rank + 1.0)) for p in m.parameters()]  # the CPU path's reduce
-optim.allreduce_grads(grads, types.SimpleNamespace(dp_group=parallel.dp_group()))
+optim.allreduce_grads(grads, par)
 assert all(torch.equal(p.main_grad, g) for p, g in grads), "the paths differ"
 print("summed", float(next(m.parameters()).main_grad.flatten()[0]))
 """

@@ -16,6 +16,7 @@ from conftest import ROOT
 
 import convert
 import model as M
+from tools import check
 import parallel
 from _model_tp_worker import grad_errors
 
@@ -37,7 +38,7 @@ def setup(tiny_ckpt):
         if key not in made:
             d = tiny_ckpt(arch, **sizes)
             hf = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32)
-            made[key] = d, M.load_model(d), hf, M.check_inputs(d)
+            made[key] = d, M.load_model(d), hf, check.check_inputs(d)
         return made[key]
     return get
 
@@ -53,7 +54,7 @@ def test_logits_match_transformers(setup, arch):
     assert len(seqs) >= 3 and len(grid) == 3 and len({tuple(g) for g in grid.tolist()}) == 2
     assert any((s == hf.config.image_token_id).sum() == 0 for s in seqs)  # a text-only sequence
     with torch.no_grad():
-        ours, ref = model.logits(seqs, pv, grid), M.hf_logits(hf, seqs, pv, grid)
+        ours, ref = model.logits(seqs, pv, grid), check.hf_logits(hf, seqs, pv, grid)
     diff = max((a - b).abs().max().item() for a, b in zip(ours, ref))
     print(f"{arch} TP=1 max_abs_logit_diff={diff:.3g}")
     assert diff <= 1e-4
@@ -143,10 +144,10 @@ def test_save_hf_loads_in_transformers(setup, arch, tmp_path):
     assert len(json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())["weight_map"]) == len(source_tensors(d))
     AutoProcessor.from_pretrained(tmp_path / "one")  # tokenizer, processor and template came along
     with torch.no_grad():
-        ref = M.hf_logits(hf, seqs, pv, grid)
+        ref = check.hf_logits(hf, seqs, pv, grid)
         for sub in ("one", "sharded"):
             again = AutoModelForImageTextToText.from_pretrained(tmp_path / sub, dtype=torch.float32)
-            for a, b in zip(M.hf_logits(again, seqs, pv, grid), ref):
+            for a, b in zip(check.hf_logits(again, seqs, pv, grid), ref):
                 assert torch.equal(a, b)
     src = source_tensors(d)  # and our own loader reads the sharded layout back
     assert all(torch.equal(t, src[n]) for n, t in convert.hf_tensors(M.load_model(tmp_path / "sharded")))
@@ -164,11 +165,12 @@ def test_image_token_mismatch_is_an_error(setup):
 
 def test_init_is_idempotent_and_tp_attributes(setup):
     d, model, _, _ = setup("qwen3_vl")
-    assert parallel.init_distributed(1) == parallel.init_distributed(2) == (0, 1, torch.device("cpu"))
+    first, second = parallel.init_distributed(1), parallel.init_distributed(2)
+    assert first == second and (first.rank, first.world, first.device, first.tp) == (0, 1, torch.device("cpu"), 1)
     par = {n for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)}
     assert any("linear_qkv.weight" in n for n in par) and any("word_embeddings" in n for n in par)
     assert not any(n.startswith("visual.") or "layernorm" in n for n in par)
-    frozen = M.load_model(d, freeze_vit=True)
+    frozen = M.load_model(d, M.ModelOptions(freeze_vit=True))
     assert not any(p.requires_grad for p in frozen.visual.parameters())
     assert all(p.requires_grad for p in frozen.language_model.parameters())
 
@@ -237,7 +239,7 @@ def test_tiny_with_a_real_configs_structure(tiny_ckpt, name):
     d = tiny_ckpt(arch, **sizes)
     assert "lm_head.weight" not in convert.weight_files(d)
     parallel.init_distributed(1)
-    assert M.check(d) <= 1e-4
+    assert check.check(d) <= 1e-4
     if name.startswith("Qwen2.5"):  # 8 query heads per KV head, split over TP (the 2:1 case: test_tp2_*)
         lines = torchrun2("model.py", "check", "--hf-checkpoint", d)
         assert "export_exact=True" in lines[-2] and float(lines[-1].split("=")[1]) <= 1e-4

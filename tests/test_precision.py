@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import model as M
+from tools import check
 import optim
-import parallel
 import sft as S
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,7 +19,7 @@ GRPO_LOSS_BOUND = 2e-3  # absolute; measured <= 2.4e-4, while the first update m
 
 
 def inputs(ckpt):
-    seqs, pv, grid = M.check_inputs(ckpt)
+    seqs, pv, grid = check.check_inputs(ckpt)
     masks = [torch.arange(len(s)) > len(s) // 2 for s in seqs]  # score the second half of each
     return seqs, pv, grid, masks
 
@@ -35,21 +35,14 @@ def args_for(ckpt, *flags):
                          "--decoupled-lr", "1e-2", "--clip-grad", "1.0", *flags])
 
 
-class Run:  # what optimizer_step reads of trainer.Run, for a one-process world
-    def __init__(self):
-        parallel.init_distributed()
-        self.device, self.dp, self.tp = torch.device("cpu"), 1, 1
-        self.dp_group, self.tp_group = parallel.dp_group(), parallel.tp_group()
-
-
 def one_update(ckpt, *flags):
     """(loss before, loss after) one optimizer step on the same batch."""
     args = args_for(ckpt, *flags)
-    model, batch = M.load_model(ckpt, options=vars(args)), inputs(ckpt)
+    model, batch = M.load_model(ckpt, M.ModelOptions.from_args(args)), inputs(ckpt)
     opt, sched = optim.build_optimizer(model, args, 10)
     before = loss_of(model, batch)
     before.backward()
-    optim.optimizer_step(model, opt, sched, Run(), args)
+    optim.optimizer_step(model, opt, sched, model.par, args)
     with torch.no_grad():
         return before.item(), loss_of(model, batch).item(), model
 
@@ -59,7 +52,7 @@ def test_bf16_logits_within_bound_of_fp32(tiny_ckpt):
     seqs, pv, grid, _ = inputs(ck)
     with torch.no_grad():
         f32 = M.load_model(ck).logits(seqs, pv, grid)
-        b16_model = M.load_model(ck, options={"bf16": True})
+        b16_model = M.load_model(ck, M.ModelOptions(bf16=True))
         b16 = b16_model.logits(seqs, pv, grid)
     assert next(b16_model.parameters()).dtype == torch.bfloat16
     assert b16_model.inv_freq.dtype == torch.float32  # RoPE angles stay fp32
@@ -97,8 +90,8 @@ def test_recompute_gives_the_same_gradients(tiny_ckpt, flags):
     ck = tiny_ckpt("qwen3_vl")
     batch = inputs(ck)
     grads = []
-    for opts in (vars(args_for(ck)), vars(args_for(ck, *flags))):
-        model = M.load_model(ck, options=opts)
+    for args in (args_for(ck), args_for(ck, *flags)):
+        model = M.load_model(ck, M.ModelOptions.from_args(args))
         loss_of(model, batch).backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and grads[0]
@@ -109,21 +102,15 @@ def test_recompute_gives_the_same_gradients(tiny_ckpt, flags):
 def test_selective_recompute_on_cpu_is_a_clear_error(tiny_ckpt):
     ck = tiny_ckpt("qwen3_vl")
     with pytest.raises(SystemExit, match="selective.*needs CUDA"):
-        M.load_model(ck, options={"recompute_granularity": "selective"})
+        M.load_model(ck, M.ModelOptions(recompute_granularity="selective"))
 
 
 def test_recompute_plan():
-    m = M.MegatronVLM.__new__(M.MegatronVLM)
-    torch.nn.Module.__init__(m)
-    m.language_model = torch.nn.Module()
-    m.language_model.decoder = torch.nn.Module()
-    m.language_model.decoder.layers = torch.nn.ModuleList([torch.nn.Identity() for _ in range(5)])
     for recompute, want in [((None, "uniform", 1), [(0, 5, False)]),
                             (("selective", "uniform", 1), [(0, 5, False)]),
                             (("full", "uniform", 2), [(0, 2, True), (2, 4, True), (4, 5, True)]),
                             (("full", "block", 2), [(0, 1, True), (1, 2, True), (2, 5, False)])]:
-        m.recompute = recompute
-        assert m._chunks() == want, recompute
+        assert M.recompute_plan(5, *recompute) == want, recompute
 
 
 @pytest.mark.slow  # four GRPO workers, two under torchrun: ~4 min on 2 busy cores

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import convert
 import model as M
+from tools import check
 import parallel
 import qwen3_5
 from _model_tp_worker import grad_errors
@@ -39,7 +40,7 @@ def setup(tiny_ckpt):
         if arch not in made:
             d = tiny_ckpt(arch)
             hf = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32)
-            made[arch] = d, M.load_model(d), hf, M.check_inputs(d)
+            made[arch] = d, M.load_model(d), hf, check.check_inputs(d)
         return made[arch]
     return get
 
@@ -158,7 +159,7 @@ def gdn_collectives():
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.tensor_parallel import layers, mappings
     from megatron.core.transformer import TransformerConfig
-    rank, _, _ = parallel.init_distributed(2)
+    rank = parallel.init_distributed(2).rank
     calls = collections.Counter()
 
     def counted(kind, fn):

@@ -165,10 +165,10 @@ def test_optimizer_groups_decoupled_lr_and_decay(decoupled):
     """--decoupled-lr sets the token embedding and output layer apart; the schedule scales every
     group alike; norms and biases never decay."""
     import argparse
+    import flags as F
     import optim
-    import trainer as T
     p = argparse.ArgumentParser()
-    T.add_train_args(p)
+    F.add_train_args(p)
     args = p.parse_args(["--save", "x", "--hf-checkpoint", "x", "--prompt-data", "x", "--lr", "1e-4",
                          "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--weight-decay", "0.1"]
                         + (["--decoupled-lr", str(decoupled)] if decoupled else []))

@@ -13,27 +13,28 @@ from pathlib import Path
 
 import pytest
 
+import flags
 import rollout
 from fake_sglang import fake_output, weights_digest
-from sglang_engine import collapse_image_pads, read_image_token_id
+from sglang_engine import collapse_image_pads, read_image_token_id, sglang_server_args
 from conftest import rollout_args
 from test_rollout import load_model
 
 FAKE = str(Path(__file__).with_name("fake_sglang.py"))
 
 def test_sglang_server_args():
-    assert rollout.sglang_server_args([]) == []
-    assert rollout.sglang_server_args(["--sglang-mem-fraction-static", "0.7", "--sglang-tp-size=2",
+    assert sglang_server_args([]) == []
+    assert sglang_server_args(["--sglang-mem-fraction-static", "0.7", "--sglang-tp-size=2",
                                        "--sglang-cuda-graph-bs", "1", "2", "4", "--sglang-enable-memory-saver",
                                        "--sglang-mm-attention-backend", "sdpa"]) == [
         "--mem-fraction-static", "0.7", "--tp-size", "2", "--cuda-graph-bs", "1", "2", "4",
         "--enable-memory-saver", "--mm-attention-backend", "sdpa"]
     with pytest.raises(SystemExit, match="--lr-typo"):
-        rollout.sglang_server_args(["--lr-typo", "1"])
+        sglang_server_args(["--lr-typo", "1"])
     import argparse
-    p = rollout.add_rollout_args(argparse.ArgumentParser(allow_abbrev=False))
+    p = flags.add_rollout_args(argparse.ArgumentParser(allow_abbrev=False))
     a, rest = p.parse_known_args(["--max-turns", "3", "--sglang-tp-size", "2", "--rollout-engine", "local"])
-    assert a.max_turns == 3 and a.rollout_engine == "local" and rollout.sglang_server_args(rest) == ["--tp-size", "2"]
+    assert a.max_turns == 3 and a.rollout_engine == "local" and sglang_server_args(rest) == ["--tp-size", "2"]
 
 
 # ---------------------------------------------------------------------------------- SGLang engine
@@ -72,8 +73,8 @@ def test_sglang_protocol_and_weight_sync(ckpt, processor, records, tmp_path):
         # the dtype said explicitly (SGLang's auto would serve this float32 checkpoint in float16), and
         # the vision-feature cache off (it would outlive weight updates)
         assert ("passthrough=[\"--mem-fraction-static\", \"0.5\", \"--cuda-graph-bs\", \"1\", \"2\", "
-                "\"--dtype\", \"float32\"]") in eng.log_tail()
-        assert "starting: SGLANG_VLM_CACHE_SIZE_MB=0 " in eng.log_tail()
+                "\"--dtype\", \"float32\"]") in eng.server.log_tail()
+        assert "starting: SGLANG_VLM_CACHE_SIZE_MB=0 " in eng.server.log_tail()
         samples = rollout.run_episodes(eng, processor, records[:2], rollout_args(rollout_max_response_len=64))
         digest = weights_digest(ckpt)
         for s in samples:
@@ -101,7 +102,7 @@ def test_sglang_protocol_and_weight_sync(ckpt, processor, records, tmp_path):
         bad = eng.generate([{"input_ids": [1, pad, 2, pad, 3], "images": samples[0].images}],
                            dict(max_new_tokens=4))[0]
         assert bad["finish"] == "abort" and "HTTP 500" in bad["error"]
-        assert "IndexError: index 1 is out of bounds" in eng.log_tail()
+        assert "IndexError: index 1 is out of bounds" in eng.server.log_tail()
         sync = [r for r in read_record(rec) if r["path"] == "/update_weights_from_disk"][-1]["json"]
         assert sync == {"model_path": str(tmp_path / "weights" / "a")}
         new = eng.generate([{"input_ids": samples[0].prompt_ids, "images": samples[0].images}],
@@ -129,7 +130,7 @@ def test_fake_expands_like_stock(ckpt, processor, records, tmp_path):
     """The fake server expands one pad per image by the checkpoint's processor and refuses what
     stock refuses: an expanded run (IndexError), a pad after an image's pads (AssertionError)."""
     import data
-    from sglang_engine import ServerError
+    from sglang_server import ServerError
     eng, rec = sglang(ckpt, tmp_path)
     try:
         pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -141,8 +142,8 @@ def test_fake_expands_like_stock(ckpt, processor, records, tmp_path):
         uris = [data.image_to_data_uri(im) for im in ims]
 
         def post(ids, images):
-            return eng._post("/generate", {"input_ids": ids, "image_data": images, "return_logprob": True,
-                                           "sampling_params": {"max_new_tokens": 2}})
+            return eng.server.post("/generate", {"input_ids": ids, "image_data": images, "return_logprob": True,
+                                                  "sampling_params": {"max_new_tokens": 2}})
         assert post(one, uris)["meta_info"]["prompt_tokens"] == len(expanded)
         assert post(one, uris * 2)["meta_info"]["prompt_tokens"] == len(expanded)  # stock ignores extras
         at = one.index(pad)
@@ -150,7 +151,7 @@ def test_fake_expands_like_stock(ckpt, processor, records, tmp_path):
         for ids, images, error in ((expanded, uris, "IndexError"), (twice, uris * 2, "AssertionError")):
             with pytest.raises(ServerError, match="HTTP 500: Internal Server Error"):
                 post(ids, images)
-            assert error in eng.log_tail(2)
+            assert error in eng.server.log_tail(2)
     finally:
         eng.shutdown()
 
@@ -158,19 +159,19 @@ def test_fake_expands_like_stock(ckpt, processor, records, tmp_path):
 def test_failed_weight_update_raises_the_servers_message(ckpt, tmp_path):
     eng, rec = sglang(ckpt, tmp_path, env={"CUDA_VISIBLE_DEVICES": "3", "FAKE_TAG": "x y"})
     try:
-        environ = Path(f"/proc/{eng.proc.pid}/environ").read_bytes().split(b"\0")
+        environ = Path(f"/proc/{eng.server.proc.pid}/environ").read_bytes().split(b"\0")
         assert b"CUDA_VISIBLE_DEVICES=3" in environ and b"FAKE_TAG=x y" in environ  # env reaches the server
         state = load_model(ckpt).state_dict()
         eng.update_weights([[(k, v * 1.01) for k, v in state.items()]])
-        good = eng.model_path
+        good = eng.server.model_path
         digest = weights_digest(good)
         with pytest.raises(RuntimeError, match=r"HTTP 400\): \S+ is not a checkpoint folder"):
             eng.update_weights([])  # no tensors: the fake refuses the folder, as stock refuses a bad one
         # a restart would still come up from the last good weights, untouched by the failed sync
-        assert eng.model_path == good == str(tmp_path / "weights" / "a") and weights_digest(good) == digest
+        assert eng.server.model_path == good == str(tmp_path / "weights" / "a") and weights_digest(good) == digest
         assert [r["path"] for r in read_record(rec)] == ["/update_weights_from_disk"] * 2
         eng.update_weights([list(state.items())])  # the next sync takes the other folder again
-        assert eng.model_path == str(tmp_path / "weights" / "b")
+        assert eng.server.model_path == str(tmp_path / "weights" / "b")
     finally:
         eng.shutdown()
 
@@ -178,7 +179,7 @@ def test_failed_weight_update_raises_the_servers_message(ckpt, tmp_path):
 def test_sglang_killed_mid_rollout_restarts_and_retries(ckpt, tmp_path):
     eng, rec = sglang(ckpt, tmp_path, "--fake-delay", "1.5", "--fake-children", "2",
                       env={"CUDA_VISIBLE_DEVICES": "1"})
-    pgids = [eng.proc.pid]
+    pgids = [eng.server.proc.pid]
     try:
         items = [(k, v * 1.01) for k, v in load_model(ckpt).state_dict().items()]
         eng.update_weights([items])
@@ -188,14 +189,14 @@ def test_sglang_killed_mid_rollout_restarts_and_retries(ckpt, tmp_path):
         killer.start()
         outs = eng.generate(batch, dict(temperature=1.0, max_new_tokens=16))
         killer.join()
-        assert eng.restarts == 1
-        pgids.append(eng.proc.pid)
+        assert eng.server.restarts == 1
+        pgids.append(eng.server.proc.pid)
         for item, out in zip(batch, outs):  # every request answered once, in order, by the new weights
             assert out["ids"] == fake_output(item["input_ids"], 16, digest)[0] and out["finish"] == "stop"
         gens = [r for r in read_record(rec) if r["path"] == "/generate"]
         assert len({r["pid"] for r in gens}) == 2 and 8 < len(gens) <= 16  # retried on the new server
-        assert eng.model_path == str(tmp_path / "weights" / "a")  # restarted from the synced weights
-        assert b"CUDA_VISIBLE_DEVICES=1" in Path(f"/proc/{eng.proc.pid}/environ").read_bytes().split(b"\0")
+        assert eng.server.model_path == str(tmp_path / "weights" / "a")  # restarted from the synced weights
+        assert b"CUDA_VISIBLE_DEVICES=1" in Path(f"/proc/{eng.server.proc.pid}/environ").read_bytes().split(b"\0")
     finally:
         eng.shutdown()
     assert all(group_members(g) == [] for g in pgids), [group_members(g) for g in pgids]
@@ -204,7 +205,7 @@ def test_sglang_killed_mid_rollout_restarts_and_retries(ckpt, tmp_path):
 def test_sglang_start_failures_quote_log_and_leave_nothing(ckpt, tmp_path):
     with pytest.raises(RuntimeError, match="failing to start as asked"):
         sglang(ckpt, tmp_path / "a", "--fake-startup", "-1")
-    from sglang_engine import _LIVE
+    from sglang_server import _LIVE
     before = set(_LIVE)
     # 15 s: time for the fake to start and print its children on a loaded machine (2 s was flaky)
     with pytest.raises(RuntimeError, match="not healthy after 15s") as e:
@@ -221,7 +222,7 @@ sys.path[:0] = [{root!r}]
 from sglang_engine import SGLangEngine
 eng = SGLangEngine({ckpt!r}, sys.argv[2], server_args=["--fake-children", "1"],
                    launch_cmd=[sys.executable, {fake!r}], timeout=60)
-print(eng.proc.pid, flush=True)
+print(eng.server.proc.pid, flush=True)
 if sys.argv[1] == "exit":
     sys.exit(0)
 if sys.argv[1] == "error":
@@ -284,7 +285,7 @@ def test_sync_after_the_start_checkpoint_is_pruned(ckpt, tmp_path):
         shutil.rmtree(start)  # pruned
         items = [(k, v * 1.01) for k, v in load_model(ckpt).state_dict().items()]
         assert eng.update_weights([items]) == len(items)
-        synced = Path(eng.model_path)
+        synced = Path(eng.server.model_path)
         assert (synced / "config.json").read_bytes() == (Path(ckpt) / "config.json").read_bytes()
     finally:
         eng.shutdown()
@@ -322,9 +323,9 @@ def test_weight_sync_without_the_disk_is_bit_exact(mode, ckpt, tmp_path):
         assert all(b["flush_cache"] is False for b in bodies)
         item = {"input_ids": [151644, 100, 151645], "images": []}
         assert "error" not in eng.generate([item], dict(max_new_tokens=4))[0]
-        os.killpg(eng.proc.pid, signal.SIGKILL)
+        os.killpg(eng.server.proc.pid, signal.SIGKILL)
         out = eng.generate([item], dict(max_new_tokens=4))[0]  # restart + retry: launch weights
-        assert eng.restarts == 1 and out["finish"] == "abort" and "launch weights" in out["error"]
+        assert eng.server.restarts == 1 and out["finish"] == "abort" and "launch weights" in out["error"]
         eng.update_weights(convert.export_hf(model))  # a new group too, for "distributed"
         assert "error" not in eng.generate([item], dict(max_new_tokens=4))[0]
         assert torch.equal(load_file(str(dump / "update_1.safetensors"))[next(iter(want))], want[next(iter(want))])
@@ -338,7 +339,8 @@ sys.path.insert(0, sys.argv[1])
 import torch, parallel, model as M, train_grpo as G
 from sglang_engine import SGLangEngine
 ckpt, run_dir, fake = sys.argv[2:5]
-rank, world, _ = parallel.init_distributed(1)
+par = parallel.init_distributed(1)
+rank, world = par.rank, par.world
 m = M.load_model(ckpt)
 eng = None
 if rank == 0:  # the server's TP is 2: one blob a server TP rank

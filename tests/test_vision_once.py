@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import model as M
+from tools import check
 import parallel
 
 
@@ -16,7 +17,7 @@ def test_vision_tower_once_per_distinct_image(tiny_ckpt, arch, monkeypatch):
     parallel.init_distributed(1)
     d = tiny_ckpt(arch)
     m = M.load_model(d)
-    seqs, pix, grid = M.check_inputs(d)       # images A | none | B, A: A twice
+    seqs, pix, grid = check.check_inputs(d)       # images A | none | B, A: A twice
     seqs, pix, grid = seqs * 2, torch.cat([pix, pix]), torch.cat([grid, grid])   # A x4, B x2
     seen = []
     m.visual.register_forward_pre_hook(lambda mod, args, kw: seen.append(len(kw["grid_thw"])), with_kwargs=True)

@@ -1,0 +1,123 @@
+"""The flags both trainers take, in groups, each with its bound (named as in slime / Megatron).
+A value out of bounds is the parser's error naming the flag and the value, before any work:
+
+    p.add_argument("--lr", type=at_least(0.0), ...)     # a float >= 0 (NaN fails too)
+    p.add_argument("--adam-beta1", type=fraction, ...)  # a float in [0, 1]
+"""
+import argparse
+
+
+def at_least(low):
+    """argparse type: a number (int when `low` is an int, else float) >= low."""
+    kind = type(low)
+
+    def parse(text):
+        v = kind(text)
+        if not v >= low:  # NaN fails too
+            raise argparse.ArgumentTypeError(f"{text}: must be >= {low}")
+        return v
+    parse.__name__ = kind.__name__  # argparse's "invalid int value" wording for a non-number
+    return parse
+
+
+def fraction(text):
+    """argparse type: a float in [0, 1]."""
+    v = float(text)
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be in [0, 1]")
+    return v
+
+
+fraction.__name__ = "float"
+POSITIVE, COUNT = at_least(1), at_least(0)  # steps, sizes / intervals where 0 means "off" or "only at the end"
+
+
+def add_train_args(p):
+    """The groups both trainers share; train_grpo.py adds add_rollout_args and its own."""
+    g = p.add_argument_group("data and evaluation").add_argument
+    g("--prompt-data", required=True, help="training data: hub id, .parquet, .jsonl or folder")
+    g("--input-key", default="problem", help="column holding the problem text")
+    g("--label-key", default="answer", help="column holding the answer")
+    g("--split", default=None, help="split of a hub id or folder (default: train)")
+    g("--max-bad-frac", type=fraction, default=0.01, help="stop when more data rows than this are unusable")
+    g("--allow-image-urls", action="store_true", help="fetch http(s) images named in data rows "
+      "(at most data.URL_MAX_BYTES each); off: such rows are bad rows")
+    g("--allow-outside-paths", action="store_true",
+      help="let image paths in data rows leave the data set's folder (absolute paths, ..)")
+    g("--eval-prompt-data", default=None, help="evaluation data (same forms as --prompt-data)")
+    g("--eval-split", default="test", help="split of --eval-prompt-data when it is a hub id or folder")
+    g("--eval-interval", type=COUNT, default=0, help="evaluate every N steps (0: only at the end)")
+    g("--eval-samples", type=COUNT, default=64, help="evaluate on the first N eval problems")
+
+    g = p.add_argument_group("model and parallelism").add_argument
+    g("--hf-checkpoint", required=True, help="Hugging Face checkpoint folder to start from")
+    g("--freeze-vit", action="store_true", help="keep the vision tower fixed")
+    g("--tensor-model-parallel-size", type=POSITIVE, default=1, help="Megatron TP size")
+    g("--sequence-parallel", action="store_true", help="split the sequence over TP ranks outside attention "
+      "(Megatron's; required for MoE with TP > 1)")
+    g("--expert-model-parallel-size", type=POSITIVE, default=1, help="EP: MoE experts split over this many ranks "
+      "(expert-TP 1; expert-DP = world / EP)")
+    g("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall"],
+      help="how tokens reach their experts' ranks (alltoall: GPU only in megatron-core 0.16)")
+    g("--moe-router-dtype", default="fp32", choices=["fp32", "fp64"], help="router logits and softmax dtype")
+    g("--moe-aux-loss-coeff", type=at_least(0.0), default=0.0, help="load-balancing auxiliary loss weight (0: off)")
+    g("--transformer-impl", default=None, choices=["transformer_engine", "local"],
+      help="Megatron layer spec (default: transformer_engine on CUDA, an error if it cannot load; local on CPU)")
+    g("--distributed-timeout-minutes", type=POSITIVE, default=60,
+      help="collective timeout: rank 0 loads data, starts SGLang and evaluates while the others wait")
+
+    g = p.add_argument_group("precision and memory").add_argument
+    g("--bf16", action="store_true", help="compute in bf16 with fp32 master weights (optim.py); logprobs and loss in fp32")
+    g("--accumulate-allreduce-grads-in-fp32", action="store_true", help="with --bf16: gradients accumulated and reduced in fp32")
+    g("--use-distributed-optimizer", action="store_true", help="shard master weights and Adam states over DP ranks")
+    g("--recompute-granularity", default=None, choices=["full", "selective"],
+      help="recompute activations in backward: whole layers (full) or core attention only (selective)")
+    g("--recompute-method", default="uniform", choices=["uniform", "block"],
+      help="full: checkpoint every chunk of --recompute-num-layers layers (uniform), or only the first that many (block)")
+    g("--recompute-num-layers", type=POSITIVE, default=1, help="layers per recomputed chunk (uniform) or recomputed layers (block)")
+    g("--max-tokens-per-gpu", type=POSITIVE, default=4096, help="token budget of one packed micro-batch")
+
+    g = p.add_argument_group("optimizer").add_argument
+    g("--global-batch-size", type=POSITIVE, default=16, help="samples per optimizer step, all ranks")
+    g("--lr", type=at_least(0.0), default=1e-6, help="peak learning rate")
+    g("--min-lr", type=at_least(0.0), default=0.0, help="floor of the cosine decay")
+    g("--decoupled-lr", type=at_least(0.0), default=None,
+      help="peak lr of the token embedding and output layer (Megatron's flag; default: --lr); "
+           "the schedule scales it as it scales --lr")
+    g("--lr-warmup-iters", type=COUNT, default=0, help="linear warmup steps")
+    g("--lr-decay-style", default="constant", choices=["constant", "cosine"], help="after warmup")
+    g("--weight-decay", type=at_least(0.0), default=0.0, help="AdamW weight decay (not on norms/biases)")
+    g("--adam-beta1", type=fraction, default=0.9)
+    g("--adam-beta2", type=fraction, default=0.98)
+    g("--clip-grad", type=at_least(0.0), default=1.0, help="clip the global grad norm to this (0: off)")
+    g("--seed", type=int, default=1234)
+
+    g = p.add_argument_group("run folder").add_argument
+    g("--save", required=True, help="run folder: metrics.jsonl, config, checkpoints")
+    g("--load", default=None, help="resume from the latest checkpoint in this run folder")
+    g("--overwrite", action="store_true", help="start fresh in a --save folder that holds an earlier "
+      "run: its checkpoints and metrics are deleted (without it: an error, unless --load resumes)")
+    g("--save-interval", type=COUNT, default=50, help="checkpoint every N steps (0: only at the end)")
+    g("--save-keep", type=COUNT, default=3, help="keep the newest N checkpoints in --save (0: keep all)")
+    g("--wandb-project", default=None, help="log to wandb too, when it is installed")
+
+
+def add_rollout_args(p):
+    g = p.add_argument_group("rollout").add_argument
+    g("--rollout-engine", default="auto", choices=["auto", "sglang", "local"],
+      help="auto: SGLang when importable and CUDA is present, else in-process transformers")
+    g("--rollout-batch-size", type=POSITIVE, default=8, help="prompts per rollout")
+    g("--n-samples-per-prompt", type=POSITIVE, default=4, help="responses per prompt (GRPO group)")
+    g("--rollout-max-response-len", type=POSITIVE, default=256,
+      help="token budget of a whole response (model + observation turns)")
+    g("--rollout-temperature", type=at_least(0.0), default=1.0, help="0 = greedy")
+    g("--rollout-top-p", type=fraction, default=1.0, help="nucleus sampling")
+    g("--rollout-top-k", type=int, default=-1, help="-1 = off")
+    g("--max-turns", type=POSITIVE, default=1, help="1 = single-turn; >1 drives env_geo3k")
+    g("--max-context-len", type=at_least(2), default=8192, help="prompt + response token cap")
+    g("--dynamic-sampling", action="store_true",
+      help="drop groups whose rewards are all equal; top up from the extra prompts given")
+    g("--rm-type", default="math", help="reward.get_reward_fn type")
+    g("--sglang-server-timeout", type=at_least(1.0), default=900.0,
+      help="seconds to wait for the SGLang server's /health")
+    return p

@@ -1,0 +1,93 @@
+"""The parity check: our Megatron model against transformers' on one checkpoint, fp32, on a packed
+batch of images and text, plus the export round trip. The command line of `model.py check`:
+
+    python model.py check --hf-checkpoint ckpt/tiny                     # TP = 1
+    torchrun --nproc_per_node 2 model.py check --hf-checkpoint DIR      # TP = world size
+"""
+import argparse
+import os
+import sys
+
+import torch
+from PIL import Image
+from safetensors import safe_open
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+import convert
+import model as M
+import parallel
+
+
+def check_inputs(hf_dir):
+    """A packed batch as the processor makes it: [image A + text], [text only], [image B, image A + text].
+    Returns (seqs, pixel_values, image_grid_thw) with the images of all sequences in order."""
+    proc = AutoProcessor.from_pretrained(hf_dir)
+    g = torch.Generator().manual_seed(0)
+
+    def img(w, h):  # random pixels, reproducible
+        return Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8).numpy())
+    a, b = img(64, 96), img(112, 80)
+    convs = [([a], "What is the area of the triangle?", "Answer: \\boxed{12}"),
+             ([], "Hello, what is 2 + 3?", "2 + 3 = 5, so the answer is 5."),
+             ([b, a], "Compare the two figures.", "The first is larger.")]
+    seqs, pvs, grids = [], [], []
+    for images, q, ans in convs:
+        msgs = [{"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": q}]},
+                {"role": "assistant", "content": [{"type": "text", "text": ans}]}]
+        text = proc.apply_chat_template(msgs, tokenize=False)
+        enc = proc(text=[text], images=images or None, return_tensors="pt")
+        seqs.append(enc["input_ids"][0])
+        if images:
+            pvs.append(enc["pixel_values"])
+            grids.append(enc["image_grid_thw"])
+    return seqs, torch.cat(pvs).float(), torch.cat(grids)
+
+
+def hf_logits(hf, seqs, pixel_values=None, image_grid_thw=None):
+    """transformers' logits [(T_i, V)], one sequence at a time (no packing)."""
+    out = []
+    for s, (pv, g) in zip(seqs, M.split_images(hf.config, seqs, pixel_values, image_grid_thw)):
+        kw = {} if g is None else dict(pixel_values=pv, image_grid_thw=g,
+                                       mm_token_type_ids=(s == hf.config.image_token_id).int()[None])
+        out.append(hf(input_ids=s[None], **kw).logits[0].float())
+    return out
+
+
+def check(hf_dir, transformer_impl=None, tp=None, ep=1, sequence_parallel=False):
+    """Megatron vs transformers (fp32) on check_inputs, and the export round trip; TP = world size
+    unless given, EP = ep (MoE). Every rank runs the same inputs, on its device (cuda:LOCAL_RANK or cpu).
+    Returns the max abs logit diff (inf when the export does not reproduce the checkpoint)."""
+    tp = tp or int(os.environ.get("WORLD_SIZE", 1))
+    par = parallel.init_distributed(tp, ep=ep)
+    rank, world, device = par.rank, par.world, par.device
+    model = M.load_model(hf_dir, M.ModelOptions(transformer_impl=transformer_impl, sequence_parallel=sequence_parallel), par)
+    files = convert.weight_files(hf_dir)
+    same = {}
+    for n, t in convert.hf_tensors(model):
+        with safe_open(files[n], "pt") as f:
+            same[n] = torch.equal(t.cpu(), f.get_tensor(n))
+    exact = same.keys() == files.keys() and all(same.values())
+    seqs, pv, grid = check_inputs(hf_dir)
+    seqs, pv, grid = [s.to(device) for s in seqs], pv.to(device), grid.to(device)
+    hf = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).to(device)
+    with torch.no_grad():
+        ours, theirs = model.logits(seqs, pv, grid), hf_logits(hf, seqs, pv, grid)
+        diff = max((x - y).abs().max().item() for x, y in zip(ours, theirs))
+    if rank == 0:
+        print(f"tp={tp} ep={ep} sp={model.sp} world={world} device={device} spec={model.impl} sequences={[len(s) for s in seqs]} "
+              f"image_grid_thw={grid.tolist()} export_exact={exact}")
+        print(f"max_abs_logit_diff={diff:.3g}")
+    return diff if exact else float("inf")
+
+
+def main(argv):
+    p = argparse.ArgumentParser(description="Megatron vs transformers logits on one checkpoint")
+    p.add_argument("--hf-checkpoint", required=True, help="Hugging Face checkpoint folder")
+    p.add_argument("--transformer-impl", default=None, choices=["transformer_engine", "local"],
+                   help="Megatron layer spec (default: transformer_engine on CUDA, local on CPU)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=None, help="TP (default: the world size)")
+    p.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP: MoE experts split over ranks")
+    p.add_argument("--sequence-parallel", action="store_true", help="split the sequence over TP ranks")
+    a = p.parse_args(argv)
+    sys.exit(0 if check(a.hf_checkpoint, a.transformer_impl, a.tensor_model_parallel_size,
+                        a.expert_model_parallel_size, a.sequence_parallel) <= 1e-4 else 1)
