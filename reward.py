@@ -4,7 +4,8 @@
     r = get_reward_fn("geo3k")(response, "5 \\sqrt { 3 }")       # 1.0 or 0.0, never raises; thread-safe
 
 Rewards are exactly 0.0 or 1.0, so a group of equal rewards gets an advantage of exactly 0;
-format_ok is a metric and is deliberately not mixed into the reward.
+format_ok is a metric and is deliberately not mixed into the reward. Importing changes nothing in
+the process; the first get_reward_fn or scoring call runs init() (hooks, warm-up) by itself.
 """
 import ctypes
 import functools
@@ -21,11 +22,6 @@ from contextlib import contextmanager, suppress
 
 import sympy
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
-
-# We disable math-verify's own timeouts (signals: main thread only) and bound time ourselves,
-# so its once-per-process "timeout is disabled" warning is noise.
-logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 MAX_BOX_CHARS = 1000  # a real answer is < 100 chars; longer boxes are junk and slow to parse
 MAX_DEPTH = 8         # geo3k answers nest <= 3 deep; sympy's set/evalf code is exponential in depth
@@ -54,6 +50,9 @@ _LOCK = threading.Lock()  # a plain Lock: its C-level enter/exit cannot be split
 _ARMED = {}               # thread id -> [its CPU clock, CPU deadline, wall deadline, last fired]
 _WATCHDOG = [False]
 REFIRE_S = 0.2            # fire again this long after a _Timeout that some code swallowed
+_INIT_LOCK = threading.Lock()
+_FORK_HOOKED = False      # os.register_at_fork(_after_fork) done (a forked child inherits it)
+_READY = False            # init() done, here or in the process this one was forked from
 
 
 def _async_raise(tid, exc):  # exc=None clears one set but not yet raised
@@ -84,21 +83,43 @@ def _drop_timeouts(hook):
     return drop
 
 
-sys.unraisablehook = _drop_timeouts(sys.unraisablehook)
+def _after_fork():  # the watchdog thread does not survive fork, and _LOCK or _INIT_LOCK may have been held
+    global _LOCK, _ARMED, _INIT_LOCK
+    _LOCK, _ARMED, _WATCHDOG[0], _INIT_LOCK = threading.Lock(), {}, False, threading.Lock()
 
 
-def _after_fork():  # the watchdog thread does not survive fork, and _LOCK may have been held
-    global _LOCK, _ARMED
-    _LOCK, _ARMED, _WATCHDOG[0] = threading.Lock(), {}, False
-
-
-os.register_at_fork(after_in_child=_after_fork)
+def init():
+    """What scoring needs from the process, done once, on the first scoring call (get_reward_fn and
+    _deadline call this, so no caller has to): math-verify's logger quiet, the unraisable hook that
+    drops _Timeouts, the at-fork reset, and the warm-up. Thread-safe: a thread scoring meanwhile
+    waits here, before its own time limit starts."""
+    global _FORK_HOOKED, _READY
+    if _READY:
+        return
+    if not _FORK_HOOKED:  # before taking _INIT_LOCK, so a fork while it is held always resets it
+        os.register_at_fork(after_in_child=_after_fork)
+        _FORK_HOOKED = True
+    with _INIT_LOCK:
+        if _READY:
+            return
+        # We disable math-verify's own timeouts (signals: main thread only) and bound time
+        # ourselves, so its once-per-process "timeout is disabled" warning is noise.
+        logging.getLogger("math_verify").setLevel(logging.ERROR)
+        sys.unraisablehook = _drop_timeouts(sys.unraisablehook)
+        # sympy imports much of itself lazily on first use (solvers, sets, evalf). Pay that here,
+        # once a process (~0.5 s), outside any time limit, so no scored call spends its budget on
+        # an import or is interrupted inside one.
+        for answer, label in WARM_UP:
+            with suppress(Exception):  # best effort: scoring works without it
+                _judge("\\boxed{%s}" % answer, label, 0.05)
+        _READY = True
 
 
 @contextmanager
 def _deadline(cpu_s, wall_s):
     """Raise _Timeout in this thread once it has used cpu_s of CPU or wall_s of wall time; a call
     that ran over ends in _Timeout even where the first one landed elsewhere (in a __del__)."""
+    init()  # before the clock starts: the first call's warm-up is not counted against it
     tid = threading.get_ident()
     try:
         clock = functools.partial(time.clock_gettime, time.pthread_getcpuclockid(tid))
@@ -275,17 +296,15 @@ def format_ok(response):
 
 
 REWARDS = {"math": math_reward, "geo3k": geo3k_reward}
-
-# sympy imports much of itself lazily on first use (solvers, sets, evalf). Pay that here, once a
-# process (~0.5 s), so no scored call spends its budget on an import or is interrupted inside one.
-for _warm in [("x = 13", "13"), ("8.66", "5\\sqrt{3}"), ("(1,2]", "\\{1,2\\}"), ("x<3", "3>x"),
-              ("\\sqrt{-9}", "\\frac{5\\pi}{3}")]:
-    with suppress(Exception):  # best effort: scoring works without it
-        _judge("\\boxed{%s}" % _warm[0], _warm[1], 0.05)
+# init's warm-up: (answer, label) pairs that reach sympy's lazily imported parts
+WARM_UP = [("x = 13", "13"), ("8.66", "5\\sqrt{3}"), ("(1,2]", "\\{1,2\\}"), ("x<3", "3>x"),
+           ("\\sqrt{-9}", "\\frac{5\\pi}{3}")]
 
 
 def get_reward_fn(rm_type):
-    """The reward function for --rm-type (math | geo3k)."""
+    """The reward function for --rm-type (math | geo3k). The first call also runs init(), so a
+    caller that fetches its function at set-up pays the warm-up there, not in its first rollout."""
     if rm_type not in REWARDS:
         raise ValueError(f"unknown --rm-type {rm_type!r}; choose one of {sorted(REWARDS)}")
+    init()
     return REWARDS[rm_type]
