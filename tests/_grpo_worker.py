@@ -1,11 +1,12 @@
 """Two GRPO updates on fixed samples, for tests/test_grpo.py: run as one process or under
-torchrun (TP or DP); prints each update's `loss=<x> grad_norm=<y> clipfrac=<z> kl=<k>` on rank 0
+torchrun (TP or DP); rank 0 writes each update's loss, grad_norm, clipfrac and kl to <save>/updates.json
 and saves the weights after them to <save>/final (decoupled lr on the split embedding and output
 layer, so the sharded AdamW update is compared too).
 
     python tests/_grpo_worker.py CKPT GEO3K_PARQUET --save DIR [--tp N] [--ref CKPT] [--items N] [--agg sequence] [--flags='--bf16 ...']
 """
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -63,12 +64,13 @@ def main():
     g = torch.Generator().manual_seed(0)
     for it in items:
         it.recomputed_logprobs = it.recomputed_logprobs + 0.3 * torch.randn(len(it.old), generator=g)
+    updates = []
     for update in range(2):
         stats = G.policy_loss(model, ref, par, T.dp_shard(items, par), args, measure=False)
         stats.update(optim.optimizer_step(model, opt, sched, par, args))
-        if par.rank == 0:
-            print(f"update={update} loss={stats['loss']!r} grad_norm={stats['grad_norm']!r} "
-                  f"clipfrac={stats['clipfrac']!r} kl={stats['kl']!r}", flush=True)
+        updates.append({k: float(stats[k]) for k in ("loss", "grad_norm", "clipfrac", "kl")})
+    if par.rank == 0:
+        (Path(a.save) / "updates.json").write_text(json.dumps(updates))
     convert.save_hf(model, Path(a.save) / "final")
 
 

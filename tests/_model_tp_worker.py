@@ -1,13 +1,14 @@
 """Gradient parity of model.py vs transformers at TP = world size (used by tests/test_model.py).
 
-    torchrun --standalone --nproc_per_node 2 tests/_model_tp_worker.py CKPT [CKPT ...]
-    torchrun --standalone --nproc_per_node 4 tests/_model_tp_worker.py --tp 2 --ep 2 --sp CKPT   # MoE
+    torchrun --standalone --nproc_per_node 2 tests/_model_tp_worker.py --out grads.json CKPT [CKPT ...]
+    torchrun --standalone --nproc_per_node 4 tests/_model_tp_worker.py --out grads.json --tp 2 --ep 2 --sp CKPT   # MoE
 
 Rank 0 prints `grads params=<ours>/<transformers'> max_rel_err=<x> worst=<name> logprob_diff=<y>
 grad_norm_rel_err=<z>` per checkpoint. Every rank runs the same inputs, so with DP > 1 the trainer's
 reduction (optim.allreduce_grads: DP group, experts over expert-DP) divided by DP is the reference.
 """
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -81,7 +82,9 @@ if __name__ == "__main__":
     p.add_argument("--tp", type=int, default=None, help="default: the world size")
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--sp", action="store_true")
+    p.add_argument("--out", required=True, help="rank 0 writes a JSON list here, one dict a checkpoint")
     a = p.parse_args()
+    rows = []
     tp = a.tp or int(os.environ.get("WORLD_SIZE", 1))
     par = parallel.init_distributed(tp, ep=a.ep)
     rank, world, device = par.rank, par.world, par.device
@@ -94,8 +97,10 @@ if __name__ == "__main__":
         rel = {n: e for n, e in rel.items() if n not in decay}  # ill-conditioned in fp32 (tests/test_qwen3_5.py)
         worst = max(rel, key=rel.get)
         ours, full = norms[0]
+        rows.append(dict(tp=tp, ep=a.ep, sp=a.sp, params=len(rel) + len(decay), hf_params=len(ref),
+                         max_rel_err=float(rel[worst]), worst=worst, decay_rel_err=float(max(decay.values(), default=0.0)),
+                         logprob_diff=float(lp_diff), replicas_agree=bool(agree), grad_norm_rel_err=abs(ours - full) / full))
         if rank == 0:
-            print(f"grads tp={tp} ep={a.ep} sp={a.sp} params={len(rel) + len(decay)}/{len(ref)} max_rel_err={rel[worst]:.3g} "
-                  f"worst={worst} decay_rel_err={max(decay.values(), default=0):.3g} "
-                  f"logprob_diff={lp_diff:.3g} replicas_agree={agree} "
-                  f"grad_norm_rel_err={abs(ours - full) / full:.3g}", flush=True)
+            print(rows[-1], flush=True)
+    if rank == 0:
+        Path(a.out).write_text(json.dumps(rows))

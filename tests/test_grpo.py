@@ -3,7 +3,6 @@ and a short CPU run: metrics, train-vs-rollout logprobs, checkpoints, SIGKILL + 
 import json
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -63,8 +62,7 @@ def worker(ckpt, source, save, nproc=1, tp=1, ref=None, *extra):
                       "--tp", str(tp), *extra] + (["--ref", str(ref)] if ref else [])
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
-    lines = [x for x in r.stdout.splitlines() if x.startswith("update=")]
-    return [{k: float(v) for k, v in re.findall(r"(\w+)=([-\d.e+]+)", x)} for x in lines]
+    return json.loads((Path(save) / "updates.json").read_text())
 
 
 def saved(run):
