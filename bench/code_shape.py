@@ -1,0 +1,63 @@
+"""How the code reads, in numbers (issue 26): lines of the core (top-level *.py) and of tools/,
+the classes over 150 lines and functions over 70, each trainer's flags and their argparse groups,
+and README's length. Run from anywhere: python bench/code_shape.py [--code DIR]"""
+import argparse
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def lines(path):
+    return sum(1 for _ in open(path))
+
+
+def long_defs(path, cls_max=150, fn_max=70):
+    out = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        size = getattr(n, "end_lineno", 0) - getattr(n, "lineno", 0) + 1
+        if isinstance(n, ast.ClassDef) and size > cls_max or \
+                isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and size > fn_max:
+            out.append(f"{path.name}:{n.name} {size}")
+    return out
+
+
+def flags(code, script):
+    """(flags, groups with at least one flag) of `script --help`, read from its parser."""
+    probe = ("import sys, json; sys.argv = ['x']; import {m} as t; p = t.build_parser() "
+             "if hasattr(t, 'build_parser') else None\n"
+             "if p is None:\n"
+             "    import argparse; box = {{}}; \n"
+             "    def grab(self, *a, **k): box['p'] = self; raise SystemExit(0)\n"
+             "    argparse.ArgumentParser.parse_args = argparse.ArgumentParser.parse_known_args = grab\n"
+             "    try: t.parse_args(['--help'])\n"
+             "    except SystemExit: pass\n"
+             "    p = box['p']\n"
+             "groups = [g for g in p._action_groups if any(a.dest != 'help' for a in g._group_actions)]\n"
+             "print(json.dumps([sum(a.dest != 'help' for a in p._actions), len(groups)]))").format(m=script)
+    out = subprocess.run([sys.executable, "-c", probe], cwd=code, capture_output=True, text=True)
+    if out.returncode:
+        return f"? ({out.stderr.strip().splitlines()[-1] if out.stderr.strip() else 'failed'})"
+    n, g = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"flags": n, "groups": g}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--code", default=str(Path(__file__).resolve().parents[1]), help="checkout to measure")
+    code = Path(p.parse_args().code)
+    core = sorted(code.glob("*.py"))
+    tools = sorted((code / "tools").glob("*.py")) if (code / "tools").is_dir() else []
+    report = {"core_lines": sum(map(lines, core)), "tools_lines": sum(map(lines, tools)),
+              "largest_files": sorted(((lines(f), f.name) for f in core), reverse=True)[:5],
+              "over_size": [d for f in core for d in long_defs(f)],
+              "readme_lines": lines(code / "README.md"),
+              "train_grpo": flags(code, "train_grpo"), "sft": flags(code, "sft")}
+    for k, v in report.items():
+        print(f"{k:14s} {v}")
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
