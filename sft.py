@@ -26,12 +26,16 @@ import rollout
 import trainer as T
 
 
-def parse_args(argv=None):
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     F.add_train_args(p)
     p.add_argument_group("SFT").add_argument("--num-epoch", type=F.POSITIVE, default=1, help="passes over the training data")
     p.set_defaults(lr=1e-5, lr_decay_style="cosine")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def encode(processor, record):

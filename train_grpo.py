@@ -38,7 +38,7 @@ import sglang_engine
 import trainer as T
 
 
-def parse_args(argv=None):
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)  # no --sglang-* flag may pass as an abbreviation
     F.add_train_args(p)
@@ -67,6 +67,11 @@ def parse_args(argv=None):
       help="how new weights reach SGLang: tensor (CUDA IPC, colocated), distributed (an NCCL group, "
            "--rollout-num-gpus), disk (safetensors + /update_weights_from_disk); auto picks by placement")
     p.set_defaults(global_batch_size=0)
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
     args, unknown = p.parse_known_args(argv)
     bad = [u for u in unknown if u.startswith("--") and not u.startswith("--sglang-")]
     if bad:

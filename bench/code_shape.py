@@ -24,16 +24,9 @@ def long_defs(path, cls_max=150, fn_max=70):
 
 
 def flags(code, script):
-    """(flags, groups with at least one flag) of `script --help`, read from its parser."""
-    probe = ("import sys, json; sys.argv = ['x']; import {m} as t; p = t.build_parser() "
-             "if hasattr(t, 'build_parser') else None\n"
-             "if p is None:\n"
-             "    import argparse; box = {{}}; \n"
-             "    def grab(self, *a, **k): box['p'] = self; raise SystemExit(0)\n"
-             "    argparse.ArgumentParser.parse_args = argparse.ArgumentParser.parse_known_args = grab\n"
-             "    try: t.parse_args(['--help'])\n"
-             "    except SystemExit: pass\n"
-             "    p = box['p']\n"
+    """(flags, groups with at least one flag) of `script --help`, read from its build_parser() (a
+    checkout older than it prints "?": RESULTS.md has 0f92aef's numbers)."""
+    probe = ("import sys, json; sys.argv = ['x']; import {m} as t; p = t.build_parser()\n"
              "groups = [g for g in p._action_groups if any(a.dest != 'help' for a in g._group_actions)]\n"
              "print(json.dumps([sum(a.dest != 'help' for a in p._actions), len(groups)]))").format(m=script)
     out = subprocess.run([sys.executable, "-c", probe], cwd=code, capture_output=True, text=True)
