@@ -25,8 +25,10 @@ GRPO = ["--rollout-engine", "local", "--rollout-batch-size", "8", "--n-samples-p
         "--rollout-max-response-len", "16", "--rollout-temperature", "1.0", "--lr", "1e-4",
         "--decoupled-lr", "3e-3", "--max-tokens-per-gpu", "1024", "--save-interval", "1000"]
 STEPS = 120
-# the slow GRPO arms' seed (data and SFT keep theirs): LEARNING_SEED=1 bash test.sh -m slow ... reruns them
+# the slow runs' seeds (the data keep theirs): LEARNING_SEED=1 bash test.sh -m slow ... reruns the GRPO
+# arms at seed 1, LEARNING_SFT_SEED=1 the two SFT runs they and the SFT check start from (1234: --seed's default)
 SLOW_GRPO_SEED = os.environ.get("LEARNING_SEED", "1234")
+SLOW_SFT_SEED = os.environ.get("LEARNING_SFT_SEED", "1234")
 
 
 def setting(flags, **values):
@@ -103,8 +105,9 @@ def warm(tiny_ckpt, tmp_path_factory):
     real = synth.write_synth(root / "data", 1024, n_test=64, seed=0, kinds=("sides",))
     shuffled = shuffled_twin(real, root / "shuffled")
     base = tiny_ckpt("qwen3_vl")
-    finish(launch("sft.py", root / "sft", "--hf-checkpoint", base, "--prompt-data", real, *SFT),
-           launch("sft.py", root / "sft_shuffled", "--hf-checkpoint", base, "--prompt-data", shuffled, *SFT))
+    common = ["--hf-checkpoint", base, "--seed", SLOW_SFT_SEED, *SFT]
+    finish(launch("sft.py", root / "sft", *common, "--prompt-data", real),
+           launch("sft.py", root / "sft_shuffled", *common, "--prompt-data", shuffled))
     return real, shuffled, root
 
 
