@@ -6,10 +6,15 @@ mask: T^2 scores, memory and softmax work where the sequences need sum(T_i^2). W
 step on 2 cores (bench/vs_trl.py). This module takes the same arguments, but reads the sequence
 boundaries from PackedSeqParams (THD, as Transformer Engine's attention does; Megatron then hands
 it (T, heads, dim) tensors with RoPE already applied per sequence) and runs torch's
-scaled_dot_product_attention, causal, on each sequence.
+scaled_dot_product_attention, causal, on each sequence. Under context parallelism (context_parallel.py)
+the cu_seqlens are those of the whole sequences, as TE takes them; each rank's queries attend over the
+keys and values gathered from every CP rank.
 """
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+
+import context_parallel as C
 
 
 class PackedCoreAttention(torch.nn.Module):
@@ -19,7 +24,7 @@ class PackedCoreAttention(torch.nn.Module):
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None):
         super().__init__()
-        assert config.context_parallel_size == 1, "context parallelism needs Transformer Engine's attention"
+        self.cp = config.context_parallel_size
         self.scale = softmax_scale  # None: 1 / sqrt(head dim), Megatron's default too
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
@@ -28,12 +33,30 @@ class PackedCoreAttention(torch.nn.Module):
         assert packed_seq_params is not None and packed_seq_params.qkv_format == "thd", \
             "PackedCoreAttention needs THD PackedSeqParams (model.py passes them)"
         cu = packed_seq_params.cu_seqlens_q.tolist()
+        if self.cp > 1:
+            return self._context_parallel(query, key, value, cu)
         out = []
         for a, b in zip(cu[:-1], cu[1:]):
             q, k, v = (x[a:b].transpose(0, 1) for x in (query, key, value))  # (heads, T_i, dim)
             out.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                       enable_gqa=True).transpose(0, 1))
         return torch.cat(out).reshape(query.shape[0], -1)  # (T, heads * dim)
+
+    def _context_parallel(self, query, key, value, cu):
+        """This rank's queries (T / CP, heads, dim), its zigzag chunks of the sequences cu delimits, over
+        every rank's keys and values: a query at position p sees the keys at positions <= p."""
+        lens, group = [b - a for a, b in zip(cu[:-1], cu[1:])], ps.get_context_parallel_group()
+        key, value = (C.gather_sequence(x, lens, self.cp, group) for x in (key, value))  # (T, groups, dim)
+        qpos = C.held(lens, self.cp, ps.get_context_parallel_rank()).to(query.device)
+        out, lo = [], 0
+        for a, b in zip(cu[:-1], cu[1:]):
+            n = (b - a) // self.cp  # this rank's queries of the sequence
+            q, k, v = query[lo:lo + n].transpose(0, 1), key[a:b].transpose(0, 1), value[a:b].transpose(0, 1)
+            see = torch.arange(a, b, device=query.device)[None] <= qpos[lo:lo + n, None]  # (n, b - a)
+            out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=see, scale=self.scale,
+                                                      enable_gqa=True).transpose(0, 1))
+            lo += n
+        return torch.cat(out).reshape(query.shape[0], -1)
 
 
 def local_layer_spec(**kw):

@@ -12,6 +12,7 @@ row of T tokens, THD + cu_seqlens (TE's attention; attention.py's on CPU).
 """
 import dataclasses
 import functools
+import math
 import sys
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from megatron.core.transformer import TransformerConfig
 from transformers import AutoConfig, AutoModel
 
 import attention
+import context_parallel as C
 import convert
 import parallel
 import qwen3_5
@@ -234,7 +236,7 @@ def transformer_config(hf_config, par, opts, te, sp):
         kv_channels=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
         normalization="RMSNorm", layernorm_epsilon=tc.rms_norm_eps, gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=par.tp, expert_tensor_parallel_size=1,
+        tensor_model_parallel_size=par.tp, context_parallel_size=par.cp, expert_tensor_parallel_size=1,
         params_dtype=torch.float32, perform_initialization=False,  # weights come from the checkpoint
         use_cpu_initialization=not torch.cuda.is_available(), bias_activation_fusion=False,
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
@@ -345,9 +347,10 @@ class MegatronVLM(torch.nn.Module):
         return lm.embedding.word_embeddings.weight if self.tie else lm.output_layer.weight
 
     def _padded_length(self, n):
-        """Tokens to run for n real ones: a multiple of TP under SP (the sequence is split), and
-        the same on every EP rank (the allgather dispatcher gathers equal shards)."""
-        m = self.tp if self.sp else 1
+        """Tokens this rank runs for n of its own: a multiple of TP under SP (the sequence is split),
+        even under CP (a dummy sequence splits in 2 CP chunks too), the same on every EP rank (the
+        allgather dispatcher gathers equal shards)."""
+        m = math.lcm(self.tp if self.sp else 1, 2 if self.par.cp > 1 else 1)
         n = -(-n // m) * m
         if self.ep > 1:
             n = int(_all_reduce(torch.tensor(n, device=self.inv_freq.device), self.par.ep_group, dist.ReduceOp.MAX))
@@ -364,30 +367,43 @@ class MegatronVLM(torch.nn.Module):
         return h
 
     def _hidden(self, seqs, pixel_values=None, image_grid_thw=None):
-        """Packed sequences (list of (T_i,) ids) -> final-norm hidden states (T, H), T = sum T_i."""
-        lm, cfg = self.language_model, self.hf_config
+        """Packed sequences (list of (T_i,) ids) -> (h, lens): final-norm hidden states (T_local, H) of
+        this rank's positions (context_parallel.held) of the packed row of sequences of lengths lens:
+        the sequences, each padded to a multiple of 2 CP under CP, then a dummy one where SP, CP or EP
+        need it. Without CP this rank holds the whole row."""
+        lm, cfg, cp = self.language_model, self.hf_config, self.par.cp
         dev = self.inv_freq.device
-        lens = [len(s) for s in seqs]
         per_seq = split_images(cfg, seqs, pixel_values, image_grid_thw)
-        pos = torch.cat([rope_positions(cfg, s, g) for s, (_, g) in zip(seqs, per_seq)], 1)  # (3, T)
-        pad = self._padded_length(sum(lens)) - sum(lens)
-        if pad:  # a dummy sequence of pad ids at the end, dropped after the final norm
-            seqs, lens = list(seqs) + [torch.zeros(pad, dtype=torch.long)], lens + [pad]
-            pos = torch.cat([pos, torch.arange(pad).expand(3, pad)], 1)
-        ids = torch.cat(list(seqs)).to(dev)  # (T,)
+        lens = [C.padded(len(s), cp) for s in seqs]
+        ids, pos = [], []
+        for s, (_, g), n in zip(seqs, per_seq, lens):  # pad ids after a sequence: causal, it sees nothing of them
+            ids += [s.cpu(), torch.zeros(n - len(s), dtype=torch.long)]
+            pos += [rope_positions(cfg, s, g), torch.arange(n - len(s)).expand(3, -1)]
+        extra = self._padded_length(sum(lens) // cp) * cp - sum(lens)
+        if extra:  # the dummy sequence of pad ids at the end
+            lens, ids, pos = lens + [extra], ids + [torch.zeros(extra, dtype=torch.long)], pos + [torch.arange(extra).expand(3, -1)]
+        ids, pos, held = torch.cat(ids).to(dev), torch.cat(pos, 1), C.held(lens, cp, self.par.cp_rank)
         h = lm.embedding.word_embeddings(ids[None]).transpose(0, 1)  # (T, 1, H)
         img, deep = (ids == cfg.image_token_id).nonzero()[:, 0], []
-        if pixel_values is not None:
+        if pixel_values is not None:  # the whole row's images on every CP rank
             pix, grid, take = unique_images(pixel_values, image_grid_thw.cpu(), cfg.vision_config.spatial_merge_size)
             out = self.visual(pix.to(dev, h.dtype), grid_thw=grid.to(dev))
             take = take.to(dev)
             h = h.index_put((img,), out.pooler_output[take][:, None].to(h.dtype))  # merged image tokens
             # Qwen3-VL's deepstack: one (n_img, H) a layer
             deep = [d[take] for d in getattr(out, "deepstack_features", None) or []]
+        if cp > 1:  # this rank's chunks from here on; deepstack rows of its image tokens
+            is_img = ids == cfg.image_token_id
+            row = (is_img.cumsum(0) - 1)[held.to(dev)]  # each held token's row among the image tokens
+            h, local = h[held.to(dev)], is_img[held.to(dev)]
+            img, deep = local.nonzero()[:, 0], [d[row[local]] for d in deep]
         cu = torch.tensor([0] + lens, device=dev).cumsum(0).int()
-        # THD: attention (TE's, or attention.py's on CPU) and Gated DeltaNet run per segment of cu_seqlens
-        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                              max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+        # THD: attention (TE's, or attention.py's on CPU) and Gated DeltaNet run per segment of cu_seqlens,
+        # the whole sequences' under CP (TE's convention: it splits them in the zigzag chunks itself)
+        padded = dict(cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu) if cp > 1 else {}  # TE's THD CP reads these
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
+                              max_seqlen_kv=max(lens), **padded)
+        # the whole row's angles: Megatron's THD RoPE takes each CP rank's chunks of them (rope_utils.py:213-223)
         rot = mrope_angles(pos, self.inv_freq, self.mrope_section, self.mrope_interleaved)
         with parallel.megatron_on_cpu():
             if self.sp:  # (T / TP, 1, H) from here on: this rank's shard of the sequence
@@ -398,7 +414,7 @@ class MegatronVLM(torch.nn.Module):
             h = lm.decoder.final_layernorm(h)
             if self.sp:  # the LM head's gradient is whole on every rank: gather, backward splits
                 h = tensor_parallel.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=False)
-        return h[:len(h) - pad, 0]
+        return h[:, 0], lens
 
     def forward(self, seqs, pixel_values=None, image_grid_thw=None, loss_masks=None, temperature=1.0,
                 with_entropy=False):
@@ -406,26 +422,42 @@ class MegatronVLM(torch.nn.Module):
         their distributions' entropy (N,) when with_entropy. mask[t] = 1 scores token t from the
         logits at t - 1 (mask[0] must be 0); loss_masks=None scores every token but the first.
         The LM head runs only at those N positions (vocab-parallel, chunked)."""
-        h = self._hidden(seqs, pixel_values, image_grid_thw)
+        h, lens = self._hidden(seqs, pixel_values, image_grid_thw)
         rows, tgt, off = [], [], 0
-        for i, s in enumerate(seqs):
+        for i, (s, n) in enumerate(zip(seqs, lens)):
             t = (torch.arange(1, len(s)) if loss_masks is None else loss_masks[i].cpu().nonzero()[:, 0])
             assert len(t) == 0 or t[0] > 0, "loss_mask[0] must be 0: token 0 has no logits before it"
-            rows.append(off + t - 1)
+            rows.append(off + t - 1)  # positions in the packed row
             tgt.append(s.cpu()[t])
-            off += len(s)
+            off += n
+        rows, tgt = torch.cat(rows), torch.cat(tgt)
+        cp = self.par.cp
+        if cp > 1:  # score the rows this rank holds; all ranks' scores come back in token order below
+            owner = torch.empty(sum(lens), dtype=torch.long)
+            local = torch.empty(sum(lens), dtype=torch.long)
+            for r in range(cp):
+                mine = C.held(lens, cp, r)
+                owner[mine], local[mine] = r, torch.arange(len(mine))
+            by_rank = [(owner[rows] == r).nonzero()[:, 0] for r in range(cp)]
+            pick = by_rank[self.par.cp_rank]
+            rows, tgt = local[rows[pick]], tgt[pick]
         k = self.padded_vocab // self.tp  # this rank's vocabulary rows: [k r, k r + k), some padding
-        lp, ent = _LogprobEntropy.apply(h[torch.cat(rows).to(h.device)].float(), self._head_weight(),
-                                        torch.cat(tgt).to(h.device), float(temperature), self.tp_rank * k,
+        lp, ent = _LogprobEntropy.apply(h[rows.to(h.device)].float(), self._head_weight(), tgt.to(h.device),
+                                        float(temperature), self.tp_rank * k,
                                         max(0, min(k, self.vocab - self.tp_rank * k)), self.par.tp_group)
+        if cp > 1:
+            back = torch.cat(by_rank).argsort().to(h.device)
+            lp, ent = (C.gather_rows(x, self.par.cp_group)[back] for x in (lp, ent))
         return lp, (ent if with_entropy else None)
 
     def logits(self, seqs, pixel_values=None, image_grid_thw=None):
         """[(T_i, V) fp32 full logits] per sequence, gathered over TP: for parity checks only."""
-        h = self._hidden(seqs, pixel_values, image_grid_thw)
+        h, lens = self._hidden(seqs, pixel_values, image_grid_thw)
         with parallel.megatron_on_cpu():  # the gather allocates on torch.cuda.current_device()
             z = tensor_parallel.gather_from_tensor_model_parallel_region(h @ self._head_weight().T)[:, :self.vocab]
-        return list(z.float().split([len(s) for s in seqs]))
+        if self.par.cp > 1:
+            z = C.gather_sequence(z, lens, self.par.cp, self.par.cp_group)
+        return [x[:len(s)].float() for s, x in zip(seqs, z.split(lens))]
 
 def load_model(hf_dir, opts=ModelOptions(), par=None):
     """MegatronVLM on the parallel context `par` (default: the current one, initialised if needed),

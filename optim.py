@@ -244,14 +244,14 @@ def grad_norm_and_clip(grads, par, clip):
 
 
 def allreduce_grads(grads, par):
-    """Sum [(param, grad)] over data-parallel ranks (the loss is already divided by the global token
-    count, so the sum is the global-batch gradient). Every trainable parameter takes part, a zero
+    """Sum [(param, grad)] over data- and context-parallel ranks (the loss is already divided by the
+    global token count, so the sum is the global-batch gradient; a CP rank's is its tokens' part). Every trainable parameter takes part, a zero
     gradient where this rank had none, so every rank sends the same tensors in the same order.
     One flat reduce per process group: MoE experts (`allreduce` False) over the expert-data-parallel
     group, the ranks holding the same experts, whose tokens they did not see."""
     by_group = {}
     for p, g in grads:
-        by_group.setdefault(par.dp_group if getattr(p, "allreduce", True) else par.expert_dp_group, []).append(g)
+        by_group.setdefault(par.dp_cp_group if getattr(p, "allreduce", True) else par.expert_dp_group, []).append(g)
     for group, gs in by_group.items():
         if dist.get_world_size(group) <= 1:
             continue

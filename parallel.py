@@ -45,6 +45,7 @@ class Parallel:
     dp: int
     dp_rank: int
     dp_group: object
+    dp_cp_group: object  # DP x CP: the ranks whose gradients are summed (CP ranks hold parts of each sequence)
     ep: int
     ep_rank: int
     ep_group: object
@@ -78,8 +79,9 @@ def megatron_on_cpu():
 
 def init_distributed(tp=1, seed=1234, timeout_minutes=60, ep=1, pp=1, cp=1):
     """torchrun's environment (or a plain single process) -> the Parallel context, with Megatron's
-    parallel state at TP=tp (DP = world / tp) and EP=ep (MoE experts split over ep ranks, expert-TP 1:
-    expert-DP = world / ep). A second call returns the context the first one set up."""
+    parallel state at TP=tp, CP=cp (context_parallel.py; DP = world / (tp cp)) and EP=ep (MoE experts
+    split over ep ranks, expert-TP 1: expert-DP = world / ep). A second call returns the context the
+    first one set up."""
     cuda = torch.cuda.is_available()
     if not cuda:
         # Backward passes run outside megatron_on_cpu, and the sequence-/expert-parallel collectives
@@ -104,11 +106,11 @@ def init_distributed(tp=1, seed=1234, timeout_minutes=60, ep=1, pp=1, cp=1):
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     if not ps.model_parallel_is_initialized():
         world = dist.get_world_size()
-        if tp < 1 or world % tp:
-            raise SystemExit(f"--tensor-model-parallel-size {tp} must divide the world size {world}")
-        if pp != 1 or cp != 1:
-            raise SystemExit("pipeline and context parallelism are not built yet: "
-                             "--pipeline-model-parallel-size and --context-parallel-size must be 1")
+        if tp < 1 or cp < 1 or world % (tp * cp):
+            raise SystemExit(f"--tensor-model-parallel-size {tp} x --context-parallel-size {cp} must divide "
+                             f"the world size {world}")
+        if pp != 1:
+            raise SystemExit("pipeline parallelism is not built yet: --pipeline-model-parallel-size must be 1")
         if ep < 1 or world % ep:
             raise SystemExit(f"--expert-model-parallel-size {ep} must divide the world size {world}")
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
@@ -125,6 +127,7 @@ def init_distributed(tp=1, seed=1234, timeout_minutes=60, ep=1, pp=1, cp=1):
         cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
         cp_group=ps.get_context_parallel_group(),
         dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(), dp_group=ps.get_data_parallel_group(),
+        dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
         ep=ps.get_expert_model_parallel_world_size(), ep_rank=ps.get_expert_model_parallel_rank(),
         ep_group=ps.get_expert_model_parallel_group(), expert_dp_group=ps.get_expert_data_parallel_group())
 

@@ -8,7 +8,8 @@ the output gate (q_proj holds [q | gate] per head) and partial MRoPE; "linear_at
 GatedDeltaNet below (Megatron 0.16's ssm/gated_delta_net.py needs FLA and Transformer Engine and
 rejects packed sequences). Norms are zero-centred, x_hat * (1 + w), except the GDN output norm
 (w * x_hat * silu(z)). With sequence parallelism GatedDeltaNet gathers the sequence once for its four
-input projections and out_proj scatters it.
+input projections and out_proj scatters it. Under context parallelism it runs head-parallel: an
+all-to-all gives each CP rank every token of 1/CP of the heads (context_parallel.py), and one back.
 """
 import copy
 import warnings
@@ -18,7 +19,8 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 import attention
-from megatron.core import tensor_parallel
+import context_parallel as C
+from megatron.core import parallel_state as ps, tensor_parallel
 from megatron.core.models.gpt import gpt_layer_specs as specs
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -138,6 +140,17 @@ class GatedDeltaNet(MegatronModule):
         self.eps = config.layernorm_epsilon
         self.out_proj = tensor_parallel.RowParallelLinear(tp * self.vh * self.dv, config.hidden_size,
                                                           input_is_parallel=True, skip_bias_add=True, **lin)
+        self.cp = config.context_parallel_size
+        if self.cp > 1:  # head-parallel over CP: rank j runs key heads [j kh / CP, ...) and their value heads
+            if self.kh % self.cp:
+                raise SystemExit(f"Qwen3.5 under --context-parallel-size {self.cp}: text_config.linear_num_key_heads "
+                                 f"{dims['linear_num_key_heads']} / TP {tp} must be divisible by CP")
+            kq, vc = self.kh // self.cp * self.dk, self.vh // self.cp * self.dv  # q or k, and v channels a rank
+
+            def part(j):  # rank j's [q | k | v] conv channels
+                return torch.cat([torch.arange(j * kq, (j + 1) * kq), self.kh * self.dk + torch.arange(j * kq, (j + 1) * kq),
+                                  2 * self.kh * self.dk + torch.arange(j * vc, (j + 1) * vc)])
+            self.cp_parts = [part(j) for j in range(self.cp)]
 
     def forward(self, hidden_states, packed_seq_params=None, **_):
         if self.sequence_parallel:  # (T/tp, 1, H) -> (T, 1, H); backward: one reduce-scatter. The gathered
@@ -150,26 +163,36 @@ class GatedDeltaNet(MegatronModule):
         cu = packed_seq_params.cu_seqlens_q
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # (T, vh) log decay
-        q, k, v = self._split(self._conv(qkv, cu))  # (T, vh, d)
+        w, kh, vh = self.conv1d.weight, self.kh, self.vh
+        if self.cp > 1:  # -> every token of the whole sequences, this CP rank's heads
+            lens, group, rank = (cu[1:] - cu[:-1]).tolist(), ps.get_context_parallel_group(), ps.get_context_parallel_rank()
+            qkv = C.to_heads(qkv[:, torch.cat(self.cp_parts).to(qkv.device)], lens, self.cp, group)
+            gb = C.to_heads(torch.stack([g, beta.float()], -1).flatten(1), lens, self.cp, group).unflatten(-1, (-1, 2))
+            g, beta = gb[..., 0], gb[..., 1]
+            w, kh, vh = w[self.cp_parts[rank].to(w.device)], kh // self.cp, vh // self.cp
+        q, k, v = self._split(self._conv(qkv, cu, w), kh, vh)  # (T, vh, d)
         o = self._delta_rule(q, k, v, g, beta, cu).float()  # (T, vh, dv)
+        if self.cp > 1:  # back to this rank's tokens, every head
+            o = C.from_heads(o.flatten(1), lens, self.cp, group).unflatten(-1, (self.vh, self.dv))
         # gated RMSNorm per head: w * x_hat * silu(z)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm.weight.float()
         o = o * F.silu(z.float().view(o.shape))
         out, _ = self.out_proj(o.to(hidden_states.dtype).flatten(1)[:, None])
         return out, None
 
-    def _split(self, x):
-        """(..., conv) -> q, k (..., vh, dk) L2-normalised, q scaled by dk^-1/2, k heads repeated; v (..., vh, dv)."""
-        q, k, v = x.split([self.kh * self.dk, self.kh * self.dk, self.vh * self.dv], -1)
-        q, k = (t.unflatten(-1, (self.kh, self.dk)).repeat_interleave(self.vh // self.kh, -2) for t in (q, k))
+    def _split(self, x, kh, vh):
+        """(..., conv) of kh key and vh value heads -> q, k (..., vh, dk) L2-normalised, q scaled by
+        dk^-1/2, k heads repeated; v (..., vh, dv)."""
+        q, k, v = x.split([kh * self.dk, kh * self.dk, vh * self.dv], -1)
+        q, k = (t.unflatten(-1, (kh, self.dk)).repeat_interleave(vh // kh, -2) for t in (q, k))
         q, k = (t * torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + 1e-6) for t in (q.float(), k.float()))
-        return q * self.dk ** -0.5, k, v.unflatten(-1, (self.vh, self.dv)).float()
+        return q * self.dk ** -0.5, k, v.unflatten(-1, (vh, self.dv)).float()
 
-    def _conv(self, qkv, cu):
-        """Causal depthwise conv + silu within each sequence of the packed (T, conv) -> (T, conv):
-        causal-conv1d on CUDA (seq_idx keeps state from crossing cu), else torch on a padded batch."""
+    def _conv(self, qkv, cu, w):
+        """Causal depthwise conv (weight w (conv, 1, K)) + silu within each sequence of the packed
+        (T, conv) -> (T, conv): causal-conv1d on CUDA (seq_idx keeps state from crossing cu), else
+        torch on a padded batch."""
         lens = cu[1:] - cu[:-1]
-        w = self.conv1d.weight  # (conv, 1, K)
         if qkv.is_cuda and causal_conv1d_fn is not None:
             seq_idx = torch.repeat_interleave(torch.arange(len(lens), device=qkv.device, dtype=torch.int32), lens)
             # seq_idx needs the channel-last layout: (1, conv, T) with stride 1 along conv

@@ -250,7 +250,7 @@ def split_batch(good, adv, rng, global_batch_size, updates, dp):
 
 
 def hand_out(shares, par):
-    """Each rank receives its DP rank's share from rank 0 (a scatter: its TP peers get the same, the
+    """Each rank receives its DP rank's share from rank 0 (a scatter: its TP and CP peers get the same, the
     other DP ranks' never reach it; a group's images pickle once per rank)."""
     if par.world == 1:
         return shares[0]

@@ -43,7 +43,7 @@ class Item:
 def start(args, kind):
     """A training job's first call: (the parallel context, its seeded RNGs, the run folder)."""
     par = parallel.init_distributed(args.tensor_model_parallel_size, args.seed, args.distributed_timeout_minutes,
-                                    args.expert_model_parallel_size)
+                                    args.expert_model_parallel_size, cp=args.context_parallel_size)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     return par, Run(args, kind, par)
@@ -318,7 +318,7 @@ def pack(lengths, max_tokens):
 def micro_batches(items, max_tokens, models, par, backward=False):
     """-> (items, model inputs) of each packed micro-batch of this rank's `items` (Item); with EP, then idle() ones up to the
     busiest rank's count: MoE layers run collectives in forward and backward (README, "Qwen3.5")."""
-    bins = pack([len(it.ids) for it in items], max_tokens)
+    bins = pack([len(it.ids) for it in items], max_tokens * par.cp)  # a CP rank holds 1/CP of each
     n = 0  # idle micro-batches to run, agreed before any runs: MoE collectives must not cross this reduce
     if par.ep > 1:
         n = int(parallel.all_reduce(torch.tensor(len(bins), device=par.device), None, dist.ReduceOp.MAX)) - len(bins)

@@ -9,13 +9,16 @@ Bytes per GPU:
 - weights: text-model matrices split over TP, experts over EP, the vision tower whole on every rank
   (model.py replicates it); 4 bytes a parameter, 2 with --bf16.
 - gradients: `main_grad`, fp32 with --accumulate-allreduce-grads-in-fp32 or without --bf16.
-- optimizer: Adam's two fp32 moments, plus an fp32 master copy with --bf16; divided by the DP
-  size (experts: by the expert-DP size) with --use-distributed-optimizer.
+- optimizer: Adam's two fp32 moments, plus an fp32 master copy with --bf16; divided by DP x CP
+  (Megatron's distributed optimizer shards over both; experts: by the expert-DP size) with
+  --use-distributed-optimizer.
 - activations: what the forward pass keeps for backward, for one micro-batch of
   --max-tokens-per-gpu tokens, counted tensor by tensor for a decoder layer
   (layer_activation_elements); the vision tower's are left out (an image is a few hundred
   tokens). --recompute-granularity full keeps only each chunk's input; `recompute` is then one
-  chunk's layers run again in backward. selective drops the attention scores.
+  chunk's layers run again in backward. selective drops the attention scores. Under --cp a GPU
+  holds 1/CP of each sequence (a micro-batch is CP x --max-tokens-per-gpu tokens) and an
+  attention layer also keeps the keys and values gathered from the other CP ranks.
 - sglang: the colocated server's share (--mem-fraction-static of the GPU, rank 0 only).
 """
 import argparse
@@ -42,7 +45,7 @@ def count_params(hf_dir):
     return cfg, out
 
 
-def layer_activation_elements(tc, layer_type, t, tp, attention):
+def layer_activation_elements(tc, layer_type, t, tp, attention, cp=1):
     """Elements one decoder layer keeps for backward, for t tokens on one GPU, tensor by tensor
     as Megatron's local layers save them: per token the two RMSNorms' inputs and outputs (4 H);
     attention's q, k, v out of the QKV projection, again after RoPE and again reshaped for the
@@ -57,9 +60,9 @@ def layer_activation_elements(tc, layer_type, t, tp, attention):
         attn = t * (3 * (2 * k + v) + 3 * v) // tp
     else:
         gate = 2 if getattr(tc, "layer_types", None) else 1  # Qwen3.5's gated attention doubles q
-        attn = t * (3 * gate * nh * hd + 5 * nkv * hd) // tp
+        attn = t * (3 * gate * nh * hd + 5 * nkv * hd + 2 * (cp - 1) * nkv * hd) // tp  # + gathered K, V
         if attention == "dense":
-            attn += (nh // tp) * t * t
+            attn += (nh // tp) * t * cp * t  # this rank's queries over the whole sequences' keys
     if getattr(tc, "num_experts", None):  # each token's top-k experts (their tokens reach this rank)
         k, im, si = tc.num_experts_per_tok, tc.moe_intermediate_size, tc.shared_expert_intermediate_size
         mlp = t * (h + tc.num_experts) + k * t * (h + 4 * im) + t * 4 * si // tp
@@ -69,7 +72,7 @@ def layer_activation_elements(tc, layer_type, t, tp, attention):
 
 
 def estimate(hf_dir, tp=1, dp=1, ep=1, bf16=False, fp32_grads=False, distributed=False, tokens=4096,
-             recompute=None, recompute_num_layers=1, attention="flash", mem_fraction=0.0, gpu_bytes=0):
+             recompute=None, recompute_num_layers=1, attention="flash", mem_fraction=0.0, gpu_bytes=0, cp=1):
     cfg, n = count_params(hf_dir)
     tc = cfg.text_config
     local = n["text"] / tp + n["experts"] / ep + n["vision"]  # parameters held on one GPU
@@ -77,11 +80,11 @@ def estimate(hf_dir, tp=1, dp=1, ep=1, bf16=False, fp32_grads=False, distributed
     gb = 4 if (fp32_grads or not bf16) else 2
     ob = 8 + (4 if bf16 else 0)  # Adam's moments, and the fp32 master copy under --bf16
     if distributed:
-        opt = ob * ((n["text"] / tp + n["vision"]) / dp + n["experts"] / ep / max(1, dp * tp // ep))
+        opt = ob * ((n["text"] / tp + n["vision"]) / (dp * cp) + n["experts"] / ep / max(1, dp * cp * tp // ep))
     else:
         opt = ob * local
     types = getattr(tc, "layer_types", None) or ["full_attention"] * tc.num_hidden_layers
-    per = [layer_activation_elements(tc, ty, tokens, tp, "flash" if recompute == "selective" else attention)
+    per = [layer_activation_elements(tc, ty, tokens, tp, "flash" if recompute == "selective" else attention, cp)
            for ty in types]
     if recompute == "full":  # chunk inputs kept; in backward one chunk's layers at a time again
         chunk = max(per) * min(recompute_num_layers, len(per))
@@ -144,6 +147,7 @@ def main(argv=None):
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size (--context-parallel-size)")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
     p.add_argument("--use-distributed-optimizer", action="store_true")
@@ -163,9 +167,9 @@ def main(argv=None):
     est = estimate(a.hf_checkpoint, a.tp, a.dp, a.ep, a.bf16, a.accumulate_allreduce_grads_in_fp32,
                    a.use_distributed_optimizer, a.max_tokens_per_gpu, a.recompute_granularity,
                    a.recompute_num_layers, a.attention or ("flash" if a.bf16 and not a.measure else "dense"),
-                   a.mem_fraction_static, a.gpu_gib * GIB)
+                   a.mem_fraction_static, a.gpu_gib * GIB, a.cp)
     total = sum(v for k, v in est.items() if k != "params_per_gpu")  # an upper bound: peaks overlap
-    print(f"{Path(a.hf_checkpoint).name} tp={a.tp} dp={a.dp} ep={a.ep} bf16={a.bf16} "
+    print(f"{Path(a.hf_checkpoint).name} tp={a.tp} cp={a.cp} dp={a.dp} ep={a.ep} bf16={a.bf16} "
           f"dist_opt={a.use_distributed_optimizer} recompute={a.recompute_granularity} "
           f"tokens={a.max_tokens_per_gpu}: {est['params_per_gpu'] / 1e9:.2f} B params per GPU")
     for k in ("weights", "grads", "optimizer", "activations", "recompute", "sglang"):

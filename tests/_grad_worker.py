@@ -1,10 +1,10 @@
 """The GRPO gradient of fixed samples, term by term, for tests/test_layouts.py: run as one process or
-under torchrun (TP, DP, EP). For each term (pg: advantages only; entropy: --entropy-coef alone; kl:
+under torchrun (TP, DP, CP, EP). For each term (pg: advantages only; entropy: --entropy-coef alone; kl:
 --kl-loss-coef alone against --ref) it runs train_grpo.policy_loss over this rank's share, sums the
 gradients over data-parallel ranks as the optimizer step does, and rank 0 writes every parameter's
 full gradient under its HF name to <out>/<term>.safetensors, with the loss in <out>/<term>.json.
 
-    python tests/_grad_worker.py CKPT GEO3K_PARQUET --out DIR [--ref CKPT] [--tp N [--sp]] [--ep N] [--freeze-vit]
+    python tests/_grad_worker.py CKPT GEO3K_PARQUET --out DIR [--ref CKPT] [--tp N [--sp]] [--cp N] [--ep N] [--freeze-vit]
 """
 import argparse
 import dataclasses
@@ -49,6 +49,7 @@ def main():
     p.add_argument("--ref", default=None, help="reference checkpoint of the KL term (default: no KL term)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1)
     p.add_argument("--sp", action="store_true", help="--sequence-parallel (Qwen3.5 on CPU: its norms allow it)")
     p.add_argument("--freeze-vit", action="store_true")
     p.add_argument("--max-tokens-per-gpu", default="700")
@@ -56,6 +57,7 @@ def main():
     out = Path(a.out)
     args = G.parse_args(["--hf-checkpoint", a.ckpt, "--prompt-data", a.source, "--save", str(out / "run"),
                          "--tensor-model-parallel-size", str(a.tp), "--expert-model-parallel-size", str(a.ep),
+                         "--context-parallel-size", str(a.cp),
                          "--max-tokens-per-gpu", a.max_tokens_per_gpu, "--overwrite"]
                         + (["--sequence-parallel"] if a.sp else []))
     par, _ = T.start(args, "test")

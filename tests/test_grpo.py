@@ -73,7 +73,8 @@ def saved(run):
 @pytest.mark.parametrize("kl", [False, True])
 def test_two_updates_equal_at_tp2_and_dp2(tiny_ckpt, geo3k_real, tmp_path, kl):
     """Two updates (the second from AdamW's sharded state, decoupled lr on the split embedding and
-    output layer): the same losses, grad norms and final weights at TP=1, TP=2 and DP=2."""
+    output layer): the same losses, grad norms and final weights at TP=1, TP=2, DP=2 and (with the
+    reference model too) CP=2."""
     ckpt, src = tiny_ckpt("qwen3_vl"), geo3k_real / "test.parquet"
     ref = tiny_ckpt("qwen3_vl", seed=1) if kl else None  # another policy, so the KL is not 0
     one = worker(ckpt, src, tmp_path / "one", ref=ref)
@@ -83,8 +84,9 @@ def test_two_updates_equal_at_tp2_and_dp2(tiny_ckpt, geo3k_real, tmp_path, kl):
     w_one, w_start = saved(tmp_path / "one"), saved_start(ckpt)
     moved = max((w_one[k] - w_start[k]).abs().max().item() for k in w_one)
     assert moved > 1e-3, moved  # the updates changed the weights (lr 1e-3, embedding/head 1e-2)
-    for name, got in (("tp2", worker(ckpt, src, tmp_path / "tp2", 2, 2, ref)),
-                      ("dp2", worker(ckpt, src, tmp_path / "dp2", 2, 1, ref))):
+    layouts = [("tp2", 2, []), ("dp2", 1, [])] + ([("cp2", 1, ["--flags=--context-parallel-size 2"])] if kl else [])
+    for name, tp, extra in layouts:
+        got = worker(ckpt, src, tmp_path / name, 2, tp, ref, *extra)
         for u, (g, o) in enumerate(zip(got, one)):
             for k in ("loss", "grad_norm", "clipfrac", "kl"):
                 assert abs(g[k] - o[k]) <= 1e-5 * max(1.0, abs(o[k])), (name, u, k, got, one)

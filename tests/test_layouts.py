@@ -1,5 +1,5 @@
 """The reference every parallel layout is held to: the same samples give the same GRPO gradient,
-parameter by parameter, in one process and under TP, DP and EP, for each loss term (policy
+parameter by parameter, in one process and under TP, DP, CP and EP, for each loss term (policy
 gradient, entropy, KL) with the vision tower trained and frozen, dense and MoE.
 
 The checkpoints are the tiny ones with their weights redrawn large (2-D weights N(0, 0.08^2), norm
@@ -106,15 +106,19 @@ def test_dense_gradients_equal_in_one_process_tp2_and_dp2(peaked, tmp_path, free
     assert 0 < one["pg"][1]["clipfrac"] < 1 and one["kl"][1]["kl"] > 0
     assert_same(grads(ckpt, tmp_path / "dp2", 2, *extra, ref=ref), one, "dp2")
     assert_same(grads(ckpt, tmp_path / "tp2", 2, "--tp", "2", *extra, ref=ref), one, "tp2")
+    if not freeze:  # CP: each sequence in zigzag chunks over two ranks (the tower's gradient from both)
+        assert_same(grads(ckpt, tmp_path / "cp2", 2, "--cp", "2", ref=ref), one, "cp2")
 
 
 def test_moe_gradients_equal_in_one_process_and_ep2(peaked, tmp_path):
-    """Qwen3.5-MoE: experts split over two ranks (EP2 x DP2), and TP2 with sequence parallel."""
+    """Qwen3.5-MoE: experts split over two ranks (EP2 x DP2), TP2 with sequence parallel, and CP2 x EP2
+    (Gated DeltaNet head-parallel over the CP ranks, which also hold the experts)."""
     ckpt = peaked("qwen3_5_moe")
     one = grads(ckpt, tmp_path / "one", 1)
     assert any(".experts." in k for k in one["pg"][0])
     assert_same(grads(ckpt, tmp_path / "ep2", 2, "--ep", "2"), one, "ep2")
     assert_same(grads(ckpt, tmp_path / "tp2sp", 2, "--tp", "2", "--sp"), one, "tp2+sp")
+    assert_same(grads(ckpt, tmp_path / "cp2ep2", 2, "--cp", "2", "--ep", "2"), one, "cp2+ep2")
 
 
 DDP_WORKER = """

@@ -112,7 +112,7 @@ def test_pixels_reach_the_loss(trained, tiny_ckpt, geo3k_real, tmp_path):
 
 def test_tp2_and_dp2_equal_one_process(tiny_ckpt, geo3k_real, tmp_path):
     """Four steps (two epochs of 10 problems, batches of 8): every step's loss and grad norm and the
-    final weights agree at TP=1, TP=2 and DP=2, so the sharded AdamW state and the decoupled lr of
+    final weights agree at TP=1, TP=2, DP=2 and CP=2, so the sharded AdamW state and the decoupled lr of
     the split embedding/output layer are checked, not only the first gradient."""
     from safetensors.torch import load_file
     from test_grpo import assert_same_weights
@@ -122,10 +122,11 @@ def test_tp2_and_dp2_equal_one_process(tiny_ckpt, geo3k_real, tmp_path):
     sft(*common, "--save", tmp_path / "one")
     sft(*common, "--save", tmp_path / "tp2", "--tensor-model-parallel-size", "2", nproc=2)
     sft(*common, "--save", tmp_path / "dp2", nproc=2)
+    sft(*common, "--save", tmp_path / "cp2", "--context-parallel-size", "2", nproc=2)
     ref = [m for m in metrics(tmp_path / "one") if "loss" in m]
     final = load_file(tmp_path / "one" / "iter_0000004" / "model.safetensors")
     assert [m["step"] for m in ref] == [1, 2, 3, 4]
-    for name in ("tp2", "dp2"):
+    for name in ("tp2", "dp2", "cp2"):
         got = [m for m in metrics(tmp_path / name) if "loss" in m]
         assert [m["step"] for m in got] == [1, 2, 3, 4]
         for g, r in zip(got, ref):

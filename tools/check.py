@@ -3,6 +3,7 @@ batch of images and text, plus the export round trip. The command line of `model
 
     python model.py check --hf-checkpoint ckpt/tiny                     # TP = 1
     torchrun --nproc_per_node 2 model.py check --hf-checkpoint DIR      # TP = world size
+    torchrun --nproc_per_node 2 model.py check --hf-checkpoint DIR --context-parallel-size 2
 """
 import argparse
 import os
@@ -53,12 +54,12 @@ def hf_logits(hf, seqs, pixel_values=None, image_grid_thw=None):
     return out
 
 
-def check(hf_dir, transformer_impl=None, tp=None, ep=1, sequence_parallel=False):
-    """Megatron vs transformers (fp32) on check_inputs, and the export round trip; TP = world size
-    unless given, EP = ep (MoE). Every rank runs the same inputs, on its device (cuda:LOCAL_RANK or cpu).
+def check(hf_dir, transformer_impl=None, tp=None, ep=1, sequence_parallel=False, cp=1):
+    """Megatron vs transformers (fp32) on check_inputs, and the export round trip; TP = world size / CP
+    unless given, CP = cp, EP = ep (MoE). Every rank runs the same inputs, on its device (cuda:LOCAL_RANK or cpu).
     Returns the max abs logit diff (inf when the export does not reproduce the checkpoint)."""
-    tp = tp or int(os.environ.get("WORLD_SIZE", 1))
-    par = parallel.init_distributed(tp, ep=ep)
+    tp = tp or int(os.environ.get("WORLD_SIZE", 1)) // cp
+    par = parallel.init_distributed(tp, ep=ep, cp=cp)
     rank, world, device = par.rank, par.world, par.device
     model = M.load_model(hf_dir, M.ModelOptions(transformer_impl=transformer_impl, sequence_parallel=sequence_parallel), par)
     files = convert.weight_files(hf_dir)
@@ -74,7 +75,7 @@ def check(hf_dir, transformer_impl=None, tp=None, ep=1, sequence_parallel=False)
         ours, theirs = model.logits(seqs, pv, grid), hf_logits(hf, seqs, pv, grid)
         diff = max((x - y).abs().max().item() for x, y in zip(ours, theirs))
     if rank == 0:
-        print(f"tp={tp} ep={ep} sp={model.sp} world={world} device={device} spec={model.impl} sequences={[len(s) for s in seqs]} "
+        print(f"tp={tp} cp={cp} ep={ep} sp={model.sp} world={world} device={device} spec={model.impl} sequences={[len(s) for s in seqs]} "
               f"image_grid_thw={grid.tolist()} export_exact={exact}")
         print(f"max_abs_logit_diff={diff:.3g}")
     return diff if exact else float("inf")
@@ -85,9 +86,10 @@ def main(argv):
     p.add_argument("--hf-checkpoint", required=True, help="Hugging Face checkpoint folder")
     p.add_argument("--transformer-impl", default=None, choices=["transformer_engine", "local"],
                    help="Megatron layer spec (default: transformer_engine on CUDA, local on CPU)")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=None, help="TP (default: the world size)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=None, help="TP (default: the world size / CP)")
+    p.add_argument("--context-parallel-size", type=int, default=1, help="CP: each sequence split over ranks")
     p.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP: MoE experts split over ranks")
     p.add_argument("--sequence-parallel", action="store_true", help="split the sequence over TP ranks")
     a = p.parse_args(argv)
     sys.exit(0 if check(a.hf_checkpoint, a.transformer_impl, a.tensor_model_parallel_size,
-                        a.expert_model_parallel_size, a.sequence_parallel) <= 1e-4 else 1)
+                        a.expert_model_parallel_size, a.sequence_parallel, a.context_parallel_size) <= 1e-4 else 1)

@@ -1,0 +1,100 @@
+"""context_parallel.py: context parallelism (--context-parallel-size CP), the layout and its collectives.
+
+Each packed sequence, padded to a multiple of 2 CP tokens, is cut into 2 CP chunks; CP rank r holds
+chunks r and 2 CP - 1 - r (Megatron's zigzag layout, as TE's thd_get_partitioned_indices partitions a
+THD batch), so every rank has as much causal attention work as the others. What works per token
+(embedding, MLP, MoE, norms, the LM head) runs on the local tokens; what needs the whole sequence
+gets it here:
+- attention (attention.py on CPU): the keys and values all-gathered over CP (on CUDA Transformer
+  Engine's THD attention does its own CP exchange);
+- Gated DeltaNet (qwen3_5.py): an all-to-all to head-parallel (every rank runs the whole sequence for
+  1/CP of the heads: its conv and recurrent state cross chunk boundaries) and back;
+- logprobs: all-gathered back to token order; every CP rank then computes the same loss.
+Gradients of the parameters are summed over DP x CP (optim.allreduce_grads).
+"""
+import torch
+import torch.distributed as dist
+from torch.distributed.nn.functional import all_to_all_single
+
+
+def padded(n, cp):
+    """Tokens a sequence of n takes under CP: n rounded up to a multiple of 2 CP (n when CP is 1)."""
+    m = 2 * cp if cp > 1 else 1
+    return -(-n // m) * m
+
+
+def held(lens, cp, rank):
+    """(sum(lens) / CP,) positions in the packed row of sequences of lengths `lens` (each a multiple of
+    2 CP) that CP rank `rank` holds, in its order: per sequence, chunk rank, then chunk 2 CP - 1 - rank."""
+    if cp == 1:
+        return torch.arange(sum(lens))
+    out, off = [], 0
+    for n in lens:
+        c = n // (2 * cp)
+        out += [torch.arange(off + rank * c, off + (rank + 1) * c),
+                torch.arange(off + (2 * cp - 1 - rank) * c, off + (2 * cp - rank) * c)]
+        off += n
+    return torch.cat(out)
+
+
+def rank_order(lens, cp):
+    """Positions of the ranks' local rows concatenated in rank order: x_gathered = x_full[rank_order]."""
+    return torch.cat([held(lens, cp, r) for r in range(cp)])
+
+
+def token_order(lens, cp):
+    """The index that puts the ranks' local rows, concatenated in rank order, back in token order."""
+    return rank_order(lens, cp).argsort()
+
+
+class _AllGather(torch.autograd.Function):
+    """Equal-size x of every rank in `group`, concatenated along dim 0. Backward, sum_grads=True: this
+    rank's rows of the gradients summed over the ranks (each used them: attention's keys and values);
+    False: its rows of this rank's gradient (each rank computed the same loss from all the rows)."""
+
+    @staticmethod
+    def forward(ctx, x, group, sum_grads):
+        ctx.group, ctx.sum_grads = group, sum_grads
+        out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        n = dist.get_world_size(ctx.group)
+        if not ctx.sum_grads:
+            return g.chunk(n)[dist.get_rank(ctx.group)], None, None
+        out = g.new_empty((g.shape[0] // n, *g.shape[1:]))
+        dist.reduce_scatter_tensor(out, g.contiguous(), group=ctx.group)
+        return out, None, None
+
+
+def gather_sequence(x, lens, cp, group):
+    """This rank's rows x (T / CP, ...) -> every rank's, in token order (T, ...); gradients summed back."""
+    return _AllGather.apply(x, group, True)[token_order(lens, cp).to(x.device)]
+
+
+def gather_rows(x, group):
+    """This rank's x (n_r, ...) -> every rank's, concatenated in rank order (sum n_r, ...); n_r may differ.
+    Backward keeps this rank's rows of its own gradient: all ranks must compute the same loss from them."""
+    n = dist.get_world_size(group)
+    counts = torch.zeros(n, dtype=torch.long, device=x.device)
+    dist.all_gather_into_tensor(counts, torch.tensor([x.shape[0]], device=x.device), group=group)
+    most = int(counts.max())
+    full = _AllGather.apply(torch.cat([x, x.new_zeros((most - x.shape[0], *x.shape[1:]))]), group, False)
+    return full[torch.cat([torch.arange(r * most, r * most + int(c)) for r, c in enumerate(counts.tolist())])]
+
+
+def to_heads(x, lens, cp, group):
+    """(T / CP, CP x C) this rank's tokens with every rank's channels (rank j's are the j-th C) ->
+    (T, C) every token, in token order, with this rank's channels. Its backward is the reverse exchange."""
+    send = x.unflatten(-1, (cp, -1)).transpose(0, 1).contiguous()  # (CP, T / CP, C): part j goes to rank j
+    got = all_to_all_single(torch.empty_like(send), send, group=group)  # part r: rank r's tokens, my channels
+    return got.flatten(0, 1)[token_order(lens, cp).to(x.device)]
+
+
+def from_heads(y, lens, cp, group):
+    """The inverse of to_heads: (T, C) every token with this rank's channels -> (T / CP, CP x C)."""
+    send = y[rank_order(lens, cp).to(y.device)].unflatten(0, (cp, -1)).contiguous()  # part r: rank r's tokens
+    got = all_to_all_single(torch.empty_like(send), send, group=group)  # part j: my tokens, rank j's channels
+    return got.transpose(0, 1).flatten(1)

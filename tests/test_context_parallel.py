@@ -1,0 +1,35 @@
+"""Context parallelism: the zigzag layout, and `model.py check --context-parallel-size 2` against
+transformers through the user's command. The gradients at CP2 (dense with the vision tower, and
+Qwen3.5-MoE's Gated DeltaNet and experts at CP2 x EP2) are test_layouts.py's; SFT and GRPO steps at
+CP2 are test_sft.py's and test_grpo.py's."""
+import pytest
+import torch
+
+import context_parallel as C
+from test_model import torchrun2
+
+
+def test_zigzag_chunks_balance_the_ranks_and_come_back_in_token_order():
+    assert [C.padded(n, 2) for n in (35, 36, 1)] == [36, 36, 4] and C.padded(35, 1) == 35
+    lens = [8, 12]  # chunks of 2 and 3 tokens at CP 2
+    assert C.held(lens, 2, 0).tolist() == [0, 1, 6, 7, 8, 9, 10, 17, 18, 19]
+    assert C.held(lens, 2, 1).tolist() == [2, 3, 4, 5, 11, 12, 13, 14, 15, 16]
+    for cp in (1, 2, 3):
+        lens = [6 * cp, 2 * cp, 10 * cp]
+        rows = C.rank_order(lens, cp)
+        assert sorted(rows.tolist()) == list(range(sum(lens)))  # every token on one rank
+        assert torch.equal(rows[C.token_order(lens, cp)], torch.arange(sum(lens)))
+        starts = torch.tensor([0, 6 * cp, 8 * cp])
+
+        def work(r):  # causal attention's: the keys each of rank r's queries sees
+            p = C.held(lens, cp, r)
+            return int((p - starts[torch.searchsorted(starts, p, right=True) - 1] + 1).sum())
+        assert len({work(r) for r in range(cp)}) == 1, [work(r) for r in range(cp)]
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_5"])
+def test_cp2_check_command(tiny_ckpt, arch):
+    """Logits at CP=2 over gloo (sequences of 34, 35 and 38 tokens: padded to multiples of 4)."""
+    lines = torchrun2("model.py", "check", "--hf-checkpoint", tiny_ckpt(arch), "--context-parallel-size", "2")
+    assert "export_exact=True" in lines[-2] and "tp=1 cp=2" in lines[-2]
+    assert lines[-1].startswith("max_abs_logit_diff=") and float(lines[-1].split("=")[1]) <= 1e-4
