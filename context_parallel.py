@@ -9,7 +9,8 @@ gets it here:
   Engine's THD attention does its own CP exchange);
 - Gated DeltaNet (qwen3_5.py): an all-to-all to head-parallel (every rank runs the whole sequence for
   1/CP of the heads: its conv and recurrent state cross chunk boundaries) and back;
-- logprobs: all-gathered back to token order; every CP rank then computes the same loss.
+- logprobs: all-gathered back to token order; every CP rank then computes the same loss;
+- the vision tower: each distinct image runs on one CP rank, its features are all-gathered.
 Gradients of the parameters are summed over DP x CP (optim.allreduce_grads).
 """
 import torch
@@ -74,15 +75,38 @@ def gather_sequence(x, lens, cp, group):
     return _AllGather.apply(x, group, True)[token_order(lens, cp).to(x.device)]
 
 
-def gather_rows(x, group):
+def gather_rows(x, group, sum_grads=False):
     """This rank's x (n_r, ...) -> every rank's, concatenated in rank order (sum n_r, ...); n_r may differ.
-    Backward keeps this rank's rows of its own gradient: all ranks must compute the same loss from them."""
+    Backward as _AllGather's: by default this rank's rows of its own gradient (all ranks must compute
+    the same loss from them)."""
     n = dist.get_world_size(group)
     counts = torch.zeros(n, dtype=torch.long, device=x.device)
     dist.all_gather_into_tensor(counts, torch.tensor([x.shape[0]], device=x.device), group=group)
     most = int(counts.max())
-    full = _AllGather.apply(torch.cat([x, x.new_zeros((most - x.shape[0], *x.shape[1:]))]), group, False)
+    full = _AllGather.apply(torch.cat([x, x.new_zeros((most - x.shape[0], *x.shape[1:]))]), group, sum_grads)
     return full[torch.cat([torch.arange(r * most, r * most + int(c)) for r, c in enumerate(counts.tolist())])]
+
+
+def scored_here(lens, cp, rank, rows):
+    """rows (N,): positions of the packed row to score -> (local, pick, back): this rank's indices of
+    the rows it holds, which of the N they are, and the index that puts every rank's scores, gathered
+    in rank order (gather_rows), back in the order of rows."""
+    owner, local = torch.empty(sum(lens), dtype=torch.long), torch.empty(sum(lens), dtype=torch.long)
+    for r in range(cp):
+        mine = held(lens, cp, r)
+        owner[mine], local[mine] = r, torch.arange(len(mine))
+    by_rank = [(owner[rows] == r).nonzero()[:, 0] for r in range(cp)]
+    pick = by_rank[rank]
+    return local[rows[pick]], pick, torch.cat(by_rank).argsort()
+
+
+def images_here(tokens, cp, rank):
+    """Distinct images spread over the CP ranks, image j on rank j % CP; tokens: feature rows of each.
+    -> (this rank's images, the index that puts all features, gathered in rank order, in image order)."""
+    ran = [j for r in range(cp) for j in range(len(tokens)) if j % cp == r]
+    start = dict(zip(ran, torch.tensor([0] + [tokens[j] for j in ran]).cumsum(0).tolist()))
+    back = torch.cat([torch.arange(start[j], start[j] + tokens[j]) for j in range(len(tokens))])
+    return [j for j in range(len(tokens)) if j % cp == rank], back
 
 
 def to_heads(x, lens, cp, group):

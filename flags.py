@@ -55,8 +55,7 @@ def add_train_args(p):
     g("--tensor-model-parallel-size", type=POSITIVE, default=1, help="Megatron TP size")
     g("--sequence-parallel", action="store_true", help="split the sequence over TP ranks outside attention "
       "(Megatron's; required for MoE with TP > 1)")
-    g("--context-parallel-size", type=POSITIVE, default=1, help="CP: each packed sequence split over this many "
-      "ranks in Megatron's zigzag chunks (long contexts; DP = world / (TP x CP))")
+    g("--context-parallel-size", type=POSITIVE, default=1, help="CP: each sequence split over this many ranks (zigzag)")
     g("--expert-model-parallel-size", type=POSITIVE, default=1, help="EP: MoE experts split over this many ranks "
       "(expert-TP 1; expert-DP = world / EP)")
     g("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall"],
@@ -77,8 +76,7 @@ def add_train_args(p):
     g("--recompute-method", default="uniform", choices=["uniform", "block"],
       help="full: checkpoint every chunk of --recompute-num-layers layers (uniform), or only the first that many (block)")
     g("--recompute-num-layers", type=POSITIVE, default=1, help="layers per recomputed chunk (uniform) or recomputed layers (block)")
-    g("--max-tokens-per-gpu", type=POSITIVE, default=4096, help="token budget of one packed micro-batch "
-      "on one GPU (under CP a micro-batch holds CP x this, each rank 1/CP of it)")
+    g("--max-tokens-per-gpu", type=POSITIVE, default=4096, help="one packed micro-batch's tokens on a GPU (CP: x CP in all)")
 
     g = p.add_argument_group("optimizer").add_argument
     g("--global-batch-size", type=POSITIVE, default=16, help="samples per optimizer step, all ranks")

@@ -33,6 +33,7 @@ from transformers import AutoConfig, AutoModel
 import attention
 import context_parallel as C
 import convert
+import logprobs
 import parallel
 import qwen3_5
 from parallel import all_reduce as _all_reduce
@@ -103,79 +104,6 @@ def split_images(hf_config, seqs, pixel_values=None, image_grid_thw=None):
     if i != len(patches):
         raise ValueError(f"{len(patches) - i} images left over: not enough image tokens")
     return out
-
-
-CHUNK = 16384  # vocabulary columns per LM-head chunk on a GPU: bounds the (N, CHUNK) logits held at once
-CPU_CHUNK = 1 << 19  # logits per chunk on a CPU (2 MB): the chunk's passes stay in cache. Measured with
-# N = 1024 rows, V = 151,665, H = 64, 2 cores: forward + backward 4.0 s at 16,384 columns, 1.1 s at 1,024
-
-
-def _columns(n, device):
-    return CHUNK if device.type != "cpu" else max(1, min(CHUNK, CPU_CHUNK // max(1, n)))
-
-
-class _LogprobEntropy(torch.autograd.Function):
-    """z = h @ w.T / temp; returns log_softmax(z)[target] and entropy(softmax(z)), (N,) each.
-    Vocab-parallel over TP (w is this rank's rows of the vocabulary) and in chunks of columns:
-    the (N, V) logits are never held at once; backward recomputes them chunk by chunk. Each chunk
-    is updated in place: every pass over it is memory traffic, the cost on a CPU."""
-
-    @staticmethod
-    def forward(ctx, h, w, target, temp, start, n_valid, group):
-        # h (N, H) same on all TP ranks; w (V_local, H); target (N,) global ids; rows of w from
-        # n_valid on are vocabulary padding; start = global id of w's first row.
-        ctx.set_materialize_grads(False)
-        h = h / temp if temp != 1 else h
-        n, cols = h.shape[0], _columns(h.shape[0], h.device)
-        m = h.new_full((n,), float("-inf"))  # running max, sum exp(z - m), sum exp(z - m) * z
-        s, a, zt = h.new_zeros(n), h.new_zeros(n), h.new_zeros(n)
-        for c in range(0, n_valid, cols):
-            z = h @ w[c:min(c + cols, n_valid)].T.to(h.dtype)  # (N, C), fp32 (h is)
-            local = target - start - c
-            hit = (local >= 0) & (local < z.shape[1])
-            zt += torch.where(hit, z.gather(1, local.clamp(0, z.shape[1] - 1)[:, None])[:, 0], 0.0)
-            m_new = torch.maximum(m, z.amax(1))
-            scale = torch.exp(m - m_new)
-            z -= m_new[:, None]
-            e = torch.exp(z)
-            s_c = e.sum(1)
-            # sum e * (z - m_new), one pass without a temporary; + m_new * s_c makes it sum e * z
-            a = a * scale + torch.bmm(e[:, None], z[:, :, None])[:, 0, 0] + m_new * s_c
-            s, m = s * scale + s_c, m_new
-        big_m = _all_reduce(m.clone(), group, dist.ReduceOp.MAX)  # combine the TP shards
-        stats = _all_reduce(torch.stack([s * torch.exp(m - big_m), a * torch.exp(m - big_m), zt]), group)
-        lse, ez = big_m + stats[0].log(), stats[1] / stats[0]  # log-sum-exp, E_p[z]
-        ctx.save_for_backward(h, w, target, lse, ez)
-        ctx.args = (temp, start, n_valid, group)
-        return stats[2] - lse, lse - ez
-
-    @staticmethod
-    def backward(ctx, g_lp, g_ent):  # None for an output the loss does not use
-        h, w, target, lse, ez = ctx.saved_tensors
-        temp, start, n_valid, group = ctx.args
-        g_lp = torch.zeros_like(lse) if g_lp is None else g_lp
-        gh, gw = torch.zeros_like(h), torch.zeros_like(w)
-        cols = _columns(h.shape[0], h.device)
-        for c in range(0, n_valid, cols):
-            wc = w[c:min(c + cols, n_valid)].to(h.dtype)
-            z = h @ wc.T
-            z -= lse[:, None]  # log p
-            # d logp/dz = onehot - p ; d entropy/dz = -p (z - E_p[z]) = -p (log p + lse - E_p[z])
-            if g_ent is None:
-                gz = z.exp_().mul_(-g_lp[:, None])
-            else:
-                p = torch.exp(z)
-                gz = torch.addcmul((-(g_lp + g_ent * (lse - ez)))[:, None], z, -g_ent[:, None]).mul_(p)
-            local = target - start - c
-            hit = (local >= 0) & (local < z.shape[1])
-            gz[hit, local[hit]] += g_lp[hit]
-            gh.addmm_(gz, wc)
-            if gw.dtype == h.dtype:
-                torch.mm(gz.T, h, out=gw[c:c + wc.shape[0]])
-            else:  # bf16 weights, fp32 logits: mm's out= needs one dtype
-                gw[c:c + wc.shape[0]] = (gz.T @ h).to(gw.dtype)
-        gh = gh / temp if temp != 1 else gh
-        return _all_reduce(gh, group), gw, None, None, None, None, None  # each rank had part of the vocab
 
 
 def layer_impl(impl=None):
@@ -279,6 +207,67 @@ def sum_shared_grads_over_tp(language_model, par):
             p.register_hook(lambda g: _all_reduce(g.clone(), par.tp_group))
 
 
+def packed_row(hf_config, seqs, per_seq, par, sp):
+    """-> (ids (T,), MRoPE positions (3, T), lens) of the row a micro-batch runs: each sequence padded
+    to a multiple of 2 CP under CP (pad ids after it: causal, it sees none of them), then a dummy
+    sequence of pad ids so that each rank's share is a multiple of TP under SP, even under CP (the
+    dummy splits in 2 CP chunks too) and the same on every EP rank (the allgather dispatcher gathers
+    equal shards). per_seq: split_images' (pixel_values, grid) of each sequence."""
+    lens, ids, pos = [C.padded(len(s), par.cp) for s in seqs], [], []
+    for s, (_, g), n in zip(seqs, per_seq, lens):
+        ids += [s.cpu(), torch.zeros(n - len(s), dtype=torch.long)]
+        pos += [rope_positions(hf_config, s, g), torch.arange(n - len(s)).expand(3, -1)]
+    m = math.lcm(par.tp if sp else 1, 2 if par.cp > 1 else 1)
+    share = -(-sum(lens) // par.cp // m) * m
+    if par.ep > 1:
+        share = int(_all_reduce(torch.tensor(share, device=par.device), par.ep_group, dist.ReduceOp.MAX))
+    extra = share * par.cp - sum(lens)
+    if extra:
+        lens, ids, pos = lens + [extra], ids + [torch.zeros(extra, dtype=torch.long)], pos + [torch.arange(extra).expand(3, -1)]
+    return torch.cat(ids), torch.cat(pos, 1), lens
+
+
+class RouteCounter:
+    """Tokens each MoE layer's router sent to each expert (forward hooks on Megatron's TopKRouter)."""
+
+    def __init__(self, language_model):
+        routers = [m for m in language_model.modules() if type(m).__name__ == "TopKRouter"]
+        self.counts = None  # (MoE layers, experts), since the last take()
+        for i, m in enumerate(routers):
+            m.register_forward_hook(functools.partial(self._count, i, len(routers)))
+
+    def _count(self, i, n, module, inputs, out):
+        routing_map = out[1]  # (tokens, experts) bool: Megatron's TopKRouter.forward -> (probs, routing_map)
+        if self.counts is None:
+            self.counts = torch.zeros(n, routing_map.shape[1], dtype=torch.float64, device=routing_map.device)
+        self.counts[i] += routing_map.sum(0).detach().double()
+
+    def take(self):
+        out, self.counts = self.counts, None
+        return out
+
+
+def vision_features(visual, hf_config, par, pix, grid):
+    """The vision tower on distinct images -> [merged-token features (n, H), then one deepstack
+    (n, H) a deepstack layer]. Under CP image j runs on CP rank j % CP only and the features are
+    all-gathered (each rank's gradients of them summed back to the rank that made them)."""
+    cp, merge = par.cp, hf_config.vision_config.spatial_merge_size
+
+    def tower(p, g):
+        out = visual(p, grid_thw=g.to(p.device))
+        return [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
+    if cp == 1:
+        return tower(pix, grid)
+    rows = pix.split(grid.prod(-1).tolist())
+    mine, back = C.images_here(image_tokens(grid, merge), cp, par.cp_rank)
+    if mine:
+        feats = tower(torch.cat([rows[j] for j in mine]), grid[mine])
+    else:  # no image for this rank: empty features, for the same collectives as the others
+        n = 1 + len(getattr(hf_config.vision_config, "deepstack_visual_indexes", None) or [])
+        feats = [pix.new_zeros(0, hf_config.text_config.hidden_size)] * n
+    return [C.gather_rows(f, par.cp_group, sum_grads=True)[back.to(pix.device)] for f in feats]
+
+
 class MegatronVLM(torch.nn.Module):
     """HF vision tower (.visual) + Megatron GPTModel (.language_model), on the parallel context `par`."""
 
@@ -315,9 +304,7 @@ class MegatronVLM(torch.nn.Module):
             self.language_model = GPTModel(
                 cfg, spec, vocab_size=self.padded_vocab, max_sequence_length=tc.max_position_embeddings,
                 share_embeddings_and_output_weights=self.tie, position_embedding_type="none")
-        self.routed = None  # MoE: (MoE layers, experts) tokens routed since the last expert_load()
-        for i, m in enumerate(x for x in self.language_model.modules() if type(x).__name__ == "TopKRouter"):
-            m.register_forward_hook(functools.partial(self._count_routes, i))
+        self.routes = RouteCounter(self.language_model)
         # we embed, place the image features and scatter the sequence (SP) ourselves
         self.language_model.embedding.word_embeddings.reduce_scatter_embeddings = False
         self.visual = AutoModel.from_config(hf_config.vision_config)
@@ -329,32 +316,14 @@ class MegatronVLM(torch.nn.Module):
         self.register_buffer("inv_freq", 1.0 / (rp["rope_theta"] ** (
             torch.arange(0, d, 2, dtype=torch.int64).float() / d)), persistent=False)
 
-    def _count_routes(self, i, module, inputs, out):
-        routing_map = out[1]  # (tokens, experts) bool: Megatron's TopKRouter.forward -> (probs, routing_map)
-        if self.routed is None:
-            n = sum(type(x).__name__ == "TopKRouter" for x in self.language_model.modules())
-            self.routed = torch.zeros(n, routing_map.shape[1], dtype=torch.float64, device=routing_map.device)
-        self.routed[i] += routing_map.sum(0).detach().double()
-
     def expert_load(self):
         """(MoE layers, experts) token counts routed by this rank since the last call (padding
         included), then reset; None for a dense model or before any forward."""
-        out, self.routed = self.routed, None
-        return out
+        return self.routes.take()
 
     def _head_weight(self):  # (V_local, H): this rank's rows of the (padded) vocabulary
         lm = self.language_model
         return lm.embedding.word_embeddings.weight if self.tie else lm.output_layer.weight
-
-    def _padded_length(self, n):
-        """Tokens this rank runs for n of its own: a multiple of TP under SP (the sequence is split),
-        even under CP (a dummy sequence splits in 2 CP chunks too), the same on every EP rank (the
-        allgather dispatcher gathers equal shards)."""
-        m = math.lcm(self.tp if self.sp else 1, 2 if self.par.cp > 1 else 1)
-        n = -(-n // m) * m
-        if self.ep > 1:
-            n = int(_all_reduce(torch.tensor(n, device=self.inv_freq.device), self.par.ep_group, dist.ReduceOp.MAX))
-        return n
 
     def _layers(self, h, lo, hi, rot, psp, img, deep):
         """Decoder layers lo..hi-1 on h (T, 1, H), with deepstack features added after layer i < len(deep)."""
@@ -373,25 +342,16 @@ class MegatronVLM(torch.nn.Module):
         need it. Without CP this rank holds the whole row."""
         lm, cfg, cp = self.language_model, self.hf_config, self.par.cp
         dev = self.inv_freq.device
-        per_seq = split_images(cfg, seqs, pixel_values, image_grid_thw)
-        lens = [C.padded(len(s), cp) for s in seqs]
-        ids, pos = [], []
-        for s, (_, g), n in zip(seqs, per_seq, lens):  # pad ids after a sequence: causal, it sees nothing of them
-            ids += [s.cpu(), torch.zeros(n - len(s), dtype=torch.long)]
-            pos += [rope_positions(cfg, s, g), torch.arange(n - len(s)).expand(3, -1)]
-        extra = self._padded_length(sum(lens) // cp) * cp - sum(lens)
-        if extra:  # the dummy sequence of pad ids at the end
-            lens, ids, pos = lens + [extra], ids + [torch.zeros(extra, dtype=torch.long)], pos + [torch.arange(extra).expand(3, -1)]
-        ids, pos, held = torch.cat(ids).to(dev), torch.cat(pos, 1), C.held(lens, cp, self.par.cp_rank)
+        ids, pos, lens = packed_row(cfg, seqs, split_images(cfg, seqs, pixel_values, image_grid_thw), self.par, self.sp)
+        ids, held = ids.to(dev), C.held(lens, cp, self.par.cp_rank)
         h = lm.embedding.word_embeddings(ids[None]).transpose(0, 1)  # (T, 1, H)
         img, deep = (ids == cfg.image_token_id).nonzero()[:, 0], []
-        if pixel_values is not None:  # the whole row's images on every CP rank
+        if pixel_values is not None:
             pix, grid, take = unique_images(pixel_values, image_grid_thw.cpu(), cfg.vision_config.spatial_merge_size)
-            out = self.visual(pix.to(dev, h.dtype), grid_thw=grid.to(dev))
+            feats = vision_features(self.visual, cfg, self.par, pix.to(dev, h.dtype), grid)  # merged tokens, deepstack
             take = take.to(dev)
-            h = h.index_put((img,), out.pooler_output[take][:, None].to(h.dtype))  # merged image tokens
-            # Qwen3-VL's deepstack: one (n_img, H) a layer
-            deep = [d[take] for d in getattr(out, "deepstack_features", None) or []]
+            h = h.index_put((img,), feats[0][take][:, None].to(h.dtype))
+            deep = [d[take] for d in feats[1:]]  # Qwen3-VL's deepstack: one (n_img, H) a layer
         if cp > 1:  # this rank's chunks from here on; deepstack rows of its image tokens
             is_img = ids == cfg.image_token_id
             row = (is_img.cumsum(0) - 1)[held.to(dev)]  # each held token's row among the image tokens
@@ -433,21 +393,14 @@ class MegatronVLM(torch.nn.Module):
         rows, tgt = torch.cat(rows), torch.cat(tgt)
         cp = self.par.cp
         if cp > 1:  # score the rows this rank holds; all ranks' scores come back in token order below
-            owner = torch.empty(sum(lens), dtype=torch.long)
-            local = torch.empty(sum(lens), dtype=torch.long)
-            for r in range(cp):
-                mine = C.held(lens, cp, r)
-                owner[mine], local[mine] = r, torch.arange(len(mine))
-            by_rank = [(owner[rows] == r).nonzero()[:, 0] for r in range(cp)]
-            pick = by_rank[self.par.cp_rank]
-            rows, tgt = local[rows[pick]], tgt[pick]
+            rows, pick, back = C.scored_here(lens, cp, self.par.cp_rank, rows)
+            tgt = tgt[pick]
         k = self.padded_vocab // self.tp  # this rank's vocabulary rows: [k r, k r + k), some padding
-        lp, ent = _LogprobEntropy.apply(h[rows.to(h.device)].float(), self._head_weight(), tgt.to(h.device),
+        lp, ent = logprobs.LogprobEntropy.apply(h[rows.to(h.device)].float(), self._head_weight(), tgt.to(h.device),
                                         float(temperature), self.tp_rank * k,
                                         max(0, min(k, self.vocab - self.tp_rank * k)), self.par.tp_group)
         if cp > 1:
-            back = torch.cat(by_rank).argsort().to(h.device)
-            lp, ent = (C.gather_rows(x, self.par.cp_group)[back] for x in (lp, ent))
+            lp, ent = (C.gather_rows(x, self.par.cp_group)[back.to(h.device)] for x in (lp, ent))
         return lp, (ent if with_entropy else None)
 
     def logits(self, seqs, pixel_values=None, image_grid_thw=None):

@@ -94,11 +94,12 @@ def test_chunked_logprob_grads_with_vocab_padding(setup, monkeypatch):
     """The hand-written backward (several chunks, padded rows ignored) equals autograd's."""
     setup("qwen3_vl")  # parallel state
     from megatron.core import parallel_state as ps
-    monkeypatch.setattr(M, "CHUNK", 7)
+    import logprobs
+    monkeypatch.setattr(logprobs, "CHUNK", 7)
     g = torch.Generator().manual_seed(0)
     h, w = torch.randn(5, 8, generator=g, requires_grad=True), torch.randn(30, 8, generator=g, requires_grad=True)
     tgt, gl, ge = torch.tensor([0, 3, 24, 13, 7]), torch.randn(5, generator=g), torch.randn(5, generator=g)
-    lp, ent = M._LogprobEntropy.apply(h, w, tgt, 0.8, 0, 25, ps.get_tensor_model_parallel_group())
+    lp, ent = logprobs.LogprobEntropy.apply(h, w, tgt, 0.8, 0, 25, ps.get_tensor_model_parallel_group())
     ours = torch.autograd.grad((lp * gl + ent * ge).sum(), (h, w))
     x = F.log_softmax(h @ w[:25].T / 0.8, -1)
     lp_ref, ent_ref = x.gather(1, tgt[:, None])[:, 0], -(x.exp() * x).sum(-1)
