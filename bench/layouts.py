@@ -6,7 +6,7 @@ Issue 30's setting: a tiny Qwen3-VL (hidden 96, 6 query / 2 KV heads, 4 layers, 
 depth-3 vision tower with deepstack) whose weights are redrawn large (tests/test_layouts.redraw:
 logits far from uniform), 32 polygon pictures of 96 px, 4 prompts x 4 samples, one optimizer update,
 --lr 1e-3 --entropy-coef 1.0 --seed 7, the local engine. Each layout runs train_grpo.py as a user
-would (python, torchrun 1, torchrun 2 as DP2 and as TP2, and DP2 with --freeze-vit); the rows
+would (python, torchrun 1, torchrun 2 as DP2, TP2 and CP2, and DP2 with --freeze-vit); the rows
 must agree to float noise. tests/test_layouts.py holds the same to account parameter by parameter.
 """
 import argparse
@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 LAYOUTS = [("python", [], []), ("torchrun 1", ["1"], []), ("torchrun 2 (DP2)", ["2"], []),
            ("torchrun 2, TP2", ["2"], ["--tensor-model-parallel-size", "2"]),
+           ("torchrun 2, CP2", ["2"], ["--context-parallel-size", "2"]),
            ("--freeze-vit, python", [], ["--freeze-vit"]), ("--freeze-vit, DP2", ["2"], ["--freeze-vit"])]
 
 
