@@ -241,7 +241,7 @@ def test_policy_loss_aggregation_and_tis_by_hand(agg, tis, want):
     parallel.init_distributed(1)
     args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--loss-agg", agg,
                          "--tis-cap", str(tis), "--max-tokens-per-gpu", "1"])  # one sample a micro-batch
-    par = types.SimpleNamespace(dp=1, ep=1, dp_group=None, device=torch.device("cpu"))
+    par = types.SimpleNamespace(dp=1, cp=1, ep=1, dp_group=None, device=torch.device("cpu"))
     items = loss_items([[-1.0, -0.5], [-2.0]], [1.0, -1.0], [[-1.5, -0.5], [-1.0]] if tis else None)
     model = FakeModel([-0.6, -0.7, -2.0])
     model.offset = 0
