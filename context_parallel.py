@@ -15,6 +15,7 @@ Gradients of the parameters are summed over DP x CP (optim.allreduce_grads).
 """
 import torch
 import torch.distributed as dist
+from megatron.core import tensor_parallel
 from torch.distributed.nn.functional import all_to_all_single
 
 
@@ -48,42 +49,28 @@ def token_order(lens, cp):
     return rank_order(lens, cp).argsort()
 
 
-class _AllGather(torch.autograd.Function):
-    """Equal-size x of every rank in `group`, concatenated along dim 0. Backward, sum_grads=True: this
-    rank's rows of the gradients summed over the ranks (each used them: attention's keys and values);
-    False: its rows of this rank's gradient (each rank computed the same loss from all the rows)."""
-
-    @staticmethod
-    def forward(ctx, x, group, sum_grads):
-        ctx.group, ctx.sum_grads = group, sum_grads
-        out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        n = dist.get_world_size(ctx.group)
-        if not ctx.sum_grads:
-            return g.chunk(n)[dist.get_rank(ctx.group)], None, None
-        out = g.new_empty((g.shape[0] // n, *g.shape[1:]))
-        dist.reduce_scatter_tensor(out, g.contiguous(), group=ctx.group)
-        return out, None, None
+def _all_gather(x, group, sum_grads):
+    """Equal-size x of every rank in `group`, concatenated along dim 0 (megatron-core's autograd
+    all-gather, for any group). Backward, sum_grads=True: this rank's rows of the gradients summed
+    over the ranks (a reduce-scatter: each rank used them, as attention's keys and values); False: its
+    rows of this rank's gradient (each rank computed the same loss from all the rows)."""
+    return tensor_parallel.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=sum_grads, group=group)
 
 
 def gather_sequence(x, lens, cp, group):
     """This rank's rows x (T / CP, ...) -> every rank's, in token order (T, ...); gradients summed back."""
-    return _AllGather.apply(x, group, True)[token_order(lens, cp).to(x.device)]
+    return _all_gather(x, group, True)[token_order(lens, cp).to(x.device)]
 
 
 def gather_rows(x, group, sum_grads=False):
     """This rank's x (n_r, ...) -> every rank's, concatenated in rank order (sum n_r, ...); n_r may differ.
-    Backward as _AllGather's: by default this rank's rows of its own gradient (all ranks must compute
+    Backward as _all_gather's: by default this rank's rows of its own gradient (all ranks must compute
     the same loss from them)."""
     n = dist.get_world_size(group)
     counts = torch.zeros(n, dtype=torch.long, device=x.device)
     dist.all_gather_into_tensor(counts, torch.tensor([x.shape[0]], device=x.device), group=group)
     most = int(counts.max())
-    full = _AllGather.apply(torch.cat([x, x.new_zeros((most - x.shape[0], *x.shape[1:]))]), group, sum_grads)
+    full = _all_gather(torch.cat([x, x.new_zeros((most - x.shape[0], *x.shape[1:]))]), group, sum_grads)
     return full[torch.cat([torch.arange(r * most, r * most + int(c)) for r, c in enumerate(counts.tolist())])]
 
 
