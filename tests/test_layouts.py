@@ -137,7 +137,7 @@ with parallel.megatron_on_cpu():
 grads = [(p, torch.full_like(p, rank + 1.0)) for p in m.parameters()]  # the CPU path's reduce
 optim.allreduce_grads(grads, par)
 assert all(torch.equal(p.main_grad, g) for p, g in grads), "the paths differ"
-print("summed", float(next(m.parameters()).main_grad.flatten()[0]))
+sys.stdout.write(f"summed {float(next(m.parameters()).main_grad.flatten()[0])}\\n")  # one write: ranks share the pipe
 """
 
 
