@@ -89,10 +89,11 @@ def rule(model, name):
     if name.startswith("visual."):
         return "rep", [model.names.vis_prefix + name[len("visual."):]]
     name = name[len("language_model."):]
-    if name == "output_layer.weight":
-        return "vocab", ["lm_head.weight"]
+    if name == "output_layer.weight":  # under PP a tied head is the last stage's copy of the embedding
+        return "vocab", [model.names.lm_prefix + "embed_tokens.weight" if model.tie else "lm_head.weight"]
     if name.startswith("decoder.layers."):
         i, rest = name[len("decoder.layers."):].split(".", 1)
+        i = int(i) + model.offset  # PP: the stage's first layer's index in the whole model
         m = _EXPERT.match(rest)
         if m:  # -> ("fused", [3-D name]) or ("expert", [gate, up] / [down]) of global expert e
             fc, e = m[2] or m[3], model.names.ep_rank * model.names.local_experts + int(m[1] or m[4])
@@ -266,10 +267,36 @@ def _experts(model, name, kind, hf, t, fused):
 
 def hf_tensors(model, grad=False):
     """(HF name, full tensor) for every tensor of the source checkpoint; grad=True: their gradients
-    (None-grads as zeros). Collective over TP and EP: every rank gets every full tensor. The source's
-    `mtp.*` tensors are passed through as they are (not with grad=True)."""
+    (None-grads as zeros). Collective over TP, EP and PP: every rank gets every full tensor, each PP
+    stage's in turn (broadcast from its rank of this rank's pipeline). The source's `mtp.*` tensors are
+    passed through as they are (not with grad=True)."""
+    par = model.par
+    if par.pp == 1:
+        yield from _stage_tensors(model, grad)
+        return
+    for stage in range(par.pp):
+        mine = _stage_tensors(model, grad) if stage == par.pp_rank else None
+        src = dist.get_global_rank(par.pp_group, stage)
+        while True:  # one (name, shape, dtype) header, then the tensor; None ends the stage's
+            head = [None]
+            if mine is not None:
+                n, t = next(mine, (None, None))
+                head = [None if n is None else (n, tuple(t.shape), t.dtype)]
+            dist.broadcast_object_list(head, src=src, group=par.pp_group)
+            if head[0] is None:
+                break
+            n, shape, dtype = head[0]
+            x = t.contiguous() if mine is not None else torch.empty(shape, dtype=dtype, device=par.device)
+            dist.broadcast(x, src=src, group=par.pp_group)
+            yield n, x
+
+
+def _stage_tensors(model, grad):
+    """hf_tensors of this rank's PP stage (all of them without PP)."""
     fused = {}
     for name, p in model.named_parameters():
+        if name == "language_model.output_layer.weight" and model.tie:  # PP: the first stage exports it
+            continue
         if grad:
             t = p.grad if p.grad is not None else torch.zeros_like(p)
         else:
@@ -285,7 +312,7 @@ def hf_tensors(model, grad=False):
         for n, x in zip(hf, tensors):
             if n in model.names.src:
                 yield n, x.to(model.names.src[n][1])
-    for n in [] if grad else sorted(k for k in model.names.src if k.startswith("mtp.")):
+    for n in [] if grad or not model.post else sorted(k for k in model.names.src if k.startswith("mtp.")):
         with safe_open(model.names.files[n], "pt") as f:
             yield n, f.get_tensor(n)
 

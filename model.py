@@ -35,6 +35,7 @@ import context_parallel as C
 import convert
 import logprobs
 import parallel
+import pipeline
 import qwen3_5
 from parallel import all_reduce as _all_reduce
 
@@ -142,6 +143,8 @@ class ModelOptions:
     moe_token_dispatcher_type: str = "allgather"
     moe_router_dtype: str = "fp32"
     moe_aux_loss_coeff: float = 0.0
+    decoder_first_pipeline_num_layers: int | None = None  # PP: an uneven split (Megatron's flags)
+    decoder_last_pipeline_num_layers: int | None = None
 
     @classmethod
     def from_args(cls, args):
@@ -154,7 +157,14 @@ def transformer_config(hf_config, par, opts, te, sp):
     tc = hf_config.text_config
     qwen3 = hf_config.model_type.startswith("qwen3")
     q35 = hf_config.model_type in ("qwen3_5", "qwen3_5_moe")
-    extra = dict(add_qkv_bias=not qwen3, qk_layernorm=qwen3, ffn_hidden_size=getattr(tc, "intermediate_size", 0))
+    extra = dict(add_qkv_bias=not qwen3, qk_layernorm=qwen3, ffn_hidden_size=getattr(tc, "intermediate_size", 0),
+                 moe_token_dispatcher_type="alltoall")  # dense: unused, but megatron refuses allgather under PP
+    if par.pp > 1 and getattr(tc, "num_experts", None):  # the alltoall dispatcher makes a CUDA stream (token_dispatcher.py:445)
+        if opts.moe_token_dispatcher_type == "allgather" or not torch.cuda.is_available():
+            raise SystemExit("MoE with --pipeline-model-parallel-size > 1 needs --moe-token-dispatcher-type alltoall "
+                             "(megatron-core's allgather dispatcher takes no variable sequence lengths), on CUDA")
+        if par.ep > 1:  # the idle micro-batches that even out EP ranks run outside the schedule (trainer.idle)
+            raise SystemExit("--pipeline-model-parallel-size > 1 with --expert-model-parallel-size > 1 is not built yet")
     if q35:
         extra.update(qwen3_5.config_kwargs(tc, opts))  # gated attention, MoE
     return TransformerConfig(
@@ -165,6 +175,11 @@ def transformer_config(hf_config, par, opts, te, sp):
         normalization="RMSNorm", layernorm_epsilon=tc.rms_norm_eps, gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=par.tp, context_parallel_size=par.cp, expert_tensor_parallel_size=1,
+        pipeline_model_parallel_size=par.pp, pipeline_dtype=torch.bfloat16 if opts.bf16 else torch.float32,
+        num_layers_in_first_pipeline_stage=opts.decoder_first_pipeline_num_layers if par.pp > 1 else None,
+        num_layers_in_last_pipeline_stage=opts.decoder_last_pipeline_num_layers if par.pp > 1 else None,
+        variable_seq_lengths=par.pp > 1,  # packed rows differ in length: the pipeline sends each shape first
+        batch_p2p_comm=torch.cuda.is_available(),  # gloo: plain isend/irecv
         params_dtype=torch.float32, perform_initialization=False,  # weights come from the checkpoint
         use_cpu_initialization=not torch.cuda.is_available(), bias_activation_fusion=False,
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
@@ -294,8 +309,14 @@ class MegatronVLM(torch.nn.Module):
             raise SystemExit("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (Megatron's rule)")
         cfg = transformer_config(hf_config, par, opts, self.te, self.sp)
         self.names = None  # convert.NameMap of the source checkpoint: load_model sets it
+        # PP (pipeline.py): this rank's stage holds layers [offset, offset + n); the first embeds and runs
+        # the vision tower, the last the final norm and LM head. A tied head is a copy on the last stage.
+        self.pre, self.post = par.pp_rank == 0, par.pp_rank == par.pp - 1
+        self.offset, n_local = pipeline.stage_layers(cfg, par, hf_config)
+        self.input_tensor = None  # PP: the hidden states the previous stage sent (set_input_tensor)
         if self.q35:  # per-layer specs: Gated DeltaNet or gated attention, dense MLP or MoE
             spec = qwen3_5.block_spec(tc, self.te)
+            spec.layer_specs = spec.layer_specs[self.offset:self.offset + n_local]
         elif self.te:
             spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qwen3)
         else:
@@ -303,11 +324,15 @@ class MegatronVLM(torch.nn.Module):
         with parallel.megatron_on_cpu():
             self.language_model = GPTModel(
                 cfg, spec, vocab_size=self.padded_vocab, max_sequence_length=tc.max_position_embeddings,
-                share_embeddings_and_output_weights=self.tie, position_embedding_type="none")
+                share_embeddings_and_output_weights=self.tie and par.pp == 1, position_embedding_type="none",
+                pre_process=self.pre, post_process=self.post)
+        self.config, self.model_type = pipeline.schedule_config(cfg), pipeline.ModelType.encoder_or_decoder
+        if self.tie and par.pp > 1 and self.post:  # Megatron's mark: its grad norm skips the copy
+            self.language_model.output_layer.weight.shared = True
         self.routes = RouteCounter(self.language_model)
-        # we embed, place the image features and scatter the sequence (SP) ourselves
-        self.language_model.embedding.word_embeddings.reduce_scatter_embeddings = False
-        self.visual = AutoModel.from_config(hf_config.vision_config)
+        if self.pre:  # we embed, place the image features and scatter the sequence (SP) ourselves
+            self.language_model.embedding.word_embeddings.reduce_scatter_embeddings = False
+        self.visual = AutoModel.from_config(hf_config.vision_config) if self.pre else None
         sum_shared_grads_over_tp(self.language_model, par)
         rp = tc.rope_parameters
         assert rp.get("rope_type", "default") == "default", rp
@@ -323,7 +348,11 @@ class MegatronVLM(torch.nn.Module):
 
     def _head_weight(self):  # (V_local, H): this rank's rows of the (padded) vocabulary
         lm = self.language_model
-        return lm.embedding.word_embeddings.weight if self.tie else lm.output_layer.weight
+        return lm.embedding.word_embeddings.weight if self.tie and self.pre else lm.output_layer.weight
+
+    def set_input_tensor(self, t):
+        """PP: the previous stage's hidden states for the next forward (megatron's schedules call it)."""
+        self.input_tensor = t[0] if isinstance(t, list) else t
 
     def _layers(self, h, lo, hi, rot, psp, img, deep):
         """Decoder layers lo..hi-1 on h (T, 1, H), with deepstack features added after layer i < len(deep)."""
@@ -344,15 +373,15 @@ class MegatronVLM(torch.nn.Module):
         dev = self.inv_freq.device
         ids, pos, lens = packed_row(cfg, seqs, split_images(cfg, seqs, pixel_values, image_grid_thw), self.par, self.sp)
         ids, held = ids.to(dev), C.held(lens, cp, self.par.cp_rank)
-        h = lm.embedding.word_embeddings(ids[None]).transpose(0, 1)  # (T, 1, H)
         img, deep = (ids == cfg.image_token_id).nonzero()[:, 0], []
-        if pixel_values is not None:
+        h = lm.embedding.word_embeddings(ids[None]).transpose(0, 1) if self.pre else None  # (T, 1, H)
+        if pixel_values is not None and self.pre:
             pix, grid, take = unique_images(pixel_values, image_grid_thw.cpu(), cfg.vision_config.spatial_merge_size)
             feats = vision_features(self.visual, cfg, self.par, pix.to(dev, h.dtype), grid)  # merged tokens, deepstack
             take = take.to(dev)
             h = h.index_put((img,), feats[0][take][:, None].to(h.dtype))
             deep = [d[take] for d in feats[1:]]  # Qwen3-VL's deepstack: one (n_img, H) a layer
-        if cp > 1:  # this rank's chunks from here on; deepstack rows of its image tokens
+        if cp > 1 and self.pre:  # this rank's chunks from here on; deepstack rows of its image tokens
             is_img = ids == cfg.image_token_id
             row = (is_img.cumsum(0) - 1)[held.to(dev)]  # each held token's row among the image tokens
             h, local = h[held.to(dev)], is_img[held.to(dev)]
@@ -366,11 +395,15 @@ class MegatronVLM(torch.nn.Module):
         # the whole row's angles: Megatron's THD RoPE takes each CP rank's chunks of them (rope_utils.py:213-223)
         rot = mrope_angles(pos, self.inv_freq, self.mrope_section, self.mrope_interleaved)
         with parallel.megatron_on_cpu():
-            if self.sp:  # (T / TP, 1, H) from here on: this rank's shard of the sequence
+            if self.sp and self.pre:  # (T / TP, 1, H) from here on: this rank's shard of the sequence
                 h = tensor_parallel.scatter_to_sequence_parallel_region(h)
+            if not self.pre:  # PP: what the previous stage sent, as it left its last layer
+                h = self.input_tensor
             for lo, hi, again in recompute_plan(len(lm.decoder.layers), *self.recompute):  # full: again = True
                 run = functools.partial(self._layers, lo=lo, hi=hi, rot=rot, psp=psp, img=img, deep=deep)
                 h = torch.utils.checkpoint.checkpoint(run, h, use_reentrant=False) if again else run(h)
+            if not self.post:  # PP: (T_local, 1, H) to the next stage
+                return h, lens
             h = lm.decoder.final_layernorm(h)
             if self.sp:  # the LM head's gradient is whole on every rank: gather, backward splits
                 h = tensor_parallel.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=False)
@@ -381,8 +414,11 @@ class MegatronVLM(torch.nn.Module):
         """Token logprobs (N,) of every masked position, in sequence order, at `temperature`, and
         their distributions' entropy (N,) when with_entropy. mask[t] = 1 scores token t from the
         logits at t - 1 (mask[0] must be 0); loss_masks=None scores every token but the first.
-        The LM head runs only at those N positions (vocab-parallel, chunked)."""
+        The LM head runs only at those N positions (vocab-parallel, chunked). PP: a stage before the
+        last returns its hidden states for the next (pipeline.py runs the stages)."""
         h, lens = self._hidden(seqs, pixel_values, image_grid_thw)
+        if not self.post:
+            return h
         rows, tgt, off = [], [], 0
         for i, (s, n) in enumerate(zip(seqs, lens)):
             t = (torch.arange(1, len(s)) if loss_masks is None else loss_masks[i].cpu().nonzero()[:, 0])
@@ -406,6 +442,8 @@ class MegatronVLM(torch.nn.Module):
     def logits(self, seqs, pixel_values=None, image_grid_thw=None):
         """[(T_i, V) fp32 full logits] per sequence, gathered over TP: for parity checks only."""
         h, lens = self._hidden(seqs, pixel_values, image_grid_thw)
+        if not self.post:
+            return h
         with parallel.megatron_on_cpu():  # the gather allocates on torch.cuda.current_device()
             z = tensor_parallel.gather_from_tensor_model_parallel_region(h @ self._head_weight().T)[:, :self.vocab]
         if self.par.cp > 1:
@@ -420,13 +458,14 @@ def load_model(hf_dir, opts=ModelOptions(), par=None):
     model = MegatronVLM(AutoConfig.from_pretrained(hf_dir), hf_dir, par, opts)
     model.names = convert.name_map(model, hf_dir)
     convert.load_weights(model)
-    model.visual.requires_grad_(not opts.freeze_vit)
+    if model.visual is not None:
+        model.visual.requires_grad_(not opts.freeze_vit)
     if opts.bf16:
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16)
     if par.rank == 0:
         print(f"[model] {hf_dir}: layer spec {model.impl}, parameters {next(model.parameters()).dtype}, "
-              f"device {par.device}, TP {model.tp}", flush=True)
+              f"device {par.device}, TP {model.tp}, PP {par.pp}", flush=True)
     return model.to(par.device)
 
 

@@ -65,6 +65,7 @@ def megatron_on_cpu():
     patches = [(torch.cuda, "current_device", lambda: "cpu"),
                (torch.cuda, "manual_seed", torch.manual_seed),
                (torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state()),
+               (torch.cuda, "synchronize", lambda *a, **k: None),  # the pipeline's p2p (p2p_communication.py:242)
                (mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),
                (mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
@@ -79,7 +80,7 @@ def megatron_on_cpu():
 
 def init_distributed(tp=1, seed=1234, timeout_minutes=60, ep=1, pp=1, cp=1):
     """torchrun's environment (or a plain single process) -> the Parallel context, with Megatron's
-    parallel state at TP=tp, CP=cp (context_parallel.py; DP = world / (tp cp)) and EP=ep (MoE experts
+    parallel state at TP=tp, CP=cp (context_parallel.py), PP=pp (pipeline.py; DP = world / (tp cp pp)) and EP=ep (MoE experts
     split over ep ranks, expert-TP 1: expert-DP = world / ep). A second call returns the context the
     first one set up."""
     cuda = torch.cuda.is_available()
@@ -106,13 +107,12 @@ def init_distributed(tp=1, seed=1234, timeout_minutes=60, ep=1, pp=1, cp=1):
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     if not ps.model_parallel_is_initialized():
         world = dist.get_world_size()
-        if tp < 1 or cp < 1 or world % (tp * cp):
-            raise SystemExit(f"--tensor-model-parallel-size {tp} x --context-parallel-size {cp} must divide "
-                             f"the world size {world}")
-        if pp != 1:
-            raise SystemExit("pipeline parallelism is not built yet: --pipeline-model-parallel-size must be 1")
-        if ep < 1 or world % ep:
-            raise SystemExit(f"--expert-model-parallel-size {ep} must divide the world size {world}")
+        if min(tp, cp, pp) < 1 or world % (tp * cp * pp):
+            raise SystemExit(f"--tensor-model-parallel-size {tp} x --context-parallel-size {cp} x "
+                             f"--pipeline-model-parallel-size {pp} must divide the world size {world}")
+        if ep < 1 or world // pp % ep:
+            raise SystemExit(f"--expert-model-parallel-size {ep} must divide the ranks of a pipeline stage "
+                             f"(world size {world} / --pipeline-model-parallel-size {pp})")
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                      pipeline_model_parallel_size=pp, context_parallel_size=cp,
                                      expert_tensor_parallel_size=1)

@@ -4,12 +4,14 @@ batch of images and text, plus the export round trip. The command line of `model
     python model.py check --hf-checkpoint ckpt/tiny                     # TP = 1
     torchrun --nproc_per_node 2 model.py check --hf-checkpoint DIR      # TP = world size
     torchrun --nproc_per_node 2 model.py check --hf-checkpoint DIR --context-parallel-size 2
+    torchrun --nproc_per_node 2 model.py check --hf-checkpoint DIR --pipeline-model-parallel-size 2
 """
 import argparse
 import os
 import sys
 
 import torch
+import torch.distributed as dist
 from PIL import Image
 from safetensors import safe_open
 from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -17,6 +19,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 import convert
 import model as M
 import parallel
+import pipeline
 
 
 def check_inputs(hf_dir):
@@ -54,14 +57,17 @@ def hf_logits(hf, seqs, pixel_values=None, image_grid_thw=None):
     return out
 
 
-def check(hf_dir, transformer_impl=None, tp=None, ep=1, sequence_parallel=False, cp=1):
-    """Megatron vs transformers (fp32) on check_inputs, and the export round trip; TP = world size / CP
-    unless given, CP = cp, EP = ep (MoE). Every rank runs the same inputs, on its device (cuda:LOCAL_RANK or cpu).
+def check(hf_dir, transformer_impl=None, tp=None, ep=1, sequence_parallel=False, cp=1, pp=1):
+    """Megatron vs transformers (fp32) on check_inputs, and the export round trip; TP = world size /
+    (CP PP) unless given, CP = cp, PP = pp (the batch one micro-batch a sequence through megatron's
+    schedule), EP = ep (MoE). Every rank runs the same inputs, on its device (cuda:LOCAL_RANK or cpu).
     Returns the max abs logit diff (inf when the export does not reproduce the checkpoint)."""
-    tp = tp or int(os.environ.get("WORLD_SIZE", 1)) // cp
-    par = parallel.init_distributed(tp, ep=ep, cp=cp)
+    tp = tp or int(os.environ.get("WORLD_SIZE", 1)) // (cp * pp)
+    par = parallel.init_distributed(tp, ep=ep, cp=cp, pp=pp)
     rank, world, device = par.rank, par.world, par.device
-    model = M.load_model(hf_dir, M.ModelOptions(transformer_impl=transformer_impl, sequence_parallel=sequence_parallel), par)
+    opts = M.ModelOptions(transformer_impl=transformer_impl, sequence_parallel=sequence_parallel,
+                          moe_token_dispatcher_type="alltoall" if pp > 1 else "allgather")  # PP's (model.py)
+    model = M.load_model(hf_dir, opts, par)
     files = convert.weight_files(hf_dir)
     same = {}
     for n, t in convert.hf_tensors(model):
@@ -72,10 +78,19 @@ def check(hf_dir, transformer_impl=None, tp=None, ep=1, sequence_parallel=False,
     seqs, pv, grid = [s.to(device) for s in seqs], pv.to(device), grid.to(device)
     hf = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).to(device)
     with torch.no_grad():
-        ours, theirs = model.logits(seqs, pv, grid), hf_logits(hf, seqs, pv, grid)
-        diff = max((x - y).abs().max().item() for x, y in zip(ours, theirs))
+        theirs = hf_logits(hf, seqs, pv, grid)
+        if pp == 1:
+            ours = model.logits(seqs, pv, grid)
+        else:  # the whole batch as one packed micro-batch, then each sequence as one: 4 through the pipeline
+            batches = [(None, (seqs, pv, grid))] + [(None, ([s], p, g)) for s, (p, g) in
+                                                    zip(seqs, M.split_images(hf.config, seqs, pv, grid))]
+            out = pipeline.run(model, batches, lambda m, x: m.logits(*x))
+            ours = out[0] + [z for o in out[1:] for z in o] if out else []
+            theirs = theirs + theirs
+        diff = max([(x - y).abs().max().item() for x, y in zip(ours, theirs)], default=0.0)
+        diff = float(parallel.all_reduce(torch.tensor(diff, device=device), None, dist.ReduceOp.MAX))  # PP: the last stage's
     if rank == 0:
-        print(f"tp={tp} cp={cp} ep={ep} sp={model.sp} world={world} device={device} spec={model.impl} sequences={[len(s) for s in seqs]} "
+        print(f"tp={tp} cp={cp} pp={pp} ep={ep} sp={model.sp} world={world} device={device} spec={model.impl} sequences={[len(s) for s in seqs]} "
               f"image_grid_thw={grid.tolist()} export_exact={exact}")
         print(f"max_abs_logit_diff={diff:.3g}")
     return diff if exact else float("inf")
@@ -88,8 +103,10 @@ def main(argv):
                    help="Megatron layer spec (default: transformer_engine on CUDA, local on CPU)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=None, help="TP (default: the world size / CP)")
     p.add_argument("--context-parallel-size", type=int, default=1, help="CP: each sequence split over ranks")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP: decoder layers split over stages")
     p.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP: MoE experts split over ranks")
     p.add_argument("--sequence-parallel", action="store_true", help="split the sequence over TP ranks")
     a = p.parse_args(argv)
     sys.exit(0 if check(a.hf_checkpoint, a.transformer_impl, a.tensor_model_parallel_size,
-                        a.expert_model_parallel_size, a.sequence_parallel, a.context_parallel_size) <= 1e-4 else 1)
+                        a.expert_model_parallel_size, a.sequence_parallel, a.context_parallel_size,
+                        a.pipeline_model_parallel_size) <= 1e-4 else 1)
