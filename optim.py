@@ -11,6 +11,7 @@ import torch.distributed as dist
 from megatron.core.optimizer import MegatronOptimizer
 
 import parallel
+import pipeline
 
 
 def param_groups(model, args):
@@ -227,6 +228,8 @@ def grad_norm_and_clip(grads, par, clip):
     experts (`allreduce` False: each EP rank holds others) summed over the EP group."""
     sharded, replicated, experts = (torch.zeros((), dtype=torch.float64, device=par.device) for _ in range(3))
     for p, g in grads:
+        if getattr(p, "shared", False):  # PP: the last stage's copy of a tied embedding, counted on the first (Megatron's mark)
+            continue
         sq = g.detach().double().pow(2).sum()
         if not getattr(p, "allreduce", True):
             experts += sq
@@ -236,6 +239,8 @@ def grad_norm_and_clip(grads, par, clip):
             replicated += sq
     parallel.all_reduce(sharded, par.tp_group)
     parallel.all_reduce(experts, par.ep_group)
+    for part in (sharded, replicated, experts):  # PP: each stage holds other parameters
+        parallel.all_reduce(part, par.pp_group)
     norm = math.sqrt((sharded + replicated + experts).item())
     if clip and norm > clip:
         for _, g in grads:
@@ -266,6 +271,7 @@ def optimizer_step(model, opt, sched, par, args):
     lr = opt.param_groups[0]["lr"]
     if isinstance(opt, MegatronOptimizer):  # CUDA: its optimizer clips (config.clip_grad) and steps
         opt.ddp.finish_grad_sync()
+        pipeline.sum_tied_grads(model, [(p, p.main_grad) for p in model.parameters() if p.requires_grad])
         _, norm, _ = opt.step()
         opt.ddp.zero_grad_buffer()
         opt.zero_grad()
@@ -279,6 +285,7 @@ def optimizer_step(model, opt, sched, par, args):
                     p.grad = torch.zeros_like(p)
             grads = [(p, p.grad) for p in params]
         allreduce_grads(grads, par)
+        pipeline.sum_tied_grads(model, grads)
         norm = grad_norm_and_clip(grads, par, args.clip_grad)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -43,7 +43,8 @@ class Item:
 def start(args, kind):
     """A training job's first call: (the parallel context, its seeded RNGs, the run folder)."""
     par = parallel.init_distributed(args.tensor_model_parallel_size, args.seed, args.distributed_timeout_minutes,
-                                    args.expert_model_parallel_size, cp=args.context_parallel_size)
+                                    args.expert_model_parallel_size, cp=args.context_parallel_size,
+                                    pp=args.pipeline_model_parallel_size)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     return par, Run(args, kind, par)
@@ -103,7 +104,7 @@ class Run:
                 torch.save(state, tmp / "train_state" / state_name(self.par, opt))
             dist.barrier()
             if self.rank == 0:
-                (tmp / "train_state" / "meta.json").write_text(json.dumps({"step": step, "tp": self.par.tp}))
+                (tmp / "train_state" / "meta.json").write_text(json.dumps({"step": step, "tp": self.par.tp, "pp": self.par.pp}))
                 shutil.rmtree(final, ignore_errors=True)
                 os.replace(tmp, final)
                 atomic_write(self.save / "latest", name)
@@ -130,9 +131,11 @@ class Run:
     def load_state(self, ckpt, opt, sched):
         """Optimizer, schedule and RNG of this rank; returns the meta dict (step, data position)."""
         meta = read_state(ckpt / "train_state" / "meta.json", lambda f: json.loads(f.read_text()))
-        if meta.get("tp", self.par.tp) != self.par.tp:
-            raise SystemExit(f"--load {ckpt}: saved at --tensor-model-parallel-size {meta['tp']}, "
-                             f"resumed at {self.par.tp}; resume at the same TP size")
+        for flag, key, now in (("--tensor-model-parallel-size", "tp", self.par.tp),
+                               ("--pipeline-model-parallel-size", "pp", self.par.pp)):
+            if meta.get(key, now) != now:
+                raise SystemExit(f"--load {ckpt}: saved at {flag} {meta[key]}, resumed at {now}; "
+                                 f"resume at the same size")
         state = read_state(ckpt / "train_state" / state_name(self.par, opt),
                            lambda f: torch.load(f, weights_only=False))
         optim.load_state(opt, state["optimizer"])
@@ -259,7 +262,8 @@ def state_name(par, opt):
     is sharded over DP (--use-distributed-optimizer: each rank saves only its shard)."""
     dp = f"_dp_{par.dp_rank:03d}" if getattr(opt, "sharded", False) else ""
     ep = f"_ep_{par.ep_rank:02d}" if par.ep > 1 else ""  # MoE: each EP rank holds other experts
-    return f"tp_{par.tp_rank:02d}{ep}{dp}.pt"
+    pp = f"_pp_{par.pp_rank:02d}" if par.pp > 1 else ""  # PP: each stage holds other layers
+    return f"tp_{par.tp_rank:02d}{pp}{ep}{dp}.pt"
 
 
 def rng_state():

@@ -136,6 +136,30 @@ def test_tp2_and_dp2_equal_one_process(tiny_ckpt, geo3k_real, tmp_path):
         assert_same_weights(load_file(tmp_path / name / "iter_0000004" / "model.safetensors"), final, name)
 
 
+def test_pp2_equals_one_process(tiny_ckpt, geo3k_real, tmp_path):
+    """PP (megatron's 1F1B over two stages of a 4-layer model with a tied head, split evenly and 3 + 1):
+    every step's loss and grad norm and the final weights agree with one process, so the tied
+    embedding's two copies take the same summed gradient and the stages' norms add up."""
+    from safetensors.torch import load_file
+    from test_grpo import assert_same_weights
+    common = ["--hf-checkpoint", tiny_ckpt("qwen3_vl", layers=4, tie=True), "--prompt-data", geo3k_real / "test.parquet",
+              "--lr", "1e-3", "--decoupled-lr", "1e-2", "--global-batch-size", "8", "--max-tokens-per-gpu", "600"]
+    sft(*common, "--save", tmp_path / "one")
+    sft(*common, "--save", tmp_path / "pp2", "--pipeline-model-parallel-size", "2", nproc=2)
+    sft(*common, "--save", tmp_path / "pp2_3_1", "--pipeline-model-parallel-size", "2",
+        "--decoder-first-pipeline-num-layers", "3", nproc=2)
+    ref = [m for m in metrics(tmp_path / "one") if "loss" in m]
+    final = load_file(tmp_path / "one" / "iter_0000002" / "model.safetensors")
+    assert [m["step"] for m in ref] == [1, 2]
+    for name in ("pp2", "pp2_3_1"):
+        got = [m for m in metrics(tmp_path / name) if "loss" in m]
+        assert [m["step"] for m in got] == [1, 2]
+        for g, r in zip(got, ref):
+            assert abs(g["loss"] - r["loss"]) <= 1e-5 * max(1, abs(r["loss"])), (name, g, r)
+            assert abs(g["grad_norm"] - r["grad_norm"]) <= 1e-5 * max(1, r["grad_norm"]), (name, g, r)
+        assert_same_weights(load_file(tmp_path / name / "iter_0000002" / "model.safetensors"), final, name)
+
+
 def test_sigkill_then_load_resumes_on_the_same_data_order(tiny_ckpt, tmp_path):
     from tools import synth
     synth.write_synth(tmp_path / "d", 48, n_test=4, seed=0)
