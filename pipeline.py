@@ -59,7 +59,18 @@ def run(model, batches, step, loss=None, forward_only=False):
     call (on every stage: it returns the hidden states to send, on the last what `loss` takes);
     `loss(items, out)` -> (scalar loss to backpropagate, {stat: float}) on the last stage. -> on every
     rank, [per micro-batch: loss's stats, or step's output where loss is None (forward only)]; a stage
-    before the last receives them from the last (stats only: outputs stay on the last stage, [] elsewhere)."""
+    before the last receives them from the last (stats only: outputs stay on the last stage, [] elsewhere).
+    Without PP, the plain loop: forward, loss, backward a micro-batch at a time, `batches` read lazily."""
+    if model.par.pp == 1:
+        out = []
+        for items, inputs in batches:
+            o = step(model, inputs)
+            if loss is not None:
+                value, o = loss(items, o)
+                if not forward_only:
+                    value.backward()
+            out.append(o)
+        return out
     batches = list(batches)
 
     def forward_step(data_iterator, m):
@@ -73,7 +84,7 @@ def run(model, batches, step, loss=None, forward_only=False):
             forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
             num_microbatches=len(batches), seq_length=1, micro_batch_size=1,  # shapes travel with each send
             forward_only=forward_only or loss is None)
-    if model.par.pp == 1 or loss is None:
+    if loss is None:
         return list(got) if model.post else []
     box = [got if model.post else None]
     dist.broadcast_object_list(box, src=dist.get_global_rank(model.par.pp_group, model.par.pp - 1),

@@ -54,21 +54,13 @@ def encode(processor, record):
 def batch_loss(model, par, items, max_tokens, backward):
     """Token-mean NLL of a global batch (this rank holds `items`); backward when asked."""
     n_tokens = T.global_sum(sum(int(it.mask.sum()) for it in items), par)
-    batches = T.micro_batches(items, max_tokens, [model], par, backward)
-    if par.pp > 1:  # megatron's 1F1B over the stages; the loss on the last (pipeline.py)
-        def nll(_, out):
-            loss = -out[0].sum() / n_tokens
-            return loss, {"loss": loss.item()}
-        stats = pipeline.run(model, batches, lambda m, x: m(**x), nll, forward_only=not backward)
-        return T.global_sum(sum(s["loss"] for s in stats), par), n_tokens
-    total = 0.0
-    for _, inputs in batches:
-        logp, _ = model(**inputs)
-        loss = -logp.sum() / n_tokens
-        if backward:
-            loss.backward()
-        total += loss.item()
-    return T.global_sum(total, par), n_tokens
+
+    def nll(_, out):  # on the last PP stage
+        loss = -out[0].sum() / n_tokens
+        return loss, {"loss": loss.item()}
+    stats = pipeline.run(model, T.micro_batches(items, max_tokens, [model], par, backward), lambda m, x: m(**x),
+                         nll, forward_only=not backward)
+    return T.global_sum(sum(s["loss"] for s in stats), par), n_tokens
 
 
 def main(argv=None):

@@ -126,8 +126,16 @@ if [ "$GPUS" -ge 2 ]; then
   check check_te_cp2_qwen3_5 "${TR2[@]}" model.py check --hf-checkpoint "$DIR/tiny35" --context-parallel-size 2
   check grpo_cp2 "${TR2[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine local --context-parallel-size 2 --save "$DIR/grpo_cp2"
   check grpo_cp2_metrics metric "$DIR/grpo_cp2"
+  # Pipeline parallelism over NCCL (batched p2p): a tied Qwen3-VL, Qwen3.5-MoE with the alltoall
+  # dispatcher (it makes a CUDA stream, token_dispatcher.py:445: CPU cannot build it), SFT at PP2
+  check tiny_pp bash -c "$PY model.py tiny --arch qwen3_vl --layers 4 --tie --out $DIR/tiny_pp && \
+$PY model.py tiny --arch qwen3_5_moe --layers 4 --out $DIR/tiny_moe_pp && echo made"
+  check check_pp2_qwen3_vl "${TR2[@]}" model.py check --hf-checkpoint "$DIR/tiny_pp" --pipeline-model-parallel-size 2
+  check check_pp2_qwen3_5_moe "${TR2[@]}" model.py check --hf-checkpoint "$DIR/tiny_moe_pp" --pipeline-model-parallel-size 2
+  check sft_pp2 "${TR2[@]}" sft.py --hf-checkpoint "$DIR/tiny_pp" --prompt-data "$DIR/data" --save "$DIR/sft_pp2" \
+    --global-batch-size 8 --lr 1e-3 --pipeline-model-parallel-size 2 --bf16 --accumulate-allreduce-grads-in-fp32
 else
-  echo "SKIP cp2: context parallelism needs 2 GPUs (this machine has $GPUS)"
+  echo "SKIP cp2, pp2: context and pipeline parallelism need 2 GPUs (this machine has $GPUS)"
 fi
 echo "$failed check(s) failed; logs in $DIR"
 exit $((failed > 0))

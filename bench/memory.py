@@ -72,9 +72,13 @@ def layer_activation_elements(tc, layer_type, t, tp, attention, cp=1):
 
 
 def estimate(hf_dir, tp=1, dp=1, ep=1, bf16=False, fp32_grads=False, distributed=False, tokens=4096,
-             recompute=None, recompute_num_layers=1, attention="flash", mem_fraction=0.0, gpu_bytes=0, cp=1):
+             recompute=None, recompute_num_layers=1, attention="flash", mem_fraction=0.0, gpu_bytes=0, cp=1, pp=1):
+    """Bytes per GPU of each part. PP: the first stage, the fullest: the vision tower, 1/PP of the
+    language model's parameters (the embedding / head imbalance ignored) and, under 1F1B, the
+    activations of PP micro-batches in flight."""
     cfg, n = count_params(hf_dir)
     tc = cfg.text_config
+    n = dict(n, text=n["text"] / pp, experts=n["experts"] / pp)
     local = n["text"] / tp + n["experts"] / ep + n["vision"]  # parameters held on one GPU
     wb = 2 if bf16 else 4
     gb = 4 if (fp32_grads or not bf16) else 2
@@ -85,13 +89,14 @@ def estimate(hf_dir, tp=1, dp=1, ep=1, bf16=False, fp32_grads=False, distributed
         opt = ob * local
     types = getattr(tc, "layer_types", None) or ["full_attention"] * tc.num_hidden_layers
     per = [layer_activation_elements(tc, ty, tokens, tp, "flash" if recompute == "selective" else attention, cp)
-           for ty in types]
+           for ty in types][:-(-len(types) // pp)]
     if recompute == "full":  # chunk inputs kept; in backward one chunk's layers at a time again
         chunk = max(per) * min(recompute_num_layers, len(per))
         kept, again = tokens * tc.hidden_size * -(-len(per) // recompute_num_layers), chunk
     else:
         kept, again = sum(per), 0
     kept += tokens * tc.hidden_size * 3  # the final norm's input and output, the LM head's fp32 input
+    kept *= pp  # 1F1B: the first stage holds PP micro-batches before its first backward
     act_b = 2 if bf16 else 4
     return {"params_per_gpu": local, "weights": wb * local, "grads": gb * local, "optimizer": opt,
             "activations": act_b * kept, "recompute": act_b * again, "sglang": mem_fraction * gpu_bytes}
@@ -148,6 +153,7 @@ def main(argv=None):
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (--context-parallel-size)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (--pipeline-model-parallel-size)")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
     p.add_argument("--use-distributed-optimizer", action="store_true")
@@ -167,9 +173,9 @@ def main(argv=None):
     est = estimate(a.hf_checkpoint, a.tp, a.dp, a.ep, a.bf16, a.accumulate_allreduce_grads_in_fp32,
                    a.use_distributed_optimizer, a.max_tokens_per_gpu, a.recompute_granularity,
                    a.recompute_num_layers, a.attention or ("flash" if a.bf16 and not a.measure else "dense"),
-                   a.mem_fraction_static, a.gpu_gib * GIB, a.cp)
+                   a.mem_fraction_static, a.gpu_gib * GIB, a.cp, a.pp)
     total = sum(v for k, v in est.items() if k != "params_per_gpu")  # an upper bound: peaks overlap
-    print(f"{Path(a.hf_checkpoint).name} tp={a.tp} cp={a.cp} dp={a.dp} ep={a.ep} bf16={a.bf16} "
+    print(f"{Path(a.hf_checkpoint).name} tp={a.tp} cp={a.cp} pp={a.pp} dp={a.dp} ep={a.ep} bf16={a.bf16} "
           f"dist_opt={a.use_distributed_optimizer} recompute={a.recompute_granularity} "
           f"tokens={a.max_tokens_per_gpu}: {est['params_per_gpu'] / 1e9:.2f} B params per GPU")
     for k in ("weights", "grads", "optimizer", "activations", "recompute", "sglang"):

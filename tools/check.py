@@ -59,8 +59,7 @@ def hf_logits(hf, seqs, pixel_values=None, image_grid_thw=None):
 
 def check(hf_dir, transformer_impl=None, tp=None, ep=1, sequence_parallel=False, cp=1, pp=1):
     """Megatron vs transformers (fp32) on check_inputs, and the export round trip; TP = world size /
-    (CP PP) unless given, CP = cp, PP = pp (the batch one micro-batch a sequence through megatron's
-    schedule), EP = ep (MoE). Every rank runs the same inputs, on its device (cuda:LOCAL_RANK or cpu).
+    (CP PP) unless given, CP = cp, PP = pp, EP = ep (MoE); the batch packed, then each sequence alone. Every rank runs the same inputs, on its device (cuda:LOCAL_RANK or cpu).
     Returns the max abs logit diff (inf when the export does not reproduce the checkpoint)."""
     tp = tp or int(os.environ.get("WORLD_SIZE", 1)) // (cp * pp)
     par = parallel.init_distributed(tp, ep=ep, cp=cp, pp=pp)
@@ -78,15 +77,11 @@ def check(hf_dir, transformer_impl=None, tp=None, ep=1, sequence_parallel=False,
     seqs, pv, grid = [s.to(device) for s in seqs], pv.to(device), grid.to(device)
     hf = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).to(device)
     with torch.no_grad():
-        theirs = hf_logits(hf, seqs, pv, grid)
-        if pp == 1:
-            ours = model.logits(seqs, pv, grid)
-        else:  # the whole batch as one packed micro-batch, then each sequence as one: 4 through the pipeline
-            batches = [(None, (seqs, pv, grid))] + [(None, ([s], p, g)) for s, (p, g) in
-                                                    zip(seqs, M.split_images(hf.config, seqs, pv, grid))]
-            out = pipeline.run(model, batches, lambda m, x: m.logits(*x))
-            ours = out[0] + [z for o in out[1:] for z in o] if out else []
-            theirs = theirs + theirs
+        theirs = hf_logits(hf, seqs, pv, grid) * 2
+        # the whole batch as one packed micro-batch, then each sequence as one (through the PP schedule)
+        batches = [(None, (seqs, pv, grid))] + [(None, ([s], p, g)) for s, (p, g) in
+                                                zip(seqs, M.split_images(hf.config, seqs, pv, grid))]
+        ours = [z for o in pipeline.run(model, batches, lambda m, x: m.logits(*x)) for z in o]
         diff = max([(x - y).abs().max().item() for x, y in zip(ours, theirs)], default=0.0)
         diff = float(parallel.all_reduce(torch.tensor(diff, device=device), None, dist.ReduceOp.MAX))  # PP: the last stage's
     if rank == 0:
