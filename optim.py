@@ -270,8 +270,10 @@ def optimizer_step(model, opt, sched, par, args):
     """Reduce, clip and apply the accumulated gradients; advance the LR schedule; clear grads."""
     lr = opt.param_groups[0]["lr"]
     if isinstance(opt, MegatronOptimizer):  # CUDA: its optimizer clips (config.clip_grad) and steps
-        opt.ddp.finish_grad_sync()
+        # before the DP reduce: a sum, so the order does not matter, but the distributed optimizer's
+        # reduce-scatter leaves each rank only its shard of the buffer, at other ranges on the two stages
         pipeline.sum_tied_grads(model, [(p, p.main_grad) for p in model.parameters() if p.requires_grad])
+        opt.ddp.finish_grad_sync()
         _, norm, _ = opt.step()
         opt.ddp.zero_grad_buffer()
         opt.zero_grad()
@@ -284,8 +286,8 @@ def optimizer_step(model, opt, sched, par, args):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             grads = [(p, p.grad) for p in params]
-        allreduce_grads(grads, par)
         pipeline.sum_tied_grads(model, grads)
+        allreduce_grads(grads, par)
         norm = grad_norm_and_clip(grads, par, args.clip_grad)
         opt.step()
         opt.zero_grad(set_to_none=True)
