@@ -58,14 +58,17 @@ def megatron_on_cpu():
     of the block only; does nothing when CUDA is present.
     1. Layers place tensors with `device=torch.cuda.current_device()`: answer "cpu".
     2. The model-parallel RNG tracker (tensor_parallel.random) saves, seeds and restores CUDA
-       generator states: let it use the CPU generator (seeding it as it would seed the CUDA one)."""
+       generator states: let it use the CPU generator (seeding it as it would seed the CUDA one).
+    3. The pipeline schedules synchronize CUDA (p2p_communication.py:242) and count tokens in
+       `torch.zeros([], device="cuda")` (schedules.py:596, 983, 2138): a no-op, and the CPU."""
     if torch.cuda.is_available():
         yield
         return
     patches = [(torch.cuda, "current_device", lambda: "cpu"),
                (torch.cuda, "manual_seed", torch.manual_seed),
                (torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state()),
-               (torch.cuda, "synchronize", lambda *a, **k: None),  # the pipeline's p2p (p2p_communication.py:242)
+               (torch.cuda, "synchronize", lambda *a, **k: None),
+               (torch, "zeros", _zeros_on_cpu),
                (mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),
                (mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
@@ -134,6 +137,13 @@ def init_distributed(tp=1, seed=1234, timeout_minutes=60, ep=1, pp=1, cp=1):
 
 def _cpu():
     return "cpu"
+
+
+_zeros = torch.zeros
+
+
+def _zeros_on_cpu(*a, device=None, **k):
+    return _zeros(*a, device="cpu" if device == "cuda" else device, **k)
 
 
 def all_reduce(t, group, op=dist.ReduceOp.SUM):

@@ -7,7 +7,6 @@ each send carries its shape first (TransformerConfig.variable_seq_lengths).
 
     out = pipeline.run(model, batches, step, loss)   # every rank: the last stage's results
 """
-import contextlib
 import copy
 
 import torch
@@ -79,7 +78,7 @@ def run(model, batches, step, loss=None, forward_only=False):
         if loss is None:
             return out, None
         return out, lambda o: _loss_triple(*loss(items, o))
-    with parallel.megatron_on_cpu(), _token_count_on_cpu():
+    with parallel.megatron_on_cpu():
         got = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
             num_microbatches=len(batches), seq_length=1, micro_batch_size=1,  # shapes travel with each send
@@ -90,24 +89,6 @@ def run(model, batches, step, loss=None, forward_only=False):
     dist.broadcast_object_list(box, src=dist.get_global_rank(model.par.pp_group, model.par.pp - 1),
                                group=model.par.pp_group)
     return box[0]
-
-
-@contextlib.contextmanager
-def _token_count_on_cpu():
-    """The schedules count tokens in `torch.zeros([], device="cuda")` (schedules.py:596, 983, 2138,
-    megatron-core 0.16.1): without CUDA, that one call is given the CPU for the block's duration."""
-    if torch.cuda.is_available():
-        yield
-        return
-    zeros = torch.zeros
-
-    def on_cpu(*a, device=None, **k):
-        return zeros(*a, device="cpu" if device == "cuda" else device, **k)
-    torch.zeros = on_cpu
-    try:
-        yield
-    finally:
-        torch.zeros = zeros
 
 
 def _loss_triple(value, stats):
