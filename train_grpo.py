@@ -32,6 +32,7 @@ import convert
 import flags as F
 import model as M
 import optim
+import pipeline
 import reward
 import rollout as R
 import sglang_engine
@@ -87,8 +88,6 @@ def parse_args(argv=None):
     if args.colocate and args.weight_sync == "distributed":  # rank 0 and the server's TP rank 0 share GPU 0
         p.error("--colocate --weight-sync distributed: NCCL refuses a communicator that holds one GPU twice; "
                 "colocated weights go by --weight-sync tensor (the default) or disk")
-    if args.pipeline_model_parallel_size > 1:
-        p.error("--pipeline-model-parallel-size > 1: GRPO under PP is not built yet (model.py check and sft.py take it)")
     return args
 
 
@@ -144,16 +143,16 @@ def to_item(sample, processor, adv, encoded=None):
 
 
 def policy_loss(model, ref, par, items, args, measure):
-    """PPO-clip loss over a global batch held as this rank's `items`; backward per micro-batch."""
+    """PPO-clip loss over a global batch held as this rank's `items`, through the pipeline schedule
+    (backward per micro-batch; under PP the loss is the last stage's, its stats reach every rank)."""
     n_tok = T.global_sum(sum(int(it.mask.sum()) for it in items), par)
     n_seq = T.global_sum(len(items), par)
-    stats = dict(loss=0.0, clipfrac=0.0, kl=0.0, entropy=0.0, diff_sum=0.0, diff_max=0.0)
     temp = args.rollout_temperature or 1.0  # logprobs under the distribution the engine sampled from
-    models = [model] + ([ref] if ref is not None else [])
-    n_mb = 0  # micro-batches of this rank: packing_fill (rank 0's) = real tokens / their budget
-    for mb, inputs in T.micro_batches(items, args.max_tokens_per_gpu, models, par, backward=True):
-        n_mb += 1
-        logp, ent = model(**inputs, temperature=temp, with_entropy=True)
+    if ref is not None:  # forward-only, before the policy's passes: under PP both are whole schedules
+        logprobs_into(ref, items, args, "ref_logprobs")
+
+    def loss_of(mb, out):
+        logp, ent = out
         dev = logp.device  # everything below on the model's device (CUDA under NCCL)
         old = torch.cat([it.old for it in mb]).to(dev)
         adv = torch.cat([torch.full((len(it.old),), float(it.adv)) for it in mb]).to(dev)
@@ -169,35 +168,44 @@ def policy_loss(model, ref, par, items, args, measure):
             roll = torch.cat([it.rollout_logprobs for it in mb]).to(dev)
             pg = pg * torch.exp(old - roll).clamp(max=args.tis_cap)
         loss_tok = pg - args.entropy_coef * ent if args.entropy_coef else pg  # without: no entropy backward
+        s = dict(kl=0.0)
         if ref is not None:
-            with torch.no_grad():
-                ref_logp, _ = ref(**inputs, temperature=temp)
-            kl = kl_term(logp, ref_logp, args.kl_loss_type)
+            kl = kl_term(logp, torch.cat([it.ref_logprobs for it in mb]).to(dev), args.kl_loss_type)
             loss_tok = loss_tok + args.kl_loss_coef * kl
-            stats["kl"] += (kl.detach() * w).sum().item()
+            s["kl"] = (kl.detach() * w).sum().item()
         loss = (loss_tok * w).sum()
-        loss.backward()
-        stats["loss"] += loss.item()
-        stats["clipfrac"] += ((clipped * adv < ratio * adv).float() * w).sum().item()  # the clip cut the gradient
-        stats["entropy"] += (ent.detach() * w).sum().item()
+        s.update(loss=loss.item(), clipfrac=((clipped * adv < ratio * adv).float() * w).sum().item(),  # clip cut the gradient
+                 entropy=(ent.detach() * w).sum().item(), diff_sum=0.0, diff_max=0.0)
         if measure:  # weights are still those the engine sampled with: logprobs must agree
             diff = (logp.detach() - torch.cat([it.rollout_logprobs for it in mb]).to(dev)).abs()
-            stats["diff_sum"] += diff.sum().item()
-            stats["diff_max"] = max(stats["diff_max"], diff.max().item() if len(diff) else 0.0)
-    out = {k: T.global_sum(v, par) for k, v in stats.items() if k not in ("diff_max", "diff_sum")}
-    out["packing_fill"] = sum(len(it.ids) for it in items) / max(1, n_mb * args.max_tokens_per_gpu)
+            s.update(diff_sum=diff.sum().item(), diff_max=diff.max().item() if len(diff) else 0.0)
+        return loss, s
+    per_mb = pipeline.run(model, T.micro_batches(items, args.max_tokens_per_gpu, [model], par, backward=True),
+                          lambda m, x: m(**x, temperature=temp, with_entropy=True), loss_of)
+    out = {k: T.global_sum(sum(s[k] for s in per_mb), par) for k in ("loss", "clipfrac", "kl", "entropy")}
+    # packing_fill (rank 0's): real tokens / the budget of its micro-batches
+    out["packing_fill"] = sum(len(it.ids) for it in items) / max(1, len(per_mb) * args.max_tokens_per_gpu)
     if measure:
-        out["logprob_diff_mean"] = T.global_sum(stats["diff_sum"], par) / n_tok
-        out["logprob_diff_max"] = T.global_sum(stats["diff_max"], par, op=torch.distributed.ReduceOp.MAX)
+        out["logprob_diff_mean"] = T.global_sum(sum(s["diff_sum"] for s in per_mb), par) / n_tok
+        out["logprob_diff_max"] = T.global_sum(max([s["diff_max"] for s in per_mb], default=0.0), par,
+                                               op=torch.distributed.ReduceOp.MAX)
     return out
 
 
-def recompute_old(model, items, args):
+def logprobs_into(model, items, args, field):
+    """Each item's `field` = `model`'s logprobs of its scored tokens (N,), forward only, at the rollout
+    temperature; under PP set on the last stage, where the loss reads them."""
+    def keep(mb, out):
+        for it, part in zip(mb, out[0].detach().cpu().split([int(it.mask.sum()) for it in mb])):
+            setattr(it, field, part)
+        return out[0].detach().sum(), {}
     with torch.no_grad():
-        for mb, inputs in T.micro_batches(items, args.max_tokens_per_gpu, [model], model.par):
-            logp, _ = model(**inputs, temperature=args.rollout_temperature or 1.0)
-            for it, part in zip(mb, logp.cpu().split([len(it.rollout_logprobs) for it in mb])):
-                it.recomputed_logprobs = part
+        pipeline.run(model, T.micro_batches(items, args.max_tokens_per_gpu, [model], model.par),
+                     lambda m, x: m(**x, temperature=args.rollout_temperature or 1.0), keep, forward_only=True)
+
+
+def recompute_old(model, items, args):
+    logprobs_into(model, items, args, "recomputed_logprobs")
 
 
 def evaluate(engine, processor, records, args, step, run):

@@ -33,6 +33,7 @@ class Item:
     adv: float = 0.0  # GRPO: the sample's advantage
     rollout_logprobs: torch.Tensor | None = None  # (N,) the engine's, as it sampled
     recomputed_logprobs: torch.Tensor | None = None  # (N,) --recompute-logprobs: the trainer's, before the update
+    ref_logprobs: torch.Tensor | None = None  # (N,) the reference model's (the KL term)
 
     @property
     def old(self):

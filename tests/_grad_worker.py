@@ -1,10 +1,10 @@
 """The GRPO gradient of fixed samples, term by term, for tests/test_layouts.py: run as one process or
-under torchrun (TP, DP, CP, EP). For each term (pg: advantages only; entropy: --entropy-coef alone; kl:
+under torchrun (TP, DP, CP, EP, PP). For each term (pg: advantages only; entropy: --entropy-coef alone; kl:
 --kl-loss-coef alone against --ref) it runs train_grpo.policy_loss over this rank's share, sums the
 gradients over data-parallel ranks as the optimizer step does, and rank 0 writes every parameter's
 full gradient under its HF name to <out>/<term>.safetensors, with the loss in <out>/<term>.json.
 
-    python tests/_grad_worker.py CKPT GEO3K_PARQUET --out DIR [--ref CKPT] [--tp N [--sp]] [--cp N] [--ep N] [--freeze-vit]
+    python tests/_grad_worker.py CKPT GEO3K_PARQUET --out DIR [--ref CKPT] [--tp N [--sp]] [--cp N] [--ep N] [--pp N [--first-stage-layers K]] [--freeze-vit]
 """
 import argparse
 import dataclasses
@@ -20,6 +20,7 @@ import convert  # noqa: E402
 import data  # noqa: E402
 import model as M  # noqa: E402
 import optim  # noqa: E402
+import pipeline  # noqa: E402
 import rollout as R  # noqa: E402
 import train_grpo as G  # noqa: E402
 import trainer as T  # noqa: E402
@@ -50,6 +51,8 @@ def main():
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--first-stage-layers", default=None, help="--decoder-first-pipeline-num-layers")
     p.add_argument("--sp", action="store_true", help="--sequence-parallel (Qwen3.5 on CPU: its norms allow it)")
     p.add_argument("--freeze-vit", action="store_true")
     p.add_argument("--max-tokens-per-gpu", default="700")
@@ -57,9 +60,10 @@ def main():
     out = Path(a.out)
     args = G.parse_args(["--hf-checkpoint", a.ckpt, "--prompt-data", a.source, "--save", str(out / "run"),
                          "--tensor-model-parallel-size", str(a.tp), "--expert-model-parallel-size", str(a.ep),
-                         "--context-parallel-size", str(a.cp),
+                         "--context-parallel-size", str(a.cp), "--pipeline-model-parallel-size", str(a.pp),
                          "--max-tokens-per-gpu", a.max_tokens_per_gpu, "--overwrite"]
-                        + (["--sequence-parallel"] if a.sp else []))
+                        + (["--sequence-parallel"] if a.sp else [])
+                        + (["--decoder-first-pipeline-num-layers", a.first_stage_layers] if a.first_stage_layers else []))
     par, _ = T.start(args, "test")
     opts = M.ModelOptions.from_args(args)
     model = M.load_model(a.ckpt, dataclasses.replace(opts, freeze_vit=a.freeze_vit), par)
@@ -68,8 +72,9 @@ def main():
     items = samples(AutoProcessor.from_pretrained(a.ckpt), a.source)
     G.recompute_old(model, items, args)
     g = torch.Generator().manual_seed(1)
-    for it in items:  # the engine's logprobs a little off the trainer's: some ratios clip
-        it.recomputed_logprobs = it.recomputed_logprobs + 0.3 * torch.randn(len(it.old), generator=g)
+    for it in items:  # the engine's logprobs a little off the trainer's: some ratios clip (PP: the last stage's)
+        if it.recomputed_logprobs is not None:
+            it.recomputed_logprobs = it.recomputed_logprobs + 0.3 * torch.randn(len(it.old), generator=g)
     terms = {"pg": {}, "entropy": dict(entropy_coef=1.0)}
     if ref is not None:
         terms["kl"] = dict(kl_loss_coef=1.0)
@@ -82,6 +87,7 @@ def main():
         for q in params:
             if q.grad is None:
                 q.grad = torch.zeros_like(q)
+        pipeline.sum_tied_grads(model, [(q, q.grad) for q in params])
         optim.allreduce_grads([(q, q.grad) for q in params], par)
         grads = {n: t.detach().cpu().contiguous() for n, t in convert.hf_tensors(model, grad=True)}
         if par.rank == 0:

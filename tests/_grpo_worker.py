@@ -1,5 +1,5 @@
 """Two GRPO updates on fixed samples, for tests/test_grpo.py: run as one process or under
-torchrun (TP or DP); rank 0 writes each update's loss, grad_norm, clipfrac and kl to <save>/updates.json
+torchrun (TP, DP, CP or PP: --flags); rank 0 writes each update's loss, grad_norm, clipfrac and kl to <save>/updates.json
 and saves the weights after them to <save>/final (decoupled lr on the split embedding and output
 layer, so the sharded AdamW update is compared too).
 
@@ -62,8 +62,9 @@ def main():
     items = samples(a.ckpt, a.source)[:a.items]
     G.recompute_old(model, items, args)  # old logprobs: the model's own, then moved so the clip engages
     g = torch.Generator().manual_seed(0)
-    for it in items:
-        it.recomputed_logprobs = it.recomputed_logprobs + 0.3 * torch.randn(len(it.old), generator=g)
+    for it in items:  # PP: only the last stage holds them
+        if it.recomputed_logprobs is not None:
+            it.recomputed_logprobs = it.recomputed_logprobs + 0.3 * torch.randn(len(it.old), generator=g)
     updates = []
     for update in range(2):
         stats = G.policy_loss(model, ref, par, T.dp_shard(items, par), args, measure=False)

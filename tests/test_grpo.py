@@ -93,6 +93,21 @@ def test_two_updates_equal_at_tp2_and_dp2(tiny_ckpt, geo3k_real, tmp_path, kl):
         assert_same_weights(saved(tmp_path / name), w_one, name)
 
 
+
+def test_two_updates_equal_at_pp2(tiny_ckpt, geo3k_real, tmp_path):
+    """PP2 (Qwen3-VL's tied head: the last stage's copy of the embedding; 2 + 2 layers), the KL's
+    reference model a pipeline too and the old logprobs recomputed through it: the same two updates
+    as one process, the saved weights gathered from both stages."""
+    ckpt, src = tiny_ckpt("qwen3_vl", layers=4, tie=True), geo3k_real / "test.parquet"
+    ref = tiny_ckpt("qwen3_vl", layers=4, tie=True, seed=1)
+    one = worker(ckpt, src, tmp_path / "one", ref=ref)
+    assert all(0 < u["clipfrac"] < 1 and u["kl"] > 0 for u in one), one
+    got = worker(ckpt, src, tmp_path / "pp2", 2, 1, ref, "--flags=--pipeline-model-parallel-size 2")
+    for u, (g, o) in enumerate(zip(got, one)):
+        for k in ("loss", "grad_norm", "clipfrac", "kl"):
+            assert abs(g[k] - o[k]) <= 1e-5 * max(1.0, abs(o[k])), ("pp2", u, k, got, one)
+    assert_same_weights(saved(tmp_path / "pp2"), saved(tmp_path / "one"), "pp2")
+
 def assert_same_weights(w, ref, name):
     """Each update moves a weight by ~lr (2e-3; 2e-2 for the embedding and head): a wrong shard or
     lr group differs in many elements by that much. Adam's first steps amplify the reduction-order

@@ -1,5 +1,5 @@
 """The reference every parallel layout is held to: the same samples give the same GRPO gradient,
-parameter by parameter, in one process and under TP, DP, CP and EP, for each loss term (policy
+parameter by parameter, in one process and under TP, DP, CP, EP and PP, for each loss term (policy
 gradient, entropy, KL) with the vision tower trained and frozen, dense and MoE.
 
 The checkpoints are the tiny ones with their weights redrawn large (2-D weights N(0, 0.08^2), norm
@@ -53,12 +53,13 @@ def redraw(ckpt, out, seed):
 @pytest.fixture(scope="module")
 def peaked(tiny_ckpt, tmp_path_factory):
     """peaked(arch, seed) -> a redrawn tiny checkpoint of that family (Qwen3-VL: 4 layers, hidden
-    96, 6 query / 2 KV heads, a depth-3 vision tower feeding deepstack layers)."""
+    96, 6 query / 2 KV heads, a depth-3 vision tower feeding deepstack layers, the LM head tied to the
+    embedding as Qwen3-VL-2B's is)."""
     made = {}
 
     def get(arch, seed=1234):
         if (arch, seed) not in made:
-            sizes = dict(hidden=96, heads=6, kv_heads=2, layers=4, vit_depth=3) if arch == "qwen3_vl" else {}
+            sizes = dict(hidden=96, heads=6, kv_heads=2, layers=4, vit_depth=3, tie=True) if arch == "qwen3_vl" else {}
             made[arch, seed] = redraw(tiny_ckpt(arch, **sizes), tmp_path_factory.mktemp(f"{arch}_{seed}"), seed)
         return made[arch, seed]
     return get
@@ -108,6 +109,9 @@ def test_dense_gradients_equal_in_one_process_tp2_and_dp2(peaked, tmp_path, free
     assert_same(grads(ckpt, tmp_path / "tp2", 2, "--tp", "2", *extra, ref=ref), one, "tp2")
     if not freeze:  # CP: each sequence in zigzag chunks over two ranks (the tower's gradient from both)
         assert_same(grads(ckpt, tmp_path / "cp2", 2, "--cp", "2", ref=ref), one, "cp2")
+        # PP: stages of 3 + 1 layers (deepstack's 3 on the first) through 1F1B, the reference model a
+        # pipeline too, the tied embedding's gradient the sum of the first stage's and the head copy's
+        assert_same(grads(ckpt, tmp_path / "pp2", 2, "--pp", "2", "--first-stage-layers", "3", ref=ref), one, "pp2")
 
 
 def test_moe_gradients_equal_in_one_process_and_ep2(peaked, tmp_path):

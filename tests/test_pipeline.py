@@ -1,7 +1,8 @@
 """Pipeline parallelism: `model.py check --pipeline-model-parallel-size 2` against transformers through
 the user's command (the batch as one packed micro-batch, then each sequence as one, through
 megatron's 1F1B schedule), the export gathered from both stages, and the layouts refused with their
-rule. SFT steps at PP2 (tied head, even and uneven splits): test_sft.py."""
+rule. SFT steps at PP2 (tied head, even and uneven splits): test_sft.py; GRPO's: test_grpo.py, and its
+gradients parameter by parameter: test_layouts.py."""
 import os
 import subprocess
 import sys
@@ -35,10 +36,3 @@ def test_layouts_pp_cannot_split_are_refused_with_the_rule(tiny_ckpt):
     assert r.returncode != 0
     assert "the first stage holds 1 layers, fewer than the 2 Qwen3-VL adds deepstack features to" in r.stderr
 
-
-def test_grpo_refuses_pp_until_it_is_built(capsys, tmp_path):
-    import train_grpo
-    with pytest.raises(SystemExit):
-        train_grpo.parse_args(["--hf-checkpoint", "x", "--prompt-data", "y", "--save", str(tmp_path),
-                               "--pipeline-model-parallel-size", "2"])
-    assert "GRPO under PP is not built yet" in capsys.readouterr().err
