@@ -25,10 +25,10 @@ class Engine:
 
     # A server engine frees its GPU memory for training (release), takes it back (resume) and
     # stops (shutdown); in process there is nothing to do.
-    def release(self):
+    def release(self, tags=None):
         pass
 
-    def resume(self):
+    def resume(self, tags=None):
         pass
 
     def shutdown(self):

@@ -75,6 +75,11 @@ def add_train_args(p):
     g("--bf16", action="store_true", help="compute in bf16 with fp32 master weights (optim.py); logprobs and loss in fp32")
     g("--accumulate-allreduce-grads-in-fp32", action="store_true", help="with --bf16: gradients accumulated and reduced in fp32")
     g("--use-distributed-optimizer", action="store_true", help="shard master weights and Adam states over DP ranks")
+    g("--optimizer-cpu-offload", action="store_true", help="with --use-distributed-optimizer on CUDA: the fp32 masters, "
+      "Adam's states and its step on the CPU (megatron-core's HybridDeviceOptimizer; on CPU they are there already)")
+    g("--optimizer-offload-fraction", type=fraction, default=1.0, help="with --optimizer-cpu-offload: the share on the CPU")
+    g("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
+      help="with --optimizer-cpu-offload: overlap the gradient and parameter copies with the CPU step")
     g("--recompute-granularity", default=None, choices=["full", "selective"],
       help="recompute activations in backward: whole layers (full) or core attention only (selective)")
     g("--recompute-method", default="uniform", choices=["uniform", "block"],

@@ -159,12 +159,10 @@ def transformer_config(hf_config, par, opts, te, sp):
     q35 = hf_config.model_type in ("qwen3_5", "qwen3_5_moe")
     extra = dict(add_qkv_bias=not qwen3, qk_layernorm=qwen3, ffn_hidden_size=getattr(tc, "intermediate_size", 0),
                  moe_token_dispatcher_type="alltoall")  # dense: unused, but megatron refuses allgather under PP
-    if par.pp > 1 and getattr(tc, "num_experts", None):  # the alltoall dispatcher makes a CUDA stream (token_dispatcher.py:445)
-        if opts.moe_token_dispatcher_type == "allgather" or not torch.cuda.is_available():
+    if par.pp > 1 and getattr(tc, "num_experts", None):
+        if opts.moe_token_dispatcher_type == "allgather":
             raise SystemExit("MoE with --pipeline-model-parallel-size > 1 needs --moe-token-dispatcher-type alltoall "
-                             "(megatron-core's allgather dispatcher takes no variable sequence lengths), on CUDA")
-        if par.ep > 1:  # the idle micro-batches that even out EP ranks run outside the schedule (trainer.idle)
-            raise SystemExit("--pipeline-model-parallel-size > 1 with --expert-model-parallel-size > 1 is not built yet")
+                             "(megatron-core's allgather dispatcher takes no variable sequence lengths)")
     if q35:
         extra.update(qwen3_5.config_kwargs(tc, opts))  # gated attention, MoE
     return TransformerConfig(

@@ -96,7 +96,9 @@ def megatron_optimizer(model, args):
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, decoupled_lr=args.decoupled_lr,
         weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
         adam_eps=1e-8, clip_grad=args.clip_grad or 0.0, bf16=args.bf16, params_dtype=dtype,
-        use_distributed_optimizer=args.use_distributed_optimizer), [ddp])
+        use_distributed_optimizer=args.use_distributed_optimizer, optimizer_cpu_offload=args.optimizer_cpu_offload,
+        optimizer_offload_fraction=args.optimizer_offload_fraction,
+        overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d), [ddp])
     opt.ddp, opt.sharded = ddp, args.use_distributed_optimizer
     return opt
 
@@ -117,9 +119,12 @@ def megatron_ddp(model, args):
             use_distributed_optimizer=args.use_distributed_optimizer), model)
 
 
-def _inner(opt):
-    """megatron's wrapped torch optimizers: one, or one per part of a ChainedOptimizer (MoE experts)."""
-    return [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])]
+def inner_optimizers(opt):
+    """The torch optimizers that hold the state: megatron's wrapped one, or one per part of a
+    ChainedOptimizer (MoE experts); MasterAdamW's; or `opt` itself."""
+    if isinstance(opt, MegatronOptimizer):
+        return [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])]
+    return [opt.inner] if isinstance(opt, MasterAdamW) else [opt]
 
 
 def state_of(opt):
@@ -127,15 +132,15 @@ def state_of(opt):
     and Adam moments out of state_dict() (distrib_optimizer.py:628-635): add its inner optimizers'."""
     if not isinstance(opt, MegatronOptimizer) or not opt.sharded:
         return opt.state_dict()
-    return {"megatron": opt.state_dict(), "inner": [o.state_dict() for o in _inner(opt)],
-            "masters": [[p.detach().clone() for g in o.param_groups for p in g["params"]] for o in _inner(opt)]}
+    return {"megatron": opt.state_dict(), "inner": [o.state_dict() for o in inner_optimizers(opt)],
+            "masters": [[p.detach().clone() for g in o.param_groups for p in g["params"]] for o in inner_optimizers(opt)]}
 
 
 def load_state(opt, state):
     if not isinstance(opt, MegatronOptimizer) or not opt.sharded:
         return opt.load_state_dict(state)
     opt.load_state_dict(state["megatron"])
-    for o, inner, masters in zip(_inner(opt), state["inner"], state["masters"]):
+    for o, inner, masters in zip(inner_optimizers(opt), state["inner"], state["masters"]):
         o.load_state_dict(inner)
         for p, saved in zip([p for g in o.param_groups for p in g["params"]], masters):
             p.data.copy_(saved)

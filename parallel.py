@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps, tensor_parallel
 from megatron.core.tensor_parallel import random as mrandom
+from megatron.core.transformer.moe import token_dispatcher
 
 import proc
 
@@ -52,6 +53,26 @@ class Parallel:
     expert_dp_group: object
 
 
+class _CpuStream:
+    """megatron_on_cpu's torch.cuda.Stream: waits for nothing; its events are already done."""
+
+    def wait_stream(self, other):
+        pass
+
+    def record_event(self, event=None):
+        return self
+
+    def synchronize(self):
+        pass
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _to_host(tensor, as_numpy=False, record_stream=False):
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+
 @contextlib.contextmanager
 def megatron_on_cpu():
     """What megatron-core 0.16 needs to build and run its layers on CPU over gloo, for the duration
@@ -60,7 +81,12 @@ def megatron_on_cpu():
     2. The model-parallel RNG tracker (tensor_parallel.random) saves, seeds and restores CUDA
        generator states: let it use the CPU generator (seeding it as it would seed the CUDA one).
     3. The pipeline schedules synchronize CUDA (p2p_communication.py:242) and count tokens in
-       `torch.zeros([], device="cuda")` (schedules.py:596, 983, 2138): a no-op, and the CPU."""
+       `torch.zeros([], device="cuda")` (schedules.py:596, 983, 2138): a no-op, and the CPU.
+    4. The alltoall MoE dispatcher (PP's) copies its split sizes to the host on a side CUDA stream
+       (token_dispatcher.py:445, 871-894): one stand-in stream, current and side alike, so that
+       nothing waits and the copies (of CPU tensors: none) run inline; the sizes it asks for as
+       numpy (what the all-to-all takes) become numpy here too (moe_utils.py:1093-1096 converts
+       CUDA tensors only)."""
     if torch.cuda.is_available():
         yield
         return
@@ -69,6 +95,10 @@ def megatron_on_cpu():
                (torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state()),
                (torch.cuda, "synchronize", lambda *a, **k: None),
                (torch, "zeros", _zeros_on_cpu),
+               (torch.cuda, "Stream", lambda *a, **k: _CPU_STREAM),
+               (torch.cuda, "current_stream", lambda *a, **k: _CPU_STREAM),
+               (torch.cuda, "stream", lambda s: contextlib.nullcontext()),
+               (token_dispatcher, "maybe_move_tensor_to_cpu", _to_host),
                (mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),
                (mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]

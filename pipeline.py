@@ -59,32 +59,36 @@ def run(model, batches, step, loss=None, forward_only=False):
     `loss(items, out)` -> (scalar loss to backpropagate, {stat: float}) on the last stage. -> on every
     rank, [per micro-batch: loss's stats, or step's output where loss is None (forward only)]; a stage
     before the last receives them from the last (stats only: outputs stay on the last stage, [] elsewhere).
+    An idle micro-batch (items [], trainer.micro_batches under EP) takes a zero loss and reports nothing.
     Without PP, the plain loop: forward, loss, backward a micro-batch at a time, `batches` read lazily."""
+    def loss_of(items, out):
+        if loss is None:  # the outputs as what the loss reports: the MoE layers' loss scale reads the
+            return torch.zeros((), device=model.par.device), out  # loss's device (schedules.py:281-286)
+        if not items:
+            return out[0].sum() * 0.0, None  # a backward through every layer: its collectives run
+        return loss(items, out)
     if model.par.pp == 1:
         out = []
         for items, inputs in batches:
-            o = step(model, inputs)
-            if loss is not None:
-                value, o = loss(items, o)
-                if not forward_only:
-                    value.backward()
-            out.append(o)
+            value, o = loss_of(items, step(model, inputs))
+            if not forward_only and loss is not None:
+                value.backward()
+            if o is not None:
+                out.append(o)
         return out
     batches = list(batches)
 
     def forward_step(data_iterator, m):
         items, inputs = next(data_iterator)
-        out = step(m, inputs)
-        if loss is None:
-            return out, None
-        return out, lambda o: _loss_triple(*loss(items, o))
+        return step(m, inputs), lambda o: _loss_triple(*loss_of(items, o))
     with parallel.megatron_on_cpu():
         got = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
             num_microbatches=len(batches), seq_length=1, micro_batch_size=1,  # shapes travel with each send
             forward_only=forward_only or loss is None)
+    got = [o for o in got if o is not None]
     if loss is None:
-        return list(got) if model.post else []
+        return got if model.post else []
     box = [got if model.post else None]
     dist.broadcast_object_list(box, src=dist.get_global_rank(model.par.pp_group, model.par.pp - 1),
                                group=model.par.pp_group)

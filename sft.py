@@ -58,7 +58,7 @@ def batch_loss(model, par, items, max_tokens, backward):
     def nll(_, out):  # on the last PP stage
         loss = -out[0].sum() / n_tokens
         return loss, {"loss": loss.item()}
-    stats = pipeline.run(model, T.micro_batches(items, max_tokens, [model], par, backward), lambda m, x: m(**x),
+    stats = pipeline.run(model, T.micro_batches(items, max_tokens, par), lambda m, x: m(**x),
                          nll, forward_only=not backward)
     return T.global_sum(sum(s["loss"] for s in stats), par), n_tokens
 

@@ -44,6 +44,8 @@ from sglang_server import Server, ServerError, free_port
 WEIGHT_SYNC = ("disk", "tensor", "distributed")
 GROUP = "geo3k_weight_sync"  # the process-group name for "distributed"
 COLOCATE_MEM_FRACTION = 0.4  # SGLang's share of each GPU when it shares them with training (README)
+OFFLOAD_MEM_FRACTION = 0.7  # the same with --offload-train: the recipe's (the trainer waits in host memory)
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's memory regions (sglang/srt/constants.py)
 
 
 def read_image_token_id(hf_dir):
@@ -133,6 +135,7 @@ class SGLangEngine(Engine):
         if weight_sync not in WEIGHT_SYNC:
             raise ValueError(f"weight_sync {weight_sync!r}: choose one of {', '.join(WEIGHT_SYNC)}")
         self.weight_sync, self.group, self.stale = weight_sync, None, False
+        self.released = set()  # the server's memory regions freed by release(), not yet resumed
         self.server_tp = int(flag_value(server_args, ("--tp-size", "--tp"), 1))
         if weight_sync == "distributed" and int(flag_value(server_args, ("--dp-size", "--dp"), 1)) > 1:
             raise ValueError("weight sync over a process group takes a server with one data-parallel "
@@ -216,11 +219,18 @@ class SGLangEngine(Engine):
     def sync_plan(self):
         return (self.server_tp, self.dtype) if self.weight_sync == "tensor" and self.server_tp > 1 else (1, None)
 
-    def release(self):
-        self.server.call("/release_memory_occupation", {})
+    def release(self, tags=MEMORY_TAGS):
+        """Free the server's GPU memory regions `tags` (weight_updater.py:337-381)."""
+        self.server.call("/release_memory_occupation", {"tags": list(tags)})
+        self.released |= set(tags)
 
-    def resume(self):
-        self.server.call("/resume_memory_occupation", {})
+    def resume(self, tags=MEMORY_TAGS):
+        """Take back those of `tags` that release() freed: SGLang raises on a region resumed twice
+        (offload_tags.remove, weight_updater.py:389-390), and --offload-train resumes in two parts."""
+        tags = [t for t in tags if t in self.released]
+        if tags:
+            self.server.call("/resume_memory_occupation", {"tags": tags})
+            self.released -= set(tags)
 
 
 # ------------------------------------------------------------------ weight sync: the modes (module doc)
@@ -338,7 +348,7 @@ def sglang_placement(args, cuda, n_gpus, local_world, visible=None):
         if "--enable-memory-saver" not in flags:
             flags.append("--enable-memory-saver")
         if "--mem-fraction-static" not in flags:
-            flags += ["--mem-fraction-static", str(COLOCATE_MEM_FRACTION)]
+            flags += ["--mem-fraction-static", str(OFFLOAD_MEM_FRACTION if args.offload_train else COLOCATE_MEM_FRACTION)]
     elif args.rollout_num_gpus > 0:
         gpus = ids[local_world:local_world + args.rollout_num_gpus]
         if len(gpus) < args.rollout_num_gpus:

@@ -31,6 +31,7 @@ from transformers import AutoProcessor
 import convert
 import flags as F
 import model as M
+import offload
 import optim
 import pipeline
 import reward
@@ -62,6 +63,10 @@ def build_parser():
     a = p.add_argument_group("engine placement").add_argument
     a("--colocate", action="store_true",
       help="SGLang shares the training GPUs: started with its memory saver, released while training")
+    a("--offload-train", action=argparse.BooleanOptionalAction, default=None,
+      help="while SGLang generates, the trainer's parameters, gradients and optimizer states wait in host "
+           "memory (offload.py), and a colocated server gets --mem-fraction-static 0.7; default: on with "
+           "--colocate on CUDA")
     a("--rollout-num-gpus", type=F.COUNT, default=0,
       help="SGLang on N GPUs of its own on rank 0's node, after the training GPUs (disaggregated)")
     a("--weight-sync", default="auto", choices=["auto", "tensor", "distributed", "disk"],
@@ -79,6 +84,8 @@ def parse_args(argv=None):
         p.error(f"unrecognized arguments: {' '.join(bad)}")
     args.sglang_args = sglang_engine.sglang_server_args(unknown)
     args.global_batch_size = args.global_batch_size or args.rollout_batch_size * args.n_samples_per_prompt
+    if args.offload_train is None:
+        args.offload_train = args.colocate and torch.cuda.is_available()
     if args.rm_type not in reward.REWARDS:
         p.error(f"--rm-type {args.rm_type}: choose one of {', '.join(sorted(reward.REWARDS))}")
     if args.n_samples_per_prompt == 1 and args.num_rollout:
@@ -180,7 +187,7 @@ def policy_loss(model, ref, par, items, args, measure):
             diff = (logp.detach() - torch.cat([it.rollout_logprobs for it in mb]).to(dev)).abs()
             s.update(diff_sum=diff.sum().item(), diff_max=diff.max().item() if len(diff) else 0.0)
         return loss, s
-    per_mb = pipeline.run(model, T.micro_batches(items, args.max_tokens_per_gpu, [model], par, backward=True),
+    per_mb = pipeline.run(model, T.micro_batches(items, args.max_tokens_per_gpu, par),
                           lambda m, x: m(**x, temperature=temp, with_entropy=True), loss_of)
     out = {k: T.global_sum(sum(s[k] for s in per_mb), par) for k in ("loss", "clipfrac", "kl", "entropy")}
     # packing_fill (rank 0's): real tokens / the budget of its micro-batches
@@ -200,7 +207,7 @@ def logprobs_into(model, items, args, field):
             setattr(it, field, part)
         return out[0].detach().sum(), {}
     with torch.no_grad():
-        pipeline.run(model, T.micro_batches(items, args.max_tokens_per_gpu, [model], model.par),
+        pipeline.run(model, T.micro_batches(items, args.max_tokens_per_gpu, model.par),
                      lambda m, x: m(**x, temperature=args.rollout_temperature or 1.0), keep, forward_only=True)
 
 
@@ -302,19 +309,26 @@ def sync_weights(model, engine, par, plan=(1, None)):
             pass
 
 
-def step_aside(par, engine):
+def step_aside(par, engine, off):
     """Colocated: the server frees the GPUs before any rank trains (ranks other than 0 would
-    otherwise start their forwards, --recompute-logprobs first, while SGLang still holds them)."""
+    otherwise start their forwards, --recompute-logprobs first, while SGLang still holds them); then
+    the trainer's state comes back from host memory (--offload-train)."""
     if par.rank == 0:
         engine.release()
     torch.distributed.barrier()
+    if off is not None:
+        off.restore()
 
 
-def step_back(par, engine):
+def step_back(par, engine, off):
     """Colocated: every rank hands its cached activations back to CUDA before the server takes
     the GPUs again (the caching allocator keeps the training peak: the resume of weights, KV cache
-    and graphs would not fit on an 80 GB GPU)."""
+    and graphs would not fit on an 80 GB GPU). --offload-train: the optimizer states and gradients
+    go to host memory and only the server's weights come back: the weight sync still reads the
+    trainer's parameters; to_rollout() parks those and resumes the rest."""
     held = {}
+    if off is not None:
+        off.release(("optimizer", "grads"))
     if torch.cuda.is_available():  # what training took at its peak, and what this rank still holds
         held["gpu_train_peak_gib"] = torch.cuda.max_memory_reserved() / 2**30
         torch.cuda.empty_cache()
@@ -322,25 +336,43 @@ def step_back(par, engine):
         torch.cuda.reset_peak_memory_stats()
     torch.distributed.barrier()
     if par.rank == 0:
-        engine.resume()
+        engine.resume(["weights"] if off is not None else sglang_engine.MEMORY_TAGS)
     return held
 
 
-def grpo_step(step, par, run, engine, plan, processor, records, model, ref, opt, sched, args, updates):
+def to_rollout(par, engine, off, args):
+    """Before a rollout or an evaluation (every rank): --offload-train parks the whole trainer in host
+    memory; then a colocated server takes back what it still lacks (its KV cache and CUDA graphs).
+    Repeating it changes nothing."""
+    if off is None:
+        return
+    off.release()
+    if args.colocate:
+        torch.distributed.barrier()
+        if par.rank == 0:
+            engine.resume()
+
+
+def grpo_step(step, par, run, engine, plan, processor, records, model, ref, opt, sched, args, updates, off=None):
     """One step in slime's order: generate, release the engine's GPU memory (colocated), train,
     take the memory back, update the engine's weights (its update flushes its caches). `plan`:
-    the engine's sync_plan(), known to every rank."""
+    the engine's sync_plan(), known to every rank. `off`: --offload-train's Offload."""
     secs = {}
+    to_rollout(par, engine, off, args)
     with T.timed(secs, "rollout"):
         items, metrics = rollout_step(step, par, engine, processor, records, args, updates)
     if args.colocate:
-        step_aside(par, engine)
+        step_aside(par, engine, off)
+    elif off is not None:
+        off.restore()
     with T.timed(secs, "train"):
         stats = train_step(model, ref, opt, sched, par, items, args, updates)
     with T.timed(secs, "sync"):
         if args.colocate:
-            metrics.update(step_back(par, engine))
+            metrics.update(step_back(par, engine, off))
         sync_weights(model, engine, par, plan)
+    if off is not None:
+        metrics["offload_host_gib"] = off.host_bytes() / 2**30
     metrics.update(stats, **T.expert_load(model))
     metrics.update(rollout_s=secs["rollout"], train_s=secs["train"],
                    sync_s=secs["sync"], tokens_per_s=metrics.get("tokens", 0) / max(1e-9, secs["train"]))
@@ -362,6 +394,13 @@ def main(argv=None):
     opt, sched = optim.build_optimizer(model, args, args.num_rollout * updates)
     start = run.load_state(ckpt, opt, sched)["step"] if ckpt else 0
 
+    off = None
+    if args.offload_train:  # parked before the server starts: its --mem-fraction-static counts what is free
+        off = offload.Offload(model, opt, ref)
+        off.release()
+        if par.rank == 0:
+            print(f"[offload] --offload-train: {off.host_bytes() / 2**30:.2f} GiB of host memory per rank for the "
+                  "trainer's parameters, more once the optimizer states exist (metric offload_host_gib)", flush=True)
     records = eval_records = engine = None
     if par.rank == 0:  # rank 0 owns the data, the engine and the rewards
         reward.get_reward_fn(args.rm_type)  # its one-off warm-up here, not in the first rollout
@@ -369,21 +408,25 @@ def main(argv=None):
                    limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len} with room for a response"))
         records, eval_records = T.load_data(args, **fit), T.load_data(args, evaluation=True, **fit)
         engine = sglang_engine.make_engine(args, str(ckpt or args.hf_checkpoint), str(run.save))
-    plan = [engine.sync_plan() if engine is not None else None]
-    if par.world > 1:  # every rank takes part in a sync that serialises on several ranks
+    plan = [engine.sync_plan() if engine is not None else None, bool(eval_records)]
+    if par.world > 1:  # every rank takes part in a sync that serialises on several ranks, and in to_rollout
         torch.distributed.broadcast_object_list(plan, src=0)
+    evals = plan[1]
     try:
         if par.rank == 0 and eval_records and start == 0:
             evaluate(engine, processor, eval_records, args, 0, run)
         bar = tqdm(range(start, args.num_rollout), desc="grpo", disable=par.rank != 0,
                    initial=start, total=args.num_rollout)
         for step in bar:
-            metrics = grpo_step(step, par, run, engine, plan[0], processor, records, model, ref, opt, sched, args, updates)
+            metrics = grpo_step(step, par, run, engine, plan[0], processor, records, model, ref, opt, sched, args,
+                                updates, off)
             bar.set_postfix(reward=f"{metrics.get('reward', 0):.3f}")
+            run.maybe_save(model, opt, sched, step + 1, args.num_rollout)  # before the trainer is parked
             last = step + 1 == args.num_rollout
-            if par.rank == 0 and eval_records and (last or (args.eval_interval and (step + 1) % args.eval_interval == 0)):
-                evaluate(engine, processor, eval_records, args, step + 1, run)
-            run.maybe_save(model, opt, sched, step + 1, args.num_rollout)
+            if evals and (last or (args.eval_interval and (step + 1) % args.eval_interval == 0)):
+                to_rollout(par, engine, off, args)
+                if par.rank == 0:
+                    evaluate(engine, processor, eval_records, args, step + 1, run)
     finally:
         if engine is not None:
             engine.shutdown()

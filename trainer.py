@@ -43,6 +43,9 @@ class Item:
 
 def start(args, kind):
     """A training job's first call: (the parallel context, its seeded RNGs, the run folder)."""
+    if args.optimizer_cpu_offload and not args.use_distributed_optimizer:  # the distributed optimizer hosts it
+        raise SystemExit("--optimizer-cpu-offload needs --use-distributed-optimizer (megatron-core's "
+                         "HybridDeviceOptimizer runs inside its distributed optimizer, distrib_optimizer.py:602)")
     par = parallel.init_distributed(args.tensor_model_parallel_size, args.seed, args.distributed_timeout_minutes,
                                     args.expert_model_parallel_size, cp=args.context_parallel_size,
                                     pp=args.pipeline_model_parallel_size)
@@ -320,9 +323,11 @@ def pack(lengths, max_tokens):
     return [sorted(b) for b in bins]
 
 
-def micro_batches(items, max_tokens, models, par, backward=False):
-    """-> (items, model inputs) of each packed micro-batch of this rank's `items` (Item); with EP, then idle() ones up to the
-    busiest rank's count: MoE layers run collectives in forward and backward (README, "Qwen3.5")."""
+def micro_batches(items, max_tokens, par):
+    """-> (items, model inputs) of each packed micro-batch of this rank's `items` (Item); with EP, then
+    idle ones ([], two pad tokens that score nothing) up to the busiest rank's count: MoE layers run
+    collectives in forward and backward (README, "Qwen3.5"), so every rank runs as many micro-batches
+    (pipeline.run gives an idle one a zero loss, its backward's collectives included)."""
     bins = pack([len(it.ids) for it in items], max_tokens * par.cp)  # a CP rank holds 1/CP of each
     n = 0  # idle micro-batches to run, agreed before any runs: MoE collectives must not cross this reduce
     if par.ep > 1:
@@ -334,19 +339,7 @@ def micro_batches(items, max_tokens, models, par, backward=False):
         yield mb, dict(seqs=[it.ids for it in mb], loss_masks=[it.mask for it in mb],
                        pixel_values=torch.cat(pv) if pv else None, image_grid_thw=torch.cat(grid) if grid else None)
     for _ in range(n):
-        idle(models, backward)
-
-
-def idle(models, backward):
-    """An empty micro-batch's share of the EP collectives: each model's forward (and the first's
-    backward) on two pad tokens that score nothing, in the order a real micro-batch runs them."""
-    seq, mask = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.bool)
-    lp, _ = models[0]([seq], loss_masks=[mask])
-    with torch.no_grad():
-        for m in models[1:]:
-            m([seq], loss_masks=[mask])
-    if backward:
-        lp.sum().backward()  # zero gradients, but every layer's backward collectives run
+        yield [], dict(seqs=[torch.zeros(2, dtype=torch.long)], loss_masks=[torch.zeros(2, dtype=torch.bool)])
 
 
 def expert_load(model):

@@ -86,6 +86,13 @@ check grpo_bf16_distopt_full_recompute "${TR[@]}" train_grpo.py "${GRPO[@]}" --r
 check grpo_bf16_resume "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine local "${BF16[@]}" \
   --recompute-granularity full --num-rollout 4 --save "$DIR/grpo_bf16" --load "$DIR/grpo_bf16"
 check grpo_bf16_metrics metric "$DIR/grpo_bf16"
+# --offload-train (offload.py): a release frees >= 90% of what the trainer holds (memory_allocated),
+# the restore is bit-exact; then with megatron's CPU Adam (HybridDeviceOptimizer), and a GRPO run with it
+check offload_bf16_distopt "$PY" bench/offload_check.py "$DIR/tiny" "${BF16[@]}"
+check offload_cpu_adam "$PY" bench/offload_check.py "$DIR/tiny" "${BF16[@]}" --optimizer-cpu-offload
+check grpo_cpu_adam "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine local "${BF16[@]}" --optimizer-cpu-offload \
+  --overlap-cpu-optimizer-d2h-h2d --offload-train --save "$DIR/grpo_cpu_adam"
+check grpo_cpu_adam_metrics metric "$DIR/grpo_cpu_adam"
 # Qwen3.5-MoE in bf16 with the distributed optimizer: the routed experts get an optimizer of their own
 # (megatron's ChainedOptimizer: optim.Schedule over every group, state saved and resumed per part)
 check tiny_moe bash -c "$PY model.py tiny --arch qwen3_5_moe --out $DIR/tiny_moe && echo made"
@@ -94,13 +101,19 @@ MOE=(--hf-checkpoint "$DIR/tiny_moe" --prompt-data "$DIR/data" --rollout-batch-s
 check grpo_moe_bf16_distopt "${TR[@]}" train_grpo.py "${MOE[@]}" --num-rollout 2
 check grpo_moe_bf16_resume "${TR[@]}" train_grpo.py "${MOE[@]}" --num-rollout 3 --load "$DIR/grpo_moe"
 check grpo_moe_bf16_metrics metric "$DIR/grpo_moe"
+check offload_moe_bf16_distopt "$PY" bench/offload_check.py "$DIR/tiny_moe" "${BF16[@]}"
 if "$PY" -c "import sglang" 2>/dev/null; then
   # stock SGLang on the same GPU as training: the memory saver releases it while training; weights
-  # go over CUDA IPC (/update_weights_from_tensor, devices named by UUID), then by the disk
+  # go over CUDA IPC (/update_weights_from_tensor, devices named by UUID), then by the disk. --colocate
+  # turns --offload-train on: the trainer parks in host memory during rollouts and the server resumes
+  # in two parts (weights for the sync, then KV cache and CUDA graphs); the _resident run turns it off
   check grpo_sglang_colocated "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine sglang --colocate \
     --weight-sync tensor --sglang-mem-fraction-static 0.3 --save "$DIR/grpo_sglang"
   # the release -> train -> resume cycle: metrics carry the training peak and what PyTorch still held at the resume
   check grpo_sglang_colocated_metrics metric "$DIR/grpo_sglang"
+  check grpo_sglang_colocated_resident "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine sglang --colocate \
+    --no-offload-train --weight-sync tensor --sglang-mem-fraction-static 0.3 --save "$DIR/grpo_sglang_resident"
+  check grpo_sglang_colocated_resident_metrics metric "$DIR/grpo_sglang_resident"
   # the same image before and after a vision-only weight update: the answer must change (SGLang's
   # vision-feature cache would keep the old features; the engine starts it with SGLANG_VLM_CACHE_SIZE_MB=0)
   check sglang_vision_update_reaches_seen_image "$PY" bench/vision_cache_check.py --hf-checkpoint "$DIR/tiny" \
@@ -127,13 +140,17 @@ if [ "$GPUS" -ge 2 ]; then
   check grpo_cp2 "${TR2[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine local --context-parallel-size 2 --save "$DIR/grpo_cp2"
   check grpo_cp2_metrics metric "$DIR/grpo_cp2"
   # Pipeline parallelism over NCCL (batched p2p): a tied Qwen3-VL, Qwen3.5-MoE with the alltoall
-  # dispatcher (it makes a CUDA stream, token_dispatcher.py:445: CPU cannot build it), SFT at PP2
+  # dispatcher (its DtoH copies on a real side stream, token_dispatcher.py:445, 871-894; a stand-in on
+  # CPU), SFT and GRPO at PP2
   check tiny_pp bash -c "$PY model.py tiny --arch qwen3_vl --layers 4 --tie --out $DIR/tiny_pp && \
 $PY model.py tiny --arch qwen3_5_moe --layers 4 --out $DIR/tiny_moe_pp && echo made"
   check check_pp2_qwen3_vl "${TR2[@]}" model.py check --hf-checkpoint "$DIR/tiny_pp" --pipeline-model-parallel-size 2
   check check_pp2_qwen3_5_moe "${TR2[@]}" model.py check --hf-checkpoint "$DIR/tiny_moe_pp" --pipeline-model-parallel-size 2
   check sft_pp2 "${TR2[@]}" sft.py --hf-checkpoint "$DIR/tiny_pp" --prompt-data "$DIR/data" --save "$DIR/sft_pp2" \
     --global-batch-size 8 --lr 1e-3 --pipeline-model-parallel-size 2 --bf16 --accumulate-allreduce-grads-in-fp32
+  check grpo_pp2 "${TR2[@]}" train_grpo.py "${GRPO[@]}" --hf-checkpoint "$DIR/tiny_pp" --rollout-engine local \
+    --pipeline-model-parallel-size 2 --kl-loss-coef 0.01 --save "$DIR/grpo_pp2"
+  check grpo_pp2_metrics metric "$DIR/grpo_pp2"
 else
   echo "SKIP cp2, pp2: context and pipeline parallelism need 2 GPUs (this machine has $GPUS)"
 fi

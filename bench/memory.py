@@ -19,9 +19,25 @@ Bytes per GPU:
   chunk's layers run again in backward. selective drops the attention scores. Under --cp a GPU
   holds 1/CP of each sequence (a micro-batch is CP x --max-tokens-per-gpu tokens) and an
   attention layer also keeps the keys and values gathered from the other CP ranks.
-- sglang: the colocated server's share (--mem-fraction-static of the GPU, rank 0 only).
+- sglang: the colocated server's share (--mem-fraction-static of the GPU).
+
+Per phase (the trainer's flags, as train_grpo.py spells them), a colocated run's GPU holds:
+- rollout: SGLang's --mem-fraction-static of the GPU (its weights and KV cache pool), and the
+  trainer's weights, gradients and optimizer states unless --offload-train parks them in host memory
+  (activations are gone: the step empties the cache). What is left is SGLang's CUDA graphs and
+  activations headroom.
+- train: the trainer's weights, gradients, the optimizer states it keeps on the GPU (none with
+  --optimizer-cpu-offload at fraction 1) and the activations, beside what a released SGLang keeps
+  (--sglang-released-gib: its CUDA context and the allocations outside its memory saver; an
+  assumption until gpu_smoke.sh measures it).
+- sync: after training, with --offload-train, the trainer's weights (its optimizer states and
+  gradients parked) beside SGLang's weights (the model / --sglang-tp-size GPUs) and one bucket.
+- host: per GPU, what --offload-train copies (weights and GPU-resident optimizer states; gradients
+  are freed), and --optimizer-cpu-offload's fp32 masters, gradients and Adam states.
+The last line is one JSON object: rollout_gib, train_gib, sync_gib, gpu_gib, host_gib.
 """
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -45,16 +61,17 @@ def count_params(hf_dir):
     return cfg, out
 
 
-def layer_activation_elements(tc, layer_type, t, tp, attention, cp=1):
+def layer_activation_elements(tc, layer_type, t, tp, attention, cp=1, sp=False):
     """Elements one decoder layer keeps for backward, for t tokens on one GPU, tensor by tensor
     as Megatron's local layers save them: per token the two RMSNorms' inputs and outputs (4 H);
     attention's q, k, v out of the QKV projection, again after RoPE and again reshaped for the
     score matmul, and its output (3 q + 5 kv); the MLP's fc1 output (gate, up), silu(gate) and the
     product (4 I). 'dense' attention (--transformer-impl local, or TE in fp32) also keeps each
-    head's T x T softmax output; 'flash' (TE's fused attention in bf16) keeps none."""
+    head's T x T softmax output; 'flash' (TE's fused attention in bf16) keeps none. sp: the norms'
+    share split over TP too (--sequence-parallel)."""
     h, nh, nkv = tc.hidden_size, tc.num_attention_heads, tc.num_key_value_heads
     hd = getattr(tc, "head_dim", None) or h // nh
-    norms = 4 * t * h
+    norms = 4 * t * h // (tp if sp else 1)
     if layer_type == "linear_attention":  # Gated DeltaNet: projections, conv, recurrent outputs
         k, v = tc.linear_num_key_heads * tc.linear_key_head_dim, tc.linear_num_value_heads * tc.linear_value_head_dim
         attn = t * (3 * (2 * k + v) + 3 * v) // tp
@@ -72,7 +89,8 @@ def layer_activation_elements(tc, layer_type, t, tp, attention, cp=1):
 
 
 def estimate(hf_dir, tp=1, dp=1, ep=1, bf16=False, fp32_grads=False, distributed=False, tokens=4096,
-             recompute=None, recompute_num_layers=1, attention="flash", mem_fraction=0.0, gpu_bytes=0, cp=1, pp=1):
+             recompute=None, recompute_num_layers=1, attention="flash", mem_fraction=0.0, gpu_bytes=0, cp=1, pp=1,
+             sp=False):
     """Bytes per GPU of each part. PP: the first stage, the fullest: the vision tower, 1/PP of the
     language model's parameters (the embedding / head imbalance ignored) and, under 1F1B, the
     activations of PP micro-batches in flight."""
@@ -88,7 +106,7 @@ def estimate(hf_dir, tp=1, dp=1, ep=1, bf16=False, fp32_grads=False, distributed
     else:
         opt = ob * local
     types = getattr(tc, "layer_types", None) or ["full_attention"] * tc.num_hidden_layers
-    per = [layer_activation_elements(tc, ty, tokens, tp, "flash" if recompute == "selective" else attention, cp)
+    per = [layer_activation_elements(tc, ty, tokens, tp, "flash" if recompute == "selective" else attention, cp, sp)
            for ty in types][:-(-len(types) // pp)]
     if recompute == "full":  # chunk inputs kept; in backward one chunk's layers at a time again
         chunk = max(per) * min(recompute_num_layers, len(per))
@@ -99,7 +117,24 @@ def estimate(hf_dir, tp=1, dp=1, ep=1, bf16=False, fp32_grads=False, distributed
     kept *= pp  # 1F1B: the first stage holds PP micro-batches before its first backward
     act_b = 2 if bf16 else 4
     return {"params_per_gpu": local, "weights": wb * local, "grads": gb * local, "optimizer": opt,
-            "activations": act_b * kept, "recompute": act_b * again, "sglang": mem_fraction * gpu_bytes}
+            "activations": act_b * kept, "recompute": act_b * again, "sglang": mem_fraction * gpu_bytes,
+            "model_params": sum(n.values()) * pp, "optimizer_bytes_per_param": ob}
+
+
+def phases(est, a, gpu_bytes):
+    """{phase: bytes per GPU} of a colocated run (module doc), and host bytes per GPU."""
+    frac = a.optimizer_offload_fraction if a.optimizer_cpu_offload else 0.0
+    opt_gpu = est["optimizer"] * (1 - frac)
+    host_opt = est["optimizer"] * frac * (1 + 4 / est["optimizer_bytes_per_param"])  # + its fp32 gradient copy
+    trainer = est["weights"] + est["grads"] + opt_gpu
+    world = a.tp * a.cp * a.pp * a.dp
+    sglang_weights = est["model_params"] * 2 / (a.sglang_tp_size or min(8, world))  # bf16, split over its GPUs
+    bucket = 2 * (256 << 20)  # one 256 MB bucket, and the server's copy of it
+    out = {"rollout": a.mem_fraction_static * gpu_bytes + (0 if a.offload_train else trainer),
+           "train": trainer + est["activations"] + est["recompute"] + a.sglang_released_gib * GIB,
+           "sync": est["weights"] + (0 if a.offload_train else est["grads"] + opt_gpu) + sglang_weights + bucket}
+    host = host_opt + ((est["weights"] + opt_gpu) if a.offload_train else 0)
+    return out, host
 
 
 def saved_bytes(fn, params):
@@ -149,14 +184,20 @@ def measure(a):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hf-checkpoint", required=True, help="folder with config.json (weights not needed)")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--dp", type=int, default=1)
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE)")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel size (--context-parallel-size)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (--pipeline-model-parallel-size)")
+    p.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1)
+    p.add_argument("--dp", type=int, default=1, help="data-parallel size: world / (TP x CP x PP)")
+    p.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=int, default=1, help="EP (MoE)")
+    p.add_argument("--context-parallel-size", "--cp", dest="cp", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1)
+    p.add_argument("--sequence-parallel", action="store_true", help="TP > 1: the norms' activations split over TP")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
     p.add_argument("--use-distributed-optimizer", action="store_true")
+    p.add_argument("--optimizer-cpu-offload", action="store_true")
+    p.add_argument("--optimizer-offload-fraction", type=float, default=1.0)
+    p.add_argument("--offload-train", action="store_true", help="the trainer's state in host memory during the rollout")
+    p.add_argument("--sglang-tp-size", type=int, default=None, help="GPUs one server spans (default: the node's, up to 8)")
+    p.add_argument("--sglang-released-gib", type=float, default=1.0, help="what a released SGLang keeps per GPU")
     p.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     p.add_argument("--recompute-num-layers", type=int, default=1)
     p.add_argument("--max-tokens-per-gpu", type=int, default=4096)
@@ -173,7 +214,7 @@ def main(argv=None):
     est = estimate(a.hf_checkpoint, a.tp, a.dp, a.ep, a.bf16, a.accumulate_allreduce_grads_in_fp32,
                    a.use_distributed_optimizer, a.max_tokens_per_gpu, a.recompute_granularity,
                    a.recompute_num_layers, a.attention or ("flash" if a.bf16 and not a.measure else "dense"),
-                   a.mem_fraction_static, a.gpu_gib * GIB, a.cp, a.pp)
+                   a.mem_fraction_static, a.gpu_gib * GIB, a.cp, a.pp, a.sequence_parallel)
     total = sum(v for k, v in est.items() if k != "params_per_gpu")  # an upper bound: peaks overlap
     print(f"{Path(a.hf_checkpoint).name} tp={a.tp} cp={a.cp} pp={a.pp} dp={a.dp} ep={a.ep} bf16={a.bf16} "
           f"dist_opt={a.use_distributed_optimizer} recompute={a.recompute_granularity} "
@@ -181,12 +222,20 @@ def main(argv=None):
     for k in ("weights", "grads", "optimizer", "activations", "recompute", "sglang"):
         print(f"  {k:12s} {est[k] / GIB:8.2f} GiB")
     print(f"  {'total':12s} {total / GIB:8.2f} GiB")
+    peaks, host = phases(est, a, a.gpu_gib * GIB)
+    print(f"per phase, colocated (--mem-fraction-static {a.mem_fraction_static}, offload_train={a.offload_train}, "
+          f"optimizer_cpu_offload={a.optimizer_cpu_offload}), of {a.gpu_gib:.0f} GiB:")
+    for k, v in peaks.items():
+        print(f"  {k:12s} {v / GIB:8.2f} GiB  {'fits' if v <= a.gpu_gib * GIB else 'DOES NOT FIT'}")
+    print(f"  {'host':12s} {host / GIB:8.2f} GiB per GPU, {host * min(8, a.tp * a.cp * a.pp * a.dp) / GIB:.0f} per node")
     if a.measure:  # a tiny checkpoint on CPU: the estimate against the tensors really held
         got = measure(a)
         for k, v in got.items():
             print(f"  measured {k:12s} {v / 2**20:9.1f} MiB, estimated {est[k] / 2**20:9.1f} MiB, "
                   f"ratio {v / est[k]:.2f}")
         return est, got
+    print(json.dumps({"rollout_gib": round(peaks["rollout"] / GIB, 2), "train_gib": round(peaks["train"] / GIB, 2),
+                      "sync_gib": round(peaks["sync"] / GIB, 2), "gpu_gib": a.gpu_gib, "host_gib": round(host / GIB, 2)}))
     return est
 
 

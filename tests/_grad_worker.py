@@ -63,7 +63,8 @@ def main():
                          "--context-parallel-size", str(a.cp), "--pipeline-model-parallel-size", str(a.pp),
                          "--max-tokens-per-gpu", a.max_tokens_per_gpu, "--overwrite"]
                         + (["--sequence-parallel"] if a.sp else [])
-                        + (["--decoder-first-pipeline-num-layers", a.first_stage_layers] if a.first_stage_layers else []))
+                        + (["--decoder-first-pipeline-num-layers", a.first_stage_layers] if a.first_stage_layers else [])
+                        + (["--moe-token-dispatcher-type", "alltoall"] if a.pp > 1 else []))  # PP's (model.py)
     par, _ = T.start(args, "test")
     opts = M.ModelOptions.from_args(args)
     model = M.load_model(a.ckpt, dataclasses.replace(opts, freeze_vit=a.freeze_vit), par)

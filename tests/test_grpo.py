@@ -179,6 +179,20 @@ def test_short_run_logs_syncs_and_resumes_after_sigkill(tiny_ckpt, tmp_path):
     from transformers import AutoModelForImageTextToText
     AutoModelForImageTextToText.from_pretrained(tmp_path / "full" / "iter_0000004")  # loads as it is
 
+    # --offload-train (on CPU it parks in host memory all the same): the trainer leaves before every
+    # rollout and evaluation and comes back bit for bit: the same run, the same checkpoints
+    grpo(*common, "--save", tmp_path / "offload", "--eval-prompt-data", tmp_path / "d", "--eval-samples", "4",
+         "--offload-train")
+    parked = metrics(tmp_path / "offload")
+    assert [m.get("step") for m in parked] == [m.get("step") for m in full]
+    def same(m):  # all but the clocks
+        return {k: v for k, v in m.items() if not (k.endswith("_s") or "_s_" in k or k == "offload_host_gib")}
+    for a, b in zip(parked, full):
+        assert same(a) == same(b), (a, b)
+    assert all(m["offload_host_gib"] > 0 for m in parked if "reward" in m)
+    w_off, w_full = (saved_start(tmp_path / run / "iter_0000004") for run in ("offload", "full"))
+    assert w_off.keys() == w_full.keys() and all(torch.equal(w_off[k], w_full[k]) for k in w_full)
+
     crash = tmp_path / "crash"
     proc = grpo(*common, "--save", crash, wait=False)
     deadline = time.time() + 600
@@ -256,10 +270,10 @@ def test_policy_loss_aggregation_and_tis_by_hand(agg, tis, want):
     parallel.init_distributed(1)
     args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--loss-agg", agg,
                          "--tis-cap", str(tis), "--max-tokens-per-gpu", "1"])  # one sample a micro-batch
-    par = types.SimpleNamespace(dp=1, cp=1, ep=1, dp_group=None, device=torch.device("cpu"))
+    par = types.SimpleNamespace(dp=1, cp=1, ep=1, pp=1, dp_group=None, device=torch.device("cpu"))
     items = loss_items([[-1.0, -0.5], [-2.0]], [1.0, -1.0], [[-1.5, -0.5], [-1.0]] if tis else None)
     model = FakeModel([-0.6, -0.7, -2.0])
-    model.offset = 0
+    model.offset, model.par = 0, par
     seen = []
 
     def forward(seqs, loss_masks, **kw):  # micro-batches come in pack order: find each sample's tokens
@@ -283,6 +297,8 @@ def test_placement_of_the_sglang_server():
     flags, env = sglang_placement(args("--colocate"), True, 8, 4)
     assert env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
     assert flags == ["--enable-memory-saver", "--mem-fraction-static", str(COLOCATE_MEM_FRACTION), "--tp-size", "4"]
+    flags, _ = sglang_placement(args("--colocate", "--offload-train"), True, 8, 4)  # the trainer waits on the host
+    assert flags[:3] == ["--enable-memory-saver", "--mem-fraction-static", "0.7"]
     flags, env = sglang_placement(args("--rollout-num-gpus", "2", extra=["--sglang-dp-size", "2"]), True, 8, 6,
                                   visible="3,4,5,6,7,0,1,2")
     assert env == {"CUDA_VISIBLE_DEVICES": "1,2"} and flags == ["--dp-size", "2"]
@@ -365,12 +381,19 @@ def test_step_where_every_sample_failed(processor, records, capsys):
     assert stats == {"updates_skipped": 1}
 
 
-def test_colocated_engine_steps_aside_for_every_rank(monkeypatch):
+@pytest.mark.parametrize("offload", [False, True], ids=["resident", "offload_train"])
+def test_colocated_engine_steps_aside_for_every_rank(monkeypatch, offload):
     """The release is seen by every rank before training (a barrier after it); the resume comes
-    only after every rank emptied PyTorch's cache (empty_cache, then a barrier)."""
+    only after every rank emptied PyTorch's cache (empty_cache, then a barrier). --offload-train: the
+    trainer's state comes back after the release, its optimizer states and gradients leave before the
+    server's weights return, its parameters only after the weight sync (the next to_rollout), and
+    only then do the KV cache and CUDA graphs come back."""
     import types
     events = []
-    engine = types.SimpleNamespace(release=lambda: events.append("release"), resume=lambda: events.append("resume"))
+    engine = types.SimpleNamespace(release=lambda: events.append("release"),
+                                   resume=lambda tags=G.sglang_engine.MEMORY_TAGS: events.append(f"resume {','.join(tags)}"))
+    off = types.SimpleNamespace(restore=lambda: events.append("restore"),
+                                release=lambda kinds=("params", "grads", "optimizer"): events.append(f"park {','.join(kinds)}"))
     monkeypatch.setattr(G.torch.distributed, "barrier", lambda *a, **k: events.append("barrier"))
     monkeypatch.setattr(G.torch.cuda, "is_available", lambda: True)
     held = [40 * 2**30]  # the caching allocator's peak, until empty_cache hands it back
@@ -378,12 +401,19 @@ def test_colocated_engine_steps_aside_for_every_rank(monkeypatch):
     monkeypatch.setattr(G.torch.cuda, "max_memory_reserved", lambda: 40 * 2**30)
     monkeypatch.setattr(G.torch.cuda, "memory_reserved", lambda: held[0])
     monkeypatch.setattr(G.torch.cuda, "reset_peak_memory_stats", lambda: None)
-    for rank, want in ((0, ["release", "barrier", "empty_cache", "barrier", "resume"]),
-                       (1, ["barrier", "empty_cache", "barrier"])):
+    args = types.SimpleNamespace(colocate=True)
+    if offload:
+        want0 = ["release", "barrier", "restore", "park optimizer,grads", "empty_cache", "barrier", "resume weights",
+                 "park params,grads,optimizer", "barrier", "resume weights,kv_cache,cuda_graph"]
+    else:
+        want0 = ["release", "barrier", "empty_cache", "barrier", "resume weights,kv_cache,cuda_graph"]
+    for rank, want in ((0, want0), (1, [e for e in want0 if not e.startswith(("release", "resume"))])):
         events.clear()
         par = types.SimpleNamespace(rank=rank)
-        G.step_aside(par, engine)
-        assert G.step_back(par, engine) == {"gpu_train_peak_gib": 40.0, "gpu_held_at_resume_gib": 1.0}
+        G.step_aside(par, engine, off if offload else None)
+        assert G.step_back(par, engine, off if offload else None) == {"gpu_train_peak_gib": 40.0,
+                                                                      "gpu_held_at_resume_gib": 1.0}
+        G.to_rollout(par, engine, off if offload else None, args)
         assert events == want, (rank, events)
 
 

@@ -115,14 +115,19 @@ def test_dense_gradients_equal_in_one_process_tp2_and_dp2(peaked, tmp_path, free
 
 
 def test_moe_gradients_equal_in_one_process_and_ep2(peaked, tmp_path):
-    """Qwen3.5-MoE: experts split over two ranks (EP2 x DP2), TP2 with sequence parallel, and CP2 x EP2
-    (Gated DeltaNet head-parallel over the CP ranks, which also hold the experts)."""
+    """Qwen3.5-MoE: experts split over two ranks (EP2 x DP2), TP2 with sequence parallel, CP2 x EP2
+    (Gated DeltaNet head-parallel over the CP ranks, which also hold the experts), and PP2 x EP2 x DP2
+    (four processes: the stages split between a Gated DeltaNet and an attention layer, the alltoall
+    dispatcher, a DP rank's idle micro-batch inside the 1F1B schedule)."""
     ckpt = peaked("qwen3_5_moe")
     one = grads(ckpt, tmp_path / "one", 1)
     assert any(".experts." in k for k in one["pg"][0])
     assert_same(grads(ckpt, tmp_path / "ep2", 2, "--ep", "2"), one, "ep2")
     assert_same(grads(ckpt, tmp_path / "tp2sp", 2, "--tp", "2", "--sp"), one, "tp2+sp")
     assert_same(grads(ckpt, tmp_path / "cp2ep2", 2, "--cp", "2", "--ep", "2"), one, "cp2+ep2")
+    # 540 tokens a micro-batch: DP rank 0 packs its samples in 3, rank 1 in 2 and one idle
+    assert_same(grads(ckpt, tmp_path / "pp2ep2", 4, "--pp", "2", "--ep", "2", "--max-tokens-per-gpu", "540"), one,
+                "pp2+ep2")
 
 
 DDP_WORKER = """

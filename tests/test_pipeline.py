@@ -15,11 +15,11 @@ from test_model import torchrun2
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen3_5", "qwen3_5_moe"])
 def test_pp2_check_command(tiny_ckpt, arch):
     """Qwen3-VL with a tied head (the last stage's copy) and deepstack on the first stage; Qwen3.5's
-    stages split between Gated DeltaNet and attention layers. Qwen2.5-VL, TP2 x PP2, PP2 x CP2:
-    bench/RESULTS.md, "Layouts"."""
+    stages split between Gated DeltaNet and attention layers; Qwen3.5-MoE with the alltoall dispatcher
+    (megatron's rule under PP). Qwen2.5-VL, TP2 x PP2, PP2 x CP2, PP2 x EP2: bench/RESULTS.md, "Layouts"."""
     lines = torchrun2("model.py", "check", "--hf-checkpoint", tiny_ckpt(arch, layers=4, tie=arch == "qwen3_vl"),
                       "--pipeline-model-parallel-size", "2")
     assert "export_exact=True" in lines[-2] and "tp=1 cp=1 pp=2" in lines[-2]

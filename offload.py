@@ -1,0 +1,98 @@
+"""--offload-train: while SGLang generates, the trainer's GPU state waits in host memory, so that a
+colocated server can take the GPU (the recipe's --mem-fraction-static 0.7 instead of 0.4).
+
+Each storage is copied to (pinned) host memory and resized to zero bytes; resized back and refilled,
+it holds the same bytes. Every view into it (a parameter inside megatron's DDP buffer, a main_grad,
+an Adam moment) stays the same Python object, so nothing that refers to it changes: the optimizer,
+the DDP buckets and the autograd hooks all see their tensors back. Gradients are zero between steps
+(the optimizer step clears them), so their storages are freed and re-zeroed, not copied. The caching
+allocator is emptied after each release, so the memory really returns to the GPU.
+
+    off = Offload(model, opt, ref)
+    off.release()                       # before the rollout: everything
+    off.restore()                       # before training: everything back, bit for bit
+    off.release(("optimizer", "grads")) # after training: all but the weights the sync still reads
+"""
+import torch
+
+import optim
+
+KINDS = ("params", "grads", "optimizer")  # a storage belongs to the first kind that names it
+
+
+def _optimizer_tensors(opt):
+    """The tensors an optimizer owns: its parameters (fp32 masters where it keeps them) and state."""
+    for o in optim.inner_optimizers(opt):
+        for g in o.param_groups:
+            yield from g["params"]
+        for state in o.state.values():
+            yield from (t for t in state.values() if torch.is_tensor(t))
+
+
+class Offload:
+    """The trainer's storages by kind (the policy's and the reference model's), moved out and back."""
+
+    def __init__(self, model, opt, ref=None):
+        self.model, self.opt, self.ref = model, opt, ref
+        self.out = {}  # kind -> [(storage, host copy or None for zeros, nbytes)]
+        self.host = {}  # (kind, i) -> its pinned host buffer, kept from step to step (pinning is slow)
+
+    def storages(self):
+        """{kind: [storage]}: every distinct storage on the trainer's device, each under one kind."""
+        models = [self.model] + ([self.ref] if self.ref is not None else [])
+        params = [p for m in models for p in m.parameters()]
+        named = {"params": params,
+                 "grads": [t for p in params for t in (p.grad, getattr(p, "main_grad", None)) if t is not None],
+                 "optimizer": list(_optimizer_tensors(self.opt))}
+        device, seen, out = self.model.par.device, set(), {k: [] for k in KINDS}
+        for kind in KINDS:
+            for t in named[kind]:
+                s = t.untyped_storage()
+                if t.device == device and s.nbytes() and s.data_ptr() not in seen:
+                    seen.add(s.data_ptr())
+                    out[kind].append(s)
+        return out
+
+    def release(self, kinds=KINDS):
+        """Park `kinds` (those not parked already) in host memory and free their GPU memory."""
+        cuda = torch.cuda.is_available()
+        found = self.storages()
+        for kind in kinds:
+            if kind in self.out:
+                continue
+            self.out[kind] = []
+            for i, s in enumerate(found[kind]):
+                host = None
+                if kind != "grads":
+                    host = self.host.get((kind, i))
+                    if host is None or host.numel() != s.nbytes():
+                        host = self.host[kind, i] = torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=cuda)
+                    host.copy_(_bytes(s), non_blocking=cuda)
+                self.out[kind].append((s, host, s.nbytes()))
+        if cuda:
+            torch.cuda.synchronize()  # the copies are done before their sources go
+        for kind in kinds:
+            for s, _, _ in self.out[kind]:
+                s.resize_(0)
+        if cuda:
+            torch.cuda.empty_cache()
+
+    def restore(self):
+        """Every parked storage back on the device, as it was (gradients as zeros)."""
+        for kind in list(self.out):
+            for s, host, n in self.out.pop(kind):
+                s.resize_(n)
+                if host is None:
+                    _bytes(s).zero_()
+                else:
+                    _bytes(s).copy_(host, non_blocking=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def host_bytes(self):
+        """The host memory this holds: a buffer per parked storage but the gradients', kept between steps."""
+        return sum(h.numel() for h in self.host.values())
+
+
+def _bytes(storage):
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
