@@ -22,6 +22,7 @@
 #   MODEL=Qwen/Qwen3.5-35B-A3B NUM_GPUS=8 MODE=single_turn bash run.sh
 #       Qwen3.5 MoE in the reference layout: TP=2 with sequence parallel, EP=8 (expert-TP 1), full
 #       recompute, alltoall dispatcher, fp32 router, no aux loss; TP, EP, DISPATCHER override them.
+#       On GPUs under 100 GiB, Adam runs on the CPU (--optimizer-cpu-offload; CPU_ADAM=0|1 forces it).
 #       Dense Qwen3.5 (0.8B-27B) takes TP as the other families (sequence parallel when TP > 1).
 #       Extra arguments go to train_grpo.py as they are (e.g. --sglang-mem-fraction-static 0.5).
 source "$(dirname "$0")/setup.sh"
@@ -77,10 +78,19 @@ family=$(.venv/bin/python -c "import json,sys; print(json.load(open(sys.argv[1] 
 [[ "$family" =~ ^(qwen3_vl|qwen2_5_vl|qwen3_5|qwen3_5_moe)$ ]] \
   || die "model family '$family' is not supported (qwen3_vl, qwen2_5_vl, qwen3_5, qwen3_5_moe)"
 PARALLEL=(--tensor-model-parallel-size "${TP:-1}")
+# bf16 with fp32 masters and gradients, the optimizer sharded over DP (README, "Precision"); --colocate
+# turns --offload-train on (the trainer waits in host memory while SGLang generates at 0.7)
+PRECISION=(--bf16 --accumulate-allreduce-grads-in-fp32 --use-distributed-optimizer)
 if [[ "$family" == qwen3_5_moe ]]; then  # the reference layout on 8 GPUs
   PARALLEL=(--tensor-model-parallel-size "${TP:-2}" --sequence-parallel --expert-model-parallel-size "${EP:-8}"
             --moe-token-dispatcher-type "${DISPATCHER:-alltoall}" --moe-router-dtype fp32 --moe-aux-loss-coeff 0
             --recompute-granularity full --recompute-method uniform --recompute-num-layers 1)
+  # the experts' Adam states are not sharded at expert-DP 1 (49.7 GiB a GPU): under 100 GiB GPUs they
+  # live on the host, with megatron's CPU Adam (bench/memory.py; README, "Precision"). CPU_ADAM=0|1 forces it.
+  gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+  if [[ "${CPU_ADAM:-auto}" == 1 || ( "${CPU_ADAM:-auto}" == auto && "$gpu_mib" -lt 100000 ) ]]; then
+    PRECISION+=(--optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d)
+  fi
 elif [[ "$family" == qwen3_5 ]] && (( ${TP:-1} > 1 )); then
   PARALLEL+=(--sequence-parallel)
 fi
@@ -95,7 +105,7 @@ fi
 exec .venv/bin/torchrun --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \
     --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}" --nproc-per-node "$TRAIN_GPUS" \
   train_grpo.py --hf-checkpoint "$MODEL" --prompt-data "$DATA" --eval-prompt-data "$DATA" --eval-split test \
-    --save "$RUN" --load "$RUN" --rollout-engine sglang "${PLACE[@]}" "${PARALLEL[@]}" \
+    --save "$RUN" --load "$RUN" --rollout-engine sglang "${PLACE[@]}" "${PARALLEL[@]}" "${PRECISION[@]}" \
     --rollout-batch-size 64 --n-samples-per-prompt 8 --rollout-max-response-len 4096 \
     --rollout-temperature "$TEMP" --max-turns "$TURNS" --lr 1e-6 --eps-clip 0.2 --eps-clip-high 0.28 \
     --kl-loss-coef 0 --entropy-coef 0 --adam-beta1 0.9 --adam-beta2 0.98 --weight-decay 0.1 \

@@ -88,7 +88,7 @@ def qwen_tokenizer():
 
 
 def tiny_config(arch, hidden=64, layers=2, heads=4, kv_heads=2, vit_hidden=32, vit_depth=2,
-                tie=False, section=None):
+                tie=False, section=None, linear_key_heads=2):
     """A Qwen3-VL / Qwen2.5-VL config at toy size (real vocabulary and token ids)."""
     head_dim = hidden // heads
     half = head_dim // 2  # rotary frequencies per head; MRoPE splits them into (t, h, w)
@@ -112,19 +112,21 @@ def tiny_config(arch, hidden=64, layers=2, heads=4, kv_heads=2, vit_hidden=32, v
                       hidden_act="silu", tokens_per_second=2)
         return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie)
     if arch in ("qwen3_5", "qwen3_5_moe"):
-        return qwen3_5_config(arch, text, vision, tie, head_dim=2 * head_dim, section=section)
+        return qwen3_5_config(arch, text, vision, tie, head_dim=2 * head_dim, section=section,
+                              linear_key_heads=linear_key_heads)
     raise SystemExit(f"unknown --arch {arch!r}: use qwen3_vl, qwen2_5_vl, qwen3_5 or qwen3_5_moe")
 
 
-def qwen3_5_config(arch, text, vision, tie, head_dim, section):
-    """Qwen3.5 at toy size: every 2nd layer full (gated) attention, the others Gated DeltaNet (2 key
-    heads repeated to 4 value heads, as 35B-A3B's 16 -> 32), partial rotary 0.25 of head_dim with
-    interleaved MRoPE; _moe: 4 experts, top-2, a gated shared expert. Token ids are the tiny Qwen
-    tokenizer's (the real 248k vocabulary is not needed to test the maths)."""
+def qwen3_5_config(arch, text, vision, tie, head_dim, section, linear_key_heads=2):
+    """Qwen3.5 at toy size: every 2nd layer full (gated) attention, the others Gated DeltaNet
+    (linear_key_heads key heads, each repeated to 2 value heads, as 35B-A3B's 16 -> 32), partial
+    rotary 0.25 of head_dim with interleaved MRoPE; _moe: 4 experts, top-2, a gated shared expert.
+    Token ids are the tiny Qwen tokenizer's (the real 248k vocabulary is not needed to test the maths)."""
     n = text["num_hidden_layers"]
     text.update(head_dim=head_dim, layer_types=["full_attention" if i % 2 else "linear_attention" for i in range(n)],
                 linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                linear_num_key_heads=2, linear_num_value_heads=4, rope_parameters=dict(
+                linear_num_key_heads=linear_key_heads, linear_num_value_heads=2 * linear_key_heads,
+                rope_parameters=dict(
                     rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25, mrope_interleaved=True,
                     mrope_section=section[:3]))
     vision.update(patch_size=16, num_position_embeddings=64, hidden_act="gelu_pytorch_tanh", deepstack_visual_indexes=[])
@@ -214,11 +216,15 @@ def main(argv=None):
     p.add_argument("--vit-depth", type=int, default=2, help="vision tower blocks")
     p.add_argument("--tie", action="store_true", help="tie input embedding and LM head")
     p.add_argument("--seed", type=int, default=0, help="weight init seed")
+    p.add_argument("--linear-key-heads", type=int, default=2,
+                   help="Qwen3.5's Gated DeltaNet key heads (TP x CP must divide them)")
     p.add_argument("--like", default=None,
                    help="a real checkpoint's config.json: its family, tied head, GQA ratio and rope sections "
                         "at toy widths (overrides --arch and the head/width flags)")
     a = p.parse_args(argv)
     sizes = dict(hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads, tie=a.tie)
+    if a.arch.startswith("qwen3_5"):
+        sizes["linear_key_heads"] = a.linear_key_heads
     if a.like:
         a.arch, sizes = sizes_like(a.like)
     out = make_tiny(a.out, a.arch, a.seed, layers=a.layers, vit_hidden=a.vit_hidden, vit_depth=a.vit_depth, **sizes)
