@@ -111,8 +111,19 @@ def test_sglang_protocol_and_weight_sync(ckpt, processor, records, tmp_path):
         assert new["ids"] != samples[0].response_ids  # the server now runs the new weights
         eng.release()
         eng.resume()
+        every = ["weights", "kv_cache", "cuda_graph"]  # SGLang's memory tags (sglang/srt/constants.py)
         assert [(r["path"], r["method"], r["json"]) for r in read_record(rec)][-2:] == [
-            ("/release_memory_occupation", "POST", {}), ("/resume_memory_occupation", "POST", {})]
+            ("/release_memory_occupation", "POST", {"tags": every}),
+            ("/resume_memory_occupation", "POST", {"tags": every})]
+        # --offload-train's two-part resume; a region is never resumed twice (SGLang raises), and a
+        # resume with nothing released sends nothing
+        n = len(read_record(rec))
+        eng.release()
+        eng.resume(["weights"])
+        eng.resume()
+        eng.resume()
+        assert [r["json"] for r in read_record(rec)][n:] == [{"tags": every}, {"tags": ["weights"]},
+                                                             {"tags": ["kv_cache", "cuda_graph"]}]
     finally:
         eng.shutdown()
 
