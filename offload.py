@@ -12,6 +12,7 @@ allocator is emptied after each release, so the memory really returns to the GPU
     off.release()                       # before the rollout: everything
     off.restore()                       # before training: everything back, bit for bit
     off.release(("optimizer", "grads")) # after training: all but the weights the sync still reads
+    off.restore(("optimizer",))         # a checkpoint is due: the states it saves
 """
 import torch
 
@@ -77,9 +78,9 @@ class Offload:
         if cuda:
             torch.cuda.empty_cache()
 
-    def restore(self):
-        """Every parked storage back on the device, as it was (gradients as zeros)."""
-        for kind in list(self.out):
+    def restore(self, kinds=KINDS):
+        """The parked storages of `kinds` back on the device, as they were (gradients as zeros)."""
+        for kind in [k for k in kinds if k in self.out]:
             for s, host, n in self.out.pop(kind):
                 s.resize_(n)
                 if host is None:

@@ -421,7 +421,9 @@ def main(argv=None):
             metrics = grpo_step(step, par, run, engine, plan[0], processor, records, model, ref, opt, sched, args,
                                 updates, off)
             bar.set_postfix(reward=f"{metrics.get('reward', 0):.3f}")
-            run.maybe_save(model, opt, sched, step + 1, args.num_rollout)  # before the trainer is parked
+            # before the trainer is parked; colocated, --offload-train parked the optimizer states at the sync
+            run.maybe_save(model, opt, sched, step + 1, args.num_rollout,
+                           prepare=None if off is None else lambda: off.restore(("optimizer",)))
             last = step + 1 == args.num_rollout
             if evals and (last or (args.eval_interval and (step + 1) % args.eval_interval == 0)):
                 to_rollout(par, engine, off, args)

@@ -126,10 +126,12 @@ class Run:
         dist.barrier()
         return final
 
-    def maybe_save(self, model, opt, sched, step, total):
-        """Every --save-interval steps, and always after the last."""
+    def maybe_save(self, model, opt, sched, step, total, prepare=None):
+        """Every --save-interval steps, and always after the last; prepare() first when it saves."""
         periodic = self.args.save_interval and step % self.args.save_interval == 0
         if periodic or step == total:
+            if prepare is not None:
+                prepare()
             self.save_checkpoint(model, opt, sched, step)
 
     def load_state(self, ckpt, opt, sched):

@@ -58,7 +58,10 @@ def test_release_frees_every_storage_and_restore_is_bit_exact(tiny_ckpt, mixed):
     assert n_bytes["params"] > 0 and n_bytes["optimizer"] > 0 and (n_bytes["grads"] > 0) == mixed, n_bytes
     off.release(("optimizer", "grads"))  # after training: the weights stay for the sync
     assert not any(off.storages()[k] for k in ("optimizer", "grads")) and off.storages()["params"]
-    off.release()  # before the rollout: the rest
+    off.restore(("optimizer",))  # a checkpoint is due: the states it saves come back, the rest stays
+    assert off.storages()["optimizer"] and not off.storages()["grads"]
+    assert all(torch.equal(a, b) for a, b in zip(everything(model, ref, opt), before))
+    off.release()  # before the rollout: the rest, the optimizer again
     assert not any(off.storages().values()), {k: len(v) for k, v in off.storages().items()}
     assert all(t.untyped_storage().nbytes() == 0 for t in model.parameters())
     host = off.host_bytes()
