@@ -229,9 +229,15 @@ class TestRealServer:
         tokenize = [{"body": real.generate_payload(item, sampling), "expected": item["input_ids"]}
                     for item in (one, two)]
         sent = list(real.sent)
-        for path in ("release", "resume"):  # not called on the server: its release needs CUDA
-            stub = types.SimpleNamespace(server=types.SimpleNamespace(call=lambda p, body: sent.append((p, body))))
-            getattr(SGLangEngine, path)(stub)
+        # not called on the server (its release needs CUDA): the bodies of a release, --offload-train's
+        # two-part resume, checked below against SGLang's own request classes
+        stub = types.SimpleNamespace(server=types.SimpleNamespace(call=lambda p, body: sent.append((p, body))),
+                                     released=set())
+        SGLangEngine.release(stub)
+        SGLangEngine.resume(stub, ["weights"])
+        SGLangEngine.resume(stub)
+        assert [b for p, b in sent[-3:]] == [{"tags": ["weights", "kv_cache", "cuda_graph"]}, {"tags": ["weights"]},
+                                             {"tags": ["kv_cache", "cuda_graph"]}]
         job = tmp_path / "job.json"
         job.write_text(json.dumps({"sent": sent, "tokenize": tokenize, "argv": ["--model-path", str(ckpt), *FLAGS],
                                    "tests": str(ROOT / "tests")}))
