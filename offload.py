@@ -21,7 +21,7 @@ import optim
 KINDS = ("params", "grads", "optimizer")  # a storage belongs to the first kind that names it
 
 
-def _optimizer_tensors(opt):
+def optimizer_tensors(opt):
     """The tensors an optimizer owns: its parameters (fp32 masters where it keeps them) and state."""
     for o in optim.inner_optimizers(opt):
         for g in o.param_groups:
@@ -44,7 +44,7 @@ class Offload:
         params = [p for m in models for p in m.parameters()]
         named = {"params": params,
                  "grads": [t for p in params for t in (p.grad, getattr(p, "main_grad", None)) if t is not None],
-                 "optimizer": list(_optimizer_tensors(self.opt))}
+                 "optimizer": list(optimizer_tensors(self.opt))}
         device, seen, out = self.model.par.device, set(), {k: [] for k in KINDS}
         for kind in KINDS:
             for t in named[kind]:

@@ -19,11 +19,7 @@ import sft  # noqa: E402
 
 
 def checksums(model, opt):
-    tensors = list(model.parameters())
-    for o in optim.inner_optimizers(opt):
-        tensors += [p for g in o.param_groups for p in g["params"]]
-        tensors += [t for s in o.state.values() for t in s.values() if torch.is_tensor(t)]
-    return [float(t.detach().double().sum()) for t in tensors]
+    return [float(t.detach().double().sum()) for t in [*model.parameters(), *offload.optimizer_tensors(opt)]]
 
 
 def main(argv=None):

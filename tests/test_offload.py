@@ -34,11 +34,8 @@ def train_step(model, opt, sched, par, args, seed):
 
 def everything(model, ref, opt):
     """Copies of every tensor the trainer holds: parameters, the reference model, optimizer state."""
-    out = [t.detach().clone() for m in (model, ref) for t in m.parameters()]
-    for o in optim.inner_optimizers(opt):
-        out += [p.detach().clone() for g in o.param_groups for p in g["params"]]
-        out += [t.clone() for s in o.state.values() for t in s.values() if torch.is_tensor(t)]
-    return out
+    tensors = [*model.parameters(), *ref.parameters(), *offload.optimizer_tensors(opt)]
+    return [t.detach().clone() for t in tensors]
 
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["adamw", "master_adamw"])
