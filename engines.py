@@ -7,6 +7,9 @@
 An engine takes token ids and images and returns token ids and their logprobs; it knows nothing
 of samples, episodes or rewards (rollout.py), so rollout.py and the engines do not import each other.
 """
+import re
+
+import numpy as np
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
@@ -14,12 +17,14 @@ IMAGE_PAD = "<|image_pad|>"
 
 
 class Engine:
-    """generate(batch, sampling) -> [{"ids", "logprobs", "finish", "prompt_tokens"[, "error"]}].
-    batch items: {"input_ids": [int], "images": [PIL][, "max_new_tokens": int]};
+    """generate(batch, sampling) -> [{"ids", "logprobs", "finish", "prompt_tokens"[, "error"][, "routed_experts"]}].
+    batch items: {"input_ids": [int], "images": [PIL][, "max_new_tokens": int][, "routed_experts_start": int]};
     sampling: {temperature, top_p, top_k, max_new_tokens, stop_token_ids}. logprobs are
     log_softmax(logits / T) of the new ids (T = 1 for greedy; before top-p/top-k, as SGLang
-    reports them). update_weights(buckets of (HF name, full tensor)) -> tensors loaded. Both are
-    each engine's own."""
+    reports them). An engine made to record routes (R3) also returns "routed_experts": (n, layers, k)
+    int16, the experts each MoE layer chose for the positions routed_experts_start .. prompt + new - 2
+    (the last new token is never forwarded), -1 at a layer without experts. update_weights(buckets of
+    (HF name, full tensor)) -> tensors loaded. Both are each engine's own."""
 
     concurrent = False  # generate may be called from many threads at once (else rollout batches rounds)
 
@@ -44,7 +49,7 @@ class LocalEngine(Engine):
     """A transformers model in process (fp32 by default): `generate` with KV cache on left-padded
     batches; HF computes the MRoPE positions."""
 
-    def __init__(self, hf_dir, device="cpu", dtype="float32", max_batch=16, processor=None):
+    def __init__(self, hf_dir, device="cpu", dtype="float32", max_batch=16, processor=None, routed_experts=False):
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.device, self.max_batch = torch.device(device), max_batch
         self.processor = processor or AutoProcessor.from_pretrained(hf_dir)
@@ -55,6 +60,22 @@ class LocalEngine(Engine):
         # would otherwise change the sampling distribution behind our back.
         self.model.generation_config = GenerationConfig(pad_token_id=self.pad_id, eos_token_id=tok.eos_token_id)
         self.image_pad = tok.convert_tokens_to_ids(IMAGE_PAD)
+        self.recording = None  # R3: {layer: [(B * n, k) expert ids of each forward]} during a generate
+        self.route_shape = None
+        if routed_experts:  # forward hooks on transformers' routers: (logits, scores, indices) out
+            tc = self.model.config.get_text_config()
+            self.route_shape = (tc.num_hidden_layers, tc.num_experts_per_tok)
+            for name, m in self.model.named_modules():
+                if type(m).__name__.endswith("TopKRouter"):
+                    m.register_forward_hook(self._record(int(re.search(r"layers\.(\d+)\.", name).group(1))))
+            if not getattr(tc, "num_experts", None):
+                raise ValueError(f"routed_experts: {hf_dir} is not a MoE model")
+
+    def _record(self, layer):
+        def hook(module, inputs, out):
+            if self.recording is not None:
+                self.recording.setdefault(layer, []).append(out[2].detach().cpu())
+        return hook
 
     def generate(self, batch, sampling):  # HF's generate runs under no_grad
         return [out for i in range(0, len(batch), self.max_batch)
@@ -81,8 +102,13 @@ class LocalEngine(Engine):
         # token and leaves only it finite, so argmax takes it (HF's own sampling, multinomial over
         # softmax, draws one random number per vocabulary entry: 166 ms a step at B=16, V=152k).
         gc = GenerationConfig(do_sample=False, max_new_tokens=max(limits), eos_token_id=stop, pad_token_id=self.pad_id)
-        res = self.model.generate(**{k: v.to(self.device) for k, v in kw.items()}, generation_config=gc,
-                                  logits_processor=[sampler])
+        self.recording = {} if self.route_shape else None
+        try:
+            res = self.model.generate(**{k: v.to(self.device) for k, v in kw.items()}, generation_config=gc,
+                                      logits_processor=[sampler])
+            routes = self._routes(B)
+        finally:
+            self.recording = None
         new = res[:, L:].cpu()                                           # (B, N)
         sampler.settle(res[:, -1])
         lp = torch.stack(sampler.logprobs, 1).cpu()                      # (B, N)
@@ -93,7 +119,20 @@ class LocalEngine(Engine):
             n = len(row) if cut is None else cut + 1
             outs.append({"ids": row[:n], "logprobs": lp[i, :n].tolist(),
                          "finish": "length" if cut is None else "stop", "prompt_tokens": lens[i]})
+            if routes is not None:  # row i's positions sit at L - lens[i] .. in the left-padded batch
+                first = L - lens[i] + batch[i].get("routed_experts_start", 0)
+                outs[-1]["routed_experts"] = routes[i, first:L + n - 1]
         return outs
+
+    def _routes(self, B):
+        """The recorded forwards -> (B, L + steps, layers, k) int16 expert ids, -1 at a dense layer."""
+        if self.recording is None:
+            return None
+        calls = [torch.cat([c.view(B, -1, c.shape[-1]) for c in cs], 1) for cs in self.recording.values()]
+        out = np.full((B, calls[0].shape[1], *self.route_shape), -1, dtype=np.int16)
+        for layer, c in zip(self.recording, calls):
+            out[:, :, layer] = c.numpy()
+        return out
 
     def update_weights(self, buckets):
         """Copy (HF name, full tensor) buckets into the model; returns the number of tensors."""

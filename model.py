@@ -37,6 +37,7 @@ import logprobs
 import parallel
 import pipeline
 import qwen3_5
+import routing
 from parallel import all_reduce as _all_reduce
 
 
@@ -240,26 +241,6 @@ def packed_row(hf_config, seqs, per_seq, par, sp):
     return torch.cat(ids), torch.cat(pos, 1), lens
 
 
-class RouteCounter:
-    """Tokens each MoE layer's router sent to each expert (forward hooks on Megatron's TopKRouter)."""
-
-    def __init__(self, language_model):
-        routers = [m for m in language_model.modules() if type(m).__name__ == "TopKRouter"]
-        self.counts = None  # (MoE layers, experts), since the last take()
-        for i, m in enumerate(routers):
-            m.register_forward_hook(functools.partial(self._count, i, len(routers)))
-
-    def _count(self, i, n, module, inputs, out):
-        routing_map = out[1]  # (tokens, experts) bool: Megatron's TopKRouter.forward -> (probs, routing_map)
-        if self.counts is None:
-            self.counts = torch.zeros(n, routing_map.shape[1], dtype=torch.float64, device=routing_map.device)
-        self.counts[i] += routing_map.sum(0).detach().double()
-
-    def take(self):
-        out, self.counts = self.counts, None
-        return out
-
-
 def vision_features(visual, hf_config, par, pix, grid):
     """The vision tower on distinct images -> [merged-token features (n, H), then one deepstack
     (n, H) a deepstack layer]. Under CP image j runs on CP rank j % CP only and the features are
@@ -327,7 +308,8 @@ class MegatronVLM(torch.nn.Module):
         self.config, self.model_type = pipeline.schedule_config(cfg), pipeline.ModelType.encoder_or_decoder
         if self.tie and par.pp > 1 and self.post:  # Megatron's mark: its grad norm skips the copy
             self.language_model.output_layer.weight.shared = True
-        self.routes = RouteCounter(self.language_model)
+        self.routes = routing.RouteCounter(self.language_model)
+        self.replays = routing.install(self.language_model)  # {local layer: Replay}, R3 (routing.py)
         if self.pre:  # we embed, place the image features and scatter the sequence (SP) ourselves
             self.language_model.embedding.word_embeddings.reduce_scatter_embeddings = False
         self.visual = AutoModel.from_config(hf_config.vision_config) if self.pre else None
@@ -338,6 +320,11 @@ class MegatronVLM(torch.nn.Module):
         d = int(self.head_dim * rp.get("partial_rotary_factor", 1.0))  # Megatron rotates the first d dims
         self.register_buffer("inv_freq", 1.0 / (rp["rope_theta"] ** (
             torch.arange(0, d, 2, dtype=torch.int64).float() / d)), persistent=False)
+
+    def routing_mismatch(self):
+        """(2,) float64: (token, layer) rows whose own top-k differed from the replayed one, and rows
+        replayed, on this rank since the last call."""
+        return routing.take_mismatch(self.replays)
 
     def expert_load(self):
         """(MoE layers, experts) token counts routed by this rank since the last call (padding
@@ -352,21 +339,25 @@ class MegatronVLM(torch.nn.Module):
         """PP: the previous stage's hidden states for the next forward (megatron's schedules call it)."""
         self.input_tensor = t[0] if isinstance(t, list) else t
 
-    def _layers(self, h, lo, hi, rot, psp, img, deep):
-        """Decoder layers lo..hi-1 on h (T, 1, H), with deepstack features added after layer i < len(deep)."""
+    def _layers(self, h, lo, hi, rot, psp, img, deep, routes=None):
+        """Decoder layers lo..hi-1 on h (T, 1, H), with deepstack features added after layer i < len(deep).
+        routes (T_local, all layers, k): the engine's experts each MoE router replays (routing.py)."""
         with parallel.megatron_on_cpu():  # also when backward recomputes
             for i in range(lo, hi):
                 layer = self.language_model.decoder.layers[i]
+                if i in self.replays:  # set here, so a recomputed layer replays the same
+                    self.replays[i].target = None if routes is None else routes[:, self.offset + i]
                 h, _ = layer(hidden_states=h, attention_mask=None, rotary_pos_emb=rot, packed_seq_params=psp)
                 if i < len(deep):  # deepstack: add layer i's visual features at the image tokens
                     h = h.index_put((img,), deep[i][:, None].to(h.dtype), accumulate=True)
         return h
 
-    def _hidden(self, seqs, pixel_values=None, image_grid_thw=None):
+    def _hidden(self, seqs, pixel_values=None, image_grid_thw=None, routed_experts=None):
         """Packed sequences (list of (T_i,) ids) -> (h, lens): final-norm hidden states (T_local, H) of
         this rank's positions (context_parallel.held) of the packed row of sequences of lengths lens:
         the sequences, each padded to a multiple of 2 CP under CP, then a dummy one where SP, CP or EP
-        need it. Without CP this rank holds the whole row."""
+        need it. Without CP this rank holds the whole row. routed_experts: per sequence, the engine's
+        experts of each token and layer ((T_i, layers, k) or None) for the routers to replay."""
         lm, cfg, cp = self.language_model, self.hf_config, self.par.cp
         dev = self.inv_freq.device
         ids, pos, lens = packed_row(cfg, seqs, split_images(cfg, seqs, pixel_values, image_grid_thw), self.par, self.sp)
@@ -392,13 +383,16 @@ class MegatronVLM(torch.nn.Module):
                               max_seqlen_kv=max(lens), **padded)
         # the whole row's angles: Megatron's THD RoPE takes each CP rank's chunks of them (rope_utils.py:213-223)
         rot = mrope_angles(pos, self.inv_freq, self.mrope_section, self.mrope_interleaved)
+        routes = None
+        if self.replays and routed_experts is not None and any(r is not None for r in routed_experts):
+            routes = routing.packed(list(routed_experts), list(seqs), lens, held, self.tp_rank, self.tp if self.sp else 1)
         with parallel.megatron_on_cpu():
             if self.sp and self.pre:  # (T / TP, 1, H) from here on: this rank's shard of the sequence
                 h = tensor_parallel.scatter_to_sequence_parallel_region(h)
             if not self.pre:  # PP: what the previous stage sent, as it left its last layer
                 h = self.input_tensor
             for lo, hi, again in recompute_plan(len(lm.decoder.layers), *self.recompute):  # full: again = True
-                run = functools.partial(self._layers, lo=lo, hi=hi, rot=rot, psp=psp, img=img, deep=deep)
+                run = functools.partial(self._layers, lo=lo, hi=hi, rot=rot, psp=psp, img=img, deep=deep, routes=routes)
                 h = torch.utils.checkpoint.checkpoint(run, h, use_reentrant=False) if again else run(h)
             if not self.post:  # PP: (T_local, 1, H) to the next stage
                 return h, lens
@@ -408,13 +402,13 @@ class MegatronVLM(torch.nn.Module):
         return h[:, 0], lens
 
     def forward(self, seqs, pixel_values=None, image_grid_thw=None, loss_masks=None, temperature=1.0,
-                with_entropy=False):
+                with_entropy=False, routed_experts=None):
         """Token logprobs (N,) of every masked position, in sequence order, at `temperature`, and
         their distributions' entropy (N,) when with_entropy. mask[t] = 1 scores token t from the
         logits at t - 1 (mask[0] must be 0); loss_masks=None scores every token but the first.
         The LM head runs only at those N positions (vocab-parallel, chunked). PP: a stage before the
-        last returns its hidden states for the next (pipeline.py runs the stages)."""
-        h, lens = self._hidden(seqs, pixel_values, image_grid_thw)
+        last returns its hidden states for the next (pipeline.py runs the stages). routed_experts: _hidden's."""
+        h, lens = self._hidden(seqs, pixel_values, image_grid_thw, routed_experts)
         if not self.post:
             return h
         rows, tgt, off = [], [], 0

@@ -21,6 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 from tqdm import tqdm
 
 import data
@@ -51,6 +52,7 @@ class Sample:
     index: int = 0                   # the prompt's index in the data
     response_text: str = ""          # the model's turns, decoded (observations excluded)
     metadata: dict = field(default_factory=dict)           # env step infos, format_ok, ...
+    routed_experts: object = None    # R3: (len(tokens) - 1, layers, k) int16 array, the engine's experts
 
     @property
     def tokens(self):
@@ -198,6 +200,12 @@ def _episode(processor, rec, args, group, multi, prompt):
     return s, env, chat
 
 
+def routed_rows(s):
+    """Token positions whose experts the engine has reported: a turn's request asks from here on (an
+    earlier turn's last token and the observation after it are routed by the next turn's prefill)."""
+    return 0 if s.routed_experts is None else len(s.routed_experts)
+
+
 def _finish_turn(s, env, chat, out, processor, args, stops):
     """Append one engine answer to `s`; run the env; append its observation. -> still active?"""
     ids, lps = list(out["ids"]), list(out["logprobs"])
@@ -208,6 +216,12 @@ def _finish_turn(s, env, chat, out, processor, args, stops):
                         "(image tokens expanded twice?)")
     if len(lps) != len(ids) or not all(math.isfinite(x) and x <= 1e-6 for x in lps):
         return _fail(s, f"engine returned {len(ids)} ids with {len(lps)} logprobs (or non-finite ones)")
+    routes = out.get("routed_experts")  # R3: the positions from routed_rows(s) to the last but one
+    if routes is not None:
+        if len(routes) != len(s.tokens) + len(ids) - 1 - routed_rows(s):
+            return _fail(s, f"engine returned routes of {len(routes)} tokens, want "
+                            f"{len(s.tokens) + len(ids) - 1 - routed_rows(s)}")
+        s.routed_experts = routes if s.routed_experts is None else np.concatenate([s.routed_experts, routes])
     s.response_ids += ids
     s.loss_mask += [1] * len(ids)
     s.rollout_logprobs += lps
@@ -374,7 +388,8 @@ class _Pipeline:
                     s.status = "truncated"
                     break
                 t = time.perf_counter()
-                item = {"input_ids": s.tokens, "images": s.images, "max_new_tokens": room}
+                item = {"input_ids": s.tokens, "images": s.images, "max_new_tokens": room,
+                        "routed_experts_start": routed_rows(s)}
                 out = (self.rounds.generate((g, j), item, self.sampling) if self.rounds
                        else self.engine.generate([item], dict(self.sampling, max_new_tokens=room))[0])
                 call = (t, time.perf_counter())

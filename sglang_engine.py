@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing
@@ -127,7 +128,7 @@ class SGLangEngine(Engine):
     concurrent = True  # rollout.py sends each episode's turn on its own: the server batches continuously
 
     def __init__(self, hf_dir, run_dir, server_args=(), timeout=900.0, launch_cmd=None, max_restarts=3,
-                 request_timeout=3600.0, env=None, config_dir=None, weight_sync="disk"):
+                 request_timeout=3600.0, env=None, config_dir=None, weight_sync="disk", routed_experts=False):
         # hf_dir: the weights the server starts from; config_dir (default hf_dir): where synced folders'
         # config and tokenizer files come from (a resumed run's checkpoint may be pruned by --save-keep)
         self.hf_dir = str(config_dir or hf_dir)
@@ -137,6 +138,13 @@ class SGLangEngine(Engine):
         self.weight_sync, self.group, self.stale = weight_sync, None, False
         self.released = set()  # the server's memory regions freed by release(), not yet resumed
         self.server_tp = int(flag_value(server_args, ("--tp-size", "--tp"), 1))
+        self.route_shape = None  # R3: (all layers, top_k) of the routes the server returns
+        if routed_experts:
+            cfg = json.loads((Path(hf_dir) / "config.json").read_text())
+            tc = cfg.get("text_config") or cfg
+            self.route_shape = (int(tc["num_hidden_layers"]), int(tc["num_experts_per_tok"]))
+            if "--enable-return-routed-experts" not in server_args:
+                server_args = [*server_args, "--enable-return-routed-experts"]
         if weight_sync == "distributed" and int(flag_value(server_args, ("--dp-size", "--dp"), 1)) > 1:
             raise ValueError("weight sync over a process group takes a server with one data-parallel "
                              "replica (rank = 1 + TP rank); use --dp-size 1 or weight_sync disk")
@@ -179,7 +187,23 @@ class SGLangEngine(Engine):
                                              "its answers until the next weight sync are dropped")
         elif "output_ids" in r and list(r["output_ids"]) != out["ids"]:
             out["error"] = "output_ids differ from the ids in output_token_logprobs"
+        elif self.route_shape:
+            out.update(self.routes(meta))
         return out
+
+    def routes(self, meta):
+        """R3: meta_info["routed_experts"], base64 of int32 (rows, all layers, top_k) for the positions
+        [routed_experts_start_len, prompt + new - 1) (sglang 0.5.23 batch_result_processor.py:154-161,
+        state_capturer/base.py:173-188, detokenizer_manager.py:432-445) -> {"routed_experts": int16 array},
+        or an error for the sample."""
+        raw = meta.get("routed_experts")
+        if raw is None:
+            return {"error": "the SGLang server returned no routed_experts (not started with "
+                             "--enable-return-routed-experts?)"}
+        flat = np.frombuffer(base64.b64decode(raw), dtype=np.int32)
+        if flat.size % (self.route_shape[0] * self.route_shape[1]):
+            return {"error": f"routed_experts of {flat.size} ids: not rows of {self.route_shape} (layers, top_k)"}
+        return {"routed_experts": flat.reshape(-1, *self.route_shape).astype(np.int16)}
 
     def generate_payload(self, item, sp):
         """The /generate body for one batch item (see Engine.generate): image pads collapsed to
@@ -193,6 +217,8 @@ class SGLangEngine(Engine):
         if self.image_pad is not None:
             ids = collapse_image_pads(ids, self.image_pad)  # the server expands each pad itself
         payload = {"input_ids": ids, "sampling_params": params, "return_logprob": True}
+        if self.route_shape:  # R3 (io_struct.py:263-268): positions counted in the server's expanded ids, as ours
+            payload.update(return_routed_experts=True, routed_experts_start_len=int(item.get("routed_experts_start", 0)))
         if item.get("images"):
             payload["image_data"] = [data.image_to_data_uri(im) for im in item["images"]]
         return payload
@@ -373,7 +399,7 @@ def make_engine(args, hf_dir, run_dir):
         if args.sglang_args:
             raise SystemExit(f"{' '.join(args.sglang_args)}: SGLang flags, but the rollout engine is local "
                              "(--rollout-engine sglang to use them)")
-        return LocalEngine(hf_dir, "cuda" if cuda else "cpu")
+        return LocalEngine(hf_dir, "cuda" if cuda else "cpu", routed_experts=args.use_rollout_routing_replay)
     flags, env = sglang_placement(args, cuda, torch.cuda.device_count() if cuda else 0,
                                   int(os.environ.get("LOCAL_WORLD_SIZE", 1)), os.environ.get("CUDA_VISIBLE_DEVICES"))
     if cuda and torch.cuda.get_device_capability()[0] >= 10 and "--mm-attention-backend" not in flags:
@@ -382,4 +408,4 @@ def make_engine(args, hf_dir, run_dir):
     if sync == "auto":  # on CPU (the test harness): the disk, which any layout can use
         sync = "tensor" if cuda and args.colocate else "distributed" if cuda and args.rollout_num_gpus else "disk"
     return SGLangEngine(hf_dir, run_dir, server_args=flags, timeout=args.sglang_server_timeout, env=env,
-                        config_dir=args.hf_checkpoint, weight_sync=sync)
+                        config_dir=args.hf_checkpoint, weight_sync=sync, routed_experts=args.use_rollout_routing_replay)

@@ -33,6 +33,7 @@ import flags as F
 import model as M
 import offload
 import optim
+import parallel
 import pipeline
 import reward
 import rollout as R
@@ -55,6 +56,9 @@ def build_parser():
     a("--entropy-coef", type=F.at_least(0.0), default=0.0, help="entropy bonus")
     a("--loss-agg", default="token", choices=["token", "sequence"], help="mean over tokens or over sequences")
     a("--recompute-logprobs", action="store_true", help="old logprobs from the trainer, not the engine")
+    a("--use-rollout-routing-replay", action="store_true",
+      help="MoE (R3): the trainer's routers take the experts the engine chose for each token (SGLang starts "
+           "with --enable-return-routed-experts); metric routing_mismatch: the share that differed before")
     a("--tis-cap", type=F.at_least(0.0), default=0.0,
       help="with --recompute-logprobs: cap on the trainer/rollout ratio (TIS; 0: off)")
     a("--dynamic-sampling-max-prompts", type=F.POSITIVE, default=None,
@@ -144,8 +148,12 @@ def to_item(sample, processor, adv, encoded=None):
     pv, grid = encoded[key]
     mask = [0] * len(sample.prompt_ids) + list(sample.loss_mask)
     old = [0.0] * len(sample.prompt_ids) + list(sample.rollout_logprobs)
+    routes = sample.routed_experts  # (T - 1, layers, k): the last token no engine forward saw
+    if routes is not None:
+        routes = torch.cat([torch.as_tensor(routes, dtype=torch.int16),
+                            torch.full((len(sample.tokens) - len(routes), *routes.shape[1:]), -1, dtype=torch.int16)])
     return T.Item(ids=torch.tensor(sample.tokens), mask=torch.tensor(mask, dtype=torch.bool),
-                  pixel_values=pv, image_grid_thw=grid, adv=adv,
+                  pixel_values=pv, image_grid_thw=grid, adv=adv, routed_experts=routes,
                   rollout_logprobs=torch.tensor([o for o, m in zip(old, mask) if m], dtype=torch.float32))
 
 
@@ -156,7 +164,10 @@ def policy_loss(model, ref, par, items, args, measure):
     n_seq = T.global_sum(len(items), par)
     temp = args.rollout_temperature or 1.0  # logprobs under the distribution the engine sampled from
     if ref is not None:  # forward-only, before the policy's passes: under PP both are whole schedules
-        logprobs_into(ref, items, args, "ref_logprobs")
+        logprobs_into(ref, items, args, "ref_logprobs", replay=False)  # the initial policy routes as it would
+    replay = measure and args.use_rollout_routing_replay
+    if replay:
+        model.routing_mismatch()  # from here: the mismatch at the weights the engine sampled with
 
     def loss_of(mb, out):
         logp, ent = out
@@ -187,7 +198,7 @@ def policy_loss(model, ref, par, items, args, measure):
             diff = (logp.detach() - torch.cat([it.rollout_logprobs for it in mb]).to(dev)).abs()
             s.update(diff_sum=diff.sum().item(), diff_max=diff.max().item() if len(diff) else 0.0)
         return loss, s
-    per_mb = pipeline.run(model, T.micro_batches(items, args.max_tokens_per_gpu, par),
+    per_mb = pipeline.run(model, T.micro_batches(items, args.max_tokens_per_gpu, par, args.use_rollout_routing_replay),
                           lambda m, x: m(**x, temperature=temp, with_entropy=True), loss_of)
     out = {k: T.global_sum(sum(s[k] for s in per_mb), par) for k in ("loss", "clipfrac", "kl", "entropy")}
     # packing_fill (rank 0's): real tokens / the budget of its micro-batches
@@ -196,18 +207,23 @@ def policy_loss(model, ref, par, items, args, measure):
         out["logprob_diff_mean"] = T.global_sum(sum(s["diff_sum"] for s in per_mb), par) / n_tok
         out["logprob_diff_max"] = T.global_sum(max([s["diff_max"] for s in per_mb], default=0.0), par,
                                                op=torch.distributed.ReduceOp.MAX)
+    if replay:  # R3: (token, layer) pairs whose trainer top-k differed from the engine's, before replay
+        differ, replayed = parallel.all_reduce(model.routing_mismatch().to(par.device), None).tolist()
+        out["routing_mismatch"] = differ / max(replayed, 1)
     return out
 
 
-def logprobs_into(model, items, args, field):
+def logprobs_into(model, items, args, field, replay=True):
     """Each item's `field` = `model`'s logprobs of its scored tokens (N,), forward only, at the rollout
-    temperature; under PP set on the last stage, where the loss reads them."""
+    temperature; under PP set on the last stage, where the loss reads them. replay: the routers replay
+    the engine's experts (--use-rollout-routing-replay)."""
     def keep(mb, out):
         for it, part in zip(mb, out[0].detach().cpu().split([int(it.mask.sum()) for it in mb])):
             setattr(it, field, part)
         return out[0].detach().sum(), {}
     with torch.no_grad():
-        pipeline.run(model, T.micro_batches(items, args.max_tokens_per_gpu, model.par),
+        pipeline.run(model, T.micro_batches(items, args.max_tokens_per_gpu, model.par,
+                                             replay and args.use_rollout_routing_replay),
                      lambda m, x: m(**x, temperature=args.rollout_temperature or 1.0), keep, forward_only=True)
 
 
@@ -258,9 +274,10 @@ def rollout_step(step, par, engine, processor, records, args, updates=1):
 def split_batch(good, adv, rng, global_batch_size, updates, dp):
     """rank 0: [for each DP rank: its (sample, advantage) pairs of each update (None: an update with
     no sample)], shuffled by `rng`, each update's global batch strided over the DP ranks. A sample
-    keeps only what to_item reads: token ids, masks, logprobs and its images (decoded, uint8)."""
+    keeps only what to_item reads: token ids, masks, logprobs, routes (R3) and its images (decoded, uint8)."""
     pairs = [(R.Sample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, loss_mask=s.loss_mask,
-                       rollout_logprobs=s.rollout_logprobs, images=s.images), a) for s, a in zip(good, adv)]
+                       rollout_logprobs=s.rollout_logprobs, images=s.images, routed_experts=s.routed_experts), a)
+             for s, a in zip(good, adv)]
     rng.shuffle(pairs)
     chunks = [pairs[u * global_batch_size:(u + 1) * global_batch_size] for u in range(updates)]
     return [[c[r::dp] if c else None for c in chunks] for r in range(dp)]
@@ -386,6 +403,9 @@ def main(argv=None):
     processor = AutoProcessor.from_pretrained(args.hf_checkpoint)
     ckpt, opts = run.ckpt, M.ModelOptions.from_args(args)
     model = M.load_model(ckpt or args.hf_checkpoint, opts, par)
+    if args.use_rollout_routing_replay and not getattr(model.hf_config.text_config, "num_experts", None):
+        raise SystemExit(f"--use-rollout-routing-replay: {args.hf_checkpoint} is not a MoE model "
+                         "(its text_config has no num_experts): there is no routing to replay")
     ref = None
     if args.kl_loss_coef:
         ref = M.load_model(args.hf_checkpoint, dataclasses.replace(opts, freeze_vit=True), par).eval()

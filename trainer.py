@@ -34,6 +34,7 @@ class Item:
     rollout_logprobs: torch.Tensor | None = None  # (N,) the engine's, as it sampled
     recomputed_logprobs: torch.Tensor | None = None  # (N,) --recompute-logprobs: the trainer's, before the update
     ref_logprobs: torch.Tensor | None = None  # (N,) the reference model's (the KL term)
+    routed_experts: torch.Tensor | None = None  # (T, layers, k) int16: the engine's experts, -1: none (R3)
 
     @property
     def old(self):
@@ -325,11 +326,12 @@ def pack(lengths, max_tokens):
     return [sorted(b) for b in bins]
 
 
-def micro_batches(items, max_tokens, par):
+def micro_batches(items, max_tokens, par, replay=True):
     """-> (items, model inputs) of each packed micro-batch of this rank's `items` (Item); with EP, then
     idle ones ([], two pad tokens that score nothing) up to the busiest rank's count: MoE layers run
     collectives in forward and backward (README, "Qwen3.5"), so every rank runs as many micro-batches
-    (pipeline.run gives an idle one a zero loss, its backward's collectives included)."""
+    (pipeline.run gives an idle one a zero loss, its backward's collectives included). replay: pass the
+    items' routed_experts (R3) to the model."""
     bins = pack([len(it.ids) for it in items], max_tokens * par.cp)  # a CP rank holds 1/CP of each
     n = 0  # idle micro-batches to run, agreed before any runs: MoE collectives must not cross this reduce
     if par.ep > 1:
@@ -338,8 +340,11 @@ def micro_batches(items, max_tokens, par):
         mb = [items[i] for i in idx]
         pv = [it.pixel_values for it in mb if it.pixel_values is not None]
         grid = [it.image_grid_thw for it in mb if it.image_grid_thw is not None]
-        yield mb, dict(seqs=[it.ids for it in mb], loss_masks=[it.mask for it in mb],
-                       pixel_values=torch.cat(pv) if pv else None, image_grid_thw=torch.cat(grid) if grid else None)
+        x = dict(seqs=[it.ids for it in mb], loss_masks=[it.mask for it in mb],
+                 pixel_values=torch.cat(pv) if pv else None, image_grid_thw=torch.cat(grid) if grid else None)
+        if replay and any(it.routed_experts is not None for it in mb):
+            x["routed_experts"] = [it.routed_experts for it in mb]
+        yield mb, x
     for _ in range(n):
         yield [], dict(seqs=[torch.zeros(2, dtype=torch.long)], loss_masks=[torch.zeros(2, dtype=torch.bool)])
 

@@ -4,7 +4,7 @@ under torchrun (TP, DP, CP, EP, PP). For each term (pg: advantages only; entropy
 gradients over data-parallel ranks as the optimizer step does, and rank 0 writes every parameter's
 full gradient under its HF name to <out>/<term>.safetensors, with the loss in <out>/<term>.json.
 
-    python tests/_grad_worker.py CKPT GEO3K_PARQUET --out DIR [--ref CKPT] [--tp N [--sp]] [--cp N] [--ep N] [--pp N [--first-stage-layers K]] [--freeze-vit]
+    python tests/_grad_worker.py CKPT GEO3K_PARQUET --out DIR [--ref CKPT] [--tp N [--sp]] [--cp N] [--ep N] [--pp N [--first-stage-layers K]] [--freeze-vit] [--replay]
 """
 import argparse
 import dataclasses
@@ -42,6 +42,17 @@ def samples(proc, source, n_prompts=4, group=4, seed=0):
     return items
 
 
+def routes(items, tc, seed=2):
+    """R3's engine routes on each item: at a random half of its tokens, for every layer, top-k distinct
+    experts drawn at random (not the router's own: the replay changes the forward); -1 elsewhere."""
+    g = torch.Generator().manual_seed(seed)
+    for it in items:
+        n, layers = len(it.ids), tc.num_hidden_layers
+        r = torch.rand(n, layers, tc.num_experts, generator=g).argsort(-1)[..., :tc.num_experts_per_tok]
+        r[torch.rand(n, generator=g) < 0.5] = -1
+        it.routed_experts = r.to(torch.int16)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("ckpt")
@@ -56,6 +67,7 @@ def main():
     p.add_argument("--sp", action="store_true", help="--sequence-parallel (Qwen3.5 on CPU: its norms allow it)")
     p.add_argument("--freeze-vit", action="store_true")
     p.add_argument("--max-tokens-per-gpu", default="700")
+    p.add_argument("--replay", action="store_true", help="R3: the routers replay fixed random experts at half the tokens")
     a = p.parse_args()
     out = Path(a.out)
     args = G.parse_args(["--hf-checkpoint", a.ckpt, "--prompt-data", a.source, "--save", str(out / "run"),
@@ -64,13 +76,16 @@ def main():
                          "--max-tokens-per-gpu", a.max_tokens_per_gpu, "--overwrite"]
                         + (["--sequence-parallel"] if a.sp else [])
                         + (["--decoder-first-pipeline-num-layers", a.first_stage_layers] if a.first_stage_layers else [])
-                        + (["--moe-token-dispatcher-type", "alltoall"] if a.pp > 1 else []))  # PP's (model.py)
+                        + (["--moe-token-dispatcher-type", "alltoall"] if a.pp > 1 else [])  # PP's (model.py)
+                        + (["--use-rollout-routing-replay"] if a.replay else []))
     par, _ = T.start(args, "test")
     opts = M.ModelOptions.from_args(args)
     model = M.load_model(a.ckpt, dataclasses.replace(opts, freeze_vit=a.freeze_vit), par)
     ref = M.load_model(a.ref, dataclasses.replace(opts, freeze_vit=True), par).eval() if a.ref else None
     from transformers import AutoProcessor
     items = samples(AutoProcessor.from_pretrained(a.ckpt), a.source)
+    if a.replay:
+        routes(items, model.hf_config.text_config)
     G.recompute_old(model, items, args)
     g = torch.Generator().manual_seed(1)
     for it in items:  # the engine's logprobs a little off the trainer's: some ratios clip (PP: the last stage's)

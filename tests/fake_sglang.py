@@ -34,12 +34,19 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import numpy as np
+
 # Fields of SGLang's GenerateReqInput / SamplingParams / UpdateWeightFromDiskReqInput /
 # (Release|Resume)MemoryOccupationReqInput (sglang 0.5.23 srt/managers/io_struct.py:177, 1970,
 # 2177, 2187; srt/sampling/sampling_params.py:140). Stock ignores unknown top-level fields; we
 # refuse them, so a misspelt field of ours cannot pass silently.
 GENERATE_FIELDS = {"input_ids", "text", "image_data", "sampling_params", "return_logprob",
-                   "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "stream", "rid"}
+                   "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "stream", "rid",
+                   "return_routed_experts", "routed_experts_start_len"}
+# what sglang-router 0.3.2 adds to each /generate it forwards (its own defaults; stock ignores those
+# it does not know), accepted only from it: test_sglang_real checks which GenerateReqInput knows
+ROUTER_FIELDS = {"background", "log_metrics", "model", "no_logs", "return_bytes", "return_entropy",
+                 "return_hidden_states"}
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop", "stop_token_ids",
                    "skip_special_tokens", "no_stop_trim", "ignore_eos", "repetition_penalty",
                    "frequency_penalty", "presence_penalty", "min_new_tokens", "n"}
@@ -96,10 +103,19 @@ def expand_image_pads(ids, counts, pad):
     return out + ids[cur:]
 
 
-def check_generate(body):
-    """None if `body` is a /generate request whose fields and types we accept, else why not."""
-    if set(body) - GENERATE_FIELDS:
-        return f"unknown fields {sorted(set(body) - GENERATE_FIELDS)}"
+def fake_routes(start, end, layers, k, experts):
+    """R3: stock's meta_info.routed_experts form (base64 of int32 (end - start, layers, k)) for the
+    positions start..end-1; the experts of position p at layer l are (p + l + j) % experts, j < k."""
+    p, layer, j = np.meshgrid(np.arange(start, end), np.arange(layers), np.arange(k), indexing="ij")
+    return base64.b64encode(((p + layer + j) % experts).astype(np.int32).tobytes()).decode()
+
+
+def check_generate(body, routed=False):
+    """None if `body` is a /generate request whose fields and types we accept, else why not. routed:
+    it came through sglang-router (ROUTER_FIELDS allowed)."""
+    unknown = set(body) - GENERATE_FIELDS - (ROUTER_FIELDS if routed else set())
+    if unknown:
+        return f"unknown fields {sorted(unknown)}"
     ids = body.get("input_ids")
     if not (isinstance(ids, list) and ids and all(isinstance(t, int) and t >= 0 for t in ids)):
         return "input_ids must be a non-empty list of token ids"
@@ -148,7 +164,19 @@ class Handler(BaseHTTPRequestHandler):
                 f.write(json.dumps({"path": self.path, "method": self.command, "json": body,
                                     "pid": os.getpid()}) + "\n")
 
+    def _refused(self):
+        """--api-key as stock's (utils/auth.py:74-151): every path but /health* needs 'Bearer <key>'."""
+        key = self.server.state["api_key"]
+        if key is None or self.path.startswith("/health"):
+            return False
+        if self.headers.get("Authorization") == f"Bearer {key}":
+            return False
+        self._reply(401, {"error": "Unauthorized"})
+        return True
+
     def do_GET(self):
+        if self._refused():
+            return
         if self.path in ("/health", "/health_generate"):
             return self._reply(200, "")
         if self.path == "/flush_cache":
@@ -163,9 +191,11 @@ class Handler(BaseHTTPRequestHandler):
             body = json.loads(self.rfile.read(n) or b"{}")
         except ValueError:
             return self._reply(400, {"error": "body is not JSON"})
+        if self._refused():
+            return
         self._record(body)
         if self.path == "/generate":
-            why = check_generate(body)
+            why = check_generate(body, routed="model" in body and "return_bytes" in body)
             if why:
                 return self._reply(400, {"error": why})
             prompt = body["input_ids"]
@@ -180,9 +210,12 @@ class Handler(BaseHTTPRequestHandler):
             sp = body["sampling_params"]
             ids, lps, finish = fake_output(prompt, sp["max_new_tokens"], st["digest"])
             reason = {"type": finish, "matched": STOP} if finish == "stop" else {"type": finish, "length": len(ids)}
-            return self._reply(200, {"text": "", "output_ids": ids, "meta_info": {
-                "id": "fake", "prompt_tokens": len(prompt), "completion_tokens": len(ids),
-                "finish_reason": reason, "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)]}})
+            meta = {"id": "fake", "prompt_tokens": len(prompt), "completion_tokens": len(ids),
+                    "finish_reason": reason, "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)]}
+            if body.get("return_routed_experts") and st["routes"]:  # stock without the flag: no field
+                meta["routed_experts"] = fake_routes(body.get("routed_experts_start_len", 0),
+                                                     len(prompt) + len(ids) - 1, *st["routes"])
+            return self._reply(200, {"text": "", "output_ids": ids, "meta_info": meta})
         if self.path == "/update_weights_from_disk":
             if set(body) - DISK_FIELDS or not isinstance(body.get("model_path"), str):
                 return self._reply(400, {"success": False, "message": f"bad fields {sorted(body)}"})
@@ -291,6 +324,7 @@ def main():
     p.add_argument("--fake-startup", type=float, default=0.0, help="seconds before listening")
     p.add_argument("--fake-children", type=int, default=0,
                    help="idle child processes to start, as SGLang's scheduler/detokenizer")
+    p.add_argument("--api-key", default=None, help="as stock's: requests without it get HTTP 401")
     a, passthrough = p.parse_known_args()
     print(f"fake sglang pid={os.getpid()} pgid={os.getpgid(0)} passthrough={json.dumps(passthrough)}", flush=True)
     if a.fake_startup < 0:  # a server that never comes up
@@ -305,7 +339,11 @@ def main():
     config = json.loads((Path(a.model_path) / "config.json").read_text())
     server.state = {"lock": threading.Lock(), "record": a.fake_record, "delay": a.fake_delay,
                     "digest": weights_digest(a.model_path), "model_path": a.model_path,
-                    "image_pad": config.get("image_token_id"), "image_processor": None, "dump": a.fake_dump}
+                    "image_pad": config.get("image_token_id"), "image_processor": None, "dump": a.fake_dump,
+                    "api_key": a.api_key}
+    tc = config.get("text_config") or config  # R3: a dense checkpoint's routes are made up (2 of 8 experts)
+    server.state["routes"] = ((tc["num_hidden_layers"], tc.get("num_experts_per_tok", 2), tc.get("num_experts", 8))
+                              if "--enable-return-routed-experts" in passthrough else None)
     print(f"fake sglang listening on {a.host}:{a.port}", flush=True)
     server.serve_forever()
 

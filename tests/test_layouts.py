@@ -118,16 +118,20 @@ def test_moe_gradients_equal_in_one_process_and_ep2(peaked, tmp_path):
     """Qwen3.5-MoE: experts split over two ranks (EP2 x DP2), TP2 with sequence parallel, CP2 x EP2
     (Gated DeltaNet head-parallel over the CP ranks, which also hold the experts), and PP2 x EP2 x DP2
     (four processes: the stages split between a Gated DeltaNet and an attention layer, the alltoall
-    dispatcher, a DP rank's idle micro-batch inside the 1F1B schedule)."""
+    dispatcher, a DP rank's idle micro-batch inside the 1F1B schedule). Every run replays fixed engine
+    routes (R3) at half the tokens and lets the routers choose at the rest: each layout must cut the
+    routes as it cuts the tokens (CP's chunks, SP's shards, PP's layers)."""
     ckpt = peaked("qwen3_5_moe")
-    one = grads(ckpt, tmp_path / "one", 1)
+    one = grads(ckpt, tmp_path / "one", 1, "--replay")
     assert any(".experts." in k for k in one["pg"][0])
-    assert_same(grads(ckpt, tmp_path / "ep2", 2, "--ep", "2"), one, "ep2")
-    assert_same(grads(ckpt, tmp_path / "tp2sp", 2, "--tp", "2", "--sp"), one, "tp2+sp")
-    assert_same(grads(ckpt, tmp_path / "cp2ep2", 2, "--cp", "2", "--ep", "2"), one, "cp2+ep2")
+    own = grads(ckpt, tmp_path / "own", 1)["pg"][0]  # the replay changes the gradient: it is not a no-op
+    assert norm({k: own[k] - one["pg"][0][k] for k in own}) > 0.05 * norm(own)
+    assert_same(grads(ckpt, tmp_path / "ep2", 2, "--ep", "2", "--replay"), one, "ep2")
+    assert_same(grads(ckpt, tmp_path / "tp2sp", 2, "--tp", "2", "--sp", "--replay"), one, "tp2+sp")
+    assert_same(grads(ckpt, tmp_path / "cp2ep2", 2, "--cp", "2", "--ep", "2", "--replay"), one, "cp2+ep2")
     # 540 tokens a micro-batch: DP rank 0 packs its samples in 3, rank 1 in 2 and one idle
-    assert_same(grads(ckpt, tmp_path / "pp2ep2", 4, "--pp", "2", "--ep", "2", "--max-tokens-per-gpu", "540"), one,
-                "pp2+ep2")
+    assert_same(grads(ckpt, tmp_path / "pp2ep2", 4, "--pp", "2", "--ep", "2", "--max-tokens-per-gpu", "540",
+                      "--replay"), one, "pp2+ep2")
 
 
 DDP_WORKER = """

@@ -228,7 +228,14 @@ class TestRealServer:
         sampling = dict(temperature=0.8, top_p=1.0, top_k=-1, max_new_tokens=4, stop_token_ids=[151645, 151643])
         tokenize = [{"body": real.generate_payload(item, sampling), "expected": item["input_ids"]}
                     for item in (one, two)]
-        sent = list(real.sent)
+        real.route_shape = (2, 2)  # R3's request fields (--use-rollout-routing-replay), parsed below too
+        try:
+            tokenize.append({"body": real.generate_payload(dict(one, routed_experts_start=3), sampling),
+                             "expected": one["input_ids"]})
+        finally:
+            real.route_shape = None
+        assert tokenize[-1]["body"]["return_routed_experts"] and tokenize[-1]["body"]["routed_experts_start_len"] == 3
+        sent = list(real.sent) + [("/generate", tokenize[-1]["body"])]
         # not called on the server (its release needs CUDA): the bodies of a release, --offload-train's
         # two-part resume, checked below against SGLang's own request classes
         stub = types.SimpleNamespace(server=types.SimpleNamespace(call=lambda p, body: sent.append((p, body))),

@@ -1,0 +1,115 @@
+"""routing.py: what the trainer's MoE routers do beyond Megatron's own: count the tokens each expert
+took (expert_load), and rollout routing replay (R3, arXiv 2510.11370; --use-rollout-routing-replay):
+each router takes the experts the engine chose for each token, so the policy being trained routes as
+the one that sampled, while the probabilities of those experts still come from the router's logits
+(and get their gradients).
+
+Megatron's TopKRouter hands its top-k to `router.router_replay.get_replay_topk(scores, topk,
+num_groups, group_topk, default)` whenever that attribute is set (megatron-core 0.16
+transformer/moe/router.py:205-207, 583; moe_utils.py:700-706). Its own RouterReplay keeps one
+global list of targets to pop in order; here each decoder layer's target is set just before the
+layer runs (model._layers), so a recomputed layer (--recompute-granularity full) and 1F1B's
+interleaved micro-batches find the same target without any bookkeeping of order.
+
+A target row of -1 (the sequence's last token, which no engine forward saw; padding) keeps the
+router's own choice. Routes travel as (T, layers, top_k) int16 per sequence: all decoder layers, as
+SGLang returns them (state_capturer/routed_experts.py:80-81), -1 at a layer without experts.
+"""
+import functools
+import re
+
+import torch
+
+NONE = -1  # no engine route for this (token, layer): the router chooses
+
+
+def routers(module):
+    """{decoder layer index: Megatron TopKRouter} of a GPTModel's (this stage's) layers."""
+    out = {}
+    for name, m in module.named_modules():
+        if type(m).__name__ == "TopKRouter":
+            out[int(re.search(r"layers\.(\d+)\.", name).group(1))] = m
+    return out
+
+
+class RouteCounter:
+    """Tokens each MoE layer's router sent to each expert (forward hooks on Megatron's TopKRouter)."""
+
+    def __init__(self, language_model):
+        found = list(routers(language_model).values())
+        self.counts = None  # (MoE layers, experts), since the last take()
+        for i, m in enumerate(found):
+            m.register_forward_hook(functools.partial(self._count, i, len(found)))
+
+    def _count(self, i, n, module, inputs, out):
+        routing_map = out[1]  # (tokens, experts) bool: Megatron's TopKRouter.forward -> (probs, routing_map)
+        if self.counts is None:
+            self.counts = torch.zeros(n, routing_map.shape[1], dtype=torch.float64, device=routing_map.device)
+        self.counts[i] += routing_map.sum(0).detach().double()
+
+    def take(self):
+        out, self.counts = self.counts, None
+        return out
+
+
+class Replay:
+    """One router's replay: `target` (tokens, k) the engine's experts of the tokens this router sees
+    next (None: its own top-k). `stats` = (token rows whose own top-k set differs from the target's,
+    rows with a target), accumulated on the device until taken: the mismatch before replay."""
+
+    def __init__(self):
+        self.target, self.stats = None, None
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        values, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        if self.target is None:
+            return values, own
+        t = self.target.to(scores.device, torch.long)
+        if t.shape != own.shape:
+            raise ValueError(f"routing replay: {tuple(t.shape)} engine routes for a router that sees "
+                             f"{tuple(own.shape)} tokens x top-k")
+        have = (t >= 0).all(1)
+        with torch.no_grad():
+            differ = (own.sort(1).values != t.sort(1).values).any(1) & have
+            s = torch.stack([differ.sum(), have.sum()]).double()
+            self.stats = s if self.stats is None else self.stats + s
+        idx = torch.where(have[:, None], t, own)
+        return scores.gather(1, idx), idx  # the chosen experts' scores: their gradient flows to the logits
+
+
+def install(language_model):
+    """A Replay on every router of this stage -> {layer index: Replay}."""
+    out = {}
+    for i, r in routers(language_model).items():
+        r.router_replay = out[i] = Replay()
+    return out
+
+
+def take_mismatch(replays):
+    """(differing (token, layer) rows, rows with an engine route) since the last call, summed over this
+    rank's routers, as a (2,) float64 tensor (zeros when none ran)."""
+    total = torch.zeros(2, dtype=torch.float64)
+    for r in replays.values():
+        if r.stats is not None:
+            total += r.stats.cpu()
+            r.stats = None
+    return total
+
+
+def packed(routes, seqs, lens, held, sp_rank, sp):
+    """Per-sequence engine routes ((len_i, layers, k) or None) -> (T_local, layers, k): the rows this
+    rank's routers see, in the order of model.packed_row's row (each sequence padded to lens[i], then
+    the dummy), this CP rank's `held` positions, then under SP (`sp` ranks) the contiguous 1/sp share
+    of rank `sp_rank` (Megatron's scatter_to_sequence_parallel_region splits dim 0 so)."""
+    shape = next(r.shape[1:] for r in routes if r is not None)
+    full = torch.full((sum(lens), *shape), NONE, dtype=torch.int16)
+    off = 0
+    for r, s, n in zip(routes + [None] * (len(lens) - len(routes)), seqs + [None] * (len(lens) - len(seqs)), lens):
+        if r is not None:
+            if r.shape[0] != len(s) or r.shape[1:] != shape:
+                raise ValueError(f"routing replay: routes {tuple(r.shape)} for a sequence of {len(s)} tokens "
+                                 f"(want ({len(s)}, {', '.join(map(str, shape))}))")
+            full[off:off + len(s)] = r
+        off += n
+    full = full[held]
+    return full.chunk(sp)[sp_rank] if sp > 1 else full
