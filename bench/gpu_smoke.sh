@@ -32,6 +32,7 @@ import json, sys
 rows = [json.loads(x) for x in open(sys.argv[1] + "/metrics.jsonl") if '"reward"' in x]
 last = rows[-1]
 mem = "".join(f" {k}={last[k]:.2f}" for k in ("gpu_train_peak_gib", "gpu_held_at_resume_gib") if k in last)
+mem += "".join(f" routing_mismatch={r['routing_mismatch']:.4f}" for r in rows[-1:] if "routing_mismatch" in r)
 print(f"steps={len(rows)} failed_frac={last['failed_frac']} reward={last['reward']:.3f} sync_s={last.get('sync_s', 0):.2f} "
       f"logprob_diff_mean={last.get('logprob_diff_mean', float('nan')):.2e} grad_norm={last.get('grad_norm', 0):.3g}{mem}")
 sys.exit(0 if rows and all(r["failed_frac"] == 0 for r in rows) and last.get("grad_norm", 0) > 0
@@ -102,6 +103,9 @@ check grpo_moe_bf16_distopt "${TR[@]}" train_grpo.py "${MOE[@]}" --num-rollout 2
 check grpo_moe_bf16_resume "${TR[@]}" train_grpo.py "${MOE[@]}" --num-rollout 3 --load "$DIR/grpo_moe"
 check grpo_moe_bf16_metrics metric "$DIR/grpo_moe"
 check offload_moe_bf16_distopt "$PY" bench/offload_check.py "$DIR/tiny_moe" "${BF16[@]}"
+# R3: the routers replay the local engine's experts (transformers' routers on the GPU, bf16 trainer)
+check grpo_moe_r3_local "${TR[@]}" train_grpo.py "${MOE[@]/grpo_moe/grpo_moe_r3}" --num-rollout 2 --use-rollout-routing-replay
+check grpo_moe_r3_local_metrics metric "$DIR/grpo_moe_r3"
 if "$PY" -c "import sglang" 2>/dev/null; then
   # stock SGLang on the same GPU as training: the memory saver releases it while training; weights
   # go over CUDA IPC (/update_weights_from_tensor, devices named by UUID), then by the disk. --colocate
@@ -126,6 +130,19 @@ if "$PY" -c "import sglang" 2>/dev/null; then
   check grpo_sglang_multi_turn "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine sglang --colocate \
     --sglang-mem-fraction-static 0.3 --max-turns 3 --save "$DIR/grpo_sglang_multi"
   check grpo_sglang_multi_turn_metrics metric "$DIR/grpo_sglang_multi"
+  # R3 against the real server: --enable-return-routed-experts, each turn's routes from where the last
+  # stopped (a sample whose routes do not cover it fails: failed_frac 0 says they did); routing_mismatch printed
+  check grpo_sglang_moe_r3 "${TR[@]}" train_grpo.py "${MOE[@]/grpo_moe/grpo_sglang_moe_r3}" --rollout-engine sglang \
+    --colocate --sglang-mem-fraction-static 0.3 --max-turns 2 --num-rollout 2 --use-rollout-routing-replay
+  check grpo_sglang_moe_r3_metrics metric "$DIR/grpo_sglang_moe_r3"
+  # NEXTN speculative decoding from the checkpoint's own MTP head (model.py tiny --mtp): the draft loads
+  # mtp.*, every sync reaches target and draft; logprob_diff_mean says whether the logprobs are the target's
+  check tiny_moe_mtp bash -c "$PY model.py tiny --arch qwen3_5_moe --mtp --out $DIR/tiny_moe_mtp && echo made"
+  check grpo_sglang_nextn "${TR[@]}" train_grpo.py "${MOE[@]/grpo_moe/grpo_sglang_nextn}" --hf-checkpoint "$DIR/tiny_moe_mtp" \
+    --rollout-engine sglang --colocate --sglang-mem-fraction-static 0.3 --num-rollout 2 \
+    --sglang-speculative-algorithm NEXTN --sglang-speculative-num-steps 1 --sglang-speculative-eagle-topk 1 \
+    --sglang-speculative-num-draft-tokens 2
+  check grpo_sglang_nextn_metrics metric "$DIR/grpo_sglang_nextn"
 else
   echo "SKIP grpo_sglang: sglang is not installed (GPU=1 bash setup.sh)"
 fi

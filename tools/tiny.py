@@ -166,8 +166,8 @@ def tiny_processor(arch, min_pixels=None, max_pixels=None):
                video_processor=video_cls(**kw), chat_template=CHAT_TEMPLATE)
 
 
-def make_tiny(out, arch="qwen3_vl", seed=0, dtype="float32", **sizes):
-    """Write a tiny random checkpoint to `out` and return its path."""
+def make_tiny(out, arch="qwen3_vl", seed=0, dtype="float32", mtp=False, **sizes):
+    """Write a tiny random checkpoint to `out` and return its path; mtp: with Qwen3.5's MTP head."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = tiny_config(arch, **sizes)
@@ -184,7 +184,28 @@ def make_tiny(out, arch="qwen3_vl", seed=0, dtype="float32", **sizes):
     tiny_processor(arch).save_pretrained(out)
     if arch == "qwen3_5_moe":
         fuse_experts(out / "model.safetensors")
+    if mtp:
+        add_mtp(out)
     return out
+
+
+def add_mtp(out):
+    """Qwen3.5's multi-token-prediction head, as released checkpoints carry it for SGLang's NEXTN draft
+    (config mtp_num_hidden_layers 1): mtp.fc (H, 2H) over [normed embedding; normed hidden], its two
+    norms, one full-attention layer (here a copy of the last one's tensors) and a final norm (sglang
+    0.5.23 models/qwen3_5_mtp.py:129-141, 365-370). transformers and our trainer do not load them."""
+    path, cfg_path = out / "model.safetensors", out / "config.json"
+    sd, cfg = load_file(path), json.loads(cfg_path.read_text())
+    tc = cfg["text_config"]
+    h, j = tc["hidden_size"], max(i for i, t in enumerate(tc["layer_types"]) if t == "full_attention")
+    layer = f"model.language_model.layers.{j}."
+    sd.update({"mtp.layers.0." + k[len(layer):]: v.clone() for k, v in sd.items() if k.startswith(layer)})
+    sd["mtp.fc.weight"] = 0.02 * torch.randn(h, 2 * h)
+    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        sd[f"mtp.{n}.weight"] = 0.1 * torch.randn(h)  # zero-centred norms, as the decoder's
+    save_file(sd, str(path), metadata={"format": "pt"})
+    tc["mtp_num_hidden_layers"] = 1
+    cfg_path.write_text(json.dumps(cfg, indent=2))
 
 
 def fuse_experts(path):
@@ -221,13 +242,17 @@ def main(argv=None):
     p.add_argument("--like", default=None,
                    help="a real checkpoint's config.json: its family, tied head, GQA ratio and rope sections "
                         "at toy widths (overrides --arch and the head/width flags)")
+    p.add_argument("--mtp", action="store_true", help="Qwen3.5: add an MTP head (mtp.*) for SGLang's NEXTN draft")
     a = p.parse_args(argv)
+    if a.mtp and not a.arch.startswith("qwen3_5"):
+        p.error(f"--mtp: only Qwen3.5 checkpoints carry an MTP head, not --arch {a.arch}")
     sizes = dict(hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads, tie=a.tie)
     if a.arch.startswith("qwen3_5"):
         sizes["linear_key_heads"] = a.linear_key_heads
     if a.like:
         a.arch, sizes = sizes_like(a.like)
-    out = make_tiny(a.out, a.arch, a.seed, layers=a.layers, vit_hidden=a.vit_hidden, vit_depth=a.vit_depth, **sizes)
+    out = make_tiny(a.out, a.arch, a.seed, mtp=a.mtp, layers=a.layers, vit_hidden=a.vit_hidden, vit_depth=a.vit_depth,
+                    **sizes)
     print(f"wrote tiny {a.arch} checkpoint to {out}")
 
 
