@@ -130,4 +130,10 @@ def add_rollout_args(p):
     g("--rm-type", default="math", help="reward.get_reward_fn type")
     g("--sglang-server-timeout", type=at_least(1.0), default=900.0,
       help="seconds to wait for the SGLang server's /health")
+    g("--sglang-launch-cmd", default=None,
+      help="the command that starts a server, before its --model-path ... flags (default: this python -m "
+           "sglang.launch_server; the tests pass their fake server)")
+    g("--sglang-router-args", default=None,
+      help="several nodes: flags for SGLang's router (sglang_router.launch_router), e.g. "
+           "\"--balance-abs-threshold 16\"; default --policy cache_aware")
     return p

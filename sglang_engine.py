@@ -27,6 +27,7 @@ import importlib.util
 import io
 import json
 import os
+import shlex
 import time
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
@@ -40,7 +41,7 @@ import torch.multiprocessing
 import convert
 import data
 from engines import Engine, LocalEngine
-from sglang_server import Server, ServerError, free_port
+from sglang_server import Router, Server, ServerError, free_port
 
 WEIGHT_SYNC = ("disk", "tensor", "distributed")
 GROUP = "geo3k_weight_sync"  # the process-group name for "distributed"
@@ -104,19 +105,20 @@ class Serialized:
     blobs: list
 
 
-def serialize_on_ranks(buckets, rank, ranks, dtype):
-    """Colocated "tensor" sync into a server of TP `ranks` > 1, run on every trainer rank: rank i <
-    `ranks` serialises its own GPU's copy of each bucket for server TP rank i (the same GPU: both take
-    the node's GPUs in order), gathered on rank 0, which gets Serialized buckets (the others: None).
+def serialize_on_ranks(buckets, rank, ranks, dtype, group=None, dst=0):
+    """Colocated "tensor" sync into a server of TP `ranks` > 1, run on every trainer rank of the node
+    (`group`, None: the job; its leader: global rank `dst`): local rank i < `ranks` serialises its own
+    GPU's copy of each bucket for server TP rank i (the same GPU: both take the node's GPUs in order),
+    gathered on the leader, which gets Serialized buckets (the others: None).
     Each server rank opens only blobs[tp_rank] (sglang 0.5.23 managers/tp_worker.py:194-201); one
     blob for all would open a CUDA context on GPU 0 in every server rank, outside its memory saver,
     and copy each bucket across GPUs. Each bucket stays alive until rank 0 has posted it."""
     for bucket in buckets:
         bucket = [(k, v.to(dtype)) for k, v in bucket] if rank < ranks else bucket  # the others only wait
-        blobs = [None] * dist.get_world_size() if rank == 0 else None
-        dist.gather_object(serialize_tensors(bucket) if rank < ranks else None, blobs, dst=0)
+        blobs = [None] * dist.get_world_size(group) if rank == 0 else None
+        dist.gather_object(serialize_tensors(bucket) if rank < ranks else None, blobs, dst=dst, group=group)
         yield Serialized([k for k, _ in bucket], blobs[:ranks]) if rank == 0 else None
-        dist.barrier()  # rank 0's post has returned: the server has copied every blob's tensors
+        dist.barrier(group)  # the leader's post has returned: the server has copied every blob's tensors
 
 
 def collapse_image_pads(ids, pad):
@@ -128,7 +130,8 @@ class SGLangEngine(Engine):
     concurrent = True  # rollout.py sends each episode's turn on its own: the server batches continuously
 
     def __init__(self, hf_dir, run_dir, server_args=(), timeout=900.0, launch_cmd=None, max_restarts=3,
-                 request_timeout=3600.0, env=None, config_dir=None, weight_sync="disk", routed_experts=False):
+                 request_timeout=3600.0, env=None, config_dir=None, weight_sync="disk", routed_experts=False,
+                 host="127.0.0.1", api_key=None, name=""):
         # hf_dir: the weights the server starts from; config_dir (default hf_dir): where synced folders'
         # config and tokenizer files come from (a resumed run's checkpoint may be pruned by --save-keep)
         self.hf_dir = str(config_dir or hf_dir)
@@ -158,23 +161,35 @@ class SGLangEngine(Engine):
         # met before encoded by old weights. Size 0 refuses every entry. The user's own setting wins.
         env.setdefault("SGLANG_VLM_CACHE_SIZE_MB", os.environ.get("SGLANG_VLM_CACHE_SIZE_MB", "0"))
         self.server = Server(hf_dir, run_dir, server_args, env, launch_cmd, timeout, request_timeout,
-                             max_restarts, on_restart=self._restarted)
+                             max_restarts, on_restart=self._restarted, host=host, api_key=api_key, name=name)
+        self.front = self.server  # where generate goes: this server, or the router in front of every node's
+
+    def attach_router(self, workers, args=(), launch_cmd=None):
+        """Generate through SGLang's router in front of `workers` (every node's server URL, this one's
+        included); weight updates, release and resume stay with this node's own server."""
+        if self.route_shape:  # sglang-router 0.3.2 forwards only the fields of its own schema
+            raise SystemExit("--use-rollout-routing-replay with a server per node: SGLang's router drops "
+                             "return_routed_experts from the requests it forwards; run one node's server")
+        self.front = Router(workers, self.server.run_dir, self.server.timeout, self.server.request_timeout,
+                            api_key=self.server.api_key, launch_cmd=launch_cmd, args=args)
 
     def _restarted(self):
         # it holds its launch weights: stale unless synced from disk; its process group is gone
         self.stale, self.group = self.weight_sync != "disk", None
 
     def shutdown(self):
+        if self.front is not self.server:
+            self.front.stop()
         self.server.stop()
 
     def generate(self, batch, sampling):
         if len(batch) == 1:  # an episode's own thread (rollout._Pipeline): no hop through the pool
             return [self._generate_one(batch[0], sampling)]
-        return list(self.server.pool.map(lambda item: self._generate_one(item, sampling), batch))
+        return list(self.front.pool.map(lambda item: self._generate_one(item, sampling), batch))
 
     def _generate_one(self, item, sp):
         try:
-            r = self.server.call("/generate", self.generate_payload(item, sp))
+            r = self.front.call("/generate", self.generate_payload(item, sp))
         except ServerError as e:  # e.g. an image the server refuses: this sample fails, not the run
             return {"ids": [], "logprobs": [], "finish": "abort", "error": str(e)}
         meta = r["meta_info"]
@@ -284,9 +299,10 @@ def flush_cache(server):
 def sync_disk(server, buckets, config_dir):
     # Two folders in turn: the one the server runs (and a restart would load) is never the one
     # being rewritten, so a refused or interrupted sync leaves the last good weights loadable.
-    out = server.run_dir / "weights" / "a"
+    folder = server.run_dir / "weights" / server.name  # a node's own: the run folder may be shared
+    out = folder / "a"
     if server.model_path == str(out):
-        out = server.run_dir / "weights" / "b"
+        out = folder / "b"
     n = convert.write_hf(buckets, out, config_dir)
     weight_update(server, "/update_weights_from_disk", {"model_path": str(out)})
     server.model_path = str(out)  # a restarted server comes back with these weights
@@ -389,13 +405,17 @@ def sglang_placement(args, cuda, n_gpus, local_world, visible=None):
     return flags, {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
 
 
-def make_engine(args, hf_dir, run_dir):
-    """The engine --rollout-engine names; auto = SGLang if importable and CUDA is present."""
+def engine_kind(args):
+    """--rollout-engine: local or sglang; auto = SGLang if importable and CUDA is present."""
+    if args.rollout_engine != "auto":
+        return args.rollout_engine
+    return "sglang" if importlib.util.find_spec("sglang") and torch.cuda.is_available() else "local"
+
+
+def make_engine(args, hf_dir, run_dir, **where):
+    """The engine --rollout-engine names. where: the server's host, api_key and name (cluster.py)."""
     cuda = torch.cuda.is_available()
-    kind = args.rollout_engine
-    if kind == "auto":
-        kind = "sglang" if importlib.util.find_spec("sglang") and cuda else "local"
-    if kind == "local":
+    if engine_kind(args) == "local":
         if args.sglang_args:
             raise SystemExit(f"{' '.join(args.sglang_args)}: SGLang flags, but the rollout engine is local "
                              "(--rollout-engine sglang to use them)")
@@ -408,4 +428,5 @@ def make_engine(args, hf_dir, run_dir):
     if sync == "auto":  # on CPU (the test harness): the disk, which any layout can use
         sync = "tensor" if cuda and args.colocate else "distributed" if cuda and args.rollout_num_gpus else "disk"
     return SGLangEngine(hf_dir, run_dir, server_args=flags, timeout=args.sglang_server_timeout, env=env,
-                        config_dir=args.hf_checkpoint, weight_sync=sync, routed_experts=args.use_rollout_routing_replay)
+                        config_dir=args.hf_checkpoint, weight_sync=sync, routed_experts=args.use_rollout_routing_replay,
+                        launch_cmd=shlex.split(args.sglang_launch_cmd) if args.sglang_launch_cmd else None, **where)

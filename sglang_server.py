@@ -1,8 +1,13 @@
-"""The SGLang server process (rank 0 only): `python -m sglang.launch_server` on a free port, leading
-its own process group, logging to <run_dir>/sglang.log, started through `python proc.py <our pid>
+"""The SGLang server process (a node's local rank 0; one per node: cluster.py): `python -m
+sglang.launch_server` on a free port of `host` (127.0.0.1 unless other nodes must reach it), leading
+its own process group, logging to <run_dir>/sglang[_<name>].log, started through `python proc.py <our pid>
 cmd...`, which arms PR_SET_PDEATHSIG (create it in the main thread: the signal follows the thread that
 started it); stop(), atexit and SIGINT/SIGTERM end the group (proc.kill_group). Server.call POSTs to
 it; a request that finds it dead restarts it and retries, an HTTP error is the caller's (ServerError).
+With an api_key the server gets `--api-key` and every request its "Authorization: Bearer" header
+(SGLang's utils/auth.py:74-151: every path but /health*, /ready*, /metrics* refuses a request without
+it); the key never reaches a log: the logged command shows "***". Router: SGLang's load balancer
+(sglang-router), the same process handling in front of several servers.
 """
 import atexit
 import http.client
@@ -47,9 +52,9 @@ class ServerError(RuntimeError):
         return str(obj["message"]) if isinstance(obj, dict) and obj.get("message") else self.body
 
 
-def free_port():
+def free_port(host="127.0.0.1"):
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -83,11 +88,13 @@ class Server:
     most max_restarts times, from model_path, with the same args and env) and calls on_restart()."""
 
     def __init__(self, model_path, run_dir, args, env, launch_cmd, timeout, request_timeout, max_restarts,
-                 on_restart):
+                 on_restart, host="127.0.0.1", api_key=None, name=""):
         self.model_path = str(model_path)  # what a restart loads: a "disk" weight sync moves it
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = self.run_dir / "sglang.log"
+        self.name = name  # "" for the job's one server, else e.g. "node01": its log and weight folders
+        self.log_path = self.run_dir / (f"sglang_{name}.log" if name else "sglang.log")
+        self.host, self.api_key = host, api_key
         self.args, self.env = list(args), dict(env)  # env: added to our environment for the server
         self.launch_cmd = list(launch_cmd or [sys.executable, "-m", "sglang.launch_server"])
         self.timeout, self.request_timeout, self.on_restart = timeout, request_timeout, on_restart
@@ -103,17 +110,23 @@ class Server:
             self.stop()
             raise
 
+    def command(self):
+        """The server's command line (without the API key)."""
+        return [*self.launch_cmd, "--model-path", self.model_path, "--host", self.host, "--port", str(self.port),
+                *self.args]
+
     def _start(self):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [*self.launch_cmd, "--model-path", self.model_path, "--host", "127.0.0.1",
-               "--port", str(self.port), *self.args]
+        self.port = free_port(self.host)
+        self.url = f"http://{self.host}:{self.port}"
+        cmd = self.command()
         if sys.platform == "linux":
             cmd = [sys.executable, _LAUNCHER, str(os.getpid()), *cmd]
+        shown = " ".join(cmd) + (" --api-key ***" if self.api_key else "")
+        cmd += ["--api-key", self.api_key] if self.api_key else []
         env = dict(os.environ, **{k: str(v) for k, v in self.env.items()}) if self.env else None
         with open(self.log_path, "ab") as log:
             extra = " ".join(f"{k}={v}" for k, v in self.env.items())
-            log.write(f"\n=== {time.strftime('%H:%M:%S')} starting: {extra} {' '.join(cmd)}\n".encode())
+            log.write(f"\n=== {time.strftime('%H:%M:%S')} starting: {extra} {shown}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
@@ -170,8 +183,10 @@ class Server:
         _LIVE.discard(self)
 
     def post(self, path, payload, timeout=None):
-        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(), headers=headers, method="POST")
         try:
             with urllib.request.urlopen(req, timeout=timeout or self.request_timeout) as r:
                 body = r.read().decode()
@@ -193,3 +208,22 @@ class Server:
             except ServerDown as e:
                 self._recover(epoch, e)
         raise RuntimeError(f"SGLang {path}: no answer after {self.max_restarts + 2} tries")
+
+
+class Router(Server):
+    """SGLang's load balancer (`python -m sglang_router.launch_router`, sglang-router 0.3.2) on
+    127.0.0.1 in front of `workers` (server URLs), --policy cache_aware: a request goes to the server
+    whose radix cache holds the longest prefix of it, so a multi-turn sample's later turns find their
+    earlier ones. With api_key it passes the key to the servers and asks it of us (both measured:
+    tests/test_cluster.py). It drops request fields its schema lacks (return_routed_experts among them)."""
+
+    def __init__(self, workers, run_dir, timeout, request_timeout, api_key=None, launch_cmd=None, args=()):
+        self.workers = list(workers)
+        super().__init__("", run_dir, args, {}, launch_cmd or [sys.executable, "-m", "sglang_router.launch_router"],
+                         timeout, request_timeout, max_restarts=3, on_restart=lambda: None, api_key=api_key,
+                         name="router")
+
+    def command(self):
+        policy = [] if "--policy" in self.args else ["--policy", "cache_aware"]
+        return [*self.launch_cmd, "--host", self.host, "--port", str(self.port), "--worker-urls", *self.workers,
+                *policy, *self.args]

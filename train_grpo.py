@@ -28,6 +28,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoProcessor
 
+import cluster
 import convert
 import flags as F
 import model as M
@@ -72,7 +73,7 @@ def build_parser():
            "memory (offload.py), and a colocated server gets --mem-fraction-static 0.7; default: on with "
            "--colocate on CUDA")
     a("--rollout-num-gpus", type=F.COUNT, default=0,
-      help="SGLang on N GPUs of its own on rank 0's node, after the training GPUs (disaggregated)")
+      help="SGLang on N GPUs of its own on each node, after the node's training GPUs (disaggregated)")
     a("--weight-sync", default="auto", choices=["auto", "tensor", "distributed", "disk"],
       help="how new weights reach SGLang: tensor (CUDA IPC, colocated), distributed (an NCCL group, "
            "--rollout-num-gpus), disk (safetensors + /update_weights_from_disk); auto picks by placement")
@@ -317,22 +318,26 @@ def sync_weights(model, engine, par, plan=(1, None)):
     the engine's sync_plan(), on every rank: a colocated server of TP > 1 gets its TP rank i's copy
     from trainer rank i's GPU."""
     buckets = convert.export_hf(model)
-    if plan[0] > 1:
-        buckets = sglang_engine.serialize_on_ranks(buckets, par.rank, *plan)
-    if par.rank == 0:
-        engine.update_weights(buckets)
-    else:
+    if plan[0] > 1:  # each node's server from its own ranks (cluster.py)
+        buckets = sglang_engine.serialize_on_ranks(buckets, cluster.local_rank(), *plan, *cluster.node_group(par))
+
+    def update(e):
+        try:
+            e.update_weights(buckets)
+        finally:
+            for _ in buckets:  # a failed update still takes part in the export's collectives to the end
+                pass
+    if engine is None:
         for _ in buckets:
             pass
+    cluster.on_leaders(par, engine, update, "the weight update")  # every server holds the new weights
 
 
 def step_aside(par, engine, off):
     """Colocated: the server frees the GPUs before any rank trains (ranks other than 0 would
     otherwise start their forwards, --recompute-logprobs first, while SGLang still holds them); then
     the trainer's state comes back from host memory (--offload-train)."""
-    if par.rank == 0:
-        engine.release()
-    torch.distributed.barrier()
+    cluster.on_leaders(par, engine, lambda e: e.release(), "the server's release")
     if off is not None:
         off.restore()
 
@@ -352,8 +357,8 @@ def step_back(par, engine, off):
         held["gpu_held_at_resume_gib"] = torch.cuda.memory_reserved() / 2**30
         torch.cuda.reset_peak_memory_stats()
     torch.distributed.barrier()
-    if par.rank == 0:
-        engine.resume(["weights"] if off is not None else sglang_engine.MEMORY_TAGS)
+    cluster.on_leaders(par, engine, lambda e: e.resume(["weights"] if off is not None else sglang_engine.MEMORY_TAGS),
+                       "the server's resume")
     return held
 
 
@@ -366,8 +371,7 @@ def to_rollout(par, engine, off, args):
     off.release()
     if args.colocate:
         torch.distributed.barrier()
-        if par.rank == 0:
-            engine.resume()
+        cluster.on_leaders(par, engine, lambda e: e.resume(), "the server's resume")
 
 
 def grpo_step(step, par, run, engine, plan, processor, records, model, ref, opt, sched, args, updates, off=None):
@@ -422,12 +426,12 @@ def main(argv=None):
             print(f"[offload] --offload-train: {off.host_bytes() / 2**30:.2f} GiB of host memory per rank for the "
                   "trainer's parameters, more once the optimizer states exist (metric offload_host_gib)", flush=True)
     records = eval_records = engine = None
-    if par.rank == 0:  # rank 0 owns the data, the engine and the rewards
+    if par.rank == 0:  # rank 0 owns the data and the rewards; each node's leader its server (cluster.py)
         reward.get_reward_fn(args.rm_type)  # its one-off warm-up here, not in the first rollout
         fit = dict(measure=lambda r: prompt_tokens(processor, r, args),
                    limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len} with room for a response"))
         records, eval_records = T.load_data(args, **fit), T.load_data(args, evaluation=True, **fit)
-        engine = sglang_engine.make_engine(args, str(ckpt or args.hf_checkpoint), str(run.save))
+    engine = cluster.start(args, par, str(ckpt or args.hf_checkpoint), str(run.save))  # rank 0's, each node's
     plan = [engine.sync_plan() if engine is not None else None, bool(eval_records)]
     if par.world > 1:  # every rank takes part in a sync that serialises on several ranks, and in to_rollout
         torch.distributed.broadcast_object_list(plan, src=0)

@@ -395,6 +395,9 @@ def test_colocated_engine_steps_aside_for_every_rank(monkeypatch, offload):
     off = types.SimpleNamespace(restore=lambda: events.append("restore"),
                                 release=lambda kinds=("params", "grads", "optimizer"): events.append(f"park {','.join(kinds)}"))
     monkeypatch.setattr(G.torch.distributed, "barrier", lambda *a, **k: events.append("barrier"))
+    # cluster.on_leaders: the release or resume on the engine's rank, then every rank learns how it went
+    monkeypatch.setattr(G.cluster.dist, "all_gather_object",
+                        lambda out, obj: (events.append("barrier"), out.__setitem__(slice(None), [obj] * len(out))))
     monkeypatch.setattr(G.torch.cuda, "is_available", lambda: True)
     held = [40 * 2**30]  # the caching allocator's peak, until empty_cache hands it back
     monkeypatch.setattr(G.torch.cuda, "empty_cache", lambda: (events.append("empty_cache"), held.__setitem__(0, 2**30)))
@@ -404,16 +407,17 @@ def test_colocated_engine_steps_aside_for_every_rank(monkeypatch, offload):
     args = types.SimpleNamespace(colocate=True)
     if offload:
         want0 = ["release", "barrier", "restore", "park optimizer,grads", "empty_cache", "barrier", "resume weights",
-                 "park params,grads,optimizer", "barrier", "resume weights,kv_cache,cuda_graph"]
+                 "barrier", "park params,grads,optimizer", "barrier", "resume weights,kv_cache,cuda_graph", "barrier"]
     else:
-        want0 = ["release", "barrier", "empty_cache", "barrier", "resume weights,kv_cache,cuda_graph"]
+        want0 = ["release", "barrier", "empty_cache", "barrier", "resume weights,kv_cache,cuda_graph", "barrier"]
     for rank, want in ((0, want0), (1, [e for e in want0 if not e.startswith(("release", "resume"))])):
         events.clear()
-        par = types.SimpleNamespace(rank=rank)
-        G.step_aside(par, engine, off if offload else None)
-        assert G.step_back(par, engine, off if offload else None) == {"gpu_train_peak_gib": 40.0,
-                                                                      "gpu_held_at_resume_gib": 1.0}
-        G.to_rollout(par, engine, off if offload else None, args)
+        par = types.SimpleNamespace(rank=rank, world=2)
+        mine = engine if rank == 0 else None  # the engine's rank (cluster.py: each node's leader)
+        G.step_aside(par, mine, off if offload else None)
+        assert G.step_back(par, mine, off if offload else None) == {"gpu_train_peak_gib": 40.0,
+                                                                    "gpu_held_at_resume_gib": 1.0}
+        G.to_rollout(par, mine, off if offload else None, args)
         assert events == want, (rank, events)
 
 

@@ -359,7 +359,7 @@ if rank == 0:  # the server's TP is 2: one blob a server TP rank
                        run_dir + "/dump", "--tp-size", "2"], launch_cmd=[sys.executable, fake], weight_sync="tensor")
 plan = [eng.sync_plan() if eng else None]
 torch.distributed.broadcast_object_list(plan)
-G.sync_weights(m, eng, types.SimpleNamespace(rank=rank), plan[0])
+G.sync_weights(m, eng, types.SimpleNamespace(rank=rank, world=2), plan[0])
 if eng:
     eng.shutdown()
 """

@@ -30,6 +30,7 @@ import engines
 import rollout
 from conftest import rollout_args
 from sglang_engine import SGLangEngine
+from sglang_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = Path(os.environ.get("SGLANG_CPU_DIR", "/tmp/sglang-cpu"))
@@ -389,3 +390,36 @@ def trainer_two_steps(harness_env, ckpt, tmp_path, turns):
     assert [m["step"] for m in steps] == [1, 2]
     assert all(m["failed_frac"] == 0 for m in steps), steps
     assert "sglang.launch_server" in (tmp_path / "run" / "sglang.log").read_text()  # the real server ran
+
+
+def test_trainer_two_nodes_two_real_servers_behind_the_real_router(harness_env, ckpt, tmp_path):
+    """Two nodes simulated here (`torchrun --nnodes 2` on 127.0.0.1, one process each): a real CPU server
+    per node behind SGLang's real router, per-run API key, lr 1e-3 so that a server left with old
+    weights would show in the trainer-vs-rollout logprob gap; both servers serve every step."""
+    flags = []
+    for a in FLAGS:
+        flags.append("--sglang-" + a[2:] if a.startswith("--") else a)
+    save, port = tmp_path / "run", free_port()
+    args = ["--hf-checkpoint", str(ckpt), "--prompt-data", str(geo3k_parquet()), "--rollout-engine", "sglang",
+            "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "16",
+            "--num-rollout", "3", "--lr", "1e-3", "--max-tokens-per-gpu", "4096", "--save", str(save),
+            "--sglang-router-args", "--balance-abs-threshold 0 --balance-rel-threshold 1.0", *flags]
+    env = dict(os.environ, **harness_env, OMP_NUM_THREADS="1")
+    t = time.time()
+    procs = [subprocess.Popen([str(PY), "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
+                               "--nproc_per_node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               "train_grpo.py", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=2400)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    steps = [m for m in map(json.loads, (save / "metrics.jsonl").read_text().splitlines()) if "reward" in m]
+    for m in steps:
+        print(f"\n[sglang_real] two nodes step {m['step']}: failed_frac={m['failed_frac']} "
+              f"logprob_diff_mean={m['logprob_diff_mean']:.2e} logprob_diff_max={m['logprob_diff_max']:.2e}")
+    print(f"[sglang_real] two nodes, two real servers: {len(steps)} steps in {time.time() - t:.0f}s")
+    assert [m["step"] for m in steps] == [1, 2, 3] and all(m["failed_frac"] == 0 for m in steps), steps
+    assert all(m["logprob_diff_mean"] < 1e-3 for m in steps), steps  # fp32 servers: the single-server level
+    for node in ("node00", "node01"):
+        log = (save / f"sglang_{node}.log").read_text()
+        assert "sglang.launch_server" in log and "--api-key ***" in log
+        assert len(re.findall(r'POST /generate HTTP', log)) > 0, node  # this server served

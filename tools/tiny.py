@@ -124,6 +124,7 @@ def qwen3_5_config(arch, text, vision, tie, head_dim, section, linear_key_heads=
     Token ids are the tiny Qwen tokenizer's (the real 248k vocabulary is not needed to test the maths)."""
     n = text["num_hidden_layers"]
     text.update(head_dim=head_dim, layer_types=["full_attention" if i % 2 else "linear_attention" for i in range(n)],
+                full_attention_interval=2,  # the released configs say it too, and SGLang's model reads it
                 linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
                 linear_num_key_heads=linear_key_heads, linear_num_value_heads=2 * linear_key_heads,
                 rope_parameters=dict(

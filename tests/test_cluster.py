@@ -1,0 +1,122 @@
+"""cluster.py: a server per node behind SGLang's real router (sglang-router's own binary), here with
+fake servers (tests/fake_sglang.py): the router spreads requests and passes the per-run API key, a
+server refuses a request without it, the key is in no file; two nodes simulated on this machine
+(`torchrun --nnodes 2`, one process each) train with every server updated before each rollout."""
+import json
+import os
+import re
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import rollout
+from conftest import ROOT, rollout_args
+from sglang_engine import SGLangEngine
+from sglang_server import free_port
+
+FAKE = str(Path(__file__).with_name("fake_sglang.py"))
+pytest.importorskip("sglang_router", reason="sglang-router (requirements.txt) runs SGLang's router")
+
+
+def refused(url, key=None):
+    """The HTTP status of a /generate to `url` (with `key` as the bearer token, if any)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        urllib.request.urlopen(urllib.request.Request(url + "/generate", data=b"{}", headers=headers, method="POST"))
+    except urllib.error.HTTPError as e:
+        return e.code
+    return 200
+
+
+def test_router_spreads_requests_and_every_server_wants_the_key(ckpt, processor, records, tmp_path):
+    rec, key = tmp_path / "requests.jsonl", "k3y-" + os.urandom(8).hex()
+    kw = dict(server_args=["--fake-record", str(rec)], launch_cmd=[sys.executable, FAKE], timeout=30, api_key=key)
+    a = SGLangEngine(ckpt, tmp_path, name="node00", **kw)
+    b = SGLangEngine(ckpt, tmp_path, name="node01", **kw)
+    try:
+        a.attach_router([a.server.url, b.server.url])
+        samples = rollout.run_episodes(a, processor, records, rollout_args(n_samples_per_prompt=2))
+        assert all(s.status == "completed" for s in samples), [s.fail_reason for s in samples]
+        served = {json.loads(line)["pid"] for line in rec.read_text().splitlines() if '"/generate"' in line}
+        assert len(served) == 2  # both servers answered the router
+        for url in (a.server.url, b.server.url, a.front.url):  # no key, a wrong key: 401
+            assert refused(url) == 401 and refused(url, "wrong") == 401
+    finally:
+        a.shutdown()
+        b.shutdown()
+    logs = sorted(p.name for p in tmp_path.glob("*.log"))
+    assert logs == ["sglang_node00.log", "sglang_node01.log", "sglang_router.log"]
+    assert "--api-key ***" in (tmp_path / "sglang_node00.log").read_text()
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and key in p.read_text(errors="replace")]
+
+
+def test_two_nodes_train_with_a_server_each(tiny_ckpt, tmp_path):
+    """Two torchrun launches (--nnodes 2 on 127.0.0.1, one process a node): each node's rank starts
+    its own server, rank 0 the router; two GRPO steps; both servers serve, each gets every step's
+    weights in a folder of its own, and before any rollout of the next step."""
+    from tools import synth
+    synth.write_synth(tmp_path / "d", 16, n_test=0, seed=0, kinds=("sides",))
+    save, rec, port = tmp_path / "run", tmp_path / "requests.jsonl", free_port()
+    args = ["--hf-checkpoint", str(tiny_ckpt("qwen3_vl")), "--prompt-data", str(tmp_path / "d"), "--save", str(save),
+            "--rollout-engine", "sglang", "--sglang-launch-cmd", f"{sys.executable} {FAKE}", "--sglang-fake-record",
+            str(rec), "--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+            "--rollout-max-response-len", "12", "--max-tokens-per-gpu", "512", "--entropy-coef", "0.01",
+            # 8 requests a step: cache_aware balances only past a load gap of 64 (its default); here at any gap
+            "--sglang-router-args", "--balance-abs-threshold 0 --balance-rel-threshold 1.0"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
+                               "--nproc_per_node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               str(ROOT / "train_grpo.py"), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert "2 SGLang servers behind SGLang's router" in outs[0]
+    steps = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1, 2] and all(m["failed_frac"] == 0 for m in steps), steps
+    calls = [json.loads(line) for line in rec.read_text().splitlines()]
+    gens = [c["pid"] for c in calls if c["path"] == "/generate"]
+    updates = [(i, c["pid"], c["json"]["model_path"]) for i, c in enumerate(calls)
+               if c["path"] == "/update_weights_from_disk"]
+    assert len(set(gens)) == 2 and len(updates) == 4 and len({pid for _, pid, _ in updates}) == 2
+    assert {Path(p).parent.name for _, _, p in updates} == {"node00", "node01"}  # a folder a node
+    first_of_step2 = next(i for i, c in enumerate(calls) if c["path"] == "/generate" and i > updates[0][0])
+    assert all(i < first_of_step2 for i, _, _ in updates[:2])  # both servers updated before step 2 generates
+    for log in ("sglang_node00.log", "sglang_node01.log", "sglang_router.log"):
+        text = (save / log).read_text()
+        assert "--api-key ***" in text and not re.search(r"--api-key (?!\*\*\*)", text), log
+    assert "--host 127.0.0.1" in (save / "sglang_node01.log").read_text()  # the node's route to MASTER_ADDR
+
+
+FAILING = """
+import sys, types
+sys.path.insert(0, sys.argv[1])
+import torch.distributed as dist, cluster
+dist.init_process_group("gloo")
+par = types.SimpleNamespace(rank=dist.get_rank(), world=dist.get_world_size())
+engine = types.SimpleNamespace(server=types.SimpleNamespace(url=f"http://10.0.0.{par.rank}:30000"))
+def update(e):
+    if par.rank == 1:
+        raise RuntimeError("SGLang /update_weights_from_disk failed (HTTP 400): out of disk")
+    return "done"
+try:
+    cluster.on_leaders(par, engine, update, "the weight update")
+except SystemExit as e:
+    print(f"rank {par.rank}: {e}", flush=True)
+"""
+
+
+def test_a_node_whose_update_fails_stops_the_step_on_every_rank(tmp_path):
+    script, port = tmp_path / "failing.py", free_port()
+    script.write_text(FAILING)
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
+                               "--nproc_per_node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               str(script), str(ROOT)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in (0, 1)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for r, out in enumerate(outs):
+        assert (f"rank {r}: [cluster] the weight update on node 1 (http://10.0.0.1:30000): RuntimeError: "
+                "SGLang /update_weights_from_disk failed (HTTP 400): out of disk") in out, out[-2000:]
