@@ -8,6 +8,9 @@ bind to the node's address (the one its route to MASTER_ADDR leaves from) and ta
 (secrets.token_urlsafe, handed to the ranks over the job's own process group, never written out; it is
 on the server's and the router's command line, which other users of the node can read in /proc).
 
+A server that dies is restarted by its node: at once where it comes back with the current weights
+(disk sync: the last synced folder), else at the next weight update, which it then receives whole;
+meanwhile the router sends elsewhere and retries what it held (what still fails is a failed sample).
 Each leader releases, resumes and updates its own server from its own ranks (every rank holds the full
 exported tensors; "tensor" sync into a server of TP > 1 gathers within the node). `on_leaders` runs
 such a step on every leader and returns only when all have reported: a failure on any node stops the
@@ -83,13 +86,19 @@ def start(args, par, hf_dir, run_dir):
     release and resume; None elsewhere."""
     if sglang_engine.engine_kind(args) != "sglang" or nodes(par.world) == 1:
         return sglang_engine.make_engine(args, hf_dir, run_dir) if par.rank == 0 else None
+    if args.use_rollout_routing_replay:  # every rank alike, before any server starts
+        raise SystemExit("--use-rollout-routing-replay with several nodes: SGLang's router (sglang-router 0.3.2) "
+                         "drops return_routed_experts from the requests it forwards; train R3 on one node")
     key = [secrets.token_urlsafe(24) if par.rank == 0 else None]
     dist.broadcast_object_list(key, src=0)
     node = node_rank(par)
 
     def serve(_):
-        return sglang_engine.make_engine(args, hf_dir, run_dir, host=node_address(), api_key=key[0],
-                                         name=f"node{node:02d}")
+        e = sglang_engine.make_engine(args, hf_dir, run_dir, host=node_address(), api_key=key[0],
+                                      name=f"node{node:02d}")
+        if e.weight_sync == "disk":  # it comes back with the last synced weights: restart it at once
+            e.server.watch()
+        return e
     engine = on_leaders(par, True if local_rank() == 0 else None, serve, "starting the SGLang server")
     urls = [None] * par.world
     dist.all_gather_object(urls, engine.server.url if engine is not None else None)

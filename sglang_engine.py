@@ -167,9 +167,6 @@ class SGLangEngine(Engine):
     def attach_router(self, workers, args=(), launch_cmd=None):
         """Generate through SGLang's router in front of `workers` (every node's server URL, this one's
         included); weight updates, release and resume stay with this node's own server."""
-        if self.route_shape:  # sglang-router 0.3.2 forwards only the fields of its own schema
-            raise SystemExit("--use-rollout-routing-replay with a server per node: SGLang's router drops "
-                             "return_routed_experts from the requests it forwards; run one node's server")
         self.front = Router(workers, self.server.run_dir, self.server.timeout, self.server.request_timeout,
                             api_key=self.server.api_key, launch_cmd=launch_cmd, args=args)
 

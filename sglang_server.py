@@ -58,6 +58,16 @@ def free_port(host="127.0.0.1"):
         return s.getsockname()[1]
 
 
+def port_free(host, port):
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT does not count
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
 def _stop_all():
     for server in list(_LIVE):
         server.stop()
@@ -116,7 +126,8 @@ class Server:
                 *self.args]
 
     def _start(self):
-        self.port = free_port(self.host)
+        # a restart keeps the port where it is still free: a router in front knows the server by its URL
+        self.port = self.port if getattr(self, "port", None) and port_free(self.host, self.port) else free_port(self.host)
         self.url = f"http://{self.host}:{self.port}"
         cmd = self.command()
         if sys.platform == "linux":
@@ -175,6 +186,21 @@ class Server:
             self.epoch += 1
             self.on_restart()
 
+    def watch(self, every=2.0):
+        """Restart the server as soon as it dies, not at the next request (a daemon thread): for a server
+        that only a router calls between weight updates, and that comes back with the weights it had."""
+        def loop():
+            while self.proc is not None:
+                time.sleep(every)
+                p, epoch = self.proc, self.epoch
+                if p is not None and p.poll() is not None:
+                    try:
+                        self._recover(epoch, f"exited with code {p.returncode}")
+                    except RuntimeError as e:  # out of restarts: the next call raises it for the step
+                        print(f"[sglang] {e}", file=sys.stderr, flush=True)
+                        return
+        threading.Thread(target=loop, daemon=True, name=f"sglang-watch-{self.name}").start()
+
     def stop(self):
         server, self.proc = self.proc, None
         if server is not None:
@@ -223,7 +249,18 @@ class Router(Server):
                          timeout, request_timeout, max_restarts=3, on_restart=lambda: None, api_key=api_key,
                          name="router")
 
+    def _healthy(self, timeout):
+        """Every worker registered and healthy (its /readiness: {"healthy_workers": n, ...}): its /health
+        answers 200 while it still registers them in the background, and a request then gets 503."""
+        try:
+            with urllib.request.urlopen(self.url + "/readiness", timeout=timeout) as r:
+                return json.loads(r.read()).get("healthy_workers", 0) >= len(self.workers)
+        except (OSError, http.client.HTTPException, ValueError):
+            return False
+
     def command(self):
-        policy = [] if "--policy" in self.args else ["--policy", "cache_aware"]
+        own = [] if "--policy" in self.args else ["--policy", "cache_aware"]
+        if "--prometheus-port" not in self.args:  # its metrics port is fixed (29000): two routers on a machine clash
+            own += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         return [*self.launch_cmd, "--host", self.host, "--port", str(self.port), "--worker-urls", *self.workers,
-                *policy, *self.args]
+                *own, *self.args]

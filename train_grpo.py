@@ -259,6 +259,10 @@ def rollout_step(step, par, engine, processor, records, args, updates=1):
         good = [s for s in samples if s.status not in ("failed", "aborted") and any(s.loss_mask)]
         adv = advantages([s.reward for s in good], [s.group for s in good], args.advantage_estimator)
         metrics["tokens"] = sum(len(s.tokens) for s in good)
+        failed = sorted({s.fail_reason for s in samples if s.status == "failed"})
+        if failed and good:  # counted in failed_frac; say why, once a step
+            print(f"[grpo] step {step + 1}: {sum(s.status == 'failed' for s in samples)} of {len(samples)} samples "
+                  f"failed: {'; '.join(r[:200] for r in failed[:3])}", flush=True)
         if not good:
             reasons = sorted({s.fail_reason or s.status for s in samples if s.status != "completed"})
             print(f"[grpo] step {step + 1}: no trainable sample among {len(samples)} "

@@ -177,6 +177,9 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         if self._refused():
             return
+        if self.path in ("/server_info", "/get_server_info", "/model_info", "/get_model_info"):
+            time.sleep(self.server.state["info_delay"])  # what sglang-router asks before it registers a server
+            return self._reply(404, {"error": f"no route {self.path}"})
         if self.path in ("/health", "/health_generate"):
             return self._reply(200, "")
         if self.path == "/flush_cache":
@@ -325,6 +328,7 @@ def main():
     p.add_argument("--fake-children", type=int, default=0,
                    help="idle child processes to start, as SGLang's scheduler/detokenizer")
     p.add_argument("--api-key", default=None, help="as stock's: requests without it get HTTP 401")
+    p.add_argument("--fake-info-delay", type=float, default=0.0, help="seconds before answering /get_server_info")
     a, passthrough = p.parse_known_args()
     print(f"fake sglang pid={os.getpid()} pgid={os.getpgid(0)} passthrough={json.dumps(passthrough)}", flush=True)
     if a.fake_startup < 0:  # a server that never comes up
@@ -340,7 +344,7 @@ def main():
     server.state = {"lock": threading.Lock(), "record": a.fake_record, "delay": a.fake_delay,
                     "digest": weights_digest(a.model_path), "model_path": a.model_path,
                     "image_pad": config.get("image_token_id"), "image_processor": None, "dump": a.fake_dump,
-                    "api_key": a.api_key}
+                    "api_key": a.api_key, "info_delay": a.fake_info_delay}
     tc = config.get("text_config") or config  # R3: a dense checkpoint's routes are made up (2 of 8 experts)
     server.state["routes"] = ((tc["num_hidden_layers"], tc.get("num_experts_per_tok", 2), tc.get("num_experts", 8))
                               if "--enable-return-routed-experts" in passthrough else None)

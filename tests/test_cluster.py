@@ -34,11 +34,16 @@ def refused(url, key=None):
 
 def test_router_spreads_requests_and_every_server_wants_the_key(ckpt, processor, records, tmp_path):
     rec, key = tmp_path / "requests.jsonl", "k3y-" + os.urandom(8).hex()
-    kw = dict(server_args=["--fake-record", str(rec)], launch_cmd=[sys.executable, FAKE], timeout=30, api_key=key)
+    # slow to describe itself, as a real server on busy cores: the router registers it seconds after its /health
+    kw = dict(server_args=["--fake-record", str(rec), "--fake-info-delay", "2"], launch_cmd=[sys.executable, FAKE],
+              timeout=30, api_key=key)
     a = SGLangEngine(ckpt, tmp_path, name="node00", **kw)
     b = SGLangEngine(ckpt, tmp_path, name="node01", **kw)
     try:
         a.attach_router([a.server.url, b.server.url])
+        # ready only once both servers are registered (its /health says 200 before: requests then get 503)
+        with urllib.request.urlopen(a.front.url + "/readiness", timeout=5) as r:
+            assert json.loads(r.read())["healthy_workers"] == 2
         samples = rollout.run_episodes(a, processor, records, rollout_args(n_samples_per_prompt=2))
         assert all(s.status == "completed" for s in samples), [s.fail_reason for s in samples]
         served = {json.loads(line)["pid"] for line in rec.read_text().splitlines() if '"/generate"' in line}
@@ -120,3 +125,46 @@ def test_a_node_whose_update_fails_stops_the_step_on_every_rank(tmp_path):
     for r, out in enumerate(outs):
         assert (f"rank {r}: [cluster] the weight update on node 1 (http://10.0.0.1:30000): RuntimeError: "
                 "SGLang /update_weights_from_disk failed (HTTP 400): out of disk") in out, out[-2000:]
+
+
+def test_a_server_killed_mid_rollout_is_restarted_and_no_sample_is_lost(ckpt, processor, records, tmp_path):
+    """Disk sync: a node's server killed while requests are in flight comes back at once (Server.watch)
+    with the weights it had; the router retries what it held elsewhere, so every sample is accounted
+    for (completed, or failed with its reason), and the restarted server serves the next rollout."""
+    import signal
+    import threading
+    import time
+    rec = tmp_path / "requests.jsonl"
+    kw = dict(server_args=["--fake-record", str(rec), "--fake-delay", "1.0"], launch_cmd=[sys.executable, FAKE],
+              timeout=30, api_key="k")
+    a = SGLangEngine(ckpt, tmp_path, name="node00", **kw)
+    b = SGLangEngine(ckpt, tmp_path, name="node01", **kw)
+    try:
+        b.server.watch(every=0.2)
+        # the router's health check and circuit breaker every second (defaults: 60 s), as a test can wait
+        a.attach_router([a.server.url, b.server.url], ["--balance-abs-threshold", "0", "--balance-rel-threshold", "1.0",
+                                                       "--health-check-interval-secs", "1", "--cb-timeout-duration-secs", "1"])
+        killed, url = b.server.proc.pid, b.server.url
+        threading.Timer(0.5, lambda: os.killpg(killed, signal.SIGKILL)).start()
+        args = rollout_args(n_samples_per_prompt=4)
+        samples = rollout.run_episodes(a, processor, records, args)
+        assert len(samples) == len(records) * 4
+        assert all(s.status == "completed" or s.fail_reason for s in samples)
+        held = [json.loads(line) for line in rec.read_text().splitlines()]  # b had requests when it died
+        assert any(c["pid"] == killed and c["path"] == "/generate" for c in held)
+        print(f"\nkilled mid-rollout: {sum(s.status == 'completed' for s in samples)} of {len(samples)} completed, "
+              f"failed: {sorted({s.fail_reason[:80] for s in samples if s.fail_reason})}")
+        deadline = time.time() + 60
+        while not (b.server.restarts == 1 and b.server._healthy(1.0)):
+            assert time.time() < deadline, b.server.log_tail()
+            time.sleep(0.2)
+        assert b.server.url == url  # the same port: the router knows it by its URL
+        time.sleep(3)  # the router's next health checks see it
+        n = len(rec.read_text().splitlines())
+        assert all(s.status == "completed" for s in rollout.run_episodes(a, processor, records, args))
+        pids = {json.loads(line)["pid"] for line in rec.read_text().splitlines()[n:]}
+        assert b.server.proc.pid != killed and len(pids) == 2  # both serve again, the restarted one too
+    finally:
+        a.shutdown()
+        b.shutdown()
+    assert (tmp_path / "sglang_node01.log").read_text().count("starting:") == 2

@@ -417,7 +417,8 @@ def test_trainer_two_nodes_two_real_servers_behind_the_real_router(harness_env, 
         print(f"\n[sglang_real] two nodes step {m['step']}: failed_frac={m['failed_frac']} "
               f"logprob_diff_mean={m['logprob_diff_mean']:.2e} logprob_diff_max={m['logprob_diff_max']:.2e}")
     print(f"[sglang_real] two nodes, two real servers: {len(steps)} steps in {time.time() - t:.0f}s")
-    assert [m["step"] for m in steps] == [1, 2, 3] and all(m["failed_frac"] == 0 for m in steps), steps
+    assert [m["step"] for m in steps] == [1, 2, 3] and all(m["failed_frac"] == 0 for m in steps), (
+        steps, [line for line in outs[0].splitlines() if "samples failed" in line])
     assert all(m["logprob_diff_mean"] < 1e-3 for m in steps), steps  # fp32 servers: the single-server level
     for node in ("node00", "node01"):
         log = (save / f"sglang_{node}.log").read_text()
