@@ -2,8 +2,9 @@
 
 With --rollout-engine sglang on one node nothing changes: rank 0 starts one server on 127.0.0.1. On
 several nodes each node's local rank 0 (its leader) starts a server over its node's GPUs (on CPU, the
-test harness, one server a node), logging to sglang_node<N>.log in the run folder (its synced weights under weights/node<N>); global rank 0 puts
-SGLang's router (sglang_server.Router) in front of them all and generates through it. Those servers
+test harness, one server a node), logging to sglang_node<N>.log in the run folder (its synced weights
+under weights/node<N>); global rank 0 puts SGLang's router (sglang_server.Router) in front of them all
+and generates through it. Those servers
 bind to the node's address (the one its route to MASTER_ADDR leaves from) and take a per-run API key
 (secrets.token_urlsafe, handed to the ranks over the job's own process group, never written out; it is
 on the server's and the router's command line, which other users of the node can read in /proc).

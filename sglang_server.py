@@ -250,11 +250,14 @@ class Router(Server):
                          name="router")
 
     def _healthy(self, timeout):
-        """Every worker registered and healthy (its /readiness: {"healthy_workers": n, ...}): its /health
-        answers 200 while it still registers them in the background, and a request then gets 503."""
+        """At its start every worker registered and healthy (its /readiness: {"healthy_workers": n, ...}):
+        its /health answers 200 while it still registers them in the background, and a request then
+        gets 503. Later one healthy worker is enough: a dead server is its node's to restart."""
+        need = 1 if getattr(self, "ready", False) else len(self.workers)
         try:
             with urllib.request.urlopen(self.url + "/readiness", timeout=timeout) as r:
-                return json.loads(r.read()).get("healthy_workers", 0) >= len(self.workers)
+                self.ready = json.loads(r.read()).get("healthy_workers", 0) >= need
+                return self.ready
         except (OSError, http.client.HTTPException, ValueError):
             return False
 
