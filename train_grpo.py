@@ -23,6 +23,7 @@ import math
 import random
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from tqdm import tqdm
@@ -66,6 +67,9 @@ def build_parser():
       help="with --dynamic-sampling: prompts drawn at most in a step, the batch's own included "
            "(default 4 x --rollout-batch-size)")
     a = p.add_argument_group("engine placement").add_argument
+    a("--async-rollout", action="store_true",
+      help="the rollout of step k+1 runs while step k trains (one step off-policy: the PPO ratio's old logprobs "
+           "are the engine's); the engine takes new weights once it is done. Not with --colocate")
     a("--colocate", action="store_true",
       help="SGLang shares the training GPUs: started with its memory saver, released while training")
     a("--offload-train", action=argparse.BooleanOptionalAction, default=None,
@@ -97,6 +101,9 @@ def parse_args(argv=None):
         p.error("--n-samples-per-prompt 1: a group of one has zero advantage, GRPO would learn nothing")
     if args.sglang_args and args.rollout_engine == "local":
         p.error(f"{' '.join(args.sglang_args)}: SGLang flags, but --rollout-engine local")
+    if args.async_rollout and (args.colocate or args.offload_train):
+        p.error("--async-rollout: the next rollout runs while this step trains, so the engine needs GPUs of its "
+                "own (--rollout-num-gpus N; not --colocate) and the trainer stays on them (no --offload-train)")
     if args.colocate and args.weight_sync == "distributed":  # rank 0 and the server's TP rank 0 share GPU 0
         p.error("--colocate --weight-sync distributed: NCCL refuses a communicator that holds one GPU twice; "
                 "colocated weights go by --weight-sync tensor (the default) or disk")
@@ -247,31 +254,43 @@ def evaluate(engine, processor, records, args, step, run):
 
 
 def rollout_step(step, par, engine, processor, records, args, updates=1):
-    """Rank 0 draws the step's prompts, samples and scores them; each rank receives only its share of
-    the usable samples (hand_out) and builds its trainer items itself. -> (this rank's items of each
+    """Rank 0 draws the step's prompts, samples and scores them (sample); each rank receives only its
+    share of the usable samples and builds its trainer items itself (deal). -> (this rank's items of each
     update, None for an update with no sample; metrics, rank 0's). Failed and aborted samples are
     counted in the metrics and never trained on."""
-    shares, metrics = None, {}
-    if par.rank == 0:
-        batch = draw(records, step, args)
-        samples = R.generate_group_samples(engine, processor, batch, R.RolloutConfig.from_args(args))
-        metrics = R.rollout_metrics(samples)
-        good = [s for s in samples if s.status not in ("failed", "aborted") and any(s.loss_mask)]
-        adv = advantages([s.reward for s in good], [s.group for s in good], args.advantage_estimator)
-        metrics["tokens"] = sum(len(s.tokens) for s in good)
-        failed = sorted({s.fail_reason for s in samples if s.status == "failed"})
-        if failed and good:  # counted in failed_frac; say why, once a step
-            print(f"[grpo] step {step + 1}: {sum(s.status == 'failed' for s in samples)} of {len(samples)} samples "
-                  f"failed: {'; '.join(r[:200] for r in failed[:3])}", flush=True)
-        if not good:
-            reasons = sorted({s.fail_reason or s.status for s in samples if s.status != "completed"})
-            print(f"[grpo] step {step + 1}: no trainable sample among {len(samples)} "
-                  f"({', '.join(reasons[:3]) or 'no response tokens'}): update skipped", flush=True)
-        shares = split_batch(good, adv, random.Random(args.seed + step), args.global_batch_size, updates, par.dp)
+    shares, metrics = sample(step, engine, processor, records, args, updates, par.dp) if par.rank == 0 else (None, {})
+    metrics.pop("_ran", None)
+    return deal(shares, metrics, par, processor)
+
+
+def sample(step, engine, processor, records, args, updates, dp):
+    """rank 0: step `step`'s samples -> (each DP rank's (sample, advantage) pairs, metrics, with the
+    wall-clock interval it ran in as "_ran")."""
+    t0 = time.perf_counter()
+    batch = T.draw(records, step, args)
+    samples = R.generate_group_samples(engine, processor, batch, R.RolloutConfig.from_args(args))
+    metrics = R.rollout_metrics(samples)
+    good = [s for s in samples if s.status not in ("failed", "aborted") and any(s.loss_mask)]
+    adv = advantages([s.reward for s in good], [s.group for s in good], args.advantage_estimator)
+    metrics["tokens"] = sum(len(s.tokens) for s in good)
+    failed = sorted({s.fail_reason for s in samples if s.status == "failed"})
+    if failed and good:  # counted in failed_frac; say why, once a step
+        print(f"[grpo] step {step + 1}: {sum(s.status == 'failed' for s in samples)} of {len(samples)} samples "
+              f"failed: {'; '.join(r[:200] for r in failed[:3])}", flush=True)
+    if not good:
+        reasons = sorted({s.fail_reason or s.status for s in samples if s.status != "completed"})
+        print(f"[grpo] step {step + 1}: no trainable sample among {len(samples)} "
+              f"({', '.join(reasons[:3]) or 'no response tokens'}): update skipped", flush=True)
+    metrics["_ran"] = (t0, time.perf_counter())
+    return split_batch(good, adv, random.Random(args.seed + step), args.global_batch_size, updates, dp), metrics
+
+
+def deal(shares, metrics, par, processor):
+    """Every rank: its DP rank's share of rank 0's `shares` -> (its trainer items of each update, metrics)."""
     t = time.perf_counter()
     encoded = {}  # a group's images, shared in the payload, are encoded once on each rank
     items = [None if part is None else [to_item(s, processor, a, encoded) for s, a in part]
-             for part in hand_out(shares, par)]
+             for part in T.hand_out(shares, par)]
     metrics["handoff_s"] = time.perf_counter() - t
     return items, metrics
 
@@ -286,18 +305,6 @@ def split_batch(good, adv, rng, global_batch_size, updates, dp):
     rng.shuffle(pairs)
     chunks = [pairs[u * global_batch_size:(u + 1) * global_batch_size] for u in range(updates)]
     return [[c[r::dp] if c else None for c in chunks] for r in range(dp)]
-
-
-def hand_out(shares, par):
-    """Each rank receives its DP rank's share from rank 0 (a scatter: its TP and CP peers get the same, the
-    other DP ranks' never reach it; a group's images pickle once per rank)."""
-    if par.world == 1:
-        return shares[0]
-    dp_of = [None] * par.world
-    torch.distributed.all_gather_object(dp_of, par.dp_rank)
-    mine = [None]
-    torch.distributed.scatter_object_list(mine, [shares[r] for r in dp_of] if par.rank == 0 else None, src=0)
-    return mine[0]
 
 
 def train_step(model, ref, opt, sched, par, items, args, updates):
@@ -378,21 +385,41 @@ def to_rollout(par, engine, off, args):
         cluster.on_leaders(par, engine, lambda e: e.resume(), "the server's resume")
 
 
-def grpo_step(step, par, run, engine, plan, processor, records, model, ref, opt, sched, args, updates, off=None):
+def grpo_step(step, par, run, engine, plan, processor, records, model, ref, opt, sched, args, updates, off=None,
+              ahead=None):
     """One step in slime's order: generate, release the engine's GPU memory (colocated), train,
     take the memory back, update the engine's weights (its update flushes its caches). `plan`:
-    the engine's sync_plan(), known to every rank. `off`: --offload-train's Offload."""
+    the engine's sync_plan(), known to every rank. `off`: --offload-train's Offload. `ahead`
+    (--async-rollout, rank 0): {"pool": a one-thread executor[, "next": the future of this step's
+    rollout, started while the last step trained]}; this step's starts the next one before training."""
     secs = {}
     to_rollout(par, engine, off, args)
     with T.timed(secs, "rollout"):
-        items, metrics = rollout_step(step, par, engine, processor, records, args, updates)
+        shares, metrics, version = None, {}, step  # the updates the engine's weights had when it sampled
+        if par.rank == 0:
+            if ahead and "next" in ahead:
+                (shares, metrics), version = ahead.pop("next").result(), step - 1
+            else:
+                shares, metrics = sample(step, engine, processor, records, args, updates, par.dp)
+            if ahead and step + 1 < args.num_rollout:  # runs while this step trains: one step off-policy
+                ahead["next"] = ahead["pool"].submit(sample, step + 1, engine, processor, records, args, updates, par.dp)
+            metrics.pop("_ran")
+            metrics["rollout_policy_version"] = version
+        items, metrics = deal(shares, metrics, par, processor)
     if args.colocate:
         step_aside(par, engine, off)
     elif off is not None:
         off.restore()
     with T.timed(secs, "train"):
+        trained = time.perf_counter()
         stats = train_step(model, ref, opt, sched, par, items, args, updates)
+        trained = (trained, time.perf_counter())
     with T.timed(secs, "sync"):
+        if ahead and "next" in ahead:  # the next rollout ends before the engine takes new weights
+            ran = ahead["next"].result()[1]["_ran"]
+            metrics["rollout_ahead_overlap_s"] = max(0.0, min(ran[1], trained[1]) - max(ran[0], trained[0]))
+        if args.async_rollout and par.world > 1:  # every node's server too: rank 0's rollout has ended
+            torch.distributed.barrier()
         if args.colocate:
             metrics.update(step_back(par, engine, off))
         sync_weights(model, engine, par, plan)
@@ -440,6 +467,7 @@ def main(argv=None):
     if par.world > 1:  # every rank takes part in a sync that serialises on several ranks, and in to_rollout
         torch.distributed.broadcast_object_list(plan, src=0)
     evals = plan[1]
+    ahead = {"pool": ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead")} if args.async_rollout else None
     try:
         if par.rank == 0 and eval_records and start == 0:
             evaluate(engine, processor, eval_records, args, 0, run)
@@ -447,7 +475,7 @@ def main(argv=None):
                    initial=start, total=args.num_rollout)
         for step in bar:
             metrics = grpo_step(step, par, run, engine, plan[0], processor, records, model, ref, opt, sched, args,
-                                updates, off)
+                                updates, off, ahead if par.rank == 0 else None)
             bar.set_postfix(reward=f"{metrics.get('reward', 0):.3f}")
             # before the trainer is parked; colocated, --offload-train parked the optimizer states at the sync
             run.maybe_save(model, opt, sched, step + 1, args.num_rollout,
@@ -458,27 +486,10 @@ def main(argv=None):
                 if par.rank == 0:
                     evaluate(engine, processor, eval_records, args, step + 1, run)
     finally:
+        if ahead is not None:  # a rollout still running is not waited for
+            ahead["pool"].shutdown(wait=False, cancel_futures=True)
         if engine is not None:
             engine.shutdown()
-
-
-def draw(records, step, args):
-    """The prompts of a step: a fixed function of (seed, step), so a resumed run sees the same. With
-    --dynamic-sampling, extra prompts follow (--dynamic-sampling-max-prompts in all), for
-    generate_group_samples to draw on until enough groups have mixed rewards."""
-    n, k, orders, out = len(records), args.rollout_batch_size, {}, []
-    for j in range(step * k, (step + 1) * k):
-        epoch, pos = divmod(j, n)
-        if epoch not in orders:
-            orders[epoch] = T.epoch_order(n, args.seed, epoch)
-        out.append(dict(records[orders[epoch][pos]], index=orders[epoch][pos]))
-    if args.dynamic_sampling:  # the over-sample, drawn from the rest of the data; also fixed by (seed, step)
-        cap = args.dynamic_sampling_max_prompts or 4 * k
-        taken = {r["index"] for r in out}
-        pool = [i for i in range(n) if i not in taken]
-        extra = random.Random(args.seed * 1_000_003 + step).sample(pool, min(len(pool), max(0, cap - k)))
-        out += [dict(records[i], index=i) for i in extra]
-    return out
 
 
 if __name__ == "__main__":

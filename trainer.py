@@ -368,6 +368,37 @@ def epoch_order(n, seed, epoch):
     return order
 
 
+def draw(records, step, args):
+    """The prompts of a step: a fixed function of (seed, step), so a resumed run sees the same. With
+    --dynamic-sampling, extra prompts follow (--dynamic-sampling-max-prompts in all), for
+    generate_group_samples to draw on until enough groups have mixed rewards."""
+    n, k, orders, out = len(records), args.rollout_batch_size, {}, []
+    for j in range(step * k, (step + 1) * k):
+        epoch, pos = divmod(j, n)
+        if epoch not in orders:
+            orders[epoch] = epoch_order(n, args.seed, epoch)
+        out.append(dict(records[orders[epoch][pos]], index=orders[epoch][pos]))
+    if args.dynamic_sampling:  # the over-sample, drawn from the rest of the data; also fixed by (seed, step)
+        cap = args.dynamic_sampling_max_prompts or 4 * k
+        taken = {r["index"] for r in out}
+        pool = [i for i in range(n) if i not in taken]
+        extra = random.Random(args.seed * 1_000_003 + step).sample(pool, min(len(pool), max(0, cap - k)))
+        out += [dict(records[i], index=i) for i in extra]
+    return out
+
+
+def hand_out(shares, par):
+    """Each rank receives its DP rank's share from rank 0 (a scatter: its TP and CP peers get the same, the
+    other DP ranks' never reach it; a group's images pickle once per rank)."""
+    if par.world == 1:
+        return shares[0]
+    dp_of = [None] * par.world
+    dist.all_gather_object(dp_of, par.dp_rank)
+    mine = [None]
+    dist.scatter_object_list(mine, [shares[r] for r in dp_of] if par.rank == 0 else None, src=0)
+    return mine[0]
+
+
 def dp_shard(items, par):
     """This data-parallel rank's share of a global batch (strided, so lengths stay balanced)."""
     return items[par.dp_rank::par.dp]

@@ -348,9 +348,9 @@ def test_dynamic_sampling_tops_up_through_the_trainer(processor, records):
     par = types.SimpleNamespace(rank=0, world=1, dp=1)
     for cap in (None, "4"):
         args = G.parse_args(base + (["--dynamic-sampling-max-prompts", cap] if cap else []))
-        drawn = G.draw(recs, 0, args)
+        drawn = T.draw(recs, 0, args)
         assert len(drawn) == (12 if cap is None else 4) and len({r["index"] for r in drawn}) == len(drawn)
-        assert drawn[:3] == G.draw(recs, 0, G.parse_args(base[:-1]))  # the batch's own prompts come first
+        assert drawn[:3] == T.draw(recs, 0, G.parse_args(base[:-1]))  # the batch's own prompts come first
         kept = min(3, sum(int(r["answer"]) % 3 == 0 for r in drawn))  # mixed groups there are to keep
         (items,), m = G.rollout_step(0, par, Engine(), processor, recs, args)
         assert len(items) == 2 * kept and m["samples"] == 2 * kept, (cap, kept, len(items))
@@ -457,3 +457,39 @@ def test_each_rank_builds_todays_items_from_only_its_share(processor, records):
         shared = {id(s.images[0]) for part in mine for s, _ in part}  # a prompt's image travels once,
         assert len(shared) <= 3 < sum(len(part) for part in mine)     # not once per sample
         print(f"rank {r}: {len(payload)} bytes; every item broadcast: {whole}")
+
+
+def test_async_rollout_overlaps_training_and_resumes_after_sigkill(tiny_ckpt, tmp_path, capsys):
+    """--async-rollout: step k+1's rollout runs while step k trains (its samples come from the weights
+    before step k's update: rollout_policy_version = step - 1), the engine gets the new weights only
+    after it; a run SIGKILLed after step 2's checkpoint resumes and logs every step once. Refused with
+    --colocate."""
+    from tools import synth
+    synth.write_synth(tmp_path / "d", 32, n_test=0, seed=0, kinds=("sides",))
+    common = ["--hf-checkpoint", tiny_ckpt("qwen3_vl"), "--prompt-data", tmp_path / "d", "--rollout-engine",
+              "local", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-max-response-len",
+              "12", "--num-rollout", "4", "--lr", "1e-3", "--entropy-coef", "0.01", "--save-interval", "1",
+              "--max-tokens-per-gpu", "512", "--async-rollout"]
+    grpo(*common, "--save", tmp_path / "full")
+    steps = [m for m in metrics(tmp_path / "full") if "reward" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    assert [m["rollout_policy_version"] for m in steps] == [0, 0, 1, 2]  # one step behind after the first
+    assert all(m["rollout_ahead_overlap_s"] > 0 for m in steps[:3]) and "rollout_ahead_overlap_s" not in steps[3]
+    assert all(m["grad_norm"] > 0 and m["failed_frac"] == 0 for m in steps), steps
+    crash = tmp_path / "crash"
+    proc = grpo(*common, "--save", crash, wait=False)
+    deadline = time.time() + 600
+    while not (crash / "iter_0000002").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-2000:]
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    saved = int((crash / "latest").read_text().strip()[len("iter_"):])  # 2, or 3 if step 3 beat the kill
+    grpo(*common, "--save", crash, "--load", crash)
+    resumed = [m for m in metrics(crash) if "reward" in m]
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4]  # none lost, none twice
+    # the first resumed step samples with the weights it loaded (the lost rollout ahead is made again)
+    assert resumed[saved]["rollout_policy_version"] == saved
+    with pytest.raises(SystemExit):
+        G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--async-rollout", "--colocate"])
+    assert "--async-rollout" in capsys.readouterr().err

@@ -150,7 +150,7 @@ def test_grpo_learns_the_picture_from_chance_and_the_shuffled_control_does_not(w
     assert evals[-1] >= greedy > ctrl_evals[-1], (evals, ctrl_evals)
 
 
-def fast_grpo_check(ckpt, out, *flags, sft_timeout=900, grpo_timeout=1800):
+def fast_grpo_check(ckpt, out, *flags, grpo_flags=(), sft_timeout=900, grpo_timeout=1800):
     """The fast check on the tiny checkpoint CKPT, runs under OUT, FLAGS added to every run: one SFT
     epoch on shuffled 64-pixel pictures (the answer format only), then FAST_STEPS GRPO steps on the
     right pictures and on the shuffled ones. Asserts that the reward rises off chance on the right
@@ -161,7 +161,7 @@ def fast_grpo_check(ckpt, out, *flags, sft_timeout=900, grpo_timeout=1800):
     finish(launch("sft.py", out / "sft", "--hf-checkpoint", ckpt, "--prompt-data", shuffled,
                   "--seed", FAST_SEED, *FAST_SFT, *flags), timeout=sft_timeout)
     common = ["--hf-checkpoint", out / "sft" / "iter_0000032", "--num-rollout", FAST_STEPS,
-              "--seed", FAST_GRPO_SEED, *FAST_GRPO, *flags]
+              "--seed", FAST_GRPO_SEED, *FAST_GRPO, *flags, *grpo_flags]
     runs = out / "real", out / "shuffled_run"
     finish(launch("train_grpo.py", runs[0], *common, "--prompt-data", real),
            launch("train_grpo.py", runs[1], *common, "--prompt-data", shuffled), timeout=grpo_timeout)
@@ -185,3 +185,12 @@ def test_grpo_reward_rises_from_a_picture_blind_start_and_the_shuffled_control_d
     0.21 -> 0.57; controls rose at most 0.10. The reward leaves chance late (steps 30-50), so the
     margins are small: the runs are deterministic for a given seed and machine."""
     fast_grpo_check(tiny_ckpt("qwen3_vl"), tmp_path)
+
+
+@pytest.mark.slow
+def test_grpo_learns_one_step_off_policy_with_async_rollout(tiny_ckpt, tmp_path):
+    """The fast check with --async-rollout: every step trains on samples of the weights before the
+    previous update (rollout_policy_version = step - 1 after the first), and the reward still rises
+    off chance on the right pictures and not on the shuffled ones."""
+    real, _ = fast_grpo_check(tiny_ckpt("qwen3_vl"), tmp_path, grpo_flags=["--async-rollout"])
+    assert [m["rollout_policy_version"] for m in real[1:]] == list(range(len(real) - 1))
