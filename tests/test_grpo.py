@@ -146,6 +146,17 @@ def grpo(*args, wait=True):
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+def killed_after_checkpoint(common, save, name):
+    """Run train_grpo.py with `common` flags into `save` and SIGKILL it once checkpoint `name` is there."""
+    proc = grpo(*common, "--save", save, wait=False)
+    deadline = time.time() + 600
+    while not (save / name).exists():
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-2000:]
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def metrics(run):
     return [json.loads(x) for x in (Path(run) / "metrics.jsonl").read_text().splitlines()]
 
@@ -194,13 +205,7 @@ def test_short_run_logs_syncs_and_resumes_after_sigkill(tiny_ckpt, tmp_path):
     assert w_off.keys() == w_full.keys() and all(torch.equal(w_off[k], w_full[k]) for k in w_full)
 
     crash = tmp_path / "crash"
-    proc = grpo(*common, "--save", crash, wait=False)
-    deadline = time.time() + 600
-    while not (crash / "iter_0000002").exists():
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-2000:]
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    killed_after_checkpoint(common, crash, "iter_0000002")
     # where the kill landed: after step 2's checkpoint, before step 3 finished
     assert (crash / "latest").read_text() == "iter_0000002" and not (crash / "iter_0000003").exists()
     assert [m["step"] for m in metrics(crash) if "reward" in m] == [1, 2]
@@ -477,13 +482,7 @@ def test_async_rollout_overlaps_training_and_resumes_after_sigkill(tiny_ckpt, tm
     assert all(m["rollout_ahead_overlap_s"] > 0 for m in steps[:3]) and "rollout_ahead_overlap_s" not in steps[3]
     assert all(m["grad_norm"] > 0 and m["failed_frac"] == 0 for m in steps), steps
     crash = tmp_path / "crash"
-    proc = grpo(*common, "--save", crash, wait=False)
-    deadline = time.time() + 600
-    while not (crash / "iter_0000002").exists():
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-2000:]
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    killed_after_checkpoint(common, crash, "iter_0000002")
     saved = int((crash / "latest").read_text().strip()[len("iter_"):])  # 2, or 3 if step 3 beat the kill
     grpo(*common, "--save", crash, "--load", crash)
     resumed = [m for m in metrics(crash) if "reward" in m]
