@@ -228,8 +228,11 @@ def test_sglang_start_failures_quote_log_and_leave_nothing(ckpt, tmp_path):
 
 
 CHILD = """
-import sys, time
+import signal, sys, time
 sys.path[:0] = [{root!r}]
+# Ctrl-C as a terminal delivers it: a job started in the background (`cmd &`, CI) inherits SIGINT
+# ignored, which Python and the trainer keep, and this child would sleep through the test's SIGINT
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from sglang_engine import SGLangEngine
 eng = SGLangEngine({ckpt!r}, sys.argv[2], server_args=["--fake-children", "1"],
                    launch_cmd=[sys.executable, {fake!r}], timeout=60)
