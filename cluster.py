@@ -1,20 +1,25 @@
-"""cluster.py: the rollout across nodes (README, "Several nodes").
+"""cluster.py: where the SGLang servers run, and the trainer's side of each step with them: the
+colocated release/resume around training (step_aside, step_back, to_rollout) and the weight sync
+into every server (sync_weights). README, "Several nodes".
 
 With --rollout-engine sglang on one node nothing changes: rank 0 starts one server on 127.0.0.1. On
 several nodes each node's local rank 0 (its leader) starts a server over its node's GPUs (on CPU, the
 test harness, one server a node), logging to sglang_node<N>.log in the run folder (its synced weights
 under weights/node<N>); global rank 0 puts SGLang's router (sglang_server.Router) in front of them all
-and generates through it. Those servers
-bind to the node's address (the one its route to MASTER_ADDR leaves from) and take a per-run API key
+and generates through it. --rollout-num-gpus-per-engine K splits each node's serving GPUs into
+servers of K (sglang_engine.servers_per_node; on CPU a server per K trainer ranks), sglang_node<N>_<j>
+the j-th, held by the first rank of the j-th equal slice of the node's ranks (colocated: the ranks on
+its GPUs); on one node these too sit behind the router, on 127.0.0.1 without a key. Servers on several
+nodes bind to the node's address (the one its route to MASTER_ADDR leaves from) and take a per-run API key
 (secrets.token_urlsafe, handed to the ranks over the job's own process group, never written out; it is
 on the server's and the router's command line, which other users of the node can read in /proc).
 
-A server that dies is restarted by its node: at once where it comes back with the current weights
+A server that dies is restarted by its holder: at once where it comes back with the current weights
 (disk sync: the last synced folder), else at the next weight update, which it then receives whole;
 meanwhile the router sends elsewhere and retries what it held (what still fails is a failed sample).
-Each leader releases, resumes and updates its own server from its own ranks (every rank holds the full
-exported tensors; "tensor" sync into a server of TP > 1 gathers within the node). `on_leaders` runs
-such a step on every leader and returns only when all have reported: a failure on any node stops the
+Each holder releases, resumes and updates its own server from its own ranks (every rank holds the full
+exported tensors; "tensor" sync into a server of TP > 1 gathers over server_group). `on_leaders` runs
+such a step on every holder and returns only when all have reported: a failure on any stops the
 step on every rank, naming the node and its server, and no rollout starts before every server holds
 the new weights.
 """
@@ -23,13 +28,25 @@ import secrets
 import shlex
 import socket
 
+import torch
 import torch.distributed as dist
 
+import convert
 import sglang_engine
 
 
 def local_rank():
     return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def local_world(par):
+    """Trainer ranks on this node: torchrun's LOCAL_WORLD_SIZE (the whole job without torchrun)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", par.world))
+
+
+def ranks_per_server(par):
+    """The trainer ranks that one server's slice of a node holds (the node's, with one server a node)."""
+    return local_world(par) // _LAYOUT["servers_per_node"]
 
 
 def node_rank(par):
@@ -49,17 +66,19 @@ def node_address():
         return s.getsockname()[0]
 
 
-_NODE_GROUP = []
+_SERVER_GROUP, _LAYOUT = [], {"servers_per_node": 1}
 
 
-def node_group(par):
-    """(this node's process group, its leader's global rank): (None, 0) on one node. Made once, by
-    every rank at its first call (torch's new_subgroups is collective)."""
-    if nodes(par.world) == 1:
+def server_group(par):
+    """(the process group of the trainer ranks one server's GPUs belong to, its holder's global rank):
+    each node's ranks, or each consecutive slice of them with --rollout-num-gpus-per-engine; (None, 0)
+    when that is the whole job. Made once, by every rank at its first call (new_subgroups is collective)."""
+    size = ranks_per_server(par)
+    if size >= par.world:
         return None, 0
-    if not _NODE_GROUP:
-        _NODE_GROUP.append(dist.new_subgroups(int(os.environ["LOCAL_WORLD_SIZE"]))[0])
-    return _NODE_GROUP[0], par.rank - local_rank()
+    if not _SERVER_GROUP:
+        _SERVER_GROUP.append(dist.new_subgroups(size)[0])
+    return _SERVER_GROUP[0], par.rank - par.rank % size
 
 
 def on_leaders(par, engine, fn, what):
@@ -83,24 +102,34 @@ def on_leaders(par, engine, fn, what):
 
 def start(args, par, hf_dir, run_dir):
     """-> this rank's engine, started on every rank together: rank 0's generates (through the router
-    when there are several nodes); another node's leader holds its node's server for weight updates,
-    release and resume; None elsewhere."""
-    if sglang_engine.engine_kind(args) != "sglang" or nodes(par.world) == 1:
+    when there are several servers); each other server's holder (a node's local rank 0, or its j-th
+    slice's first rank with --rollout-num-gpus-per-engine) keeps it for weight updates, release and
+    resume; None elsewhere."""
+    if sglang_engine.engine_kind(args) != "sglang":
+        return sglang_engine.make_engine(args, hf_dir, run_dir) if par.rank == 0 else None
+    per_node = _LAYOUT["servers_per_node"] = sglang_engine.servers_per_node(args, torch.cuda.is_available(),
+                                                                            local_world(par))
+    many = nodes(par.world) > 1
+    if not many and per_node == 1:
         return sglang_engine.make_engine(args, hf_dir, run_dir) if par.rank == 0 else None
     if args.use_rollout_routing_replay:  # every rank alike, before any server starts
-        raise SystemExit("--use-rollout-routing-replay with several nodes: SGLang's router (sglang-router 0.3.2) "
-                         "drops return_routed_experts from the requests it forwards; train R3 on one node")
-    key = [secrets.token_urlsafe(24) if par.rank == 0 else None]
-    dist.broadcast_object_list(key, src=0)
-    node = node_rank(par)
+        raise SystemExit("--use-rollout-routing-replay with several SGLang servers: SGLang's router (sglang-router "
+                         "0.3.2) drops return_routed_experts from the requests it forwards; train R3 with one server")
+    key = [secrets.token_urlsafe(24) if par.rank == 0 and many else None]  # one node: 127.0.0.1, no key
+    if many:
+        dist.broadcast_object_list(key, src=0)
+    node, stride = node_rank(par), ranks_per_server(par)
+    index = local_rank() // stride
 
     def serve(_):
-        e = sglang_engine.make_engine(args, hf_dir, run_dir, host=node_address(), api_key=key[0],
-                                      name=f"node{node:02d}")
+        e = sglang_engine.make_engine(args, hf_dir, run_dir, index=index, api_key=key[0],
+                                      host=node_address() if many else "127.0.0.1",
+                                      name=f"node{node:02d}" + (f"_{index}" if per_node > 1 else ""))
         if e.weight_sync == "disk":  # it comes back with the last synced weights: restart it at once
             e.server.watch()
         return e
-    engine = on_leaders(par, True if local_rank() == 0 else None, serve, "starting the SGLang server")
+    holder = local_rank() % stride == 0 and index < per_node
+    engine = on_leaders(par, True if holder else None, serve, "starting the SGLang server")
     urls = [None] * par.world
     dist.all_gather_object(urls, engine.server.url if engine is not None else None)
     urls = [u for u in urls if u]
@@ -108,3 +137,65 @@ def start(args, par, hf_dir, run_dir):
         engine.attach_router(urls, shlex.split(args.sglang_router_args or ""))
         print(f"[cluster] {len(urls)} SGLang servers behind SGLang's router: {', '.join(urls)}", flush=True)
     return engine
+
+
+def sync_weights(model, engine, par, plan=(1, None)):
+    """Full HF tensors to the engine (the export gathers over TP on every rank; rank 0 sends). `plan`:
+    the engine's sync_plan(), on every rank: a colocated server of TP > 1 gets its TP rank i's copy
+    from trainer rank i's GPU."""
+    buckets = convert.export_hf(model)
+    if plan[0] > 1:  # each server from the ranks on its GPUs
+        group, holder = server_group(par)
+        buckets = sglang_engine.serialize_on_ranks(buckets, par.rank - holder, *plan, group, holder)
+
+    def update(e):
+        try:
+            e.update_weights(buckets)
+        finally:
+            for _ in buckets:  # a failed update still takes part in the export's collectives to the end
+                pass
+    if engine is None:
+        for _ in buckets:
+            pass
+    on_leaders(par, engine, update, "the weight update")  # every server holds the new weights
+
+
+def step_aside(par, engine, off):
+    """Colocated: the server frees the GPUs before any rank trains (ranks other than 0 would
+    otherwise start their forwards, --recompute-logprobs first, while SGLang still holds them); then
+    the trainer's state comes back from host memory (--offload-train)."""
+    on_leaders(par, engine, lambda e: e.release(), "the server's release")
+    if off is not None:
+        off.restore()
+
+
+def step_back(par, engine, off):
+    """Colocated: every rank hands its cached activations back to CUDA before the server takes
+    the GPUs again (the caching allocator keeps the training peak: the resume of weights, KV cache
+    and graphs would not fit on an 80 GB GPU). --offload-train: the optimizer states and gradients
+    go to host memory and only the server's weights come back: the weight sync still reads the
+    trainer's parameters; to_rollout() parks those and resumes the rest."""
+    held = {}
+    if off is not None:
+        off.release(("optimizer", "grads"))
+    if torch.cuda.is_available():  # what training took at its peak, and what this rank still holds
+        held["gpu_train_peak_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        torch.cuda.empty_cache()
+        held["gpu_held_at_resume_gib"] = torch.cuda.memory_reserved() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+    torch.distributed.barrier()
+    on_leaders(par, engine, lambda e: e.resume(["weights"] if off is not None else sglang_engine.MEMORY_TAGS),
+               "the server's resume")
+    return held
+
+
+def to_rollout(par, engine, off, args):
+    """Before a rollout or an evaluation (every rank): --offload-train parks the whole trainer in host
+    memory; then a colocated server takes back what it still lacks (its KV cache and CUDA graphs).
+    Repeating it changes nothing."""
+    if off is None:
+        return
+    off.release()
+    if args.colocate:
+        torch.distributed.barrier()
+        on_leaders(par, engine, lambda e: e.resume(), "the server's resume")

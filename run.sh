@@ -15,9 +15,10 @@
 #       MODEL and DATA may be hub ids (fetched where the network allows) or local folders.
 #       MODE=single_turn|multi_turn; TP=2 sets tensor parallel; NUM_ROLLOUT, NAME as you like.
 #       Placement: SGLang shares the NUM_GPUS training GPUs (--colocate, released while training),
-#       or ROLLOUT_GPUS=2 gives it 2 GPUs of its own on rank 0's node (NUM_GPUS - 2 train there).
+#       or ROLLOUT_GPUS=2 gives it 2 GPUs of its own on each node (NUM_GPUS - 2 train there).
 #       MAX_TOKENS: tokens per packed micro-batch (2048 fits a 2B model in fp32 on 80 GB: README).
 #       Several nodes: NNODES=2 NODE_RANK=<r> MASTER_ADDR=<host> on every node.
+#       GPUS_PER_ENGINE=2: a node's serving GPUs split into SGLang servers of 2 (behind SGLang's router).
 #
 #   MODEL=Qwen/Qwen3.5-35B-A3B NUM_GPUS=8 MODE=single_turn bash run.sh
 #       Qwen3.5 MoE in the reference layout: TP=2 with sequence parallel, EP=8 (expert-TP 1), full
@@ -102,6 +103,7 @@ if (( ${ROLLOUT_GPUS:-0} > 0 )); then
   TRAIN_GPUS=$((NUM_GPUS - ROLLOUT_GPUS)); PLACE=(--rollout-num-gpus "$ROLLOUT_GPUS")
   (( TRAIN_GPUS > 0 )) || die "ROLLOUT_GPUS=$ROLLOUT_GPUS leaves no training GPU of NUM_GPUS=$NUM_GPUS"
 fi
+[[ -n "${GPUS_PER_ENGINE:-}" ]] && PLACE+=(--rollout-num-gpus-per-engine "$GPUS_PER_ENGINE")
 exec .venv/bin/torchrun --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \
     --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}" --nproc-per-node "$TRAIN_GPUS" \
   train_grpo.py --hf-checkpoint "$MODEL" --prompt-data "$DATA" --eval-prompt-data "$DATA" --eval-split test \

@@ -372,9 +372,28 @@ def sglang_server_args(argv):
     return out
 
 
-def sglang_placement(args, cuda, n_gpus, local_world, visible=None):
-    """-> (server flags, server environment): the GPUs the SGLang server gets (README, "Where SGLang
-    runs"). On CPU (the test harness) the server runs where it is started."""
+def servers_per_node(args, cuda, local_world):
+    """How many servers each node runs: its serving GPUs (--colocate: the training ones; else
+    --rollout-num-gpus; on CPU, the test harness: its trainer ranks) / --rollout-num-gpus-per-engine,
+    one when that is unset. Each is held by a trainer rank of its node (cluster.py)."""
+    k = args.rollout_num_gpus_per_engine
+    if not k:
+        return 1
+    gpus = args.rollout_num_gpus if cuda and not args.colocate else local_world
+    what = "--rollout-num-gpus" if cuda and not args.colocate else "the trainer ranks a node runs (--nproc_per_node)"
+    if not gpus or gpus % k:
+        raise SystemExit(f"--rollout-num-gpus-per-engine {k}: a node's {gpus} serving GPUs ({what}) "
+                         f"are not a multiple of {k}")
+    if gpus // k > local_world:
+        raise SystemExit(f"--rollout-num-gpus-per-engine {k}: {gpus // k} servers a node, but only {local_world} "
+                         "trainer ranks a node to hold them (one each); raise it")
+    return gpus // k
+
+
+def sglang_placement(args, cuda, n_gpus, local_world, visible=None, index=0):
+    """-> (server flags, server environment): the GPUs the node's SGLang server `index` gets (README,
+    "Where SGLang runs"): the node's serving GPUs, or its index-th slice of
+    --rollout-num-gpus-per-engine of them. On CPU (the test harness) the server runs where it is started."""
     flags = list(args.sglang_args)
     if not cuda:
         if args.colocate:  # sglang 0.5.23's release calls torch.cuda.synchronize: it kills a CPU server
@@ -397,6 +416,10 @@ def sglang_placement(args, cuda, n_gpus, local_world, visible=None):
         raise SystemExit("--rollout-engine sglang on GPUs: say where the server runs, --colocate (it shares "
                          "the training GPUs and is released while they train) or --rollout-num-gpus N "
                          "(N GPUs of its own after the training GPUs)")
+    k = args.rollout_num_gpus_per_engine
+    if k:
+        servers_per_node(args, cuda, local_world)  # refuses a count that does not divide
+        gpus = gpus[index * k:(index + 1) * k]
     if not {"--tp-size", "--tp", "--dp-size", "--dp"} & set(flags):
         flags += ["--tp-size", str(len(gpus))]
     return flags, {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
@@ -409,8 +432,9 @@ def engine_kind(args):
     return "sglang" if importlib.util.find_spec("sglang") and torch.cuda.is_available() else "local"
 
 
-def make_engine(args, hf_dir, run_dir, **where):
-    """The engine --rollout-engine names. where: the server's host, api_key and name (cluster.py)."""
+def make_engine(args, hf_dir, run_dir, index=0, **where):
+    """The engine --rollout-engine names. index: which of the node's servers (servers_per_node);
+    where: its host, api_key and name (cluster.py)."""
     cuda = torch.cuda.is_available()
     if engine_kind(args) == "local":
         if args.sglang_args:
@@ -418,7 +442,7 @@ def make_engine(args, hf_dir, run_dir, **where):
                              "(--rollout-engine sglang to use them)")
         return LocalEngine(hf_dir, "cuda" if cuda else "cpu", routed_experts=args.use_rollout_routing_replay)
     flags, env = sglang_placement(args, cuda, torch.cuda.device_count() if cuda else 0,
-                                  int(os.environ.get("LOCAL_WORLD_SIZE", 1)), os.environ.get("CUDA_VISIBLE_DEVICES"))
+                                  int(os.environ.get("LOCAL_WORLD_SIZE", 1)), os.environ.get("CUDA_VISIBLE_DEVICES"), index)
     if cuda and torch.cuda.get_device_capability()[0] >= 10 and "--mm-attention-backend" not in flags:
         flags += ["--mm-attention-backend", "sdpa"]  # Blackwell: the published recipe's setting
     sync = args.weight_sync

@@ -1,4 +1,4 @@
-"""The SGLang server process (a node's local rank 0; one per node: cluster.py): `python -m
+"""The SGLang server process (one a node, or several: cluster.py): `python -m
 sglang.launch_server` on a free port of `host` (127.0.0.1 unless other nodes must reach it), leading
 its own process group, logging to <run_dir>/sglang[_<name>].log, started through `python proc.py <our pid>
 cmd...`, which arms PR_SET_PDEATHSIG (create it in the main thread: the signal follows the thread that
@@ -239,9 +239,9 @@ class Server:
 class Router(Server):
     """SGLang's load balancer (`python -m sglang_router.launch_router`, sglang-router 0.3.2) on
     127.0.0.1 in front of `workers` (server URLs), --policy cache_aware: a request goes to the server
-    whose radix cache holds the longest prefix of it, so a multi-turn sample's later turns find their
-    earlier ones. With api_key it passes the key to the servers and asks it of us (both measured:
-    tests/test_cluster.py). It drops request fields its schema lacks (return_routed_experts among them)."""
+    whose radix cache holds the longest prefix of its input_ids, so a multi-turn sample's later turns
+    go where its earlier ones went. With api_key it passes the key to the servers and asks it of us
+    (both measured: tests/test_cluster.py). It drops request fields its schema lacks (return_routed_experts among them)."""
 
     def __init__(self, workers, run_dir, timeout, request_timeout, api_key=None, launch_cmd=None, args=()):
         self.workers = list(workers)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command: sets up .venv on first use, then runs the CPU test suite.
-#   bash test.sh                 # the suite CI runs (about 10 minutes on 2 cores)
+#   bash test.sh                 # the suite CI runs (about 21-24 minutes on 2 cores)
 #   bash test.sh -m slow         # the long learning checks
 #   bash test.sh tests/test_data.py -x   # any pytest arguments
 source "$(dirname "$0")/setup.sh"

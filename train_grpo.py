@@ -30,7 +30,6 @@ from tqdm import tqdm
 from transformers import AutoProcessor
 
 import cluster
-import convert
 import flags as F
 import model as M
 import offload
@@ -78,6 +77,9 @@ def build_parser():
            "--colocate on CUDA")
     a("--rollout-num-gpus", type=F.COUNT, default=0,
       help="SGLang on N GPUs of its own on each node, after the node's training GPUs (disaggregated)")
+    a("--rollout-num-gpus-per-engine", type=F.POSITIVE, default=None,
+      help="K GPUs a server: each node runs its serving GPUs / K SGLang servers (TP K), all behind SGLang's "
+           "router; default: one server over all of them. On CPU (the test harness): a server per K ranks")
     a("--weight-sync", default="auto", choices=["auto", "tensor", "distributed", "disk"],
       help="how new weights reach SGLang: tensor (CUDA IPC, colocated), distributed (an NCCL group, "
            "--rollout-num-gpus), disk (safetensors + /update_weights_from_disk); auto picks by placement")
@@ -324,67 +326,6 @@ def train_step(model, ref, opt, sched, par, items, args, updates):
     return stats
 
 
-def sync_weights(model, engine, par, plan=(1, None)):
-    """Full HF tensors to the engine (the export gathers over TP on every rank; rank 0 sends). `plan`:
-    the engine's sync_plan(), on every rank: a colocated server of TP > 1 gets its TP rank i's copy
-    from trainer rank i's GPU."""
-    buckets = convert.export_hf(model)
-    if plan[0] > 1:  # each node's server from its own ranks (cluster.py)
-        buckets = sglang_engine.serialize_on_ranks(buckets, cluster.local_rank(), *plan, *cluster.node_group(par))
-
-    def update(e):
-        try:
-            e.update_weights(buckets)
-        finally:
-            for _ in buckets:  # a failed update still takes part in the export's collectives to the end
-                pass
-    if engine is None:
-        for _ in buckets:
-            pass
-    cluster.on_leaders(par, engine, update, "the weight update")  # every server holds the new weights
-
-
-def step_aside(par, engine, off):
-    """Colocated: the server frees the GPUs before any rank trains (ranks other than 0 would
-    otherwise start their forwards, --recompute-logprobs first, while SGLang still holds them); then
-    the trainer's state comes back from host memory (--offload-train)."""
-    cluster.on_leaders(par, engine, lambda e: e.release(), "the server's release")
-    if off is not None:
-        off.restore()
-
-
-def step_back(par, engine, off):
-    """Colocated: every rank hands its cached activations back to CUDA before the server takes
-    the GPUs again (the caching allocator keeps the training peak: the resume of weights, KV cache
-    and graphs would not fit on an 80 GB GPU). --offload-train: the optimizer states and gradients
-    go to host memory and only the server's weights come back: the weight sync still reads the
-    trainer's parameters; to_rollout() parks those and resumes the rest."""
-    held = {}
-    if off is not None:
-        off.release(("optimizer", "grads"))
-    if torch.cuda.is_available():  # what training took at its peak, and what this rank still holds
-        held["gpu_train_peak_gib"] = torch.cuda.max_memory_reserved() / 2**30
-        torch.cuda.empty_cache()
-        held["gpu_held_at_resume_gib"] = torch.cuda.memory_reserved() / 2**30
-        torch.cuda.reset_peak_memory_stats()
-    torch.distributed.barrier()
-    cluster.on_leaders(par, engine, lambda e: e.resume(["weights"] if off is not None else sglang_engine.MEMORY_TAGS),
-                       "the server's resume")
-    return held
-
-
-def to_rollout(par, engine, off, args):
-    """Before a rollout or an evaluation (every rank): --offload-train parks the whole trainer in host
-    memory; then a colocated server takes back what it still lacks (its KV cache and CUDA graphs).
-    Repeating it changes nothing."""
-    if off is None:
-        return
-    off.release()
-    if args.colocate:
-        torch.distributed.barrier()
-        cluster.on_leaders(par, engine, lambda e: e.resume(), "the server's resume")
-
-
 def grpo_step(step, par, run, engine, plan, processor, records, model, ref, opt, sched, args, updates, off=None,
               ahead=None):
     """One step in slime's order: generate, release the engine's GPU memory (colocated), train,
@@ -392,8 +333,8 @@ def grpo_step(step, par, run, engine, plan, processor, records, model, ref, opt,
     the engine's sync_plan(), known to every rank. `off`: --offload-train's Offload. `ahead`
     (--async-rollout, rank 0): {"pool": a one-thread executor[, "next": the future of this step's
     rollout, started while the last step trained]}; this step's starts the next one before training."""
-    secs = {}
-    to_rollout(par, engine, off, args)
+    secs, t0 = {}, time.perf_counter()
+    cluster.to_rollout(par, engine, off, args)
     with T.timed(secs, "rollout"):
         shares, metrics, version = None, {}, step  # the updates the engine's weights had when it sampled
         if par.rank == 0:
@@ -407,7 +348,7 @@ def grpo_step(step, par, run, engine, plan, processor, records, model, ref, opt,
             metrics["rollout_policy_version"] = version
         items, metrics = deal(shares, metrics, par, processor)
     if args.colocate:
-        step_aside(par, engine, off)
+        cluster.step_aside(par, engine, off)
     elif off is not None:
         off.restore()
     with T.timed(secs, "train"):
@@ -421,13 +362,14 @@ def grpo_step(step, par, run, engine, plan, processor, records, model, ref, opt,
         if args.async_rollout and par.world > 1:  # every node's server too: rank 0's rollout has ended
             torch.distributed.barrier()
         if args.colocate:
-            metrics.update(step_back(par, engine, off))
-        sync_weights(model, engine, par, plan)
+            metrics.update(cluster.step_back(par, engine, off))
+        cluster.sync_weights(model, engine, par, plan)
     if off is not None:
         metrics["offload_host_gib"] = off.host_bytes() / 2**30
     metrics.update(stats, **T.expert_load(model))
     metrics.update(rollout_s=secs["rollout"], train_s=secs["train"],
-                   sync_s=secs["sync"], tokens_per_s=metrics.get("tokens", 0) / max(1e-9, secs["train"]))
+                   sync_s=secs["sync"], tokens_per_s=metrics.get("tokens", 0) / max(1e-9, secs["train"]),
+                   step_s=time.perf_counter() - t0)
     run.log(step + 1, metrics)
     return metrics
 
@@ -482,7 +424,7 @@ def main(argv=None):
                            prepare=None if off is None else lambda: off.restore(("optimizer",)))
             last = step + 1 == args.num_rollout
             if evals and (last or (args.eval_interval and (step + 1) % args.eval_interval == 0)):
-                to_rollout(par, engine, off, args)
+                cluster.to_rollout(par, engine, off, args)
                 if par.rank == 0:
                     evaluate(engine, processor, eval_records, args, step + 1, run)
     finally:

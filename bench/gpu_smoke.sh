@@ -168,6 +168,13 @@ $PY model.py tiny --arch qwen3_5_moe --layers 4 --out $DIR/tiny_moe_pp && echo m
   check grpo_pp2 "${TR2[@]}" train_grpo.py "${GRPO[@]}" --hf-checkpoint "$DIR/tiny_pp" --rollout-engine local \
     --pipeline-model-parallel-size 2 --kl-loss-coef 0.01 --save "$DIR/grpo_pp2"
   check grpo_pp2_metrics metric "$DIR/grpo_pp2"
+  if "$PY" -c "import sglang" 2>/dev/null; then
+    # --rollout-num-gpus-per-engine 1 on 2 colocated GPUs: two servers (CUDA_VISIBLE_DEVICES 0 and 1)
+    # behind SGLang's router, each taking its CUDA IPC sync from the rank on its own GPU
+    check grpo_sglang_two_servers "${TR2[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine sglang --colocate \
+      --rollout-num-gpus-per-engine 1 --sglang-mem-fraction-static 0.3 --save "$DIR/grpo_sglang_two"
+    check grpo_sglang_two_servers_metrics metric "$DIR/grpo_sglang_two"
+  fi
 else
   echo "SKIP cp2, pp2: context and pipeline parallelism need 2 GPUs (this machine has $GPUS)"
 fi

@@ -1,7 +1,8 @@
 """cluster.py: a server per node behind SGLang's real router (sglang-router's own binary), here with
 fake servers (tests/fake_sglang.py): the router spreads requests and passes the per-run API key, a
-server refuses a request without it, the key is in no file; two nodes simulated on this machine
-(`torchrun --nnodes 2`, one process each) train with every server updated before each rollout."""
+server refuses a request without it, the key is in no file, a multi-turn sample's turns stay on one
+server; two nodes simulated on this machine (`torchrun --nnodes 2`, one process each), or two servers
+on one node (--rollout-num-gpus-per-engine), train with every server updated before each rollout."""
 import json
 import os
 import re
@@ -59,10 +60,42 @@ def test_router_spreads_requests_and_every_server_wants_the_key(ckpt, processor,
     assert not [p for p in tmp_path.rglob("*") if p.is_file() and key in p.read_text(errors="replace")]
 
 
-def test_two_nodes_train_with_a_server_each(tiny_ckpt, tmp_path):
-    """Two torchrun launches (--nnodes 2 on 127.0.0.1, one process a node): each node's rank starts
-    its own server, rank 0 the router; two GRPO steps; both servers serve, each gets every step's
-    weights in a folder of its own, and before any rollout of the next step."""
+def test_a_samples_later_turns_go_where_its_first_went(ckpt, tmp_path):
+    """cache_aware at the router's defaults keys a /generate by its input_ids (sglang-router's
+    GenerateRequest.extract_text_for_routing joins them as text): a multi-turn sample's next turn,
+    whose ids extend its last turn's, goes to the server that holds that turn in its radix cache.
+    16 samples x 3 turns, each later turn the last one's ids + its output + an observation."""
+    import random
+    rec, rng = tmp_path / "requests.jsonl", random.Random(0)
+    kw = dict(server_args=["--fake-record", str(rec)], launch_cmd=[sys.executable, FAKE], timeout=30)
+    a = SGLangEngine(ckpt, tmp_path, name="node00_0", **kw)
+    b = SGLangEngine(ckpt, tmp_path, name="node00_1", **kw)
+    try:
+        a.attach_router([a.server.url, b.server.url])
+        turns = [[rng.randrange(100, 5000) for _ in range(40)] for _ in range(16)]
+        for _ in range(3):
+            outs = a.generate([{"input_ids": ids, "images": []} for ids in turns], dict(max_new_tokens=8))
+            assert all(o["ids"] for o in outs), outs
+            turns = [ids + o["ids"] + [rng.randrange(100, 5000) for _ in range(10)] for ids, o in zip(turns, outs)]
+    finally:
+        a.shutdown()
+        b.shutdown()
+    gens = [json.loads(line) for line in rec.read_text().splitlines() if '"/generate"' in line]
+    firsts = [g for g in gens if len(g["json"]["input_ids"]) == 40]
+    assert len(gens) == 48 and len({g["pid"] for g in firsts}) == 2  # the first turns spread over both
+    for g in gens:
+        ids = g["json"]["input_ids"]
+        first = next(f for f in firsts if ids[:40] == f["json"]["input_ids"])
+        assert g["pid"] == first["pid"], "a later turn left its sample's server"
+
+
+@pytest.mark.parametrize("nodes", [2, 1], ids=["two_nodes", "one_node_two_servers"])
+def test_every_server_serves_and_takes_every_steps_weights(tiny_ckpt, tmp_path, nodes):
+    """Two servers, two GRPO steps: two torchrun launches (--nnodes 2 on 127.0.0.1, one process a
+    node), each node's rank starting its own server; or one launch of two processes with
+    --rollout-num-gpus-per-engine 1 (on CPU: a server a rank), both servers on 127.0.0.1 without a
+    key. Rank 0 starts the router; both servers serve, each gets every step's weights in a folder of
+    its own, and before any rollout of the next step."""
     from tools import synth
     synth.write_synth(tmp_path / "d", 16, n_test=0, seed=0, kinds=("sides",))
     save, rec, port = tmp_path / "run", tmp_path / "requests.jsonl", free_port()
@@ -72,13 +105,16 @@ def test_two_nodes_train_with_a_server_each(tiny_ckpt, tmp_path):
             "--rollout-max-response-len", "12", "--max-tokens-per-gpu", "512", "--entropy-coef", "0.01",
             # 8 requests a step: cache_aware balances only past a load gap of 64 (its default); here at any gap
             "--sglang-router-args", "--balance-abs-threshold 0 --balance-rel-threshold 1.0"]
+    names = ["node00", "node01"] if nodes == 2 else ["node00_0", "node00_1"]
+    if nodes == 1:
+        args += ["--rollout-num-gpus-per-engine", "1"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
-                               "--nproc_per_node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                               str(ROOT / "train_grpo.py"), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank",
+                               str(r), "--nproc_per_node", str(3 - nodes), "--master-addr", "127.0.0.1",
+                               "--master-port", str(port), str(ROOT / "train_grpo.py"), *args], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(nodes)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert [p.returncode for p in procs] == [0] * nodes, "".join(o[-3000:] for o in outs)
     assert "2 SGLang servers behind SGLang's router" in outs[0]
     steps = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2] and all(m["failed_frac"] == 0 for m in steps), steps
@@ -87,13 +123,16 @@ def test_two_nodes_train_with_a_server_each(tiny_ckpt, tmp_path):
     updates = [(i, c["pid"], c["json"]["model_path"]) for i, c in enumerate(calls)
                if c["path"] == "/update_weights_from_disk"]
     assert len(set(gens)) == 2 and len(updates) == 4 and len({pid for _, pid, _ in updates}) == 2
-    assert {Path(p).parent.name for _, _, p in updates} == {"node00", "node01"}  # a folder a node
+    assert {Path(p).parent.name for _, _, p in updates} == set(names)  # a folder a server
     first_of_step2 = next(i for i, c in enumerate(calls) if c["path"] == "/generate" and i > updates[0][0])
     assert all(i < first_of_step2 for i, _, _ in updates[:2])  # both servers updated before step 2 generates
-    for log in ("sglang_node00.log", "sglang_node01.log", "sglang_router.log"):
+    for log in [f"sglang_{n}.log" for n in names] + ["sglang_router.log"]:
         text = (save / log).read_text()
-        assert "--api-key ***" in text and not re.search(r"--api-key (?!\*\*\*)", text), log
-    assert "--host 127.0.0.1" in (save / "sglang_node01.log").read_text()  # the node's route to MASTER_ADDR
+        if nodes == 2:
+            assert "--api-key ***" in text and not re.search(r"--api-key (?!\*\*\*)", text), log
+        else:
+            assert "--api-key" not in text, log
+    assert "--host 127.0.0.1" in (save / f"sglang_{names[1]}.log").read_text()  # 2 nodes: the route to MASTER_ADDR
 
 
 FAILING = """
@@ -168,3 +207,17 @@ def test_a_server_killed_mid_rollout_is_restarted_and_no_sample_is_lost(ckpt, pr
         a.shutdown()
         b.shutdown()
     assert (tmp_path / "sglang_node01.log").read_text().count("starting:") == 2
+
+
+def test_routing_replay_with_several_servers_is_refused_before_any_starts(monkeypatch):
+    """The router drops return_routed_experts: R3 with two servers on one node stops at start, by name."""
+    import types
+    import cluster
+    import train_grpo as G
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setitem(cluster._LAYOUT, "servers_per_node", 1)  # start() sets it: restored after the test
+    args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--rollout-engine", "sglang",
+                         "--rollout-num-gpus-per-engine", "1", "--use-rollout-routing-replay"])
+    monkeypatch.setattr(cluster.sglang_engine, "make_engine", lambda *a, **k: pytest.fail("a server started"))
+    with pytest.raises(SystemExit, match="--use-rollout-routing-replay with several SGLang servers"):
+        cluster.start(args, types.SimpleNamespace(rank=0, world=2), "x", "x")

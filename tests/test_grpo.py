@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import cluster
 import train_grpo as G
 import trainer as T
-from sglang_engine import COLOCATE_MEM_FRACTION, sglang_placement
+from sglang_engine import COLOCATE_MEM_FRACTION, servers_per_node, sglang_placement
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -314,6 +315,20 @@ def test_placement_of_the_sglang_server():
     assert sglang_placement(args(extra=["--sglang-device", "cpu"]), False, 0, 1) == (["--device", "cpu"], {})
     with pytest.raises(SystemExit, match="--colocate needs CUDA"):  # release would kill a CPU server
         sglang_placement(args("--colocate"), False, 0, 1)
+    # --rollout-num-gpus-per-engine K: the node's serving GPUs in slices of K, a server (TP K) each
+    two = args("--colocate", "--rollout-num-gpus-per-engine", "2")
+    assert servers_per_node(two, True, 8) == 4
+    flags, env = sglang_placement(two, True, 8, 8, index=1)
+    assert env == {"CUDA_VISIBLE_DEVICES": "2,3"} and flags[-2:] == ["--tp-size", "2"]
+    split = args("--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2")
+    assert servers_per_node(split, True, 4) == 2
+    assert sglang_placement(split, True, 8, 4, index=1)[1] == {"CUDA_VISIBLE_DEVICES": "6,7"}
+    assert servers_per_node(args("--rollout-num-gpus-per-engine", "1"), False, 2) == 2  # CPU: a server per rank
+    assert servers_per_node(args("--colocate"), True, 8) == 1
+    with pytest.raises(SystemExit, match="--rollout-num-gpus-per-engine 3: a node's 8 serving GPUs"):
+        servers_per_node(args("--colocate", "--rollout-num-gpus-per-engine", "3"), True, 8)
+    with pytest.raises(SystemExit, match="4 servers a node, but only 2 trainer ranks"):
+        servers_per_node(args("--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "1"), True, 2)
 
 
 def test_colocated_distributed_weight_sync_is_refused_at_parse_time(capsys):
@@ -419,10 +434,10 @@ def test_colocated_engine_steps_aside_for_every_rank(monkeypatch, offload):
         events.clear()
         par = types.SimpleNamespace(rank=rank, world=2)
         mine = engine if rank == 0 else None  # the engine's rank (cluster.py: each node's leader)
-        G.step_aside(par, mine, off if offload else None)
-        assert G.step_back(par, mine, off if offload else None) == {"gpu_train_peak_gib": 40.0,
+        cluster.step_aside(par, mine, off if offload else None)
+        assert cluster.step_back(par, mine, off if offload else None) == {"gpu_train_peak_gib": 40.0,
                                                                     "gpu_held_at_resume_gib": 1.0}
-        G.to_rollout(par, mine, off if offload else None, args)
+        cluster.to_rollout(par, mine, off if offload else None, args)
         assert events == want, (rank, events)
 
 
@@ -481,6 +496,7 @@ def test_async_rollout_overlaps_training_and_resumes_after_sigkill(tiny_ckpt, tm
     assert [m["rollout_policy_version"] for m in steps] == [0, 0, 1, 2]  # one step behind after the first
     assert all(m["rollout_ahead_overlap_s"] > 0 for m in steps[:3]) and "rollout_ahead_overlap_s" not in steps[3]
     assert all(m["grad_norm"] > 0 and m["failed_frac"] == 0 for m in steps), steps
+    assert all(m["step_s"] >= m["rollout_s"] + m["train_s"] + m["sync_s"] for m in steps)  # a step's wall time
     crash = tmp_path / "crash"
     killed_after_checkpoint(common, crash, "iter_0000002")
     saved = int((crash / "latest").read_text().strip()[len("iter_"):])  # 2, or 3 if step 3 beat the kill

@@ -350,42 +350,53 @@ def test_weight_sync_without_the_disk_is_bit_exact(mode, ckpt, tmp_path):
 IPC_WORKER = """
 import sys, types
 sys.path.insert(0, sys.argv[1])
-import torch, parallel, model as M, train_grpo as G
+import torch, cluster, parallel, model as M
 from sglang_engine import SGLangEngine
-ckpt, run_dir, fake = sys.argv[2:5]
+ckpt, run_dir, fake, servers = *sys.argv[2:5], int(sys.argv[5])
 par = parallel.init_distributed(1)
 rank, world = par.rank, par.world
+cluster._LAYOUT["servers_per_node"] = servers  # as cluster.start sets it for --rollout-num-gpus-per-engine
 m = M.load_model(ckpt)
 eng = None
-if rank == 0:  # the server's TP is 2: one blob a server TP rank
-    eng = SGLangEngine(ckpt, run_dir, server_args=["--fake-record", run_dir + "/requests.jsonl", "--fake-dump",
-                       run_dir + "/dump", "--tp-size", "2"], launch_cmd=[sys.executable, fake], weight_sync="tensor")
+if rank % (world // servers) == 0:  # each server's TP is 2: one blob a server TP rank
+    d = f"{run_dir}/{rank}"
+    eng = SGLangEngine(ckpt, d, server_args=["--fake-record", d + "/requests.jsonl", "--fake-dump", d + "/dump",
+                       "--tp-size", "2"], launch_cmd=[sys.executable, fake], weight_sync="tensor")
 plan = [eng.sync_plan() if eng else None]
 torch.distributed.broadcast_object_list(plan)
-G.sync_weights(m, eng, types.SimpleNamespace(rank=rank, world=2), plan[0])
+cluster.sync_weights(m, eng, types.SimpleNamespace(rank=rank, world=world), plan[0])
 if eng:
     eng.shutdown()
 """
 
 
-def test_tensor_sync_to_a_tp2_server_sends_each_ranks_own_copy(ckpt, tmp_path):
+@pytest.mark.parametrize("world,servers", [(2, 1), (4, 2)], ids=["one_server", "two_servers"])
+def test_tensor_sync_to_a_tp2_server_sends_each_ranks_own_copy(ckpt, tmp_path, world, servers):
     """Server TP rank i opens only blob i (sglang tp_worker.py:194-201): trainer rank i serialises its
     own (GPU's) copy, so the two blobs differ (CPU: each names its own process's /dev/shm file) while
-    their tensors are export_hf's, bit for bit."""
+    their tensors are export_hf's, bit for bit. Two servers of TP 2 on one node's four ranks
+    (--rollout-num-gpus-per-engine 2): ranks 0-1 feed the first, held by rank 0; ranks 2-3 the second."""
     import subprocess
     import torch
     import convert
     import model as M
     from safetensors.torch import load_file
-    (tmp_path / "dump").mkdir()
+    holders = [r for r in range(world) if r % (world // servers) == 0]
+    for r in holders:
+        (tmp_path / str(r) / "dump").mkdir(parents=True)
     script = tmp_path / "ipc_worker.py"
     script.write_text(IPC_WORKER)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(script), str(Path(__file__).parents[1]), str(ckpt), str(tmp_path), FAKE],
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
+                        str(script), str(Path(__file__).parents[1]), str(ckpt), str(tmp_path), FAKE, str(servers)],
                        env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    bodies = [x["json"] for x in read_record(tmp_path / "requests.jsonl") if x["path"] == "/update_weights_from_tensor"]
-    assert bodies and all(len(set(b["serialized_named_tensors"])) == 2 for b in bodies)
     want = {k: v for b in convert.export_hf(M.load_model(ckpt)) for k, v in b}
-    got = load_file(str(tmp_path / "dump" / "update_0.safetensors"))
-    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    blobs = []
+    for h in holders:
+        bodies = [x["json"] for x in read_record(tmp_path / str(h) / "requests.jsonl")
+                  if x["path"] == "/update_weights_from_tensor"]
+        assert bodies and all(len(set(b["serialized_named_tensors"])) == 2 for b in bodies)
+        blobs += [blob for b in bodies for blob in b["serialized_named_tensors"]]
+        got = load_file(str(tmp_path / str(h) / "dump" / "update_0.safetensors"))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert len(set(blobs)) == len(blobs)  # every trainer rank sent its own copy, to its own server
