@@ -141,6 +141,7 @@ class Server:
             log.flush()
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
+            log.write(f"=== pid {self.proc.pid}\n".encode())  # its process group's too
         deadline = time.time() + self.timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
