@@ -40,8 +40,9 @@ if [[ "$NUM_GPUS" == 0 ]]; then
   RUN=runs/${NAME:-cpu-demo}
   rm -rf "$RUN"; mkdir -p "$RUN"
   PY=.venv/bin/python
-  $PY tools/synth.py --n 1024 --n-test 64 --out "$RUN/data" --kinds sides    # regular 3-6-gons: how many sides?
-  $PY tools/synth.py --n 384 --seed 1 --out "$RUN/warmup" --kinds sides     # other problems, for SFT
+  SEED=${SEED:-1234} DATA_SEED=${DATA_SEED:-0}   # GRPO's seed; the data's and SFT's (bench/RESULTS.md: both varied)
+  $PY tools/synth.py --n 1024 --n-test 64 --seed "$DATA_SEED" --out "$RUN/data" --kinds sides   # regular 3-6-gons: how many sides?
+  $PY tools/synth.py --n 384 --seed $((DATA_SEED + 1)) --out "$RUN/warmup" --kinds sides      # other problems, for SFT
   $PY model.py tiny --arch qwen3_vl --out "$RUN/base"                        # random weights, real tokenizer
   EVAL=(--eval-prompt-data "$RUN/data" --eval-split test --eval-samples 64)
   $PY train_grpo.py --hf-checkpoint "$RUN/base" --prompt-data "$RUN/data" --save "$RUN/base_eval" \
@@ -50,14 +51,14 @@ if [[ "$NUM_GPUS" == 0 ]]; then
   # a slow body (README, "Known limits"); it reads the picture only after ~60 steps of SFT.
   $PY sft.py --hf-checkpoint "$RUN/base" --prompt-data "$RUN/warmup" --save "$RUN/sft" "${EVAL[@]}" \
       --lr 1e-4 --decoupled-lr 1e-2 --lr-decay-style constant --lr-warmup-iters 3 --global-batch-size 16 \
-      --num-epoch 1 --max-tokens-per-gpu 1024
+      --num-epoch 1 --max-tokens-per-gpu 1024 --seed $((1234 + DATA_SEED))
   GRPO=(--prompt-data "$RUN/data" "${EVAL[@]}" --rollout-engine local --rollout-batch-size 8
         --n-samples-per-prompt 8 --rollout-max-response-len 48 --rollout-temperature 1.0
-        --lr 1e-4 --decoupled-lr 3e-3 --eval-interval 20 --save-interval 20 --max-tokens-per-gpu 1024)
+        --lr 1e-4 --decoupled-lr 3e-3 --eval-interval 20 --save-interval 20 --max-tokens-per-gpu 1024 --seed "$SEED")
   $PY train_grpo.py --hf-checkpoint "$RUN/sft/$(cat "$RUN/sft/latest")" --save "$RUN/grpo" \
       "${GRPO[@]}" --num-rollout 100
   $PY train_grpo.py --hf-checkpoint "$RUN/grpo/$(cat "$RUN/grpo/latest")" --save "$RUN/grpo_mt" \
-      "${GRPO[@]}" --num-rollout 30 --max-turns 3
+      "${GRPO[@]}" --num-rollout 30 --max-turns 3 --lr-warmup-iters 10   # warm-up: README, "Known limits"
   $PY tools/report.py "$RUN"
   echo "final Hugging Face checkpoint: $RUN/grpo_mt/$(cat "$RUN/grpo_mt/latest")"
   exit 0
