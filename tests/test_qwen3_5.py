@@ -278,17 +278,21 @@ def run_entry(script, *args, nproc=1):
 
 
 def test_sft_and_grpo_run_end_to_end_with_tiny_moe(tiny_ckpt, tmp_path):
-    """SFT then GRPO (--rollout-engine local) on the tiny Qwen3.5-MoE: the expert load is logged
-    every step, and the trainer's logprobs equal the rollout engine's (transformers') ones."""
+    """SFT then GRPO (--rollout-engine local) on the tiny Qwen3.5-MoE as transformers' save_pretrained
+    writes it (experts per expert; SFT's checkpoint keeps them so, the local engine takes them at every
+    weight update): the expert load is logged every step, and the trainer's logprobs equal the rollout
+    engine's (transformers') ones."""
     from tools import synth
     synth.write_synth(tmp_path / "d", 8, n_test=2, seed=0)
-    d = tiny_ckpt("qwen3_5_moe")
+    d = tiny_ckpt("qwen3_5_moe", per_expert=True)
     sft = run_entry("sft.py", "--hf-checkpoint", d, "--prompt-data", tmp_path / "d", "--save", tmp_path / "sft",
                     "--global-batch-size", "4", "--num-epoch", "1", "--lr", "1e-3")
     grpo = run_entry("train_grpo.py", "--hf-checkpoint", tmp_path / "sft" / "iter_0000002", "--prompt-data",
                      tmp_path / "d", "--save", tmp_path / "grpo", "--rollout-engine", "local", "--rollout-batch-size",
                      "2", "--n-samples-per-prompt", "2", "--num-rollout", "2", "--rollout-max-response-len", "16",
                      "--global-batch-size", "4")
+    saved = source_tensors(tmp_path / "sft" / "iter_0000002")
+    assert "model.language_model.layers.1.mlp.experts.3.down_proj.weight" in saved
     steps = [m for m in sft if "loss" in m] + [m for m in grpo if "reward" in m]
     assert len(steps) == 4
     for m in steps:
