@@ -279,6 +279,10 @@ class MegatronVLM(torch.nn.Module):
         self.q35 = hf_config.model_type in ("qwen3_5", "qwen3_5_moe")
         self.impl = layer_impl(opts.transformer_impl)
         self.te = self.impl == "transformer_engine"
+        if self.te and par.cp > 1 and not opts.bf16:  # TE 2.20.2 get_attention_backend: Flash and Fused take
+            # bf16/fp16 only, Unfused no CP (dot_product_attention/utils.py:670-712, 1269-1273): no backend left
+            raise SystemExit(f"--context-parallel-size {par.cp} with Transformer Engine needs --bf16: TE has no fp32 "
+                             "attention under context parallelism. Pass --bf16, or --transformer-impl local (unfused).")
         self.recompute = (opts.recompute_granularity, opts.recompute_method, opts.recompute_num_layers)
         if self.recompute[0] == "selective" and not torch.cuda.is_available():  # its backward calls CUDA
             raise SystemExit("--recompute-granularity selective (Megatron's checkpointed core attention) "

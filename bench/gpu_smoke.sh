@@ -148,13 +148,15 @@ else
 fi
 # Context parallelism: Transformer Engine's THD attention with its CP group (Megatron hands it
 # cu_seqlens_*_padded, multiples of 2 x CP: model.py) and Gated DeltaNet's head all-to-all over NCCL;
-# then GRPO at CP2, whose logprob gap to the local engine must stay at the one-GPU level
+# then GRPO at CP2, whose logprob gap to the local engine must stay at the one-GPU level. All in bf16: TE
+# has no fp32 attention under CP (the model refuses it at build)
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [ "$GPUS" -ge 2 ]; then
   TR2=("$PY" -m torch.distributed.run --standalone --nproc_per_node 2)
-  check check_te_cp2_qwen3_vl "${TR2[@]}" model.py check --hf-checkpoint "$DIR/tiny" --context-parallel-size 2
-  check check_te_cp2_qwen3_5 "${TR2[@]}" model.py check --hf-checkpoint "$DIR/tiny35" --context-parallel-size 2
-  check grpo_cp2 "${TR2[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine local --context-parallel-size 2 --save "$DIR/grpo_cp2"
+  check check_te_cp2_qwen3_vl "${TR2[@]}" model.py check --hf-checkpoint "$DIR/tiny" --context-parallel-size 2 --bf16
+  check check_te_cp2_qwen3_5 "${TR2[@]}" model.py check --hf-checkpoint "$DIR/tiny35" --context-parallel-size 2 --bf16
+  check grpo_cp2 "${TR2[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine local --context-parallel-size 2 "${BF16[@]}" \
+    --save "$DIR/grpo_cp2"
   check grpo_cp2_metrics metric "$DIR/grpo_cp2"
   # Pipeline parallelism over NCCL (batched p2p): a tied Qwen3-VL, Qwen3.5-MoE with the alltoall
   # dispatcher (its DtoH copies on a real side stream, token_dispatcher.py:445, 871-894; a stand-in on
