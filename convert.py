@@ -286,7 +286,10 @@ def hf_tensors(model, grad=False):
             if head[0] is None:
                 break
             n, shape, dtype = head[0]
-            x = t.contiguous() if mine is not None else torch.empty(shape, dtype=dtype, device=par.device)
+            if mine is not None:  # on par.device: NCCL refuses a CPU tensor, and `mtp.*` comes from the file
+                x = t.to(par.device).contiguous()
+            else:
+                x = torch.empty(shape, dtype=dtype, device=par.device)
             dist.broadcast(x, src=src, group=par.pp_group)
             yield n, x
 

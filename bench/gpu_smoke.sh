@@ -160,9 +160,10 @@ if [ "$GPUS" -ge 2 ]; then
   check grpo_cp2_metrics metric "$DIR/grpo_cp2"
   # Pipeline parallelism over NCCL (batched p2p): a tied Qwen3-VL, Qwen3.5-MoE with the alltoall
   # dispatcher (its DtoH copies on a real side stream, token_dispatcher.py:445, 871-894; a stand-in on
-  # CPU), SFT and GRPO at PP2
+  # CPU) and an MTP head (its mtp.* tensors, read on the CPU, broadcast to the other stage), SFT and GRPO
+  # at PP2
   check tiny_pp bash -c "$PY model.py tiny --arch qwen3_vl --layers 4 --tie --out $DIR/tiny_pp && \
-$PY model.py tiny --arch qwen3_5_moe --layers 4 --out $DIR/tiny_moe_pp && echo made"
+$PY model.py tiny --arch qwen3_5_moe --layers 4 --mtp --out $DIR/tiny_moe_pp && echo made"
   check check_pp2_qwen3_vl "${TR2[@]}" model.py check --hf-checkpoint "$DIR/tiny_pp" --pipeline-model-parallel-size 2
   check check_pp2_qwen3_5_moe "${TR2[@]}" model.py check --hf-checkpoint "$DIR/tiny_moe_pp" --pipeline-model-parallel-size 2
   check sft_pp2 "${TR2[@]}" sft.py --hf-checkpoint "$DIR/tiny_pp" --prompt-data "$DIR/data" --save "$DIR/sft_pp2" \

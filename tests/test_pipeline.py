@@ -36,3 +36,19 @@ def test_layouts_pp_cannot_split_are_refused_with_the_rule(tiny_ckpt):
     assert r.returncode != 0
     assert "the first stage holds 1 layers, fewer than the 2 Qwen3-VL adds deepstack features to" in r.stderr
 
+
+def test_pp_export_broadcasts_from_the_device(monkeypatch):
+    """Under PP each stage's tensors reach the others by dist.broadcast over the PP group, NCCL on GPUs,
+    which refuses CPU tensors: the `mtp.*` tensors export reads from the file (on the CPU) go from
+    par.device too. The meta device stands in for CUDA, a stage's generator and the collectives for PP2."""
+    import types
+    import torch
+    import convert
+    par = types.SimpleNamespace(pp=2, pp_rank=0, pp_group=None, device=torch.device("meta"))
+    monkeypatch.setattr(convert, "_stage_tensors", lambda model, grad: iter([("mtp.fc.weight", torch.ones(2, 2))]))
+    monkeypatch.setattr(convert.dist, "get_global_rank", lambda group, r: r)
+    monkeypatch.setattr(convert.dist, "broadcast_object_list", lambda head, src, group: None)
+    sent = []
+    monkeypatch.setattr(convert.dist, "broadcast", lambda x, src, group: sent.append((src, x.device)))
+    assert [n for n, _ in convert.hf_tensors(types.SimpleNamespace(par=par))] == ["mtp.fc.weight"]
+    assert sent == [(0, torch.device("meta"))]
