@@ -87,8 +87,9 @@ check grpo_bf16_distopt_full_recompute "${TR[@]}" train_grpo.py "${GRPO[@]}" --r
 check grpo_bf16_resume "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine local "${BF16[@]}" \
   --recompute-granularity full --num-rollout 4 --save "$DIR/grpo_bf16" --load "$DIR/grpo_bf16"
 check grpo_bf16_metrics metric "$DIR/grpo_bf16"
-# --offload-train (offload.py): a release frees >= 90% of what the trainer holds (memory_allocated),
-# the restore is bit-exact; then with megatron's CPU Adam (HybridDeviceOptimizer), and a GRPO run with it
+# --offload-train (offload.py): a release frees >= 90% of what the trainer holds (memory_allocated) into
+# host buffers page-locked at their exact size, the restore is bit-exact; then with megatron's CPU Adam
+# (HybridDeviceOptimizer), and a GRPO run with it
 check offload_bf16_distopt "$PY" bench/offload_check.py "$DIR/tiny" "${BF16[@]}"
 check offload_cpu_adam "$PY" bench/offload_check.py "$DIR/tiny" "${BF16[@]}" --optimizer-cpu-offload
 check grpo_cpu_adam "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine local "${BF16[@]}" --optimizer-cpu-offload \
