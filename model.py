@@ -312,7 +312,7 @@ class MegatronVLM(torch.nn.Module):
         self.config, self.model_type = pipeline.schedule_config(cfg), pipeline.ModelType.encoder_or_decoder
         if self.tie and par.pp > 1 and self.post:  # Megatron's mark: its grad norm skips the copy
             self.language_model.output_layer.weight.shared = True
-        self.routes = routing.RouteCounter(self.language_model)
+        self.routes = routing.RouteCounter(self.language_model, self.offset, cfg.num_layers)
         self.replays = routing.install(self.language_model)  # {local layer: Replay}, R3 (routing.py)
         if self.pre:  # we embed, place the image features and scatter the sequence (SP) ourselves
             self.language_model.embedding.word_embeddings.reduce_scatter_embeddings = False
@@ -331,8 +331,8 @@ class MegatronVLM(torch.nn.Module):
         return routing.take_mismatch(self.replays)
 
     def expert_load(self):
-        """(MoE layers, experts) token counts routed by this rank since the last call (padding
-        included), then reset; None for a dense model or before any forward."""
+        """(decoder layers, experts) token counts routed by this rank since the last call (padding
+        included; rows of other PP stages' layers 0), then reset; None for a dense model or before any forward."""
         return self.routes.take()
 
     def _head_weight(self):  # (V_local, H): this rank's rows of the (padded) vocabulary

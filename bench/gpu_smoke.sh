@@ -162,13 +162,20 @@ if [ "$GPUS" -ge 2 ]; then
   # Pipeline parallelism over NCCL (batched p2p): a tied Qwen3-VL, Qwen3.5-MoE with the alltoall
   # dispatcher (its DtoH copies on a real side stream, token_dispatcher.py:445, 871-894; a stand-in on
   # CPU) and an MTP head (its mtp.* tensors, read on the CPU, broadcast to the other stage), SFT and GRPO
-  # at PP2
+  # at PP2, and SFT of the MoE split 3 + 1 (expert_load adds each layer's counts to its own)
   check tiny_pp bash -c "$PY model.py tiny --arch qwen3_vl --layers 4 --tie --out $DIR/tiny_pp && \
 $PY model.py tiny --arch qwen3_5_moe --layers 4 --mtp --out $DIR/tiny_moe_pp && echo made"
   check check_pp2_qwen3_vl "${TR2[@]}" model.py check --hf-checkpoint "$DIR/tiny_pp" --pipeline-model-parallel-size 2
   check check_pp2_qwen3_5_moe "${TR2[@]}" model.py check --hf-checkpoint "$DIR/tiny_moe_pp" --pipeline-model-parallel-size 2
   check sft_pp2 "${TR2[@]}" sft.py --hf-checkpoint "$DIR/tiny_pp" --prompt-data "$DIR/data" --save "$DIR/sft_pp2" \
     --global-batch-size 8 --lr 1e-3 --pipeline-model-parallel-size 2 --bf16 --accumulate-allreduce-grads-in-fp32
+  check sft_pp2_moe_3_1 "${TR2[@]}" sft.py --hf-checkpoint "$DIR/tiny_moe_pp" --prompt-data "$DIR/data" \
+    --save "$DIR/sft_pp2_moe" --global-batch-size 8 --lr 1e-3 --num-epoch 1 --pipeline-model-parallel-size 2 \
+    --decoder-first-pipeline-num-layers 3 --moe-token-dispatcher-type alltoall "${BF16[@]}"
+  check sft_pp2_moe_3_1_metrics "$PY" -c "
+import json; rows = [json.loads(x) for x in open('$DIR/sft_pp2_moe/metrics.jsonl') if '\"loss\"' in x]
+assert rows and all(len(r['expert_load']) == 4 and abs(sum(r['expert_load']) - 1) < 1e-3 for r in rows), rows
+print(rows[-1]['expert_load'])"
   check grpo_pp2 "${TR2[@]}" train_grpo.py "${GRPO[@]}" --hf-checkpoint "$DIR/tiny_pp" --rollout-engine local \
     --pipeline-model-parallel-size 2 --kl-loss-coef 0.01 --save "$DIR/grpo_pp2"
   check grpo_pp2_metrics metric "$DIR/grpo_pp2"

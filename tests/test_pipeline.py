@@ -52,3 +52,35 @@ def test_pp_export_broadcasts_from_the_device(monkeypatch):
     monkeypatch.setattr(convert.dist, "broadcast", lambda x, src, group: sent.append((src, x.device)))
     assert [n for n, _ in convert.hf_tensors(types.SimpleNamespace(par=par))] == ["mtp.fc.weight"]
     assert sent == [(0, torch.device("meta"))]
+
+
+def test_expert_load_adds_each_layers_counts_to_its_own(monkeypatch):
+    """Uneven PP (3 + 1 MoE layers): stage 0 routes layers 0-2, stage 1 layer 3. Each counts its layers
+    in their rows of one (4 layers, experts) table, so the all-reduce over every rank adds tables of one
+    shape (NCCL checks no sizes: 3 x E elements against E hangs or reads garbage) and each layer's
+    share comes from its own tokens."""
+    import types
+    import torch
+    import routing
+    import trainer as T
+
+    class TopKRouter(torch.nn.Module):  # Megatron's, as the counter's hook sees it: -> (probs, routing_map)
+        def forward(self, routing_map):
+            return None, routing_map
+
+    def stage(first, n):  # layer L sends L + 1 tokens to expert 0 and one to expert 1
+        lm = torch.nn.Module()
+        lm.decoder = torch.nn.Module()
+        lm.decoder.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(n))
+        for layer in lm.decoder.layers:
+            layer.mlp = torch.nn.Module()
+            layer.mlp.router = TopKRouter()
+        counter = routing.RouteCounter(lm, first, 4)
+        for i, layer in enumerate(lm.decoder.layers):
+            layer.mlp.router(torch.eye(2, dtype=torch.bool)[[0] * (first + i + 1) + [1]])
+        return counter.take()
+    loads = [stage(0, 3), stage(3, 1)]
+    monkeypatch.setattr(T.parallel, "all_reduce", lambda t, group: loads[0] + loads[1])
+    got = T.expert_load(types.SimpleNamespace(expert_load=lambda: loads[0]))
+    share = sum((L + 1) / (L + 2) for L in range(4)) / 4  # expert 0's, mean over the layers
+    assert got["expert_load"] == [round(share, 4), round(1 - share, 4)]
