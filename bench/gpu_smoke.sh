@@ -63,6 +63,19 @@ check tiny_qwen3_5 bash -c "$PY model.py tiny --arch qwen3_5 --out $DIR/tiny35 &
 check check_te_qwen3_5 "$PY" model.py check --hf-checkpoint "$DIR/tiny35"
 check check_qwen3_5_torch_conv "$PY" -c "import runpy, sys, qwen3_5; qwen3_5.causal_conv1d_fn = None
 sys.argv = ['model.py', 'check', '--hf-checkpoint', '$DIR/tiny35']; runpy.run_path('model.py', run_name='__main__')"
+# in a bf16 model FLA's delta rule takes q, k and v in bf16 (not promoted to fp32)
+check qwen3_5_fla_bf16 "$PY" -c "
+import torch, model as M, qwen3_5
+seen, fla = [], qwen3_5.chunk_gated_delta_rule
+def recorded(q, k, v, *a, **kw):
+    seen.append((q.dtype, k.dtype, v.dtype))
+    return fla(q, k, v, *a, **kw)
+qwen3_5.chunk_gated_delta_rule = recorded
+m = M.load_model('$DIR/tiny35', M.ModelOptions(bf16=True))
+with torch.no_grad():
+    m([torch.arange(100, 164, device=m.par.device)])
+assert seen and all(s == (torch.bfloat16,) * 3 for s in seen), seen
+print('FLA q, k, v dtypes', seen[0])"
 # torchrun with one process: the NCCL backend, so every collective must take CUDA tensors.
 TR=("$PY" -m torch.distributed.run --standalone --nproc_per_node 1)
 check sft_4_steps "${TR[@]}" sft.py --hf-checkpoint "$DIR/tiny" --prompt-data "$DIR/data" --save "$DIR/sft" \
