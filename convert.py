@@ -223,9 +223,11 @@ def load_weights(model):
     its slices."""
     files = model.names.files
     handles = {f: open_weights(f) for f in set(files.values())}
+    read = {"lm_head.weight"} if model.tie else set()  # a tied head's: export writes the embedding there
     with torch.no_grad():
         for name, p in model.named_parameters():
             kind, hf = rule(model, name)
+            read.update(hf)
             slices = [handles[files[n]].get_slice(n) for n in hf]
             if kind in ("fused", "expert"):  # whole experts, one set per EP rank: reduced over expert-DP
                 e = expert_id(model, name)
@@ -241,6 +243,14 @@ def load_weights(model):
     if bad:
         raise SystemExit(f"{files[bad[0]]}: tensor {bad[0]} holds NaN or inf"
                          + (f" ({len(bad) - 1} more tensors too)" if len(bad) > 1 else ""))
+    # Every tensor but mtp.* (passed through) must reach a parameter on some rank: export sends only those,
+    # and SGLang releases its weights without a CPU copy, so any other would be garbage after the first release.
+    everyone = [None] * model.par.world
+    dist.all_gather_object(everyone, read)
+    left = sorted(n for n in files if not n.startswith("mtp.") and not any(n in r for r in everyone))
+    if left:
+        raise SystemExit(f"{model.hf_dir}: {len(left)} tensors of the checkpoint load into no parameter of the "
+                         f"model: {', '.join(left[:5])}" + (" ..." if len(left) > 5 else ""))
 
 
 def _experts(model, name, kind, hf, t, fused):
@@ -286,7 +296,10 @@ def hf_tensors(model, grad=False):
             if head[0] is None:
                 break
             n, shape, dtype = head[0]
-            x = t.contiguous() if mine is not None else torch.empty(shape, dtype=dtype, device=par.device)
+            if mine is not None:  # on par.device: NCCL refuses a CPU tensor, and `mtp.*` comes from the file
+                x = t.to(par.device).contiguous()
+            else:
+                x = torch.empty(shape, dtype=dtype, device=par.device)
             dist.broadcast(x, src=src, group=par.pp_group)
             yield n, x
 

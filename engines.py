@@ -12,6 +12,9 @@ import re
 import numpy as np
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import (Concatenate, MergeModulelist, WeightConverter, WeightRenaming,
+                                             rename_source_key)
 
 IMAGE_PAD = "<|image_pad|>"
 
@@ -60,6 +63,13 @@ class LocalEngine(Engine):
         # would otherwise change the sampling distribution behind our back.
         self.model.generation_config = GenerationConfig(pad_token_id=self.pad_id, eos_token_id=tok.eos_token_id)
         self.image_pad = tok.convert_tokens_to_ids(IMAGE_PAD)
+        # Checkpoint names -> the model's, as from_pretrained maps them (transformers 5.19 modeling_utils.py:4311,
+        # core_model_loading.py:1648-1660): legacy prefixes, per-expert MoE tensors into the fused ones. The
+        # names it ignores (Qwen3.5's mtp.*, the MTP head: modeling_qwen3_5_moe.py:1004) are skipped.
+        conv = get_model_conversion_mapping(self.model)
+        self.converters = [c for c in conv if isinstance(c, WeightConverter)]
+        self.renamings = [c for c in conv if isinstance(c, WeightRenaming)]
+        self.ignored = "|".join(f"({p})" for p in self.model._keys_to_ignore_on_load_unexpected or ()) or None
         self.recording = None  # R3: {layer: [(B * n, k) expert ids of each forward]} during a generate
         self.route_shape = None
         if routed_experts:  # forward hooks on transformers' routers: (logits, scores, indices) out
@@ -135,19 +145,42 @@ class LocalEngine(Engine):
         return out
 
     def update_weights(self, buckets):
-        """Copy (HF name, full tensor) buckets into the model; returns the number of tensors."""
+        """Copy (HF name, full tensor) buckets into the model; any name from_pretrained takes is taken (a
+        per-expert tensor goes to its slice of the fused one), those it ignores are skipped. -> tensors loaded."""
         params, n = self.model.state_dict(), 0
         with torch.no_grad():
             for name, t in (item for bucket in buckets for item in bucket):
-                if name not in params:
-                    raise KeyError(f"update_weights: {name!r} is not a weight of {type(self.model).__name__}")
-                p = params[name]
+                if name not in params and self.ignored and re.search(self.ignored, name):
+                    continue
+                p = self._target(name, params)
                 if p.shape != t.shape:
                     raise ValueError(f"update_weights: {name} is {tuple(t.shape)}, "
                                      f"model has {tuple(p.shape)}")
                 p.copy_(t.to(p.device, p.dtype))
                 n += 1
         return n
+
+    def _target(self, name, params):
+        """The model tensor, or the view of one, that checkpoint tensor `name` loads into."""
+        if name in params:
+            return params[name]
+        target, pattern = rename_source_key(name, self.renamings, self.converters, self.model.base_model_prefix, params)
+        if target not in params:
+            raise KeyError(f"update_weights: {name!r} is not a weight of {type(self.model).__name__}")
+        if pattern is None:  # renamed only
+            return params[target]
+        conv = next(c for c in self.converters if pattern in c.source_patterns)
+        merge, *cat = conv.operations
+        # per-expert -> fused (conversion_mapping.py:1095-1109): MergeModulelist stacks the experts along its
+        # dim, then Concatenate joins the source patterns ([gate, up]) along its dim of the stacked tensor
+        if not isinstance(merge, MergeModulelist) or len(cat) > 1 or not all(isinstance(o, Concatenate) for o in cat):
+            raise KeyError(f"update_weights: {name!r} loads into {target} through {conv.operations}, which this "
+                           "engine does not apply")
+        x = params[target].select(merge.dim, int(re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), name)[1]))
+        if cat:  # this source's part of the stacked dim, one fewer once the expert's is selected
+            parts = x.chunk(len(conv.source_patterns), cat[0].dim - (cat[0].dim > merge.dim))
+            x = parts[conv.source_patterns.index(pattern)]
+        return x
 
 
 BLOCK = 1024  # vocabulary entries per block of the Sampler's two-level inverse-CDF draw

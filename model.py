@@ -279,6 +279,10 @@ class MegatronVLM(torch.nn.Module):
         self.q35 = hf_config.model_type in ("qwen3_5", "qwen3_5_moe")
         self.impl = layer_impl(opts.transformer_impl)
         self.te = self.impl == "transformer_engine"
+        if self.te and par.cp > 1 and not opts.bf16:  # TE 2.20.2 get_attention_backend: Flash and Fused take
+            # bf16/fp16 only, Unfused no CP (dot_product_attention/utils.py:670-712, 1269-1273): no backend left
+            raise SystemExit(f"--context-parallel-size {par.cp} with Transformer Engine needs --bf16: TE has no fp32 "
+                             "attention under context parallelism. Pass --bf16, or --transformer-impl local (unfused).")
         self.recompute = (opts.recompute_granularity, opts.recompute_method, opts.recompute_num_layers)
         if self.recompute[0] == "selective" and not torch.cuda.is_available():  # its backward calls CUDA
             raise SystemExit("--recompute-granularity selective (Megatron's checkpointed core attention) "
@@ -308,7 +312,7 @@ class MegatronVLM(torch.nn.Module):
         self.config, self.model_type = pipeline.schedule_config(cfg), pipeline.ModelType.encoder_or_decoder
         if self.tie and par.pp > 1 and self.post:  # Megatron's mark: its grad norm skips the copy
             self.language_model.output_layer.weight.shared = True
-        self.routes = routing.RouteCounter(self.language_model)
+        self.routes = routing.RouteCounter(self.language_model, self.offset, cfg.num_layers)
         self.replays = routing.install(self.language_model)  # {local layer: Replay}, R3 (routing.py)
         if self.pre:  # we embed, place the image features and scatter the sequence (SP) ourselves
             self.language_model.embedding.word_embeddings.reduce_scatter_embeddings = False
@@ -327,8 +331,8 @@ class MegatronVLM(torch.nn.Module):
         return routing.take_mismatch(self.replays)
 
     def expert_load(self):
-        """(MoE layers, experts) token counts routed by this rank since the last call (padding
-        included), then reset; None for a dense model or before any forward."""
+        """(decoder layers, experts) token counts routed by this rank since the last call (padding
+        included; rows of other PP stages' layers 0), then reset; None for a dense model or before any forward."""
         return self.routes.take()
 
     def _head_weight(self):  # (V_local, H): this rank's rows of the (padded) vocabulary

@@ -14,6 +14,8 @@ allocator is emptied after each release, so the memory really returns to the GPU
     off.release(("optimizer", "grads")) # after training: all but the weights the sync still reads
     off.restore(("optimizer",))         # a checkpoint is due: the states it saves
 """
+import weakref
+
 import torch
 
 import optim
@@ -67,7 +69,7 @@ class Offload:
                 if kind != "grads":
                     host = self.host.get((kind, i))
                     if host is None or host.numel() != s.nbytes():
-                        host = self.host[kind, i] = torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=cuda)
+                        host = self.host[kind, i] = pinned(s.nbytes())
                     host.copy_(_bytes(s), non_blocking=cuda)
                 self.out[kind].append((s, host, s.nbytes()))
         if cuda:
@@ -93,6 +95,20 @@ class Offload:
     def host_bytes(self):
         """The host memory this holds: a buffer per parked storage but the gradients', kept between steps."""
         return sum(h.numel() for h in self.host.values())
+
+
+def pinned(nbytes):
+    """A host buffer of exactly nbytes, page-locked (registered) where CUDA is, as torch's checkpoint stager
+    pins (distributed/checkpoint/_state_dict_stager.py:170-173). torch.empty(pin_memory=True) would round it
+    up to a power of two (ATen/core/CachingHostAllocator.h:340-349; c10/core/AllocatorConfig.h:361): 8 GiB for 4.2 GB."""
+    host = torch.empty(nbytes, dtype=torch.uint8)
+    if torch.cuda.is_available():
+        cudart = torch.cuda.cudart()
+        err = int(cudart.cudaHostRegister(host.data_ptr(), nbytes, 1))  # 1: cudaHostRegisterPortable
+        if err:
+            raise RuntimeError(f"--offload-train: cudaHostRegister of {nbytes} bytes failed (cudaError {err})")
+        weakref.finalize(host, cudart.cudaHostUnregister, host.data_ptr())
+    return host
 
 
 def _bytes(storage):

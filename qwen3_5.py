@@ -181,12 +181,12 @@ class GatedDeltaNet(MegatronModule):
         return out, None
 
     def _split(self, x, kh, vh):
-        """(..., conv) of kh key and vh value heads -> q, k (..., vh, dk) L2-normalised, q scaled by
-        dk^-1/2, k heads repeated; v (..., vh, dv)."""
+        """(..., conv) of kh key and vh value heads -> q, k (..., vh, dk) L2-normalised in fp32, q scaled
+        by dk^-1/2, k heads repeated; v (..., vh, dv) in x's dtype (FLA takes all three in it)."""
         q, k, v = x.split([kh * self.dk, kh * self.dk, vh * self.dv], -1)
         q, k = (t.unflatten(-1, (kh, self.dk)).repeat_interleave(vh // kh, -2) for t in (q, k))
         q, k = (t * torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + 1e-6) for t in (q.float(), k.float()))
-        return q * self.dk ** -0.5, k, v.unflatten(-1, (vh, self.dv)).float()
+        return q * self.dk ** -0.5, k, v.unflatten(-1, (vh, self.dv))
 
     def _conv(self, qkv, cu, w):
         """Causal depthwise conv (weight w (conv, 1, K)) + silu within each sequence of the packed
@@ -205,14 +205,15 @@ class GatedDeltaNet(MegatronModule):
 
     def _delta_rule(self, q, k, v, g, beta, cu):
         """q, k (T, vh, dk), v (T, vh, dv), g, beta (T, vh) -> o (T, vh, dv), per sequence: FLA's varlen
-        chunked kernel on CUDA, else delta_rule above on a padded batch (S, L)."""
+        chunked kernel on CUDA in v's dtype (bf16 under --bf16), else delta_rule above in fp32 on a
+        padded batch (S, L)."""
         if v.is_cuda and chunk_gated_delta_rule is not None:
             o, _ = chunk_gated_delta_rule(q[None].to(v.dtype), k[None].to(v.dtype), v[None], g[None],
                                           beta[None].float(), scale=1.0, cu_seqlens=cu.long())  # q already scaled
             return o[0]
         lens = (cu[1:] - cu[:-1]).tolist()
-        q, k, v, g, beta = (pad_sequence(t.split(lens), batch_first=True).transpose(1, 2)
-                            for t in (q, k, v, g, beta.float()))  # (S, vh, L, ...)
+        q, k, v, g, beta = (pad_sequence(t.float().split(lens), batch_first=True).transpose(1, 2)
+                            for t in (q, k, v, g, beta))  # (S, vh, L, ...)
         o = delta_rule(q, k, v, g, beta).transpose(1, 2)  # (S, L, vh, dv)
         return torch.cat([o[i, :n] for i, n in enumerate(lens)])
 

@@ -33,13 +33,14 @@ def routers(module):
 
 
 class RouteCounter:
-    """Tokens each MoE layer's router sent to each expert (forward hooks on Megatron's TopKRouter)."""
+    """Tokens each MoE layer's router sent to each expert (forward hooks on Megatron's TopKRouter), in
+    one row per decoder layer of the whole model: a PP stage fills its own layers' rows (its first is
+    `offset` of `layers`), so every rank's table has one shape and one layer's row means one layer."""
 
-    def __init__(self, language_model):
-        found = list(routers(language_model).values())
-        self.counts = None  # (MoE layers, experts), since the last take()
-        for i, m in enumerate(found):
-            m.register_forward_hook(functools.partial(self._count, i, len(found)))
+    def __init__(self, language_model, offset, layers):
+        self.counts = None  # (decoder layers, experts), since the last take(); zeros where no router
+        for i, m in routers(language_model).items():
+            m.register_forward_hook(functools.partial(self._count, offset + i, layers))
 
     def _count(self, i, n, module, inputs, out):
         routing_map = out[1]  # (tokens, experts) bool: Megatron's TopKRouter.forward -> (probs, routing_map)

@@ -173,6 +173,10 @@ class SGLangEngine(Engine):
     def _restarted(self):
         # it holds its launch weights: stale unless synced from disk; its process group is gone
         self.stale, self.group = self.weight_sync != "disk", None
+        if self.released:  # it came back holding all its memory, the trainer's meanwhile: free it again, so
+            # the next resume (or the retried one that found it dead) names only what it freed (SGLang
+            # raises KeyError resuming a region it holds, weight_updater.py:389-390)
+            self.server.post("/release_memory_occupation", {"tags": sorted(self.released)})
 
     def shutdown(self):
         if self.front is not self.server:

@@ -63,6 +63,19 @@ check tiny_qwen3_5 bash -c "$PY model.py tiny --arch qwen3_5 --out $DIR/tiny35 &
 check check_te_qwen3_5 "$PY" model.py check --hf-checkpoint "$DIR/tiny35"
 check check_qwen3_5_torch_conv "$PY" -c "import runpy, sys, qwen3_5; qwen3_5.causal_conv1d_fn = None
 sys.argv = ['model.py', 'check', '--hf-checkpoint', '$DIR/tiny35']; runpy.run_path('model.py', run_name='__main__')"
+# in a bf16 model FLA's delta rule takes q, k and v in bf16 (not promoted to fp32)
+check qwen3_5_fla_bf16 "$PY" -c "
+import torch, model as M, qwen3_5
+seen, fla = [], qwen3_5.chunk_gated_delta_rule
+def recorded(q, k, v, *a, **kw):
+    seen.append((q.dtype, k.dtype, v.dtype))
+    return fla(q, k, v, *a, **kw)
+qwen3_5.chunk_gated_delta_rule = recorded
+m = M.load_model('$DIR/tiny35', M.ModelOptions(bf16=True))
+with torch.no_grad():
+    m([torch.arange(100, 164, device=m.par.device)])
+assert seen and all(s == (torch.bfloat16,) * 3 for s in seen), seen
+print('FLA q, k, v dtypes', seen[0])"
 # torchrun with one process: the NCCL backend, so every collective must take CUDA tensors.
 TR=("$PY" -m torch.distributed.run --standalone --nproc_per_node 1)
 check sft_4_steps "${TR[@]}" sft.py --hf-checkpoint "$DIR/tiny" --prompt-data "$DIR/data" --save "$DIR/sft" \
@@ -87,8 +100,9 @@ check grpo_bf16_distopt_full_recompute "${TR[@]}" train_grpo.py "${GRPO[@]}" --r
 check grpo_bf16_resume "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine local "${BF16[@]}" \
   --recompute-granularity full --num-rollout 4 --save "$DIR/grpo_bf16" --load "$DIR/grpo_bf16"
 check grpo_bf16_metrics metric "$DIR/grpo_bf16"
-# --offload-train (offload.py): a release frees >= 90% of what the trainer holds (memory_allocated),
-# the restore is bit-exact; then with megatron's CPU Adam (HybridDeviceOptimizer), and a GRPO run with it
+# --offload-train (offload.py): a release frees >= 90% of what the trainer holds (memory_allocated) into
+# host buffers page-locked at their exact size, the restore is bit-exact; then with megatron's CPU Adam
+# (HybridDeviceOptimizer), and a GRPO run with it
 check offload_bf16_distopt "$PY" bench/offload_check.py "$DIR/tiny" "${BF16[@]}"
 check offload_cpu_adam "$PY" bench/offload_check.py "$DIR/tiny" "${BF16[@]}" --optimizer-cpu-offload
 check grpo_cpu_adam "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine local "${BF16[@]}" --optimizer-cpu-offload \
@@ -148,23 +162,33 @@ else
 fi
 # Context parallelism: Transformer Engine's THD attention with its CP group (Megatron hands it
 # cu_seqlens_*_padded, multiples of 2 x CP: model.py) and Gated DeltaNet's head all-to-all over NCCL;
-# then GRPO at CP2, whose logprob gap to the local engine must stay at the one-GPU level
+# then GRPO at CP2, whose logprob gap to the local engine must stay at the one-GPU level. All in bf16: TE
+# has no fp32 attention under CP (the model refuses it at build)
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [ "$GPUS" -ge 2 ]; then
   TR2=("$PY" -m torch.distributed.run --standalone --nproc_per_node 2)
-  check check_te_cp2_qwen3_vl "${TR2[@]}" model.py check --hf-checkpoint "$DIR/tiny" --context-parallel-size 2
-  check check_te_cp2_qwen3_5 "${TR2[@]}" model.py check --hf-checkpoint "$DIR/tiny35" --context-parallel-size 2
-  check grpo_cp2 "${TR2[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine local --context-parallel-size 2 --save "$DIR/grpo_cp2"
+  check check_te_cp2_qwen3_vl "${TR2[@]}" model.py check --hf-checkpoint "$DIR/tiny" --context-parallel-size 2 --bf16
+  check check_te_cp2_qwen3_5 "${TR2[@]}" model.py check --hf-checkpoint "$DIR/tiny35" --context-parallel-size 2 --bf16
+  check grpo_cp2 "${TR2[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine local --context-parallel-size 2 "${BF16[@]}" \
+    --save "$DIR/grpo_cp2"
   check grpo_cp2_metrics metric "$DIR/grpo_cp2"
   # Pipeline parallelism over NCCL (batched p2p): a tied Qwen3-VL, Qwen3.5-MoE with the alltoall
   # dispatcher (its DtoH copies on a real side stream, token_dispatcher.py:445, 871-894; a stand-in on
-  # CPU), SFT and GRPO at PP2
+  # CPU) and an MTP head (its mtp.* tensors, read on the CPU, broadcast to the other stage), SFT and GRPO
+  # at PP2, and SFT of the MoE split 3 + 1 (expert_load adds each layer's counts to its own)
   check tiny_pp bash -c "$PY model.py tiny --arch qwen3_vl --layers 4 --tie --out $DIR/tiny_pp && \
-$PY model.py tiny --arch qwen3_5_moe --layers 4 --out $DIR/tiny_moe_pp && echo made"
+$PY model.py tiny --arch qwen3_5_moe --layers 4 --mtp --out $DIR/tiny_moe_pp && echo made"
   check check_pp2_qwen3_vl "${TR2[@]}" model.py check --hf-checkpoint "$DIR/tiny_pp" --pipeline-model-parallel-size 2
   check check_pp2_qwen3_5_moe "${TR2[@]}" model.py check --hf-checkpoint "$DIR/tiny_moe_pp" --pipeline-model-parallel-size 2
   check sft_pp2 "${TR2[@]}" sft.py --hf-checkpoint "$DIR/tiny_pp" --prompt-data "$DIR/data" --save "$DIR/sft_pp2" \
     --global-batch-size 8 --lr 1e-3 --pipeline-model-parallel-size 2 --bf16 --accumulate-allreduce-grads-in-fp32
+  check sft_pp2_moe_3_1 "${TR2[@]}" sft.py --hf-checkpoint "$DIR/tiny_moe_pp" --prompt-data "$DIR/data" \
+    --save "$DIR/sft_pp2_moe" --global-batch-size 8 --lr 1e-3 --num-epoch 1 --pipeline-model-parallel-size 2 \
+    --decoder-first-pipeline-num-layers 3 --moe-token-dispatcher-type alltoall "${BF16[@]}"
+  check sft_pp2_moe_3_1_metrics "$PY" -c "
+import json; rows = [json.loads(x) for x in open('$DIR/sft_pp2_moe/metrics.jsonl') if '\"loss\"' in x]
+assert rows and all(len(r['expert_load']) == 4 and abs(sum(r['expert_load']) - 1) < 1e-3 for r in rows), rows
+print(rows[-1]['expert_load'])"
   check grpo_pp2 "${TR2[@]}" train_grpo.py "${GRPO[@]}" --hf-checkpoint "$DIR/tiny_pp" --rollout-engine local \
     --pipeline-model-parallel-size 2 --kl-loss-coef 0.01 --save "$DIR/grpo_pp2"
   check grpo_pp2_metrics metric "$DIR/grpo_pp2"

@@ -242,6 +242,14 @@ class Handler(BaseHTTPRequestHandler):
         if self.path in ("/release_memory_occupation", "/resume_memory_occupation"):
             if set(body) - MEMORY_FIELDS:
                 return self._reply(400, {"error": f"bad fields {sorted(body)}"})
+            tags = set(body.get("tags") or ("weights", "kv_cache", "cuda_graph"))
+            if self.path.startswith("/release"):
+                st["released"] |= tags
+            elif tags - st["released"]:  # stock: offload_tags.remove(tag) raises (weight_updater.py:389-390)
+                print(f"Exception in resume_memory_occupation: KeyError: {sorted(tags - st['released'])}", flush=True)
+                return self._reply(500, "Internal Server Error")
+            else:
+                st["released"] -= tags
             return self._reply(200, "")
         return self._reply(404, {"error": f"no route {self.path}"})
 
@@ -344,7 +352,7 @@ def main():
     server.state = {"lock": threading.Lock(), "record": a.fake_record, "delay": a.fake_delay,
                     "digest": weights_digest(a.model_path), "model_path": a.model_path,
                     "image_pad": config.get("image_token_id"), "image_processor": None, "dump": a.fake_dump,
-                    "api_key": a.api_key, "info_delay": a.fake_info_delay}
+                    "api_key": a.api_key, "info_delay": a.fake_info_delay, "released": set()}
     tc = config.get("text_config") or config  # R3: a dense checkpoint's routes are made up (2 of 8 experts)
     server.state["routes"] = ((tc["num_hidden_layers"], tc.get("num_experts_per_tok", 2), tc.get("num_experts", 8))
                               if "--enable-return-routed-experts" in passthrough else None)

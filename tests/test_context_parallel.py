@@ -33,3 +33,29 @@ def test_cp2_check_command(tiny_ckpt):
     lines = torchrun2("model.py", "check", "--hf-checkpoint", tiny_ckpt("qwen3_5"), "--context-parallel-size", "2")
     assert "export_exact=True" in lines[-2] and "tp=1 cp=2" in lines[-2]
     assert lines[-1].startswith("max_abs_logit_diff=") and float(lines[-1].split("=")[1]) <= 1e-4
+
+
+def test_fp32_under_cp_with_transformer_engine_is_refused_at_build(tiny_ckpt, monkeypatch):
+    """TE 2.20.2 leaves no attention backend for fp32 under CP (Flash and Fused take bf16/fp16 only,
+    Unfused no CP: dot_product_attention/utils.py:670-712, 1269-1273), so its "No dot product attention
+    backend" would come at the first forward, after the engine started: the build says it, naming the
+    flags. TE stands in on CPU."""
+    import types
+    import pytest
+    from transformers import AutoConfig
+    import model as M
+    d = tiny_ckpt("qwen3_vl")
+    monkeypatch.setattr(M, "layer_impl", lambda impl: "transformer_engine")
+    par = types.SimpleNamespace(tp_rank=0, tp=1, ep=1, cp=2)
+    with pytest.raises(SystemExit, match="--context-parallel-size 2 with Transformer Engine needs --bf16.*"
+                                         "--transformer-impl local"):
+        M.MegatronVLM(AutoConfig.from_pretrained(d), d, par, M.ModelOptions())
+
+
+def test_check_command_in_bf16(tiny_ckpt):
+    """`model.py check --bf16`, what bench/gpu_smoke.sh runs under CP on GPUs: our bf16 logits within
+    BF16_TOL of transformers' fp32 ones, and the export equal to the source rounded to bf16."""
+    import parallel
+    from tools import check
+    parallel.init_distributed(1)
+    assert 0 < check.check(tiny_ckpt("qwen3_5"), bf16=True) <= check.BF16_TOL

@@ -238,6 +238,24 @@ def test_corrupt_safetensors_names_the_file(tmp_path, ckpt):
         convert.weight_files(tmp_path)
 
 
+def test_a_tensor_that_loads_into_no_parameter_is_named_at_load(tmp_path, ckpt):
+    """Export sends only what reached a parameter (and mtp.*, passed through), and SGLang releases its
+    weights without a CPU copy: a source tensor no parameter takes would be garbage on the server after
+    the first release. The load stops naming it; an mtp.* tensor is no error."""
+    import model as M
+    import parallel
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(ckpt, tmp_path, dirs_exist_ok=True)
+    w = load_file(tmp_path / "model.safetensors")
+    w["model.language_model.layers.0.mlp.gate_proj.bias"] = torch.zeros(128)
+    w["mtp.fc.weight"] = torch.zeros(2, 2)
+    save_file(w, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    parallel.init_distributed(1)
+    with pytest.raises(SystemExit, match=r"1 tensors of the checkpoint load into no parameter of the model: "
+                                         r"model\.language_model\.layers\.0\.mlp\.gate_proj\.bias$"):
+        M.load_model(tmp_path)
+
+
 # ------------------------------------------------------------------ 5: no port open to strangers
 PORTS = """import os, subprocess, sys
 sys.path.insert(0, {root!r})

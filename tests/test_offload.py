@@ -77,6 +77,39 @@ def test_release_frees_every_storage_and_restore_is_bit_exact(tiny_ckpt, mixed):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
 
 
+def test_host_buffers_are_pinned_at_their_exact_size(tiny_ckpt, monkeypatch):
+    """On CUDA each parked storage waits in a host buffer of exactly its bytes, registered with CUDA
+    (torch.empty(pin_memory=True) would round each up to a power of two: a 4.2 GB buffer holds 8 GiB),
+    and host_bytes() is what is held; a dropped buffer is unregistered. CUDA stands in, recording the
+    cudaHostRegister calls."""
+    import gc
+    import types
+    par, args, model, ref, opt, sched = setup(tiny_ckpt("qwen3_vl"), False)
+    train_step(model, opt, sched, par, args, seed=0)
+    pinned = {}  # address -> bytes registered
+
+    def register(ptr, n, flags):
+        pinned[ptr] = n
+        return 0
+
+    def unregister(ptr):
+        del pinned[ptr]
+        return 0
+    fake = types.SimpleNamespace(cudaHostRegister=register, cudaHostUnregister=unregister)
+    for name, fn in (("is_available", lambda: True), ("cudart", lambda: fake), ("synchronize", lambda: None),
+                     ("empty_cache", lambda: None)):
+        monkeypatch.setattr(torch.cuda, name, fn)
+    off = offload.Offload(model, opt)
+    sizes = sorted(s.nbytes() for k in ("params", "optimizer") for s in off.storages()[k])
+    off.release()
+    off.restore()
+    assert sorted(pinned.values()) == sizes and off.host_bytes() == sum(sizes)
+    assert pinned == {h.data_ptr(): h.numel() for h in off.host.values()}
+    off.host.clear()
+    gc.collect()
+    assert pinned == {}
+
+
 def test_optimizer_cpu_offload_needs_the_distributed_optimizer(tmp_path):
     import sft
     import trainer as T

@@ -36,3 +36,51 @@ def test_layouts_pp_cannot_split_are_refused_with_the_rule(tiny_ckpt):
     assert r.returncode != 0
     assert "the first stage holds 1 layers, fewer than the 2 Qwen3-VL adds deepstack features to" in r.stderr
 
+
+def test_pp_export_broadcasts_from_the_device(monkeypatch):
+    """Under PP each stage's tensors reach the others by dist.broadcast over the PP group, NCCL on GPUs,
+    which refuses CPU tensors: the `mtp.*` tensors export reads from the file (on the CPU) go from
+    par.device too. The meta device stands in for CUDA, a stage's generator and the collectives for PP2."""
+    import types
+    import torch
+    import convert
+    par = types.SimpleNamespace(pp=2, pp_rank=0, pp_group=None, device=torch.device("meta"))
+    monkeypatch.setattr(convert, "_stage_tensors", lambda model, grad: iter([("mtp.fc.weight", torch.ones(2, 2))]))
+    monkeypatch.setattr(convert.dist, "get_global_rank", lambda group, r: r)
+    monkeypatch.setattr(convert.dist, "broadcast_object_list", lambda head, src, group: None)
+    sent = []
+    monkeypatch.setattr(convert.dist, "broadcast", lambda x, src, group: sent.append((src, x.device)))
+    assert [n for n, _ in convert.hf_tensors(types.SimpleNamespace(par=par))] == ["mtp.fc.weight"]
+    assert sent == [(0, torch.device("meta"))]
+
+
+def test_expert_load_adds_each_layers_counts_to_its_own(monkeypatch):
+    """Uneven PP (3 + 1 MoE layers): stage 0 routes layers 0-2, stage 1 layer 3. Each counts its layers
+    in their rows of one (4 layers, experts) table, so the all-reduce over every rank adds tables of one
+    shape (NCCL checks no sizes: 3 x E elements against E hangs or reads garbage) and each layer's
+    share comes from its own tokens."""
+    import types
+    import torch
+    import routing
+    import trainer as T
+
+    class TopKRouter(torch.nn.Module):  # Megatron's, as the counter's hook sees it: -> (probs, routing_map)
+        def forward(self, routing_map):
+            return None, routing_map
+
+    def stage(first, n):  # layer L sends L + 1 tokens to expert 0 and one to expert 1
+        lm = torch.nn.Module()
+        lm.decoder = torch.nn.Module()
+        lm.decoder.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(n))
+        for layer in lm.decoder.layers:
+            layer.mlp = torch.nn.Module()
+            layer.mlp.router = TopKRouter()
+        counter = routing.RouteCounter(lm, first, 4)
+        for i, layer in enumerate(lm.decoder.layers):
+            layer.mlp.router(torch.eye(2, dtype=torch.bool)[[0] * (first + i + 1) + [1]])
+        return counter.take()
+    loads = [stage(0, 3), stage(3, 1)]
+    monkeypatch.setattr(T.parallel, "all_reduce", lambda t, group: loads[0] + loads[1])
+    got = T.expert_load(types.SimpleNamespace(expert_load=lambda: loads[0]))
+    share = sum((L + 1) / (L + 2) for L in range(4)) / 4  # expert 0's, mean over the layers
+    assert got["expert_load"] == [round(share, 4), round(1 - share, 4)]

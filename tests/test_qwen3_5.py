@@ -143,6 +143,31 @@ def test_packed_gated_deltanet_equals_per_sequence(setup):
     assert not torch.allclose(other[37:107], packed[37:107])
 
 
+def test_gated_deltanet_keeps_bf16_for_the_delta_rule(monkeypatch):
+    """In a bf16 model the delta rule gets v in bf16, the dtype FLA's chunk_gated_delta_rule then takes q
+    and k in (v in fp32 made FLA run all three in fp32: twice the memory and bandwidth on that path);
+    the torch delta rule (CPU) computes in fp32 all the same."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer import TransformerConfig
+    parallel.init_distributed(1)
+    dims = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                linear_conv_kernel_dim=4)
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+                            params_dtype=torch.bfloat16)
+    with parallel.megatron_on_cpu():
+        gdn = qwen3_5.GatedDeltaNet(cfg, dims=dims).bfloat16()
+    seen, rule = [], gdn._delta_rule
+
+    def recorded(q, k, v, *rest):
+        seen.append(v.dtype)
+        return rule(q, k, v, *rest)
+    monkeypatch.setattr(gdn, "_delta_rule", recorded)
+    x = torch.randn(20, 1, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    with torch.no_grad(), parallel.megatron_on_cpu():
+        out = gdn(x, packed_seq_params=PackedSeqParams(cu_seqlens_q=torch.tensor([0, 7, 20], dtype=torch.int32)))[0]
+    assert seen == [torch.bfloat16] and out.dtype == torch.bfloat16
+
+
 def test_chunked_delta_rule_equals_the_recurrence():
     g = torch.Generator().manual_seed(0)
     B, H, L, dk, dv = 2, 3, 150, 8, 5
@@ -278,17 +303,21 @@ def run_entry(script, *args, nproc=1):
 
 
 def test_sft_and_grpo_run_end_to_end_with_tiny_moe(tiny_ckpt, tmp_path):
-    """SFT then GRPO (--rollout-engine local) on the tiny Qwen3.5-MoE: the expert load is logged
-    every step, and the trainer's logprobs equal the rollout engine's (transformers') ones."""
+    """SFT then GRPO (--rollout-engine local) on the tiny Qwen3.5-MoE as transformers' save_pretrained
+    writes it (experts per expert; SFT's checkpoint keeps them so, the local engine takes them at every
+    weight update): the expert load is logged every step, and the trainer's logprobs equal the rollout
+    engine's (transformers') ones."""
     from tools import synth
     synth.write_synth(tmp_path / "d", 8, n_test=2, seed=0)
-    d = tiny_ckpt("qwen3_5_moe")
+    d = tiny_ckpt("qwen3_5_moe", per_expert=True)
     sft = run_entry("sft.py", "--hf-checkpoint", d, "--prompt-data", tmp_path / "d", "--save", tmp_path / "sft",
                     "--global-batch-size", "4", "--num-epoch", "1", "--lr", "1e-3")
     grpo = run_entry("train_grpo.py", "--hf-checkpoint", tmp_path / "sft" / "iter_0000002", "--prompt-data",
                      tmp_path / "d", "--save", tmp_path / "grpo", "--rollout-engine", "local", "--rollout-batch-size",
                      "2", "--n-samples-per-prompt", "2", "--num-rollout", "2", "--rollout-max-response-len", "16",
                      "--global-batch-size", "4")
+    saved = source_tensors(tmp_path / "sft" / "iter_0000002")
+    assert "model.language_model.layers.1.mlp.experts.3.down_proj.weight" in saved
     steps = [m for m in sft if "loss" in m] + [m for m in grpo if "reward" in m]
     assert len(steps) == 4
     for m in steps:

@@ -100,6 +100,39 @@ def test_update_weights_logprobs_follow(engine, processor, ckpt, records):
         engine.update_weights([list(original.items())])
 
 
+@pytest.mark.parametrize("arch,layout,name", [
+    ("qwen3_5_moe", dict(per_expert=True, mtp=True), "model.language_model.layers.0.mlp.experts.3.up_proj.weight"),
+    ("qwen2_5_vl", {}, "model.layers.0.mlp.up_proj.weight")])
+def test_local_engine_takes_the_names_from_pretrained_takes(tiny_ckpt, tmp_path, arch, layout, name):
+    """The trainer exports the source checkpoint's names; the local engine maps them as from_pretrained
+    does: a Qwen3.5-MoE as transformers' save_pretrained writes it (routed experts per expert: each
+    expert's gate, up and down into its slices of the fused tensors; mtp.* skipped), a Qwen2.5-VL in its
+    released layout (`model.layers.*`, `visual.*`). After an update it holds what from_pretrained reads
+    from the trainer's checkpoint; `model.py check` passes on the source."""
+    import convert
+    import model as M
+    import parallel
+    from tools import check
+    from transformers import AutoModelForImageTextToText
+    d = tiny_ckpt(arch, **layout)
+    src = convert.weight_files(d)
+    assert name in src
+    parallel.init_distributed(1)
+    model, engine = M.load_model(d), engines.LocalEngine(d)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # the trained policy: every tensor moved, each expert and half differently
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=g))
+    n = engine.update_weights(convert.export_hf(model, bucket_bytes=1 << 20))
+    assert n == len([k for k in src if not k.startswith("mtp.")])
+    convert.save_hf(model, tmp_path)
+    want, got = AutoModelForImageTextToText.from_pretrained(tmp_path).state_dict(), engine.model.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    with pytest.raises(KeyError, match="'model.layers.0.mlp.nope.weight' is not a weight"):
+        engine.update_weights([[("model.layers.0.mlp.nope.weight", torch.zeros(1))]])
+    assert check.check(d) <= 1e-4
+
+
 def test_logprobs_exact_when_logits_are_large(engine, processor, ckpt, records):
     """A trained model's logits span tens of nats; an fp32 log-softmax over 152k of them is off
     by ~1e-5 (measured on a trained tiny checkpoint), more than train-vs-rollout may differ."""

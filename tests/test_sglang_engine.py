@@ -213,6 +213,28 @@ def test_sglang_killed_mid_rollout_restarts_and_retries(ckpt, tmp_path):
     assert all(group_members(g) == [] for g in pgids), [group_members(g) for g in pgids]
 
 
+def test_a_server_restarted_while_released_is_released_again(ckpt, tmp_path):
+    """Colocated, the server is released while the trainer trains. One that dies then comes back holding
+    all its memory: the engine frees it again at once, so the resume (here the very call that found it
+    dead, retried on the new server) names only regions the server freed: SGLang raises KeyError on
+    another (weight_updater.py:389-390; the fake answers HTTP 500)."""
+    eng, rec = sglang(ckpt, tmp_path)
+    try:
+        eng.release()
+        first = eng.server.proc
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+        eng.resume()
+        assert eng.server.restarts == 1 and not eng.released
+        calls = [(r["path"], r["json"]["tags"], r["pid"]) for r in read_record(rec) if "memory" in r["path"]]
+        every = ["weights", "kv_cache", "cuda_graph"]
+        assert [(p, sorted(t)) for p, t, _ in calls] == [("/release_memory_occupation", sorted(every))] * 2 + [
+            ("/resume_memory_occupation", sorted(every))]
+        assert calls[0][2] != calls[1][2] == calls[2][2]  # released again by the new server, then resumed
+    finally:
+        eng.shutdown()
+
+
 def test_sglang_start_failures_quote_log_and_leave_nothing(ckpt, tmp_path):
     with pytest.raises(RuntimeError, match="failing to start as asked"):
         sglang(ckpt, tmp_path / "a", "--fake-startup", "-1")

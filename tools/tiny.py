@@ -167,8 +167,9 @@ def tiny_processor(arch, min_pixels=None, max_pixels=None):
                video_processor=video_cls(**kw), chat_template=CHAT_TEMPLATE)
 
 
-def make_tiny(out, arch="qwen3_vl", seed=0, dtype="float32", mtp=False, **sizes):
-    """Write a tiny random checkpoint to `out` and return its path; mtp: with Qwen3.5's MTP head."""
+def make_tiny(out, arch="qwen3_vl", seed=0, dtype="float32", mtp=False, per_expert=False, **sizes):
+    """Write a tiny random checkpoint to `out` and return its path; mtp: with Qwen3.5's MTP head; per_expert:
+    MoE experts as save_pretrained writes them, not fused as the released checkpoints hold them."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = tiny_config(arch, **sizes)
@@ -183,7 +184,7 @@ def make_tiny(out, arch="qwen3_vl", seed=0, dtype="float32", mtp=False, **sizes)
     model.generation_config.do_sample = False  # greedy unless asked: tests compare outputs
     model.save_pretrained(out)
     tiny_processor(arch).save_pretrained(out)
-    if arch == "qwen3_5_moe":
+    if arch == "qwen3_5_moe" and not per_expert:
         fuse_experts(out / "model.safetensors")
     if mtp:
         add_mtp(out)
