@@ -27,11 +27,13 @@ import os
 import secrets
 import shlex
 import socket
+import time
 
 import torch
 import torch.distributed as dist
 
 import convert
+import offload
 import sglang_engine
 
 
@@ -160,42 +162,85 @@ def sync_weights(model, engine, par, plan=(1, None)):
     on_leaders(par, engine, update, "the weight update")  # every server holds the new weights
 
 
-def step_aside(par, engine, off):
-    """Colocated: the server frees the GPUs before any rank trains (ranks other than 0 would
-    otherwise start their forwards, --recompute-logprobs first, while SGLang still holds them); then
-    the trainer's state comes back from host memory (--offload-train)."""
-    on_leaders(par, engine, lambda e: e.release(), "the server's release")
-    if off is not None:
-        off.restore()
+class Servers:
+    """The trainer's side of the rollout engines, on every rank: this rank's engine (rank 0's generates; a
+    server's holder updates it; None elsewhere), --offload-train's Offload, and each step's moves around
+    training (grpo_step): to_rollout, step_aside, step_back, sync."""
 
+    def __init__(self, args, par, model, opt, ref, hf_dir, run_dir):
+        self.par, self.colocate, self.off = par, args.colocate, None
+        if args.offload_train:  # parked before the server starts: its --mem-fraction-static counts what is free
+            self.off = offload.Offload(model, opt, ref)
+            self.off.release()
+            if par.rank == 0:
+                print(f"[offload] --offload-train: {self.off.host_bytes() / 2**30:.2f} GiB of host memory per rank "
+                      "for the trainer's parameters, more once the optimizer states exist (offload_host_gib)", flush=True)
+        self.engine = start(args, par, hf_dir, run_dir)
+        # every rank takes part in a sync that serialises on several ranks (sync_plan): rank 0's engine says
+        self.plan = self.agree(self.engine.sync_plan() if self.engine is not None else None)
 
-def step_back(par, engine, off):
-    """Colocated: every rank hands its cached activations back to CUDA before the server takes
-    the GPUs again (the caching allocator keeps the training peak: the resume of weights, KV cache
-    and graphs would not fit on an 80 GB GPU). --offload-train: the optimizer states and gradients
-    go to host memory and only the server's weights come back: the weight sync still reads the
-    trainer's parameters; to_rollout() parks those and resumes the rest."""
-    held = {}
-    if off is not None:
-        off.release(("optimizer", "grads"))
-    if torch.cuda.is_available():  # what training took at its peak, and what this rank still holds
-        held["gpu_train_peak_gib"] = torch.cuda.max_memory_reserved() / 2**30
-        torch.cuda.empty_cache()
-        held["gpu_held_at_resume_gib"] = torch.cuda.memory_reserved() / 2**30
-        torch.cuda.reset_peak_memory_stats()
-    torch.distributed.barrier()
-    on_leaders(par, engine, lambda e: e.resume(["weights"] if off is not None else sglang_engine.MEMORY_TAGS),
-               "the server's resume")
-    return held
+    def agree(self, value):
+        """Rank 0's `value` on every rank."""
+        box = [value]
+        if self.par.world > 1:
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
 
+    def to_rollout(self):
+        """Before a rollout or an evaluation (every rank): --offload-train parks the whole trainer in host
+        memory; then a colocated server takes back what it still lacks (its KV cache and CUDA graphs).
+        Repeating it changes nothing."""
+        if self.off is None:
+            return
+        self.off.release()
+        if self.colocate:
+            dist.barrier()
+            on_leaders(self.par, self.engine, lambda e: e.resume(), "the server's resume")
 
-def to_rollout(par, engine, off, args):
-    """Before a rollout or an evaluation (every rank): --offload-train parks the whole trainer in host
-    memory; then a colocated server takes back what it still lacks (its KV cache and CUDA graphs).
-    Repeating it changes nothing."""
-    if off is None:
-        return
-    off.release()
-    if args.colocate:
-        torch.distributed.barrier()
-        on_leaders(par, engine, lambda e: e.resume(), "the server's resume")
+    def step_aside(self):
+        """Colocated: the server frees the GPUs before any rank trains (ranks other than 0 would otherwise
+        start their forwards, --recompute-logprobs first, while SGLang still holds them); then the
+        trainer's state comes back from host memory (--offload-train)."""
+        if self.colocate:
+            on_leaders(self.par, self.engine, lambda e: e.release(), "the server's release")
+        if self.off is not None:
+            self.off.restore()
+
+    def step_back(self):
+        """Colocated: every rank hands its cached activations back to CUDA before the server takes the GPUs
+        again (the caching allocator keeps the training peak: the resume of weights, KV cache and graphs
+        would not fit on an 80 GB GPU). --offload-train: the optimizer states and gradients go to host
+        memory and only the server's weights come back: the weight sync still reads the trainer's
+        parameters; to_rollout() parks those and resumes the rest. -> memory metrics."""
+        if not self.colocate:
+            return {}
+        held = {}
+        if self.off is not None:
+            self.off.release(("optimizer", "grads"))
+        if torch.cuda.is_available():  # what training took at its peak, and what this rank still holds
+            held["gpu_train_peak_gib"] = torch.cuda.max_memory_reserved() / 2**30
+            torch.cuda.empty_cache()
+            held["gpu_held_at_resume_gib"] = torch.cuda.memory_reserved() / 2**30
+            torch.cuda.reset_peak_memory_stats()
+        dist.barrier()
+        on_leaders(self.par, self.engine, lambda e: e.resume(["weights"] if self.off is not None else sglang_engine.MEMORY_TAGS),
+                   "the server's resume")
+        return held
+
+    def sync(self, model):
+        """The new weights to every server (sync_weights). -> metrics."""
+        t = time.perf_counter()
+        sync_weights(model, self.engine, self.par, self.plan)
+        out = {"sync_s": time.perf_counter() - t}
+        if self.off is not None:
+            out["offload_host_gib"] = self.off.host_bytes() / 2**30
+        return out
+
+    def for_checkpoint(self):
+        """A checkpoint is due: --offload-train parked the optimizer states at the sync; they come back."""
+        if self.off is not None:
+            self.off.restore(("optimizer",))
+
+    def shutdown(self):
+        if self.engine is not None:
+            self.engine.shutdown()

@@ -11,7 +11,7 @@ import re
 
 import numpy as np
 import torch
-from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
+from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig, StoppingCriteria
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (Concatenate, MergeModulelist, WeightConverter, WeightRenaming,
                                              rename_source_key)
@@ -42,6 +42,10 @@ class Engine:
     def shutdown(self):
         pass
 
+    def abort(self):
+        """Cut every request in flight short (--partial-rollout): each answers finish "abort" with the
+        tokens it had."""
+
     def sync_plan(self):
         """(trainer ranks that each serialise their own copy of a weight bucket, its dtype): one
         but for a colocated SGLang server of TP > 1 (sglang_engine.serialize_on_ranks)."""
@@ -71,7 +75,7 @@ class LocalEngine(Engine):
         self.renamings = [c for c in conv if isinstance(c, WeightRenaming)]
         self.ignored = "|".join(f"({p})" for p in self.model._keys_to_ignore_on_load_unexpected or ()) or None
         self.recording = None  # R3: {layer: [(B * n, k) expert ids of each forward]} during a generate
-        self.route_shape = None
+        self.route_shape, self.aborts = None, 0  # abort(): generates begun before it stop at their next token
         if routed_experts:  # forward hooks on transformers' routers: (logits, scores, indices) out
             tc = self.model.config.get_text_config()
             self.route_shape = (tc.num_hidden_layers, tc.num_experts_per_tok)
@@ -113,9 +117,10 @@ class LocalEngine(Engine):
         # softmax, draws one random number per vocabulary entry: 166 ms a step at B=16, V=152k).
         gc = GenerationConfig(do_sample=False, max_new_tokens=max(limits), eos_token_id=stop, pad_token_id=self.pad_id)
         self.recording = {} if self.route_shape else None
+        cut = _Aborted(self, self.aborts)
         try:
             res = self.model.generate(**{k: v.to(self.device) for k, v in kw.items()}, generation_config=gc,
-                                      logits_processor=[sampler])
+                                      logits_processor=[sampler], stopping_criteria=[cut])
             routes = self._routes(B)
         finally:
             self.recording = None
@@ -125,10 +130,10 @@ class LocalEngine(Engine):
         outs = []
         for i in range(B):
             row = new[i, :limits[i]].tolist()
-            cut = next((k for k, t in enumerate(row) if t in stop), None)
-            n = len(row) if cut is None else cut + 1
-            outs.append({"ids": row[:n], "logprobs": lp[i, :n].tolist(),
-                         "finish": "length" if cut is None else "stop", "prompt_tokens": lens[i]})
+            end = next((k for k, t in enumerate(row) if t in stop), None)
+            n = len(row) if end is None else end + 1
+            finish = "stop" if end is not None else "length" if n == limits[i] or not cut.fired else "abort"
+            outs.append({"ids": row[:n], "logprobs": lp[i, :n].tolist(), "finish": finish, "prompt_tokens": lens[i]})
             if routes is not None:  # row i's positions sit at L - lens[i] .. in the left-padded batch
                 first = L - lens[i] + batch[i].get("routed_experts_start", 0)
                 outs[-1]["routed_experts"] = routes[i, first:L + n - 1]
@@ -143,6 +148,9 @@ class LocalEngine(Engine):
         for layer, c in zip(self.recording, calls):
             out[:, :, layer] = c.numpy()
         return out
+
+    def abort(self):
+        self.aborts += 1
 
     def update_weights(self, buckets):
         """Copy (HF name, full tensor) buckets into the model; any name from_pretrained takes is taken (a
@@ -181,6 +189,17 @@ class LocalEngine(Engine):
             parts = x.chunk(len(conv.source_patterns), cat[0].dim - (cat[0].dim > merge.dim))
             x = parts[conv.source_patterns.index(pattern)]
         return x
+
+
+class _Aborted(StoppingCriteria):
+    """Ends a generate once its engine's abort() has been called since it began."""
+
+    def __init__(self, engine, epoch):
+        self.engine, self.epoch, self.fired = engine, epoch, False
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.fired = self.fired or self.engine.aborts != self.epoch
+        return torch.full((len(input_ids),), self.fired, dtype=torch.bool, device=input_ids.device)
 
 
 BLOCK = 1024  # vocabulary entries per block of the Sampler's two-level inverse-CDF draw

@@ -53,6 +53,7 @@ class Sample:
     response_text: str = ""          # the model's turns, decoded (observations excluded)
     metadata: dict = field(default_factory=dict)           # env step infos, format_ok, ...
     routed_experts: object = None    # R3: (len(tokens) - 1, layers, k) int16 array, the engine's experts
+    versions: list = field(default_factory=list)           # policy version that wrote each response token; -1: observation
 
     @property
     def tokens(self):
@@ -72,6 +73,7 @@ class RolloutConfig:
     max_turns: int = 1
     max_context_len: int = 8192
     dynamic_sampling: bool = False
+    over_sampling_batch_size: int = None
     rm_type: str = "math"
     oracle: bool = True
 
@@ -183,21 +185,30 @@ def _fail(s, reason):
     s.loss_mask = [0] * len(s.response_ids)  # never trained on, even by a trainer that forgets
 
 
-def _episode(processor, rec, args, group, multi, prompt):
-    """-> (sample, env, chat): `chat` holds the conversation as messages (model turns as assistant
-    messages with their text), which the chat template renders to frame each observation.
-    `prompt` = (messages, tools, prompt ids), made once per record and shared by its group."""
+@dataclass
+class Episode:
+    """A sample in the making, with what continues it after an abort (--partial-rollout): its env and
+    `chat` (multi-turn: the conversation as messages, which the chat template renders to frame each
+    observation), where the turn being generated began, whether it is over."""
+    sample: Sample
+    env: object = None
+    chat: dict = None
+    turn_start: int = 0
+    done: bool = False
+
+
+def new_episode(processor, rec, args, prompt):
+    """`prompt` = (messages, tools, prompt ids): made once per record and shared by its group."""
     images = list(rec["images"])
     messages, tools, ids = prompt
-    messages = list(messages)  # each episode appends its own turns
     s = Sample(prompt_ids=list(ids), images=images, image_turns=[0] * len(images), label=str(rec["answer"]),
-               group=group, index=rec.get("index", group), metadata={"steps": []})
-    env, chat = None, None
-    if multi:
-        env = env_geo3k.build_env(rec, args)
-        env.reset()
-        chat = {"messages": messages, "tools": tools, "opener": assistant_opener(processor, messages, tools)}
-    return s, env, chat
+               index=rec.get("index", 0), metadata={"steps": []})
+    if args.max_turns == 1:
+        return Episode(s)
+    env = env_geo3k.build_env(rec, args)
+    env.reset()
+    messages = list(messages)  # each episode appends its own turns
+    return Episode(s, env, {"messages": messages, "tools": tools, "opener": assistant_opener(processor, messages, tools)})
 
 
 def routed_rows(s):
@@ -206,8 +217,11 @@ def routed_rows(s):
     return 0 if s.routed_experts is None else len(s.routed_experts)
 
 
-def _finish_turn(s, env, chat, out, processor, args, stops):
-    """Append one engine answer to `s`; run the env; append its observation. -> still active?"""
+def _finish_turn(ep, out, processor, args, stops, version=0, ours=False):
+    """Append one engine answer to the episode's sample; at the end of a turn run the env and append its
+    observation. -> still active? An abort we asked for (`ours`: --partial-rollout) keeps the turn open:
+    its tokens so far are the sample's, and the next rollout continues it."""
+    s, env, chat = ep.sample, ep.env, ep.chat
     ids, lps = list(out["ids"]), list(out["logprobs"])
     if out.get("error"):
         return _fail(s, out["error"])
@@ -225,12 +239,15 @@ def _finish_turn(s, env, chat, out, processor, args, stops):
     s.response_ids += ids
     s.loss_mask += [1] * len(ids)
     s.rollout_logprobs += lps
+    s.versions += [version] * len(ids)
+    if out["finish"] == "abort":  # ours: the turn goes on next step; else the server cut it: never trained on
+        if not ours:
+            s.status, s.loss_mask = "aborted", [0] * len(s.response_ids)
+        return ours
+    turn = s.response_ids[ep.turn_start:]
     s.turns += 1
-    text = processor.tokenizer.decode([t for t in ids if t not in stops], skip_special_tokens=False)
+    text = processor.tokenizer.decode([t for t in turn if t not in stops], skip_special_tokens=False)
     s.response_text += ("\n" if s.turns > 1 else "") + text
-    if out["finish"] == "abort":  # cut short by the server: incomplete, never trained on
-        s.status, s.loss_mask = "aborted", [0] * len(s.response_ids)
-        return False
     if out["finish"] == "length":
         s.status = "truncated"
         return False
@@ -242,7 +259,7 @@ def _finish_turn(s, env, chat, out, processor, args, stops):
     if done:
         return False
     im_end = processor.tokenizer.convert_tokens_to_ids(IM_END)
-    close = [] if ids and ids[-1] == im_end else [im_end]  # stopped on another stop token
+    close = [] if turn and turn[-1] == im_end else [im_end]  # stopped on another stop token
     # The model's text continues the generation prompt's opener (Qwen3.5's <think> block), so the
     # assistant message is opener + text: the template renders it as the tokens the model saw and
     # wrote (for canonically tokenised text), and a thinking template finds its </think> in it.
@@ -257,19 +274,42 @@ def _finish_turn(s, env, chat, out, processor, args, stops):
     s.response_ids += obs_ids
     s.loss_mask += [0] * len(obs_ids)
     s.rollout_logprobs += [0.0] * len(obs_ids)
+    s.versions += [-1] * len(obs_ids)
     s.images += list(obs["images"])
     s.image_turns += [s.turns] * len(obs["images"])
+    ep.turn_start = len(s.response_ids)
     return True
+
+
+ABORTED = {"ids": [], "logprobs": [], "finish": "abort"}  # the answer to a request never sent: the rollout stopped
+
+
+@dataclass
+class Partial:
+    """--partial-rollout's buffer (rank 0): the groups a rollout stopped before they were complete, each
+    (record, prompt, [Episode]), which the next continues first; and how many records that rollout drew.
+    At most cap - rollout_batch_size groups: a rollout starts no more than cap, and ends once
+    rollout_batch_size are complete. A buffered group goes first, so its samples end within as many
+    steps as their --rollout-max-response-len takes; none is dropped."""
+    groups: list = field(default_factory=list)
+    drawn: int = 0
+
+    @staticmethod
+    def cap(args):
+        """Groups generating at once: --over-sampling-batch-size, at least --rollout-batch-size."""
+        return max(args.over_sampling_batch_size or 0, args.rollout_batch_size)
 
 
 class _Rounds:
     """A batch engine (Engine.concurrent False: the local engine, the tests' scripted ones) fed by
     episodes that each ask on their own: a batch goes once every live episode waits, in episode
-    order. These are a lockstep rollout's rounds, so the samples are the same as a serial loop's."""
+    order. These are a lockstep rollout's rounds, so the samples are the same as a serial loop's. Once
+    the rollout stops (abort), a round is answered ABORTED: it stops between rounds, and so the same way
+    every time."""
 
     def __init__(self, engine):
         self.engine, self.cond, self.live, self.waiting, self.answers = engine, threading.Condition(), 0, {}, {}
-        self.broken = None  # the error that ended the rollout: no round will come
+        self.broken, self.aborted = None, False  # the error that ended the rollout: no round will come
 
     def join(self, n):
         with self.cond:
@@ -294,6 +334,15 @@ class _Rounds:
             raise out
         return out
 
+    def abort(self):
+        self.aborted = True
+
+    def break_(self, error):
+        """Episodes waiting for a round that cannot come raise `error`."""
+        with self.cond:
+            self.broken = error
+            self.cond.notify_all()
+
     def _take(self):  # under the lock: the whole round once every live episode waits
         if not self.waiting or len(self.waiting) < self.live:
             return []
@@ -306,7 +355,7 @@ class _Rounds:
         items = [item for _, (item, _) in batch]
         sampling = dict(batch[0][1][1], max_new_tokens=max(it["max_new_tokens"] for it in items))
         try:
-            outs = self.engine.generate(items, sampling)
+            outs = [ABORTED] * len(batch) if self.aborted else self.engine.generate(items, sampling)
         except BaseException as e:  # noqa: BLE001 - every waiting episode raises it
             outs = [e] * len(batch)
         with self.cond:
@@ -318,29 +367,36 @@ class _Pipeline:
     """Each episode on its own thread: its next turn goes to the engine as soon as its env step is
     done, its reward as soon as it ends; the CPU work (templates, image processor, env, reward) runs
     in at most as many threads at once as this machine has cores, while other episodes generate.
-    SGLang (Engine.concurrent) takes every request as it comes; a batch engine gets _Rounds."""
+    SGLang (Engine.concurrent) takes every request as it comes; a batch engine gets _Rounds.
+    Up to `cap` groups are in flight; the rollout ends once `target` groups are kept. With `partial`
+    (--partial-rollout) it then aborts the groups still generating and parks them for the next."""
 
-    def __init__(self, engine, processor, args, reward_fn, dynamic, target):
+    def __init__(self, engine, processor, args, reward_fn, target, dynamic=False, cap=None, version=0):
         self.engine, self.processor, self.args, self.dynamic, self.target = engine, processor, args, dynamic, target
-        self.reward_fn = reward_fn
+        self.reward_fn, self.version, self.cap = reward_fn, version, cap
         self.rounds = None if getattr(engine, "concurrent", False) else _Rounds(engine)
         self.cpu = threading.Semaphore(len(os.sched_getaffinity(0)))
         self.lock, self.done = threading.Lock(), threading.Event()
         self.stops = processor.tokenizer.convert_tokens_to_ids([IM_END, ENDOFTEXT])
         self.sampling = dict(temperature=args.rollout_temperature, stop_token_ids=self.stops,
                              top_p=args.rollout_top_p, top_k=args.rollout_top_k)
-        size = target * (args.n_samples_per_prompt + 1)  # a thread an episode (a round waits for all)
+        size = (cap or target) * (args.n_samples_per_prompt + 1)  # a thread an episode (a round waits for all)
         self.pool = ThreadPoolExecutor(size if self.rounds else min(size, 1024), thread_name_prefix="episode")
-        self.groups, self.kept, self.open, self.errors, self.calls = {}, [], 0, [], []
+        self.groups, self.left, self.kept, self.dropped, self.running, self.errors, self.calls = {}, {}, [], set(), 0, [], []
+        self.stopping, self.aborted = False, 0  # partial: the rollout has what it needs; requests it cut
         self.t0 = time.perf_counter()
 
-    def run(self, records, groups):
-        self.records, self.order, self.next = records, list(groups), 0
+    def run(self, records, buffered=()):
+        """-> (the kept groups' samples, the groups still open when it stopped: [(record, prompt, episodes)]).
+        `buffered`: such groups of an earlier rollout, continued first (their samples keep their tokens)."""
+        self.records, self.next = records, 0
         self.bar = tqdm(total=0, desc="rollout", file=sys.stderr, mininterval=1.0, leave=False)
         with self.lock:
-            for _ in range(min(self.target, len(records))):
+            for rec, prompt, eps in buffered:
+                self._open(rec, prompt, eps)
+            while len(self.groups) < (self.cap or self.target) and self.next < len(records):
                 self._start_group()
-            if not self.open:
+            if not self.running:
                 self.done.set()
         self.done.wait()
         self.pool.shutdown(wait=False)
@@ -350,47 +406,68 @@ class _Pipeline:
         busy, end = 0.0, 0.0  # engine busy: the union of the requests' (start, end)
         for a, b in sorted(self.calls):
             busy, end = busy + max(0.0, b - max(a, end)), max(end, b)
-        stats = dict(wall_s=time.perf_counter() - self.t0, engine_busy_s=busy)
-        out = [s for g in sorted(self.kept)[:self.target] for s in self.groups[g]]
-        for smp in out:
-            smp.metadata["rollout"] = stats
-        return out
+        stats = dict(wall_s=time.perf_counter() - self.t0, engine_busy_s=busy, aborted=self.aborted,
+                     drawn=self.next, dropped=len(self.dropped) if self.dynamic else None)
+        out = []  # the first complete groups (buffered ones first); the others stay for the next rollout
+        for key in sorted(self.kept)[:self.target]:
+            for ep in self.groups.pop(key)[2]:
+                ep.sample.group, ep.sample.metadata["rollout"] = key, stats
+                out.append(ep.sample)
+        return out, [g for k, g in sorted(self.groups.items()) if k not in self.dropped]
 
-    def _start_group(self):  # under self.lock
+    def _open(self, rec, prompt, eps):  # under self.lock: a group's unfinished episodes go to work
+        key = len(self.groups)
+        self.groups[key] = (rec, prompt, eps)
+        todo = [j for j, ep in enumerate(eps) if not ep.done]
+        self.running, self.left[key] = self.running + len(todo), len(todo)
+        self.bar.total += len(eps)
+        self.bar.update(len(eps) - len(todo))
+        if self.rounds:
+            self.rounds.join(len(todo))  # before any round that must wait for them can go
+        for j in todo:
+            self.pool.submit(self._episode, key, j, eps[j])
+        if not todo:
+            self._complete(key)
+
+    def _start_group(self):  # under self.lock: a new record's group (its prompt encoded on a worker thread)
         pos, self.next = self.next, self.next + 1
-        n, self.open = self.args.n_samples_per_prompt, self.open + 1
-        self.groups[self.order[pos]] = [None] * n
+        n, key = self.args.n_samples_per_prompt, len(self.groups)
+        self.groups[key] = (self.records[pos], None, [None] * n)
+        self.running, self.left[key] = self.running + n, n
         self.bar.total += n
         if self.rounds:
-            self.rounds.join(n)  # before any round that must wait for them can go
-        self.pool.submit(self._group, self.records[pos], self.order[pos])
+            self.rounds.join(n)
+        self.pool.submit(self._group, key)
 
-    def _group(self, rec, g):
+    def _group(self, key):
+        rec = self.groups[key][0]
         try:
             with self.cpu:  # the chat template and the processor once per prompt, not per sample
                 messages, tools = chat_prompt(self.processor, rec, self.args.max_turns > 1)
                 prompt = (messages, tools, encode_prompt(self.processor, messages, list(rec["images"]), tools))
-            for j in range(self.args.n_samples_per_prompt):
-                self.pool.submit(self._episode, rec, g, j, prompt)
+                eps = [new_episode(self.processor, rec, self.args, prompt) for _ in range(self.args.n_samples_per_prompt)]
+            with self.lock:
+                self.groups[key] = (rec, prompt, eps)
+            for j, ep in enumerate(eps):
+                self.pool.submit(self._episode, key, j, ep)
         except BaseException as e:  # noqa: BLE001 - surfaced by run()
             self._stop(e)
 
-    def _episode(self, rec, g, j, prompt):
+    def _episode(self, key, j, ep):
+        s, args = ep.sample, self.args
         try:
-            with self.cpu:
-                t = time.perf_counter()
-                s, env, chat = _episode(self.processor, rec, self.args, g, self.args.max_turns > 1, prompt)
-                own = time.perf_counter() - t
-            engine_s, active = 0.0, True
-            while active:
-                room = min(self.args.rollout_max_response_len - len(s.response_ids), self.args.max_context_len - len(s.tokens))
+            engine_s, own = 0.0, 0.0
+            while not ep.done:
+                room = min(args.rollout_max_response_len - len(s.response_ids), args.max_context_len - len(s.tokens))
                 if room <= 0:
                     s.status = "truncated"
                     break
+                if self.stopping:
+                    return self._park(ep)
                 t = time.perf_counter()
                 item = {"input_ids": s.tokens, "images": s.images, "max_new_tokens": room,
                         "routed_experts_start": routed_rows(s)}
-                out = (self.rounds.generate((g, j), item, self.sampling) if self.rounds
+                out = (self.rounds.generate((key, j), item, self.sampling) if self.rounds
                        else self.engine.generate([item], dict(self.sampling, max_new_tokens=room))[0])
                 call = (t, time.perf_counter())
                 self.calls.append(call)  # list.append is atomic: no lock
@@ -398,57 +475,78 @@ class _Pipeline:
                 with self.cpu:
                     t = time.perf_counter()
                     try:
-                        active = _finish_turn(s, env, chat, out, self.processor, self.args, self.stops)
+                        ours = self.stopping and out["finish"] == "abort" and not out.get("error")
+                        self.aborted += ours and out is not ABORTED  # requests the abort cut (not those never sent)
+                        ep.done = not _finish_turn(ep, out, self.processor, args, self.stops, self.version, ours)
                     except Exception as e:  # noqa: BLE001 - one bad episode must not end the rollout
                         _fail(s, f"{type(e).__name__}: {e}")
-                        active = False
+                        ep.done = True
                     own += time.perf_counter() - t
             with self.cpu:
                 t = time.perf_counter()
-                if env is not None:
-                    env.close()
+                ep.done = True
+                if ep.env is not None:
+                    ep.env.close()
                 reason = None if s.status == "failed" else check_images(self.processor, s.tokens, s.images)
                 if reason:
                     _fail(s, reason)
                 if self.reward_fn is not False:
-                    _score(s, self.args, self.reward_fn)
-                s.metadata.update(engine_s=engine_s, own_s=own + time.perf_counter() - t,
+                    _score(s, args, self.reward_fn)
+                s.metadata.update(engine_s=s.metadata.get("engine_s", 0.0) + engine_s,
+                                  own_s=s.metadata.get("own_s", 0.0) + own + time.perf_counter() - t,
                                   end_s=time.perf_counter() - self.t0)
-            self._finished(g, j, s)
+            self._finished(key)
         except BaseException as e:  # noqa: BLE001 - the engine gave up (a dead server): run() raises it
             self._stop(e)
 
-    def _finished(self, g, j, s):
+    def _park(self, ep):  # --partial-rollout: this episode waits in its group for the next rollout
         with self.lock:
-            group = self.groups[g]
-            group[j] = s
-            self.bar.update(1)
-            if all(x is not None for x in group):
-                self.open -= 1
-                if not self.dynamic or len({x.reward for x in group}) > 1:
-                    self.kept.append(g)
-                elif len(self.kept) + self.open < self.target and self.next < len(self.records):
-                    self._start_group()  # the moment a group is known all-equal, another is drawn
-                if not self.open:
-                    self.done.set()
+            self.running -= 1
+            if not self.running:
+                self.done.set()
         if self.rounds:
             self.rounds.leave()
+
+    def _finished(self, key):
+        with self.lock:
+            self.running, self.left[key] = self.running - 1, self.left[key] - 1
+            self.bar.update(1)
+            if not self.left[key]:
+                self._complete(key)
+            if not self.running:
+                self.done.set()
+        if self.rounds:
+            self.rounds.leave()
+
+    def _complete(self, key):  # under self.lock: a group whose every episode is done
+        eps = self.groups[key][2]
+        if not self.dynamic or len({ep.sample.reward for ep in eps}) > 1:
+            self.kept.append(key)
+        else:
+            self.dropped.add(key)
+            if len(self.kept) + self._open_groups() < (self.cap or self.target) and self.next < len(self.records):
+                self._start_group()  # the moment a group is known all-equal, another is drawn
+        if self.cap and len(self.kept) >= self.target and not self.stopping:
+            self.stopping = True  # --partial-rollout: enough; cut what still generates
+            if self.rounds:
+                self.rounds.abort()
+            getattr(self.engine, "abort", lambda: None)()
+
+    def _open_groups(self):
+        return len(self.groups) - len(self.kept) - len(self.dropped)
 
     def _stop(self, e):
         with self.lock:
             self.errors.append(e)
             self.done.set()
         if self.rounds:
-            with self.rounds.cond:  # episodes waiting for a round that cannot come stop too
-                self.rounds.broken = e
-                self.rounds.cond.notify_all()
+            self.rounds.break_(e)
 
 
-def run_episodes(engine, processor, records, args, groups=None, reward_fn=False):
-    """n_samples_per_prompt episodes per record (group = record position, or `groups`), each on its
-    own (_Pipeline); scored when reward_fn is None (--rm-type's) or a function."""
-    groups = groups if groups is not None else list(range(len(records)))
-    return _Pipeline(engine, processor, args, reward_fn, False, len(records)).run(records, groups)
+def run_episodes(engine, processor, records, args, reward_fn=False):
+    """n_samples_per_prompt episodes per record (group = record position), each on its own
+    (_Pipeline); scored when reward_fn is None (--rm-type's) or a function."""
+    return _Pipeline(engine, processor, args, reward_fn, len(records)).run(records)[0]
 
 
 def _score(s, args, reward_fn):
@@ -458,17 +556,20 @@ def _score(s, args, reward_fn):
     s.metadata["format_ok"] = bool(reward.format_ok(s.response_text))
 
 
-def generate_group_samples(engine, processor, records, args, reward_fn=None):
-    """records x n_samples_per_prompt scored samples (group = record position). With
-    args.dynamic_sampling, a group whose rewards are all equal is dropped and another record
-    started as soon as that is known, until rollout_batch_size groups are kept (the caller passes
-    more records than that: the over-sample)."""
-    target = (args.rollout_batch_size or len(records)) if args.dynamic_sampling else len(records)
-    pipe = _Pipeline(engine, processor, args, reward_fn, args.dynamic_sampling, target)
-    out = pipe.run(records, list(range(len(records))))
-    if args.dynamic_sampling:
-        for s in out:
-            s.metadata["ds_drawn_groups"], s.metadata["ds_kept_groups"] = pipe.next, len(pipe.kept)
+def generate_group_samples(engine, processor, records, args, reward_fn=None, partial=None, version=0):
+    """records x n_samples_per_prompt scored samples (group = its place in this rollout). With
+    args.dynamic_sampling, a group whose rewards are all equal is dropped and another record started as
+    soon as that is known, until rollout_batch_size groups are kept (the caller passes more records than
+    that: the over-sample). `partial` (--partial-rollout: a Partial): its buffered groups go first, up to
+    args.over_sampling_batch_size groups generate at once, and once rollout_batch_size are kept the rest
+    are aborted into it (at most over-sampling - batch groups). `version`: the engine's policy version,
+    kept with each token it writes (Sample.versions). The rollout's own numbers: samples' metadata["rollout"]."""
+    target = (args.rollout_batch_size or len(records)) if partial or args.dynamic_sampling else len(records)
+    pipe = _Pipeline(engine, processor, args, reward_fn, target, args.dynamic_sampling,
+                     partial and Partial.cap(args), version)
+    out, left = pipe.run(records, partial.groups if partial else ())
+    if partial:
+        partial.groups, partial.drawn = left, pipe.next
     return out
 
 
@@ -486,12 +587,12 @@ def rollout_metrics(samples):
          "tool_calls": sum(s.tool_calls for s in samples) / n,
          "format_ok_frac": sum(bool(s.metadata.get("format_ok")) for s in samples) / n,
          "samples": len(samples)}
-    if samples and "rollout" in samples[0].metadata:  # where the rollout's time went
-        ends = [s.metadata["end_s"] for s in samples]
-        m.update({f"rollout_{k}": v for k, v in samples[0].metadata["rollout"].items() if k.endswith("_s")},
+    if samples and "rollout" in samples[0].metadata:  # where the rollout's time went, what it cut and dropped
+        ends, stats = [s.metadata["end_s"] for s in samples], samples[0].metadata["rollout"]
+        if stats["dropped"] is not None:  # --dynamic-sampling: the share of complete groups kept
+            m["ds_keep_frac"] = len({s.group for s in samples}) / (len({s.group for s in samples}) + stats["dropped"])
+        m.update({f"rollout_{k}": v for k, v in stats.items() if k.endswith("_s") or k == "aborted"},
                  rollout_critical_path_s=max(s.metadata["engine_s"] for s in samples),
                  rollout_own_s_per_sample=sum(s.metadata["own_s"] for s in samples) / n,
                  rollout_tail_s=max(ends) - statistics.median(ends))
-    if samples and "ds_drawn_groups" in samples[0].metadata:
-        m["ds_keep_frac"] = samples[0].metadata["ds_kept_groups"] / max(samples[0].metadata["ds_drawn_groups"], 1)
     return m

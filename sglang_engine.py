@@ -28,7 +28,9 @@ import io
 import json
 import os
 import shlex
+import threading
 import time
+import uuid
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -41,7 +43,7 @@ import torch.multiprocessing
 import convert
 import data
 from engines import Engine, LocalEngine
-from sglang_server import Router, Server, ServerError, free_port
+from sglang_server import Router, Server, ServerDown, ServerError, free_port
 
 WEIGHT_SYNC = ("disk", "tensor", "distributed")
 GROUP = "geo3k_weight_sync"  # the process-group name for "distributed"
@@ -163,6 +165,7 @@ class SGLangEngine(Engine):
         self.server = Server(hf_dir, run_dir, server_args, env, launch_cmd, timeout, request_timeout,
                              max_restarts, on_restart=self._restarted, host=host, api_key=api_key, name=name)
         self.front = self.server  # where generate goes: this server, or the router in front of every node's
+        self.inflight, self.lock = set(), threading.Lock()  # the request ids (rid) of /generates not yet answered
 
     def attach_router(self, workers, args=(), launch_cmd=None):
         """Generate through SGLang's router in front of `workers` (every node's server URL, this one's
@@ -189,10 +192,16 @@ class SGLangEngine(Engine):
         return list(self.front.pool.map(lambda item: self._generate_one(item, sampling), batch))
 
     def _generate_one(self, item, sp):
+        payload = self.generate_payload(item, sp)
+        with self.lock:
+            self.inflight.add(payload["rid"])
         try:
-            r = self.front.call("/generate", self.generate_payload(item, sp))
+            r = self.front.call("/generate", payload)
         except ServerError as e:  # e.g. an image the server refuses: this sample fails, not the run
             return {"ids": [], "logprobs": [], "finish": "abort", "error": str(e)}
+        finally:
+            with self.lock:
+                self.inflight.discard(payload["rid"])
         meta = r["meta_info"]
         pairs = meta.get("output_token_logprobs") or []
         out = {"ids": [int(p[1]) for p in pairs], "logprobs": [float(p[0]) for p in pairs],
@@ -232,12 +241,26 @@ class SGLangEngine(Engine):
         ids = list(item["input_ids"])
         if self.image_pad is not None:
             ids = collapse_image_pads(ids, self.image_pad)  # the server expands each pad itself
-        payload = {"input_ids": ids, "sampling_params": params, "return_logprob": True}
+        payload = {"input_ids": ids, "sampling_params": params, "return_logprob": True, "rid": uuid.uuid4().hex}
         if self.route_shape:  # R3 (io_struct.py:263-268): positions counted in the server's expanded ids, as ours
             payload.update(return_routed_experts=True, routed_experts_start_len=int(item.get("routed_experts_start", 0)))
         if item.get("images"):
             payload["image_data"] = [data.image_to_data_uri(im) for im in item["images"]]
         return payload
+
+    def abort(self):
+        """--partial-rollout: every /generate in flight answers now with what it has (finish "abort"), by its
+        request id (AbortReq, sglang 0.5.23 io_struct.py:2285; the scheduler cuts a running request after its
+        next decode step, scheduler.py:5797-5811), sent to every server: the router does not say which holds it."""
+        with self.lock:
+            rids = list(self.inflight)
+        def tell(url, rid):
+            try:
+                self.server.post("/abort_request", {"rid": rid}, url=url)
+            except (ServerError, ServerDown):  # a server that is gone has nothing left to cut
+                pass
+        urls = getattr(self.front, "workers", [self.server.url])
+        list(self.server.pool.map(lambda a: tell(*a), [(u, r) for u in urls for r in rids]))
 
     def update_weights(self, buckets):
         """Load (HF name, full tensor) buckets into the server by self.weight_sync (module doc);

@@ -209,11 +209,13 @@ class Server:
         self.pool.shutdown(wait=False, cancel_futures=True)
         _LIVE.discard(self)
 
-    def post(self, path, payload, timeout=None):
+    def post(self, path, payload, timeout=None, url=None):
+        """POST to this server (or to `url`, another server of the job's: the same key)."""
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(), headers=headers, method="POST")
+        req = urllib.request.Request((url or self.url) + path, data=json.dumps(payload).encode(), headers=headers,
+                                     method="POST")
         try:
             with urllib.request.urlopen(req, timeout=timeout or self.request_timeout) as r:
                 body = r.read().decode()

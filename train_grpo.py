@@ -20,6 +20,7 @@ textbook GRPO: a group of equal rewards gets exactly 0 advantage, the clip is as
 import argparse
 import dataclasses
 import math
+import pickle
 import random
 import sys
 import time
@@ -32,7 +33,6 @@ from transformers import AutoProcessor
 import cluster
 import flags as F
 import model as M
-import offload
 import optim
 import parallel
 import pipeline
@@ -106,6 +106,11 @@ def parse_args(argv=None):
     if args.async_rollout and (args.colocate or args.offload_train):
         p.error("--async-rollout: the next rollout runs while this step trains, so the engine needs GPUs of its "
                 "own (--rollout-num-gpus N; not --colocate) and the trainer stays on them (no --offload-train)")
+    if not args.partial_rollout and (args.over_sampling_batch_size or args.mask_offpolicy_in_partial_rollout):
+        p.error("--over-sampling-batch-size and --mask-offpolicy-in-partial-rollout need --partial-rollout")
+    if (args.over_sampling_batch_size or args.rollout_batch_size) < args.rollout_batch_size:
+        p.error(f"--over-sampling-batch-size {args.over_sampling_batch_size}: at least --rollout-batch-size "
+                f"{args.rollout_batch_size} (the groups a step trains on come from those it samples)")
     if args.colocate and args.weight_sync == "distributed":  # rank 0 and the server's TP rank 0 share GPU 0
         p.error("--colocate --weight-sync distributed: NCCL refuses a communicator that holds one GPU twice; "
                 "colocated weights go by --weight-sync tensor (the default) or disk")
@@ -255,46 +260,133 @@ def evaluate(engine, processor, records, args, step, run):
     return out
 
 
-def rollout_step(step, par, engine, processor, records, args, updates=1):
-    """Rank 0 draws the step's prompts, samples and scores them (sample); each rank receives only its
-    share of the usable samples and builds its trainer items itself (deal). -> (this rank's items of each
-    update, None for an update with no sample; metrics, rank 0's). Failed and aborted samples are
-    counted in the metrics and never trained on."""
-    shares, metrics = sample(step, engine, processor, records, args, updates, par.dp) if par.rank == 0 else (None, {})
-    metrics.pop("_ran", None)
-    return deal(shares, metrics, par, processor)
+class Sampler:
+    """Rank 0's half of a step's rollout: the step's prompts (trainer.draw: a function of seed and step;
+    --partial-rollout: the next ones of the data stream, after the buffer's groups), sampled and scored
+    through the engine, their advantages, each DP rank's share. --partial-rollout keeps the buffer of
+    groups a rollout stopped and the data position, and what both were when a step's rollout began
+    (state): a checkpoint holds the state its resumed run starts from."""
+
+    def __init__(self, engine, processor, records, args, updates, dp):
+        self.engine, self.processor, self.records, self.args, self.updates, self.dp = engine, processor, records, args, updates, dp
+        self.partial = R.Partial() if args.partial_rollout else None
+        self.cursor, self.began = 0, None  # prompts the stream gave so far; (step, state) at that rollout's start
+
+    def state(self, step):
+        """What a run resumed at `step` starts from: None without --partial-rollout."""
+        if self.partial is None:
+            return None
+        return pickle.loads(self.began[1]) if self.began and self.began[0] == step else (self.cursor, self.partial.groups)
+
+    def load(self, state):
+        if state is not None and self.partial is not None:
+            self.cursor, self.partial.groups = state
+
+    def __call__(self, step, version):
+        """-> (each DP rank's (sample, advantage) pairs of each update, metrics). `version`: the updates the
+        engine's weights have had; a token of an older version than `step`'s policy is off-policy."""
+        t0, args = time.perf_counter(), self.args
+        if self.partial is None:
+            batch = T.draw(self.records, step, args)
+        else:
+            self.began = (step, pickle.dumps((self.cursor, self.partial.groups)))
+            extra = (args.dynamic_sampling_max_prompts or 4 * args.rollout_batch_size) if args.dynamic_sampling else 0
+            batch = T.stream(self.records, self.cursor, self.partial.cap(args) - len(self.partial.groups) + extra, args.seed)
+        samples = R.generate_group_samples(self.engine, self.processor, batch, R.RolloutConfig.from_args(args),
+                                           partial=self.partial, version=version)
+        metrics = R.rollout_metrics(samples)
+        if self.partial is not None:
+            self.cursor += self.partial.drawn
+            metrics["partial_buffer_groups"] = len(self.partial.groups)
+        good = [s for s in samples if s.status not in ("failed", "aborted") and any(s.loss_mask)]
+        if args.mask_offpolicy_in_partial_rollout:  # tokens written before the sample's last abort: no loss
+            for s in good:
+                s.loss_mask = [m and v >= max(s.versions) for m, v in zip(s.loss_mask, s.versions)]
+        trained = [v for s in good for m, v in zip(s.loss_mask, s.versions) if m]
+        metrics.update(tokens=sum(len(s.tokens) for s in good), rollout_policy_version=version,
+                       offpolicy_token_frac=sum(v < step for v in trained) / max(1, len(trained)))
+        if trained:
+            metrics["oldest_token_version"] = min(trained)
+        failed = sorted({s.fail_reason for s in samples if s.status == "failed"})
+        if failed and good:  # counted in failed_frac; say why, once a step
+            print(f"[grpo] step {step + 1}: {sum(s.status == 'failed' for s in samples)} of {len(samples)} samples "
+                  f"failed: {'; '.join(r[:200] for r in failed[:3])}", flush=True)
+        if not good:
+            reasons = sorted({s.fail_reason or s.status for s in samples if s.status != "completed"})
+            print(f"[grpo] step {step + 1}: no trainable sample among {len(samples)} "
+                  f"({', '.join(reasons[:3]) or 'no response tokens'}): update skipped", flush=True)
+        adv = advantages([s.reward for s in good], [s.group for s in good], args.advantage_estimator)
+        metrics["_ran"] = (t0, time.perf_counter())
+        return split_batch(good, adv, random.Random(args.seed + step), args.global_batch_size, self.updates, self.dp), metrics
 
 
-def sample(step, engine, processor, records, args, updates, dp):
-    """rank 0: step `step`'s samples -> (each DP rank's (sample, advantage) pairs, metrics, with the
-    wall-clock interval it ran in as "_ran")."""
-    t0 = time.perf_counter()
-    batch = T.draw(records, step, args)
-    samples = R.generate_group_samples(engine, processor, batch, R.RolloutConfig.from_args(args))
-    metrics = R.rollout_metrics(samples)
-    good = [s for s in samples if s.status not in ("failed", "aborted") and any(s.loss_mask)]
-    adv = advantages([s.reward for s in good], [s.group for s in good], args.advantage_estimator)
-    metrics["tokens"] = sum(len(s.tokens) for s in good)
-    failed = sorted({s.fail_reason for s in samples if s.status == "failed"})
-    if failed and good:  # counted in failed_frac; say why, once a step
-        print(f"[grpo] step {step + 1}: {sum(s.status == 'failed' for s in samples)} of {len(samples)} samples "
-              f"failed: {'; '.join(r[:200] for r in failed[:3])}", flush=True)
-    if not good:
-        reasons = sorted({s.fail_reason or s.status for s in samples if s.status != "completed"})
-        print(f"[grpo] step {step + 1}: no trainable sample among {len(samples)} "
-              f"({', '.join(reasons[:3]) or 'no response tokens'}): update skipped", flush=True)
-    metrics["_ran"] = (t0, time.perf_counter())
-    return split_batch(good, adv, random.Random(args.seed + step), args.global_batch_size, updates, dp), metrics
+@dataclasses.dataclass
+class Batch:
+    """A step's rollout on one rank: its items of each update (None: an update with no sample) and
+    metrics (rank 0's)."""
+    items: list
+    metrics: dict
 
 
-def deal(shares, metrics, par, processor):
-    """Every rank: its DP rank's share of rank 0's `shares` -> (its trainer items of each update, metrics)."""
-    t = time.perf_counter()
-    encoded = {}  # a group's images, shared in the payload, are encoded once on each rank
-    items = [None if part is None else [to_item(s, processor, a, encoded) for s, a in part]
-             for part in T.hand_out(shares, par)]
-    metrics["handoff_s"] = time.perf_counter() - t
-    return items, metrics
+class Sync:
+    """The rollout source of a step: rank 0 samples it (Sampler) with the weights the step trains, then
+    every rank receives its share (deal)."""
+
+    def __init__(self, sampler, par, processor):
+        self.sampler, self.par, self.processor = sampler, par, processor
+
+    def next(self, step):
+        t = time.perf_counter()
+        shares, metrics = self.sampler(step, step) if self.par.rank == 0 else (None, {})
+        metrics.pop("_ran", None)
+        return self.deal(shares, metrics, t)
+
+    def deal(self, shares, metrics, t):
+        """Every rank: its DP rank's share of rank 0's `shares` -> Batch (a group's images, shared in the
+        payload, encoded once on each rank)."""
+        h, encoded = time.perf_counter(), {}
+        items = [None if part is None else [to_item(s, self.processor, a, encoded) for s, a in part]
+                 for part in T.hand_out(shares, self.par)]
+        return Batch(items, dict(metrics, handoff_s=time.perf_counter() - h, rollout_s=time.perf_counter() - t))
+
+    def settle(self):
+        """Before the engine takes the step's new weights; -> metrics."""
+        return {}
+
+
+class Ahead(Sync):
+    """--async-rollout: rank 0 starts step k+1's rollout in a thread once step k's is dealt out, so that it
+    runs while step k trains, with the weights before step k's update (one step off-policy); settle() waits
+    for it to end before the engine takes new weights (every node's server too: a barrier)."""
+
+    def __init__(self, sampler, par, processor, steps):
+        super().__init__(sampler, par, processor)
+        self.steps, self.pool, self.next_rollout = steps, ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead"), None
+
+    def next(self, step):
+        t, version = time.perf_counter(), step
+        if self.par.rank != 0:
+            return self.deal(None, {}, t)
+        if self.next_rollout is not None:  # started while the last step trained
+            (shares, metrics), version = self.next_rollout.result(), step - 1
+        else:
+            shares, metrics = self.sampler(step, step)
+        self.next_rollout = self.pool.submit(self.sampler, step + 1, step) if step + 1 < self.steps else None
+        metrics.pop("_ran")
+        self.trained = time.perf_counter()
+        return self.deal(shares, dict(metrics, rollout_policy_version=version), t)
+
+    def settle(self):
+        out = {}
+        if self.next_rollout is not None:  # how long the next rollout ran beside this step's training
+            ran, now = self.next_rollout.result()[1]["_ran"], time.perf_counter()
+            out["rollout_ahead_overlap_s"] = max(0.0, min(ran[1], now) - max(ran[0], self.trained))
+        if self.par.world > 1:
+            torch.distributed.barrier()
+        return out
+
+    def close(self):  # a rollout still running is not waited for
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def split_batch(good, adv, rng, global_batch_size, updates, dp):
@@ -309,67 +401,46 @@ def split_batch(good, adv, rng, global_batch_size, updates, dp):
     return [[c[r::dp] if c else None for c in chunks] for r in range(dp)]
 
 
-def train_step(model, ref, opt, sched, par, items, args, updates):
-    """One optimizer step per update over this rank's `items` of it; an update with no sample
-    (None on every rank alike) is skipped on every rank in lockstep."""
-    model.train()
-    if args.recompute_logprobs:
-        recompute_old(model, [it for part in items if part for it in part], args)
-    stats = {"updates_skipped": 0}
-    for part in items:
-        if part is None:
-            stats["updates_skipped"] += 1
-            continue
-        s = policy_loss(model, ref, par, part, args, measure="logprob_diff_mean" not in stats)
-        s.update(optim.optimizer_step(model, opt, sched, par, args))
-        stats.update(s)  # the last update's stats; logprob_diff_* from the first
-    return stats
+class Policy:
+    """The trainer of every rank: the model, the reference model of the KL term, the optimizer and its
+    schedule; train() runs a step's updates on this rank's share."""
+
+    def __init__(self, model, ref, opt, sched, args, updates):
+        self.model, self.ref, self.opt, self.sched, self.args, self.updates = model, ref, opt, sched, args, updates
+
+    def train(self, batch):
+        """One optimizer step per update over this rank's items of it; an update with no sample (None on
+        every rank alike) is skipped on every rank in lockstep. -> the last update's stats (logprob_diff_*
+        from the first: the weights the engine sampled with)."""
+        t, model, par, args = time.perf_counter(), self.model, self.model.par, self.args
+        model.train()
+        if args.recompute_logprobs:
+            recompute_old(model, [it for part in batch.items if part for it in part], args)
+        stats = {"updates_skipped": 0}
+        for part in batch.items:
+            if part is None:
+                stats["updates_skipped"] += 1
+                continue
+            s = policy_loss(model, self.ref, par, part, args, measure="logprob_diff_mean" not in stats)
+            s.update(optim.optimizer_step(model, self.opt, self.sched, par, args))
+            stats.update(s)
+        t = time.perf_counter() - t
+        return dict(stats, **T.expert_load(model), train_s=t, tokens_per_s=batch.metrics.get("tokens", 0) / max(t, 1e-9))
 
 
-def grpo_step(step, par, run, engine, plan, processor, records, model, ref, opt, sched, args, updates, off=None,
-              ahead=None):
-    """One step in slime's order: generate, release the engine's GPU memory (colocated), train,
-    take the memory back, update the engine's weights (its update flushes its caches). `plan`:
-    the engine's sync_plan(), known to every rank. `off`: --offload-train's Offload. `ahead`
-    (--async-rollout, rank 0): {"pool": a one-thread executor[, "next": the future of this step's
-    rollout, started while the last step trained]}; this step's starts the next one before training."""
-    secs, t0 = {}, time.perf_counter()
-    cluster.to_rollout(par, engine, off, args)
-    with T.timed(secs, "rollout"):
-        shares, metrics, version = None, {}, step  # the updates the engine's weights had when it sampled
-        if par.rank == 0:
-            if ahead and "next" in ahead:
-                (shares, metrics), version = ahead.pop("next").result(), step - 1
-            else:
-                shares, metrics = sample(step, engine, processor, records, args, updates, par.dp)
-            if ahead and step + 1 < args.num_rollout:  # runs while this step trains: one step off-policy
-                ahead["next"] = ahead["pool"].submit(sample, step + 1, engine, processor, records, args, updates, par.dp)
-            metrics.pop("_ran")
-            metrics["rollout_policy_version"] = version
-        items, metrics = deal(shares, metrics, par, processor)
-    if args.colocate:
-        cluster.step_aside(par, engine, off)
-    elif off is not None:
-        off.restore()
-    with T.timed(secs, "train"):
-        trained = time.perf_counter()
-        stats = train_step(model, ref, opt, sched, par, items, args, updates)
-        trained = (trained, time.perf_counter())
-    with T.timed(secs, "sync"):
-        if ahead and "next" in ahead:  # the next rollout ends before the engine takes new weights
-            ran = ahead["next"].result()[1]["_ran"]
-            metrics["rollout_ahead_overlap_s"] = max(0.0, min(ran[1], trained[1]) - max(ran[0], trained[0]))
-        if args.async_rollout and par.world > 1:  # every node's server too: rank 0's rollout has ended
-            torch.distributed.barrier()
-        if args.colocate:
-            metrics.update(cluster.step_back(par, engine, off))
-        cluster.sync_weights(model, engine, par, plan)
-    if off is not None:
-        metrics["offload_host_gib"] = off.host_bytes() / 2**30
-    metrics.update(stats, **T.expert_load(model))
-    metrics.update(rollout_s=secs["rollout"], train_s=secs["train"],
-                   sync_s=secs["sync"], tokens_per_s=metrics.get("tokens", 0) / max(1e-9, secs["train"]),
-                   step_s=time.perf_counter() - t0)
+def grpo_step(step, policy, source, servers, run):
+    """One step in slime's order: generate, the engine steps aside, train, it comes back and takes the new
+    weights (its update flushes its caches), log. The variants (one step ahead, partial rollout, colocated,
+    offload) live in the objects: source (Sync / Ahead, their Sampler), servers (cluster.Servers)."""
+    t = time.perf_counter()
+    servers.to_rollout()                 # --offload-train: the trainer parks; a colocated server takes all back
+    batch = source.next(step)            # rank 0 samples (this step's, or the one made ahead); each rank its share
+    servers.step_aside()                 # colocated: the server frees the GPUs; the trainer returns from host memory
+    stats = policy.train(batch)          # every rank: the PPO-clip updates on its share
+    stats.update(source.settle())        # one step ahead: the next rollout ends before the weights change
+    stats.update(servers.step_back())    # colocated: the server takes its memory back
+    stats.update(servers.sync(policy.model))  # new weights to every server
+    metrics = {**batch.metrics, **stats, "step_s": time.perf_counter() - t}
     run.log(step + 1, metrics)
     return metrics
 
@@ -390,48 +461,38 @@ def main(argv=None):
     updates = math.ceil(args.rollout_batch_size * args.n_samples_per_prompt / args.global_batch_size)
     opt, sched = optim.build_optimizer(model, args, args.num_rollout * updates)
     start = run.load_state(ckpt, opt, sched)["step"] if ckpt else 0
-
-    off = None
-    if args.offload_train:  # parked before the server starts: its --mem-fraction-static counts what is free
-        off = offload.Offload(model, opt, ref)
-        off.release()
-        if par.rank == 0:
-            print(f"[offload] --offload-train: {off.host_bytes() / 2**30:.2f} GiB of host memory per rank for the "
-                  "trainer's parameters, more once the optimizer states exist (metric offload_host_gib)", flush=True)
-    records = eval_records = engine = None
+    policy = Policy(model, ref, opt, sched, args, updates)
+    records = eval_records = None
     if par.rank == 0:  # rank 0 owns the data and the rewards; each node's leader its server (cluster.py)
         reward.get_reward_fn(args.rm_type)  # its one-off warm-up here, not in the first rollout
         fit = dict(measure=lambda r: prompt_tokens(processor, r, args),
                    limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len} with room for a response"))
         records, eval_records = T.load_data(args, **fit), T.load_data(args, evaluation=True, **fit)
-    engine = cluster.start(args, par, str(ckpt or args.hf_checkpoint), str(run.save))  # rank 0's, each node's
-    plan = [engine.sync_plan() if engine is not None else None, bool(eval_records)]
-    if par.world > 1:  # every rank takes part in a sync that serialises on several ranks, and in to_rollout
-        torch.distributed.broadcast_object_list(plan, src=0)
-    evals = plan[1]
-    ahead = {"pool": ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead")} if args.async_rollout else None
+    servers = cluster.Servers(args, par, model, opt, ref, str(ckpt or args.hf_checkpoint), str(run.save))
+    sampler = Sampler(servers.engine, processor, records, args, updates, par.dp) if par.rank == 0 else None
+    if sampler is not None and ckpt:
+        sampler.load(run.load_rollout(ckpt))
+    source = (Ahead(sampler, par, processor, args.num_rollout) if args.async_rollout else Sync(sampler, par, processor))
+    evals = servers.agree(bool(eval_records))
     try:
         if par.rank == 0 and eval_records and start == 0:
-            evaluate(engine, processor, eval_records, args, 0, run)
+            evaluate(servers.engine, processor, eval_records, args, 0, run)
         bar = tqdm(range(start, args.num_rollout), desc="grpo", disable=par.rank != 0,
                    initial=start, total=args.num_rollout)
         for step in bar:
-            metrics = grpo_step(step, par, run, engine, plan[0], processor, records, model, ref, opt, sched, args,
-                                updates, off, ahead if par.rank == 0 else None)
+            metrics = grpo_step(step, policy, source, servers, run)
             bar.set_postfix(reward=f"{metrics.get('reward', 0):.3f}")
             # before the trainer is parked; colocated, --offload-train parked the optimizer states at the sync
-            run.maybe_save(model, opt, sched, step + 1, args.num_rollout,
-                           prepare=None if off is None else lambda: off.restore(("optimizer",)))
+            run.maybe_save(model, opt, sched, step + 1, args.num_rollout, prepare=servers.for_checkpoint,
+                           rollout=sampler and sampler.state(step + 1))
             last = step + 1 == args.num_rollout
             if evals and (last or (args.eval_interval and (step + 1) % args.eval_interval == 0)):
-                cluster.to_rollout(par, engine, off, args)
+                servers.to_rollout()
                 if par.rank == 0:
-                    evaluate(engine, processor, eval_records, args, step + 1, run)
+                    evaluate(servers.engine, processor, eval_records, args, step + 1, run)
     finally:
-        if ahead is not None:  # a rollout still running is not waited for
-            ahead["pool"].shutdown(wait=False, cancel_futures=True)
-        if engine is not None:
-            engine.shutdown()
+        getattr(source, "close", lambda: None)()
+        servers.shutdown()
 
 
 if __name__ == "__main__":

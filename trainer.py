@@ -91,9 +91,10 @@ class Run:
         if self.wandb:
             self.wandb.log(metrics, step=step)
 
-    def save_checkpoint(self, model, opt, sched, step):
+    def save_checkpoint(self, model, opt, sched, step, rollout=None):
         """<save>/iter_NNNNNNN (HF weights + train_state/), written as .tmp_<name> and renamed: a
-        half-written checkpoint is never visible. Then only the newest --save-keep stay."""
+        half-written checkpoint is never visible. Then only the newest --save-keep stay. `rollout`: rank
+        0's rollout state to resume with (--partial-rollout's buffer), in train_state/rollout.pt."""
         name = f"iter_{step:07d}"
         tmp, final = self.save / f".tmp_{name}", self.save / name
         try:
@@ -109,6 +110,8 @@ class Run:
                 torch.save(state, tmp / "train_state" / state_name(self.par, opt))
             dist.barrier()
             if self.rank == 0:
+                if rollout is not None:
+                    torch.save(rollout, tmp / "train_state" / "rollout.pt")
                 (tmp / "train_state" / "meta.json").write_text(json.dumps({"step": step, "tp": self.par.tp, "pp": self.par.pp}))
                 shutil.rmtree(final, ignore_errors=True)
                 os.replace(tmp, final)
@@ -127,13 +130,18 @@ class Run:
         dist.barrier()
         return final
 
-    def maybe_save(self, model, opt, sched, step, total, prepare=None):
+    def maybe_save(self, model, opt, sched, step, total, prepare=None, rollout=None):
         """Every --save-interval steps, and always after the last; prepare() first when it saves."""
         periodic = self.args.save_interval and step % self.args.save_interval == 0
         if periodic or step == total:
             if prepare is not None:
                 prepare()
-            self.save_checkpoint(model, opt, sched, step)
+            self.save_checkpoint(model, opt, sched, step, rollout)
+
+    def load_rollout(self, ckpt):
+        """The rollout state save_checkpoint kept (rank 0), or None."""
+        f = ckpt / "train_state" / "rollout.pt"
+        return read_state(f, lambda f: torch.load(f, weights_only=False)) if f.exists() else None
 
     def load_state(self, ckpt, opt, sched):
         """Optimizer, schedule and RNG of this rank; returns the meta dict (step, data position)."""
@@ -369,20 +377,28 @@ def epoch_order(n, seed, epoch):
     return order
 
 
-def draw(records, step, args):
-    """The prompts of a step: a fixed function of (seed, step), so a resumed run sees the same. With
-    --dynamic-sampling, extra prompts follow (--dynamic-sampling-max-prompts in all), for
-    generate_group_samples to draw on until enough groups have mixed rewards."""
-    n, k, orders, out = len(records), args.rollout_batch_size, {}, []
-    for j in range(step * k, (step + 1) * k):
+def stream(records, start, count, seed):
+    """Records at positions start .. start + count of the data stream: the data in an order that each
+    epoch shuffles anew, a function of (seed, epoch) only, so a resumed run sees the same."""
+    n, orders, out = len(records), {}, []
+    for j in range(start, start + count):
         epoch, pos = divmod(j, n)
         if epoch not in orders:
-            orders[epoch] = epoch_order(n, args.seed, epoch)
+            orders[epoch] = epoch_order(n, seed, epoch)
         out.append(dict(records[orders[epoch][pos]], index=orders[epoch][pos]))
-    if args.dynamic_sampling:  # the over-sample, drawn from the rest of the data; also fixed by (seed, step)
+    return out
+
+
+def draw(records, step, args):
+    """The prompts of a step: the stream's from step x --rollout-batch-size on. With --dynamic-sampling,
+    extra prompts follow (--dynamic-sampling-max-prompts in all), for generate_group_samples to draw on
+    until enough groups have mixed rewards; also a function of (seed, step)."""
+    k = args.rollout_batch_size
+    out = stream(records, step * k, k, args.seed)
+    if args.dynamic_sampling:  # the over-sample, drawn from the rest of the data
         cap = args.dynamic_sampling_max_prompts or 4 * k
         taken = {r["index"] for r in out}
-        pool = [i for i in range(n) if i not in taken]
+        pool = [i for i in range(len(records)) if i not in taken]
         extra = random.Random(args.seed * 1_000_003 + step).sample(pool, min(len(pool), max(0, cap - k)))
         out += [dict(records[i], index=i) for i in extra]
     return out

@@ -51,6 +51,7 @@ SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "
                    "skip_special_tokens", "no_stop_trim", "ignore_eos", "repetition_penalty",
                    "frequency_penalty", "presence_penalty", "min_new_tokens", "n"}
 DISK_FIELDS = {"model_path", "load_format", "abort_all_requests", "weight_version"}
+ABORT_FIELDS = {"rid", "abort_all"}  # AbortReq (io_struct.py:2285)
 MEMORY_FIELDS = {"tags"}
 # UpdateWeightsFromTensorReqInput, UpdateWeightsFromDistributedReqInput, InitWeightsUpdateGroupReqInput,
 # (Begin|End)WeightUpdateReqInput (io_struct.py:2027, 2002, 2126, 2197, 2208)
@@ -61,6 +62,7 @@ DIST_FIELDS = {"names", "dtypes", "shapes", "group_name", "flush_cache", "abort_
 GROUP_FIELDS = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
 SESSION_FIELDS = {"selector"}
 STOP = 151645  # <|im_end|>: ends every fake answer
+FAKE_IDS = range(150000, 151000)  # the tokens of fake answers: plain vocabulary, rare in prompts
 PROC = str(Path(__file__).resolve().parents[1] / "proc.py")  # the launcher that arms PR_SET_PDEATHSIG
 
 
@@ -71,14 +73,23 @@ def weights_digest(model_path):
     return h.hexdigest()[:12]
 
 
-def fake_output(input_ids, max_new_tokens, digest, length=6):
-    """-> (ids, logprobs, finish): `length` plain-text tokens then <|im_end|>, cut at max_new_tokens."""
-    seed = int(hashlib.sha1(f"{digest}:{input_ids}".encode()).hexdigest(), 16)
-    ids = [1000 + (seed >> (8 * i)) % 5000 for i in range(length)] + [STOP]
-    lps = [-0.05 - ((seed >> (4 * i)) % 100) / 50.0 for i in range(len(ids))]
-    if max_new_tokens < len(ids):
-        return ids[:max_new_tokens], lps[:max_new_tokens], "length"
-    return ids, lps, "stop"
+def fake_output(input_ids, max_new_tokens, digest, length=6, cut=None):
+    """-> (ids, logprobs, finish): `length` tokens from FAKE_IDS, then <|im_end|>, cut at max_new_tokens. Each
+    token and logprob is a function of the weights and of every id before it, and the tokens of a turn
+    already given (FAKE_IDS at the end of input_ids) count towards `length`: an answer cut short and
+    continued is the uninterrupted answer, as greedy decoding gives. cut(): checked before each token; True
+    ends the answer there (an abort: finish "abort")."""
+    ids, lps = [], []
+    done = len(input_ids) - next((i + 1 for i in range(len(input_ids) - 1, -1, -1) if input_ids[i] not in FAKE_IDS), 0)
+    while len(ids) < max_new_tokens:
+        if cut is not None and cut():
+            return ids, lps, "abort"
+        seed = int(hashlib.sha1(f"{digest}:{input_ids + ids}".encode()).hexdigest(), 16)
+        ids.append(STOP if done + len(ids) >= length else FAKE_IDS.start + seed % len(FAKE_IDS))
+        lps.append(-0.05 - (seed >> 16) % 100 / 50.0)
+        if ids[-1] == STOP:
+            return ids, lps, "stop"
+    return ids, lps, "length"
 
 
 def decode_image(uri):
@@ -210,9 +221,15 @@ class Handler(BaseHTTPRequestHandler):
                     print(f"Exception in /generate: {type(e).__name__}: {e}", flush=True)
                     return self._reply(500, "Internal Server Error")
             time.sleep(st["delay"])
-            sp = body["sampling_params"]
-            ids, lps, finish = fake_output(prompt, sp["max_new_tokens"], st["digest"])
+            sp, rid = body["sampling_params"], body.get("rid")
+
+            def cut():  # --fake-token-delay: a token at a time, until an /abort_request names this rid
+                time.sleep(st["token_delay"])
+                return rid in st["aborted"]
+            ids, lps, finish = fake_output(prompt, sp["max_new_tokens"], st["digest"], cut=cut if st["token_delay"] else None)
             reason = {"type": finish, "matched": STOP} if finish == "stop" else {"type": finish, "length": len(ids)}
+            if finish == "abort":
+                reason = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
             meta = {"id": "fake", "prompt_tokens": len(prompt), "completion_tokens": len(ids),
                     "finish_reason": reason, "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)]}
             if body.get("return_routed_experts") and st["routes"]:  # stock without the flag: no field
@@ -230,6 +247,11 @@ class Handler(BaseHTTPRequestHandler):
                                      "num_paused_requests": 0})
         if self.path == "/flush_cache":
             return self._reply(200, "Cache flushed.\n")
+        if self.path == "/abort_request":
+            if set(body) - ABORT_FIELDS:
+                return self._reply(400, {"error": f"bad fields {sorted(body)}"})
+            st["aborted"].add(body.get("rid"))
+            return self._reply(200, "")
         if self.path in WEIGHT_ROUTES:
             fields, handler = WEIGHT_ROUTES[self.path]
             if set(body) - fields:
@@ -332,6 +354,7 @@ def main():
     p.add_argument("--fake-record", default=None, help="JSONL file to append every request to")
     p.add_argument("--fake-dump", default=None, help="folder for the tensors of tensor/distributed updates")
     p.add_argument("--fake-delay", type=float, default=0.0, help="seconds per /generate")
+    p.add_argument("--fake-token-delay", type=float, default=0.0, help="seconds per generated token (abortable)")
     p.add_argument("--fake-startup", type=float, default=0.0, help="seconds before listening")
     p.add_argument("--fake-children", type=int, default=0,
                    help="idle child processes to start, as SGLang's scheduler/detokenizer")
@@ -352,7 +375,8 @@ def main():
     server.state = {"lock": threading.Lock(), "record": a.fake_record, "delay": a.fake_delay,
                     "digest": weights_digest(a.model_path), "model_path": a.model_path,
                     "image_pad": config.get("image_token_id"), "image_processor": None, "dump": a.fake_dump,
-                    "api_key": a.api_key, "info_delay": a.fake_info_delay, "released": set()}
+                    "api_key": a.api_key, "info_delay": a.fake_info_delay, "released": set(),
+                    "token_delay": a.fake_token_delay, "aborted": set()}
     tc = config.get("text_config") or config  # R3: a dense checkpoint's routes are made up (2 of 8 experts)
     server.state["routes"] = ((tc["num_hidden_layers"], tc.get("num_experts_per_tok", 2), tc.get("num_experts", 8))
                               if "--enable-return-routed-experts" in passthrough else None)

@@ -209,6 +209,35 @@ def test_a_server_killed_mid_rollout_is_restarted_and_no_sample_is_lost(ckpt, pr
     assert (tmp_path / "sglang_node01.log").read_text().count("starting:") == 2
 
 
+def test_an_abort_reaches_every_server_behind_the_router(ckpt, processor, records, tmp_path):
+    """--partial-rollout with two servers: the router does not say which holds a request, so the abort
+    names every request in flight to every server; each answers at once with what it had."""
+    import threading
+    import time
+    rec = tmp_path / "requests.jsonl"
+    kw = dict(server_args=["--fake-record", str(rec), "--fake-token-delay", "0.5"], launch_cmd=[sys.executable, FAKE], timeout=30)
+    a = SGLangEngine(ckpt, tmp_path, name="node00", **kw)
+    b = SGLangEngine(ckpt, tmp_path, name="node01", **kw)
+    try:
+        a.attach_router([a.server.url, b.server.url], ["--balance-abs-threshold", "0", "--balance-rel-threshold", "1.0"])
+        items = [{"input_ids": [100 + i] * 20, "images": []} for i in range(8)]
+        box = []
+        t = threading.Thread(target=lambda: box.append(a.generate(items, dict(max_new_tokens=16))))
+        t.start()
+        deadline = time.time() + 30
+        while not rec.exists() or len({json.loads(x)["pid"] for x in rec.read_text().splitlines() if '"/generate"' in x}) < 2:
+            assert time.time() < deadline, "the router sent every request to one server"
+            time.sleep(0.2)
+        a.abort()
+        t.join(30)
+        assert [o["finish"] for o in box[0]] == ["abort"] * 8 and all(len(o["ids"]) < 7 for o in box[0])
+    finally:
+        a.shutdown()
+        b.shutdown()
+    calls = [json.loads(x) for x in rec.read_text().splitlines()]
+    assert len({c["pid"] for c in calls if c["path"] == "/abort_request"}) == 2  # both servers were told
+
+
 def test_routing_replay_with_several_servers_is_refused_before_any_starts(monkeypatch):
     """The router drops return_routed_experts: R3 with two servers on one node stops at start, by name."""
     import types

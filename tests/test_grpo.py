@@ -216,7 +216,7 @@ def test_short_run_logs_syncs_and_resumes_after_sigkill(tiny_ckpt, tmp_path):
     for a, b in zip(resumed[2:], steps[2:]):  # steps 3 and 4 ran in the resumed process
         assert a["reward"] == b["reward"] and a["response_len"] == b["response_len"], (a, b)
         for k in ("loss", "grad_norm", "entropy", "clipfrac"):
-            assert abs(a[k] - b[k]) <= 1e-6 * max(1.0, abs(b[k])), (k, a, b)
+            assert abs(a[k] - b[k]) <= 1e-6 * max(1.0, abs(b[k])), (k, {x: (a[x], b[x]) for x in a if a[x] != b[x]})
 
 
 def test_prompts_over_the_context_limit_never_reach_a_step(tiny_ckpt, tmp_path):
@@ -340,7 +340,7 @@ def test_colocated_distributed_weight_sync_is_refused_at_parse_time(capsys):
 
 
 def test_dynamic_sampling_tops_up_through_the_trainer(processor, records):
-    """rollout_step with --dynamic-sampling: groups whose rewards are all equal are dropped and
+    """A step's rollout with --dynamic-sampling: groups whose rewards are all equal are dropped and
     replaced by prompts of the over-sample that draw() adds, until --rollout-batch-size groups
     with mixed rewards are kept or --dynamic-sampling-max-prompts prompts were drawn."""
     import types
@@ -372,7 +372,8 @@ def test_dynamic_sampling_tops_up_through_the_trainer(processor, records):
         assert len(drawn) == (12 if cap is None else 4) and len({r["index"] for r in drawn}) == len(drawn)
         assert drawn[:3] == T.draw(recs, 0, G.parse_args(base[:-1]))  # the batch's own prompts come first
         kept = min(3, sum(int(r["answer"]) % 3 == 0 for r in drawn))  # mixed groups there are to keep
-        (items,), m = G.rollout_step(0, par, Engine(), processor, recs, args)
+        batch = G.Sync(G.Sampler(Engine(), processor, recs, args, 1, 1), par, processor).next(0)
+        (items,), m = batch.items, batch.metrics
         assert len(items) == 2 * kept and m["samples"] == 2 * kept, (cap, kept, len(items))
         assert all(it.adv != 0 for it in items)  # only groups with mixed rewards
         if cap is None:  # the batch's own prompts hold fewer mixed groups: the over-sample filled it
@@ -383,7 +384,7 @@ def test_dynamic_sampling_tops_up_through_the_trainer(processor, records):
 def test_step_where_every_sample_failed(processor, records, capsys):
     """An engine whose every answer is an error (stock SGLang's HTTP 500 on a bad request):
     every sample is failed, counted, never trained on; the step says so in one line and the
-    update is skipped (train_step does nothing, in lockstep on every rank)."""
+    update is skipped (Policy.train does nothing, in lockstep on every rank)."""
     import types
 
     class Failing:
@@ -393,12 +394,13 @@ def test_step_where_every_sample_failed(processor, records, capsys):
     args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--rollout-batch-size", "2",
                          "--n-samples-per-prompt", "2"])
     par = types.SimpleNamespace(rank=0, world=1, dp=1)
-    items, m = G.rollout_step(0, par, Failing(), processor, records, args)
-    assert items == [None] and m["failed_frac"] == 1.0 and m["samples"] == 4
+    batch = G.Sync(G.Sampler(Failing(), processor, records, args, 1, 1), par, processor).next(0)
+    assert batch.items == [None] and batch.metrics["failed_frac"] == 1.0 and batch.metrics["samples"] == 4
     assert "step 1: no trainable sample among 4 (SGLang /generate -> HTTP 500: IndexError): update skipped" \
         in capsys.readouterr().out
-    stats = G.train_step(torch.nn.Linear(1, 1), None, None, None, par, items, args, updates=1)  # no step taken
-    assert stats == {"updates_skipped": 1}
+    model = types.SimpleNamespace(par=par, train=lambda: None, expert_load=lambda: None)
+    stats = G.Policy(model, None, None, None, args, 1).train(batch)  # no step taken
+    assert stats["updates_skipped"] == 1 and "loss" not in stats and "grad_norm" not in stats
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["resident", "offload_train"])
@@ -424,7 +426,6 @@ def test_colocated_engine_steps_aside_for_every_rank(monkeypatch, offload):
     monkeypatch.setattr(G.torch.cuda, "max_memory_reserved", lambda: 40 * 2**30)
     monkeypatch.setattr(G.torch.cuda, "memory_reserved", lambda: held[0])
     monkeypatch.setattr(G.torch.cuda, "reset_peak_memory_stats", lambda: None)
-    args = types.SimpleNamespace(colocate=True)
     if offload:
         want0 = ["release", "barrier", "restore", "park optimizer,grads", "empty_cache", "barrier", "resume weights",
                  "barrier", "park params,grads,optimizer", "barrier", "resume weights,kv_cache,cuda_graph", "barrier"]
@@ -432,12 +433,12 @@ def test_colocated_engine_steps_aside_for_every_rank(monkeypatch, offload):
         want0 = ["release", "barrier", "empty_cache", "barrier", "resume weights,kv_cache,cuda_graph", "barrier"]
     for rank, want in ((0, want0), (1, [e for e in want0 if not e.startswith(("release", "resume"))])):
         events.clear()
-        par = types.SimpleNamespace(rank=rank, world=2)
-        mine = engine if rank == 0 else None  # the engine's rank (cluster.py: each node's leader)
-        cluster.step_aside(par, mine, off if offload else None)
-        assert cluster.step_back(par, mine, off if offload else None) == {"gpu_train_peak_gib": 40.0,
-                                                                    "gpu_held_at_resume_gib": 1.0}
-        cluster.to_rollout(par, mine, off if offload else None, args)
+        servers = cluster.Servers.__new__(cluster.Servers)  # as __init__ leaves it, without starting a server
+        servers.par, servers.colocate, servers.off = types.SimpleNamespace(rank=rank, world=2), True, off if offload else None
+        servers.engine = engine if rank == 0 else None  # the engine's rank (cluster.py: each node's leader)
+        servers.step_aside()
+        assert servers.step_back() == {"gpu_train_peak_gib": 40.0, "gpu_held_at_resume_gib": 1.0}
+        servers.to_rollout()
         assert events == want, (rank, events)
 
 
@@ -477,6 +478,36 @@ def test_each_rank_builds_todays_items_from_only_its_share(processor, records):
         shared = {id(s.images[0]) for part in mine for s, _ in part}  # a prompt's image travels once,
         assert len(shared) <= 3 < sum(len(part) for part in mine)     # not once per sample
         print(f"rank {r}: {len(payload)} bytes; every item broadcast: {whole}")
+
+
+def test_partial_rollout_resumes_with_its_buffer(tiny_ckpt, processor, records, tmp_path):
+    """--partial-rollout keeps the groups a rollout stopped and the data position in the checkpoint (here a
+    third group, complete: the local engine answers a round at once, and two are kept), as they were when
+    the resumed step's rollout began (with --async-rollout it ran before the checkpoint): a run resumed at
+    step 2 trains steps 3 and 4 on the samples of the uninterrupted run, none lost or sampled twice."""
+    from test_rollout import ScriptedEngine
+    from tools import synth
+    flags = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--partial-rollout", "--over-sampling-batch-size", "3"]
+    sampler = G.Sampler(ScriptedEngine(processor, ["\\boxed{4}"]), processor, records, G.parse_args(
+        ["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", *flags]), 1, 1)
+    sampler(0, 0)
+    start = sampler.state(1)  # what step 1 starts from: the leftover of step 0, its data position
+    assert start[0] == 3 and len(start[1]) == 1
+    sampler(1, 0)  # step 1's rollout, made ahead: the checkpoint before step 1 still holds step 1's start
+    assert sampler.state(1)[0] == start[0] and len(sampler.state(1)[1]) == 1 and sampler.state(2)[0] == 5
+    synth.write_synth(tmp_path / "d", 32, n_test=0, seed=0, kinds=("sides",))
+    common = ["--hf-checkpoint", tiny_ckpt("qwen3_vl"), "--prompt-data", tmp_path / "d", "--rollout-engine", "local",
+              "--rollout-max-response-len", "12", "--lr", "1e-3", "--entropy-coef", "0.01", "--save-interval", "2",
+              "--max-tokens-per-gpu", "512", *flags]
+    grpo(*common, "--save", tmp_path / "full", "--num-rollout", "4")
+    grpo(*common, "--save", tmp_path / "part", "--num-rollout", "2")
+    grpo(*common, "--save", tmp_path / "part", "--num-rollout", "4", "--load", tmp_path / "part")
+    full, part = ([m for m in metrics(tmp_path / run) if "reward" in m] for run in ("full", "part"))
+    assert [m["step"] for m in part] == [1, 2, 3, 4] and all(m["partial_buffer_groups"] == 1 for m in full)
+    assert full[0]["offpolicy_token_frac"] == 0 and all(m["offpolicy_token_frac"] == 0.5 for m in full[1:])
+    for a, b in zip(part[2:], full[2:]):
+        for k in ("response_len", "offpolicy_token_frac", "oldest_token_version", "loss", "grad_norm", "entropy"):
+            assert abs(a[k] - b[k]) <= 1e-6 * max(1.0, abs(b[k])), (k, {x: (a[x], b[x]) for x in a if a[x] != b[x]})
 
 
 def test_async_rollout_overlaps_training_and_resumes_after_sigkill(tiny_ckpt, tmp_path, capsys):

@@ -423,3 +423,94 @@ def test_episodes_flow_on_their_own_and_dynamic_sampling_redraws_at_once(process
     assert sorted({s.group for s in kept}) == [0, 2] and sorted(s.reward for s in kept) == [0, 0, 1, 1]
     # group 1 (quick, all wrong) is dropped, and group 2 starts while group 0 (slow) still generates
     assert min(start for p, _, start, _ in log if p == 2) < min(end for p, *_, end in log if p == 0), log
+
+
+# ---------------------------------------------------------------------------------- partial rollout
+def test_partial_rollout_parks_what_still_generates_and_continues_it_as_if_uninterrupted(processor, records):
+    """--partial-rollout: once rollout_batch_size groups are complete the rollout aborts the rest and
+    parks them (an episode cut mid-turn, one cut in its second turn after a crop); the next rollout, at
+    the next policy version, continues them first, and each sample ends as the uninterrupted one does:
+    the same tokens, loss mask, logprobs, turns, tool calls and text; each token keeps its version."""
+    import threading
+    recs = [dict(r, problem=f"{r['problem']} ({i})", index=i) for i, r in enumerate(records[:3])]
+    script = {0: [ANSWER], 1: [CROP_CALL, ANSWER], 2: [CROP_CALL, ANSWER]}
+    blocked, waiting, go = [], threading.Event(), threading.Event()
+
+    class Scripted(ScriptedEngine):  # record 1 waits in turn 2, record 2 in turn 1, until the abort
+        concurrent, cut = True, 3  # an aborted request answers with its first 3 tokens
+
+        def __init__(self, block):
+            super().__init__(processor, [])
+            self.block, self.aborts = block, 0
+
+        def abort(self):
+            self.aborts += 1
+            go.set()
+
+        def generate(self, batch, sampling):
+            (item,) = batch
+            ids = item["input_ids"]
+            rec = next(i for i in script if f"({i})" in self.tok.decode(ids))
+            turn = self.turn(ids)
+            head = len(ids) - max(i + len(self.header) for i in range(len(ids)) if ids[i:i + len(self.header)] == self.header)
+            full = self.tok.encode(script[rec][turn]) + [self.im_end]
+            out = {"ids": full[head:], "logprobs": [-0.25 - 0.01 * k for k in range(head, len(full))],
+                   "finish": "stop", "prompt_tokens": len(ids)}
+            if self.block and (rec, turn) in ((1, 1), (2, 0)):
+                blocked.append(1)  # list.append is atomic
+                if len(blocked) == 4:
+                    waiting.set()
+                go.wait(30)
+                out.update(ids=out["ids"][:self.cut], logprobs=out["logprobs"][:self.cut], finish="abort")
+            elif self.block and rec == 0:  # the four others are waiting: this group completes while they generate
+                assert waiting.wait(30)
+            return [out]
+    args = rollout_args(max_turns=3, n_samples_per_prompt=2, rollout_batch_size=1, partial_rollout=True,
+                        over_sampling_batch_size=3, rollout_max_response_len=400)
+    want = rollout.run_episodes(Scripted(False), processor, recs, args)
+    partial, eng = rollout.Partial(), Scripted(True)
+    first = rollout.generate_group_samples(eng, processor, recs, args, partial=partial, version=0)
+    assert [s.index for s in first] == [0, 0] and eng.aborts >= 1 and partial.drawn == 3
+    assert first[0].metadata["rollout"]["aborted"] == 4  # the requests the abort cut
+    assert [r["problem"] for r, _, _ in partial.groups] == [recs[1]["problem"], recs[2]["problem"]]
+    cut = partial.groups[1][2][0].sample  # record 2, cut in its first turn: 3 tokens, no turn done yet
+    assert len(cut.response_ids) == 3 and cut.turns == 0 and cut.loss_mask == [1] * 3 and cut.versions == [0] * 3
+    go.clear()
+    rest = rollout.generate_group_samples(Scripted(False), processor, [], args, partial=partial, version=1)
+    assert len(rest) == 2 and len(partial.groups) == 1  # one kept; the other (complete, or cut again) goes first next
+    rest += rollout.generate_group_samples(Scripted(False), processor, [], args, partial=partial, version=2)
+    assert len(rest) == 4 and partial.groups == [] and {s.index for s in rest} == {1, 2}
+    for s in rest:
+        w = next(x for x in want if x.index == s.index)
+        assert (s.response_ids, s.loss_mask, s.rollout_logprobs) == (w.response_ids, w.loss_mask, w.rollout_logprobs)
+        assert (s.turns, s.tool_calls, s.response_text, s.status) == (w.turns, w.tool_calls, w.response_text, w.status)
+        model = [v for v, m in zip(s.versions, s.loss_mask) if m]
+        before = 3 + (len(processor.tokenizer.encode(CROP_CALL)) + 1 if s.index == 1 else 0)  # record 1's first turn
+        assert model == sorted(model) and model[-1] in (1, 2) and model.count(0) == before  # 2: cut twice
+        assert all(v == -1 for v, m in zip(s.versions, s.loss_mask) if not m)  # observation tokens
+
+
+def test_local_engine_abort_lands_mid_generation_and_greedy_continues_it(engine, processor, records, monkeypatch):
+    """LocalEngine.abort() stops a generate at its next token: the rows answer finish "abort" with the
+    tokens they had, and a greedy request for the rest continues them into the uninterrupted answer."""
+    messages, _ = rollout.chat_prompt(processor, records[0])
+    prompt = rollout.encode_prompt(processor, messages, records[0]["images"])
+    item, sp = {"input_ids": prompt, "images": records[0]["images"]}, dict(temperature=0.0, max_new_tokens=12, stop_token_ids=[1])
+    whole = engine.generate([item, item], sp)[0]
+    assert whole["finish"] == "length" and len(whole["ids"]) == 12
+    calls, plain = [], engines.Sampler.__call__
+
+    def counting(self, input_ids, scores):  # the abort comes after the 4th token is drawn
+        calls.append(1)
+        if len(calls) == 4:
+            engine.abort()
+        return plain(self, input_ids, scores)
+    monkeypatch.setattr(engines.Sampler, "__call__", counting)
+    cut = engine.generate([item, item], sp)
+    monkeypatch.setattr(engines.Sampler, "__call__", plain)
+    assert [c["finish"] for c in cut] == ["abort"] * 2 and len(cut[0]["ids"]) == 4
+    rest = engine.generate([dict(item, input_ids=prompt + cut[0]["ids"])], dict(sp, max_new_tokens=8))[0]
+    assert cut[0]["ids"] + rest["ids"] == whole["ids"]
+    got = torch.tensor(cut[0]["logprobs"] + rest["logprobs"])
+    assert (got - torch.tensor(whole["logprobs"])).abs().max() <= TOL
+    assert engine.generate([item], dict(sp, max_new_tokens=3))[0]["finish"] == "length"  # a later call runs whole

@@ -88,7 +88,7 @@ def test_sglang_protocol_and_weight_sync(ckpt, processor, records, tmp_path):
         for r in gens:
             body = r["json"]
             assert body["input_ids"].count(pad) == 1
-            assert set(body) == {"input_ids", "image_data", "sampling_params", "return_logprob"}
+            assert set(body) == {"input_ids", "image_data", "sampling_params", "return_logprob", "rid"}
             assert len(body["image_data"]) == 1 and body["image_data"][0].startswith("data:image/png;base64,")
             assert body["sampling_params"] == {"temperature": 0.8, "top_p": 1.0, "top_k": -1, "max_new_tokens": 64,
                                                "stop_token_ids": [151645, 151643], "skip_special_tokens": False,
@@ -422,3 +422,32 @@ def test_tensor_sync_to_a_tp2_server_sends_each_ranks_own_copy(ckpt, tmp_path, w
         got = load_file(str(tmp_path / str(h) / "dump" / "update_0.safetensors"))
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert len(set(blobs)) == len(blobs)  # every trainer rank sent its own copy, to its own server
+
+
+def test_an_abort_lands_mid_generation_and_the_rest_continues_it(ckpt, processor, records, tmp_path):
+    """--partial-rollout's abort names each /generate in flight by its rid (AbortReq); the server answers
+    each with what it had (finish "abort"), and a request for the rest continues it into the answer the
+    server gives uninterrupted (the fake's, like greedy decoding's, a function of the ids before each token)."""
+    eng, rec = sglang(ckpt, tmp_path, "--fake-token-delay", "0.2")
+    try:
+        messages, _ = rollout.chat_prompt(processor, records[0])
+        prompt = rollout.encode_prompt(processor, messages, records[0]["images"])
+        item, sp, box = {"input_ids": prompt, "images": records[0]["images"]}, dict(max_new_tokens=16), []
+        eng.generate([item], dict(max_new_tokens=1))  # the fake loads its image processor on first use
+        t = threading.Thread(target=lambda: box.append(eng.generate([item, item], sp)))
+        t.start()
+        while len([r for r in read_record(rec) if r["path"] == "/generate"]) < 3:
+            time.sleep(0.05)
+        time.sleep(0.5)  # two or three tokens in
+        eng.abort()
+        t.join(30)
+        assert [c["finish"] for c in box[0]] == ["abort"] * 2 and all(1 <= len(c["ids"]) < 7 for c in box[0]), box
+        cut = box[0][0]
+        rest = eng.generate([dict(item, input_ids=prompt + cut["ids"])], sp)[0]
+        ids, lps, finish = fake_output(prompt, 16, weights_digest(ckpt))
+        assert (cut["ids"] + rest["ids"], cut["logprobs"] + rest["logprobs"], rest["finish"]) == (ids, lps, finish)
+        rids = {r["json"]["rid"] for r in read_record(rec) if r["path"] == "/generate"}
+        assert len(rids) == 4 and {r["json"]["rid"] for r in read_record(rec) if r["path"] == "/abort_request"} < rids
+        assert not eng.inflight
+    finally:
+        eng.shutdown()
