@@ -65,9 +65,9 @@ class Recording(SGLangEngine):
         super().__init__(*args, **kw)
         self.sent, post = [], self.server.post
 
-        def record(path, payload, timeout=None):
+        def record(path, payload, timeout=None, url=None):
             self.sent.append((path, payload))
-            return post(path, payload, timeout)
+            return post(path, payload, timeout, url)
         self.server.post = record
 
 
@@ -132,6 +132,29 @@ class TestRealServer:
                    for x in samples)
         print(f"[sglang_real] max |sglang - transformers teacher-forced| logprob: {diff:.2e}")
         assert diff < 1e-3
+
+    def test_an_abort_lands_mid_generation_and_greedy_continues_it(self, real, processor, records):
+        """--partial-rollout: /abort_request by rid cuts a greedy request after a few tokens (finish "abort",
+        the tokens so far with their logprobs); a request for the rest continues them into the answer the
+        server gives uninterrupted."""
+        import threading
+        item, sp = prompt_item(processor, records[0]), dict(GREEDY, max_new_tokens=48)
+        whole = real.generate([item], sp)[0]
+        box = []
+        t = threading.Thread(target=lambda: box.append(real.generate([item], sp)[0]))
+        t.start()
+        time.sleep(1.0)
+        real.abort()
+        t.join(120)
+        cut = box[0]
+        print(f"\n[sglang_real] abort after 1 s: {len(cut['ids'])} of {len(whole['ids'])} tokens")
+        assert cut["finish"] == "abort" and 0 < len(cut["ids"]) < len(whole["ids"]), cut
+        rest = real.generate([dict(item, input_ids=item["input_ids"] + cut["ids"])],
+                             dict(sp, max_new_tokens=48 - len(cut["ids"])))[0]
+        assert cut["ids"] + rest["ids"] == whole["ids"]
+        got = torch.tensor(cut["logprobs"] + rest["logprobs"])
+        assert (got - torch.tensor(whole["logprobs"])).abs().max() < 1e-3
+        assert ("/abort_request", {"rid": real.sent[-3][1]["rid"]}) in real.sent  # by the request's own id
 
     def test_multi_turn_crop_sends_two_images(self, real, processor, records):
         t = time.time()
@@ -287,7 +310,7 @@ import fake_sglang as fake
 from sglang.srt.managers.io_struct import (GenerateReqInput, ReleaseMemoryOccupationReqInput,
     ResumeMemoryOccupationReqInput, UpdateWeightFromDiskReqInput, UpdateWeightsFromTensorReqInput,
     UpdateWeightsFromDistributedReqInput, InitWeightsUpdateGroupReqInput, BeginWeightUpdateReqInput,
-    EndWeightUpdateReqInput)
+    EndWeightUpdateReqInput, AbortReq)
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 real = {"generate": {f.name for f in dataclasses.fields(GenerateReqInput)},
@@ -298,7 +321,7 @@ real = {"generate": {f.name for f in dataclasses.fields(GenerateReqInput)},
         "tensor": set(UpdateWeightsFromTensorReqInput.__struct_fields__),
         "distributed": set(UpdateWeightsFromDistributedReqInput.__struct_fields__),
         "group": set(InitWeightsUpdateGroupReqInput.__struct_fields__),
-        "session": set(BeginWeightUpdateReqInput.__struct_fields__)}
+        "session": set(BeginWeightUpdateReqInput.__struct_fields__), "abort": set(AbortReq.__struct_fields__)}
 for name, ours, theirs in (("GENERATE_FIELDS", fake.GENERATE_FIELDS, real["generate"]),
                            ("SAMPLING_FIELDS", fake.SAMPLING_FIELDS, real["sampling"]),
                            ("DISK_FIELDS", fake.DISK_FIELDS, real["disk"]),
@@ -306,7 +329,8 @@ for name, ours, theirs in (("GENERATE_FIELDS", fake.GENERATE_FIELDS, real["gener
                            ("TENSOR_FIELDS", fake.TENSOR_FIELDS, real["tensor"]),
                            ("DIST_FIELDS", fake.DIST_FIELDS, real["distributed"]),
                            ("GROUP_FIELDS", fake.GROUP_FIELDS, real["group"]),
-                           ("SESSION_FIELDS", fake.SESSION_FIELDS, real["session"])):
+                           ("SESSION_FIELDS", fake.SESSION_FIELDS, real["session"]),
+                           ("ABORT_FIELDS", fake.ABORT_FIELDS, real["abort"])):
     assert ours <= theirs, f"fake_sglang.{name} has fields sglang does not: {sorted(ours - theirs)}"
 
 classes = {"/update_weights_from_disk": UpdateWeightFromDiskReqInput,
@@ -315,7 +339,8 @@ classes = {"/update_weights_from_disk": UpdateWeightFromDiskReqInput,
            "/update_weights_from_tensor": UpdateWeightsFromTensorReqInput,
            "/update_weights_from_distributed": UpdateWeightsFromDistributedReqInput,
            "/init_weights_update_group": InitWeightsUpdateGroupReqInput,
-           "/begin_weight_update": BeginWeightUpdateReqInput, "/end_weight_update": EndWeightUpdateReqInput}
+           "/begin_weight_update": BeginWeightUpdateReqInput, "/end_weight_update": EndWeightUpdateReqInput,
+           "/abort_request": AbortReq}
 paths = {}
 for path, body in job["sent"]:
     paths[path] = paths.get(path, 0) + 1
