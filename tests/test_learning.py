@@ -199,10 +199,10 @@ def test_grpo_learns_one_step_off_policy_with_async_rollout(tiny_ckpt, tmp_path)
 @pytest.mark.slow
 def test_grpo_learns_with_partial_rollout(tiny_ckpt, tmp_path):
     """The fast check with --partial-rollout at 1.5x over-sampling: each step samples 12 groups and trains on
-    the first 8 complete, the other 4 (complete too: the local engine answers a round at once) wait for
-    the next step, whose samples are then a third one policy version old; the reward still rises off
-    chance on the right pictures and not on the shuffled ones."""
+    the first 8 complete (buffered ones first), the other 4 (complete too: the local engine answers a round at
+    once) wait for the next step, half of whose samples are then one policy version old; the reward still
+    rises off chance on the right pictures and not on the shuffled ones."""
     real, _ = fast_grpo_check(tiny_ckpt("qwen3_vl"), tmp_path,
                               grpo_flags=["--partial-rollout", "--over-sampling-batch-size", "12"])
     assert all(m["partial_buffer_groups"] == 4 for m in real)
-    assert all(0.3 <= m["offpolicy_token_frac"] <= 0.4 for m in real[1:])
+    assert all(0.4 <= m["offpolicy_token_frac"] <= 0.6 for m in real[1:])
