@@ -6,7 +6,6 @@ on one node (--rollout-num-gpus-per-engine), train with every server updated bef
 import json
 import os
 import re
-import subprocess
 import sys
 import urllib.error
 import urllib.request
@@ -14,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+import launch
 import rollout
 from conftest import ROOT, rollout_args
 from sglang_engine import SGLangEngine
-from sglang_server import free_port
 
 FAKE = str(Path(__file__).with_name("fake_sglang.py"))
 pytest.importorskip("sglang_router", reason="sglang-router (requirements.txt) runs SGLang's router")
@@ -98,7 +97,7 @@ def test_every_server_serves_and_takes_every_steps_weights(tiny_ckpt, tmp_path, 
     its own, and before any rollout of the next step."""
     from tools import synth
     synth.write_synth(tmp_path / "d", 16, n_test=0, seed=0, kinds=("sides",))
-    save, rec, port = tmp_path / "run", tmp_path / "requests.jsonl", free_port()
+    save, rec = tmp_path / "run", tmp_path / "requests.jsonl"
     args = ["--hf-checkpoint", str(tiny_ckpt("qwen3_vl")), "--prompt-data", str(tmp_path / "d"), "--save", str(save),
             "--rollout-engine", "sglang", "--sglang-launch-cmd", f"{sys.executable} {FAKE}", "--sglang-fake-record",
             str(rec), "--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
@@ -108,13 +107,10 @@ def test_every_server_serves_and_takes_every_steps_weights(tiny_ckpt, tmp_path, 
     names = ["node00", "node01"] if nodes == 2 else ["node00_0", "node00_1"]
     if nodes == 1:
         args += ["--rollout-num-gpus-per-engine", "1"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank",
-                               str(r), "--nproc_per_node", str(3 - nodes), "--master-addr", "127.0.0.1",
-                               "--master-port", str(port), str(ROOT / "train_grpo.py"), *args], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(nodes)]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0] * nodes, "".join(o[-3000:] for o in outs)
+    runs = launch.torchrun_nodes(nodes, 3 - nodes, [ROOT / "train_grpo.py", *args], timeout=600,
+                                 env=dict(os.environ, OMP_NUM_THREADS="1"))
+    outs = [r.stdout + r.stderr for r in runs]
+    assert [r.returncode for r in runs] == [0] * nodes, "".join(o[-3000:] for o in outs)
     assert "2 SGLang servers behind SGLang's router" in outs[0]
     steps = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2] and all(m["failed_frac"] == 0 for m in steps), steps
@@ -150,18 +146,18 @@ try:
     cluster.on_leaders(par, engine, update, "the weight update")
 except SystemExit as e:
     print(f"rank {par.rank}: {e}", flush=True)
+# gloo's threads left to interpreter exit sometimes abort it (SIGABRT, "terminate called without an
+# active exception"); that node's torchrun then fails while the other waits 300 s in its exit barrier
+dist.destroy_process_group()
 """
 
 
 def test_a_node_whose_update_fails_stops_the_step_on_every_rank(tmp_path):
-    script, port = tmp_path / "failing.py", free_port()
+    script = tmp_path / "failing.py"
     script.write_text(FAILING)
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
-                               "--nproc_per_node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                               str(script), str(ROOT)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in (0, 1)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    for r, out in enumerate(outs):
+    runs = launch.torchrun_nodes(2, 1, [script, ROOT], timeout=120)
+    assert [run.returncode for run in runs] == [0, 0], [run.stdout + run.stderr[-3000:] for run in runs]
+    for r, out in enumerate(run.stdout + run.stderr for run in runs):
         assert (f"rank {r}: [cluster] the weight update on node 1 (http://10.0.0.1:30000): RuntimeError: "
                 "SGLang /update_weights_from_disk failed (HTTP 400): out of disk") in out, out[-2000:]
 

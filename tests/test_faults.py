@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 
 import data
+import launch
 from tools import synth as synth_set
 import trainer as T
 
@@ -47,8 +48,7 @@ def parquet(path, rs):
 
 
 def run(script, *args, preexec=None, timeout=600):
-    return subprocess.run([PY, str(ROOT / script), *map(str, args)], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=timeout, preexec_fn=preexec)
+    return launch.run([PY, ROOT / script, *args], timeout, env=ENV, preexec_fn=preexec)
 
 
 # ------------------------------------------------------------------ 6, 9, 11: flags at parse time
@@ -362,7 +362,7 @@ def test_grpo_survives_a_refused_image_and_names_its_row(ckpt, tmp_path):
 
 @pytest.mark.slow
 def test_killing_torchrun_stops_its_workers(ckpt, synth, tmp_path):
-    cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(29400 + os.getpid() % 500),
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
            str(ROOT / "sft.py"), *map(str, sft_cmd(ckpt, synth, tmp_path)[1:]), "--num-epoch", "1000"]
     launcher = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 600

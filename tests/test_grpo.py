@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import cluster
+import launch
 import train_grpo as G
 import trainer as T
 from sglang_engine import COLOCATE_MEM_FRACTION, servers_per_node, sglang_placement
@@ -57,11 +58,11 @@ def test_kl_estimators(kind, fn):
 
 def worker(ckpt, source, save, nproc=1, tp=1, ref=None, *extra):
     """-> [stats of update 0, stats of update 1] from tests/_grpo_worker.py (weights in save/final)."""
-    launcher = [PY] if nproc == 1 else [PY, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                                        "--master_port", str(29600 + os.getpid() % 1000)]
+    launcher = [PY] if nproc == 1 else [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                        str(nproc)]
     cmd = launcher + [str(ROOT / "tests" / "_grpo_worker.py"), str(ckpt), str(source), "--save", str(save),
                       "--tp", str(tp), *extra] + (["--ref", str(ref)] if ref else [])
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    r = launch.run(cmd, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads((Path(save) / "updates.json").read_text())
 
@@ -143,7 +144,7 @@ def grpo(*args, wait=True):
     if not wait:
         return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 start_new_session=True)
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    r = launch.run(cmd, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
 
 
@@ -227,11 +228,10 @@ def test_prompts_over_the_context_limit_never_reach_a_step(tiny_ckpt, tmp_path):
     HTTP 500 test."""
     from tools import synth
     synth.write_synth(tmp_path / "d", 8, n_test=2, seed=0)
-    r = subprocess.run([PY, str(ROOT / "train_grpo.py"), "--hf-checkpoint", str(tiny_ckpt("qwen3_vl")),
-                        "--prompt-data", str(tmp_path / "d"), "--save", str(tmp_path / "run"),
-                        "--rollout-engine", "local", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-                        "--num-rollout", "2", "--max-context-len", "20"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = launch.run([PY, str(ROOT / "train_grpo.py"), "--hf-checkpoint", str(tiny_ckpt("qwen3_vl")),
+                    "--prompt-data", str(tmp_path / "d"), "--save", str(tmp_path / "run"),
+                    "--rollout-engine", "local", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+                    "--num-rollout", "2", "--max-context-len", "20"], timeout=600)
     assert r.returncode != 0 and "skipped 8 of 8 rows over the length limit" in r.stderr, r.stderr[-3000:]
     assert "--prompt-data" in r.stderr and "over --max-context-len 20" in r.stderr, r.stderr[-3000:]
     assert not list((tmp_path / "run").glob("iter_*")) and not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -9,13 +9,13 @@ computes and writes the gradients; this file compares them.
 """
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import launch
 from conftest import GEO3K_REAL, ROOT
 
 # Per tensor (L2 over its elements): |g_layout - g_one| <= REL |g_one| + ABS |whole gradient|.
@@ -68,11 +68,11 @@ def peaked(tiny_ckpt, tmp_path_factory):
 def grads(ckpt, out, nproc=1, *flags, ref=None):
     """{term: (HF name -> gradient, stats)} from tests/_grad_worker.py, one process or torchrun."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                  "--nproc_per_node", str(nproc)]
-    cmd = launch + [str(ROOT / "tests" / "_grad_worker.py"), str(ckpt), str(GEO3K_REAL / "test.parquet"),
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    "--nproc_per_node", str(nproc)]
+    cmd = launcher + [str(ROOT / "tests" / "_grad_worker.py"), str(ckpt), str(GEO3K_REAL / "test.parquet"),
                     "--out", str(out), *flags] + (["--ref", str(ref)] if ref else [])
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    r = launch.run(cmd, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return {f.stem: (load_file(f), json.loads(f.with_suffix(".json").read_text())) for f in out.glob("*.safetensors")}
 
@@ -160,8 +160,7 @@ def test_megatron_ddp_sums_gradients_as_the_cpu_path_does(tiny_ckpt, tmp_path):
     script = tmp_path / "ddp_worker.py"
     script.write_text(DDP_WORKER)
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(script), str(tiny_ckpt("qwen3_vl")), str(ROOT)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    str(script), str(tiny_ckpt("qwen3_vl")), str(ROOT)], timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert r.stdout.count("summed 3.0") == 2, r.stdout  # ranks held 1 and 2

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+import proc
+
 ROOT = Path(__file__).resolve().parents[1]
 SFT = ["--lr", "1e-4", "--decoupled-lr", "1e-2", "--lr-decay-style", "constant", "--lr-warmup-iters", "3",
        "--global-batch-size", "16", "--num-epoch", "2", "--max-tokens-per-gpu", "1024", "--save-interval", "64"]
@@ -61,10 +63,14 @@ def launch(script, out, *args):
 
 
 def finish(*procs, timeout=3600):
-    for p in procs:
-        rc = p.wait(timeout=timeout)
-        log = Path(p.args[p.args.index("--save") + 1]) / "run.log"
-        assert rc == 0, log.read_text()[-3000:]
+    try:
+        for p in procs:
+            rc = p.wait(timeout=timeout)
+            log = Path(p.args[p.args.index("--save") + 1]) / "run.log"
+            assert rc == 0, log.read_text()[-3000:]
+    finally:  # a timed-out or failed run, and the one beside it, must not outlive the test
+        for p in procs:
+            proc.kill_group(p)
 
 
 def metrics(run):

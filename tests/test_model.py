@@ -4,7 +4,6 @@ TP=1 runs in this process (a world of one); TP=2 runs `torchrun --nproc_per_node
 """
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -15,6 +14,7 @@ from safetensors import safe_open
 from conftest import ROOT
 
 import convert
+import launch
 import model as M
 from tools import check
 import parallel
@@ -178,8 +178,8 @@ def test_init_is_idempotent_and_tp_attributes(setup):
 
 def torchrun2(*args):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    r = launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args],
+                   timeout=300, env=env)
     print(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     return r.stdout.strip().splitlines()

@@ -9,7 +9,6 @@ import collections
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import types
@@ -20,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import convert
+import launch
 import model as M
 from tools import check
 import parallel
@@ -48,8 +48,8 @@ def setup(tiny_ckpt):
 
 def torchrun_n(n, *args):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
-                        *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    r = launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", n, *args],
+                   timeout=600, env=env)
     print(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     return r.stdout.strip().splitlines()
@@ -225,8 +225,8 @@ def test_gated_deltanet_communicates_once():
     on its own made it 4 all-gathers forward, 5 all-gathers and 4 reduce-scatters backward. TP2 without SP:
     one all-reduce of the input gradient (was 4) and out_proj's forward all-reduce."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))  # run as a script
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        __file__, "gdn-collectives"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    r = launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    __file__, "gdn-collectives"], timeout=300, env=env)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     got = {d["sp"]: d for d in (json.loads(x.split(" ", 1)[1]) for x in r.stdout.splitlines()
                                 if x.startswith("collectives "))}
@@ -294,10 +294,9 @@ def test_tp2_ep2_four_processes(tiny_ckpt):
 
 def run_entry(script, *args, nproc=1):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    "--nproc_per_node", str(nproc)]
-    r = subprocess.run(launch + [str(ROOT / script), *map(str, args)], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=900)
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                      "--nproc_per_node", str(nproc)]
+    r = launch.run(launcher + [ROOT / script, *args], timeout=900, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     return [json.loads(x) for x in (Path(args[args.index("--save") + 1]) / "metrics.jsonl").read_text().splitlines()]
 

@@ -5,7 +5,6 @@ in bf16 its own choice differs from the engine's at some (token, layer), with re
 import base64
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 import engines
+import launch
 import model as M
 import rollout
 import routing
@@ -219,11 +219,9 @@ def test_grpo_with_replay_logs_the_mismatch_and_refuses_a_dense_model(moe, tiny_
     common = [sys.executable, str(ROOT / "train_grpo.py"), "--prompt-data", str(tmp_path / "d"), "--rollout-engine",
               "local", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "8",
               "--num-rollout", "1", "--entropy-coef", "0.01", "--use-rollout-routing-replay"]
-    r = subprocess.run(common + ["--hf-checkpoint", tiny_ckpt("qwen3_vl"), "--save", str(tmp_path / "dense")],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = launch.run(common + ["--hf-checkpoint", tiny_ckpt("qwen3_vl"), "--save", tmp_path / "dense"], timeout=300)
     assert r.returncode != 0 and "--use-rollout-routing-replay" in r.stderr and "not a MoE model" in r.stderr
-    r = subprocess.run(common + ["--hf-checkpoint", moe, "--save", str(tmp_path / "moe"), "--bf16"],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    r = launch.run(common + ["--hf-checkpoint", moe, "--save", tmp_path / "moe", "--bf16"], timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     (m,) = [json.loads(line) for line in (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()]
     assert 0 <= m["routing_mismatch"] < 0.5 and m["grad_norm"] > 0, m

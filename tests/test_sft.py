@@ -12,19 +12,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import launch
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
 def sft(*args, nproc=1, check=True, wait=True):
-    launcher = [PY] if nproc == 1 else [PY, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                                        "--master_port", str(29500 + os.getpid() % 1000)]
+    launcher = [PY] if nproc == 1 else [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                        str(nproc)]
     cmd = launcher + [str(ROOT / "sft.py"), *map(str, args)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     if not wait:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 start_new_session=True)
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    r = launch.run(cmd, timeout=900, env=env)
     if check and r.returncode:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
     return r

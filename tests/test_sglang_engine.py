@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import flags
+import launch
 import rollout
 from fake_sglang import fake_output, weights_digest
 from sglang_engine import collapse_image_pads, read_image_token_id, sglang_server_args
@@ -398,7 +399,6 @@ def test_tensor_sync_to_a_tp2_server_sends_each_ranks_own_copy(ckpt, tmp_path, w
     own (GPU's) copy, so the two blobs differ (CPU: each names its own process's /dev/shm file) while
     their tensors are export_hf's, bit for bit. Two servers of TP 2 on one node's four ranks
     (--rollout-num-gpus-per-engine 2): ranks 0-1 feed the first, held by rank 0; ranks 2-3 the second."""
-    import subprocess
     import torch
     import convert
     import model as M
@@ -408,9 +408,9 @@ def test_tensor_sync_to_a_tp2_server_sends_each_ranks_own_copy(ckpt, tmp_path, w
         (tmp_path / str(r) / "dump").mkdir(parents=True)
     script = tmp_path / "ipc_worker.py"
     script.write_text(IPC_WORKER)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
-                        str(script), str(Path(__file__).parents[1]), str(ckpt), str(tmp_path), FAKE, str(servers)],
-                       env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    r = launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", world,
+                    script, Path(__file__).parents[1], ckpt, tmp_path, FAKE, servers], timeout=300,
+                   env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     want = {k: v for b in convert.export_hf(M.load_model(ckpt)) for k, v in b}
     blobs = []

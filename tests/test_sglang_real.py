@@ -27,10 +27,10 @@ import torch
 
 import data
 import engines
+import launch
 import rollout
 from conftest import rollout_args
 from sglang_engine import SGLangEngine
-from sglang_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = Path(os.environ.get("SGLANG_CPU_DIR", "/tmp/sglang-cpu"))
@@ -273,8 +273,7 @@ class TestRealServer:
         job.write_text(json.dumps({"sent": sent, "tokenize": tokenize, "argv": ["--model-path", str(ckpt), *FLAGS],
                                    "tests": str(ROOT / "tests")}))
         t = time.time()
-        r = subprocess.run([str(PY), "-c", CHECK, str(job)], env=dict(os.environ, **harness_env), cwd=ROOT,
-                           capture_output=True, text=True, timeout=900)
+        r = launch.run([PY, "-c", CHECK, job], timeout=900, env=dict(os.environ, **harness_env))
         print(f"\n[sglang_real] io_struct + TokenizerManager check: {time.time() - t:.0f}s: {r.stdout.strip()}")
         assert r.returncode == 0, r.stderr[-4000:]
         assert "requests parse" in r.stdout
@@ -401,8 +400,7 @@ def trainer_two_steps(harness_env, ckpt, tmp_path, turns):
            "--rollout-max-response-len", "24", "--max-turns", str(turns), "--num-rollout", "2",
            "--lr", "1e-4", "--max-tokens-per-gpu", "4096", "--save", str(tmp_path / "run"), *flags]
     t = time.time()
-    r = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, **harness_env), capture_output=True, text=True,
-                       timeout=1800)
+    r = launch.run(cmd, timeout=1800, env=dict(os.environ, **harness_env))
     took = time.time() - t
     assert r.returncode == 0, r.stderr[-4000:]
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
@@ -453,22 +451,18 @@ def test_trainer_two_nodes_two_real_servers_behind_the_real_router(harness_env, 
     flags = []
     for a in FLAGS:
         flags.append("--sglang-" + a[2:] if a.startswith("--") else a)
-    save, port = tmp_path / "run", free_port()
+    save = tmp_path / "run"
     args = ["--hf-checkpoint", str(ckpt), "--prompt-data", str(geo3k_parquet()), "--rollout-engine", "sglang",
             "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "16",
             "--num-rollout", "3", "--lr", "1e-3", "--max-tokens-per-gpu", "4096", "--save", str(save),
             # the router checks health every 2 s and reopens a circuit after 2 s (defaults: 60 s, 60 s)
             "--sglang-router-args", "--balance-abs-threshold 0 --balance-rel-threshold 1.0 "
             "--health-check-interval-secs 2 --cb-timeout-duration-secs 2", *flags]
-    env = dict(os.environ, **harness_env, OMP_NUM_THREADS="1")
-    t = time.time()
-    procs = [subprocess.Popen([str(PY), "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
-                               "--nproc_per_node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                               "train_grpo.py", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    killed = kill_mid_rollout(save, "sglang_node01.log", step=2)
-    outs = [p.communicate(timeout=2400)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    t, killed = time.time(), kill_mid_rollout(save, "sglang_node01.log", step=2)
+    runs = launch.torchrun_nodes(2, 1, ["train_grpo.py", *args], timeout=2400, py=PY,
+                                 env=dict(os.environ, **harness_env, OMP_NUM_THREADS="1"))
+    outs = [r.stdout + r.stderr for r in runs]
+    assert [r.returncode for r in runs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     steps = [m for m in map(json.loads, (save / "metrics.jsonl").read_text().splitlines()) if "reward" in m]
     failed = [line for line in outs[0].splitlines() if "samples failed" in line]
     for m in steps:

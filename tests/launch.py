@@ -1,0 +1,163 @@
+"""Start the tests' subprocesses (torchrun jobs, trainers) so that none outlives its test.
+
+    r = launch.run(cmd, timeout=600, env=env)                    # subprocess.run's CompletedProcess
+    rs = launch.run_all([cmd0, cmd1], timeout=600)               # one CompletedProcess a command
+    rs = launch.torchrun_nodes(2, 1, [script, *args], timeout=600)   # `torchrun --nnodes 2` on 127.0.0.1
+
+Every command runs in a session of its own and both its pipes are read while it runs (a pipe that
+nobody reads fills up and stalls its writer). All share one deadline; once one has failed the others
+get FAIL_GRACE_S to say why, then are stopped. However the call ends, every process the commands
+started is ended by its pid: torchrun puts each worker in a session of its own, and so do the SGLang
+servers, so the command's process group alone would leave them running (subprocess.run's timeout
+kills only the direct child). A timeout raises AssertionError with every command's last output.
+"""
+import glob
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from conftest import ROOT
+
+JOIN_S = 60  # a torchrun node that has not joined by then makes the others give up (they start seconds apart)
+FAIL_GRACE_S = 30  # after one command failed: time for the others to print their side before they are stopped
+KILL_GRACE_S = 10  # SIGTERM to SIGKILL: torchrun forwards SIGTERM to its workers and waits for them
+TAIL = 3000  # characters of each stream in a timeout's message
+
+
+def run(cmd, timeout, cwd=ROOT, env=None, preexec_fn=None):
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout) that leaves nothing behind."""
+    return run_all([cmd], timeout, cwd, env, preexec_fn)[0]
+
+
+def run_all(cmds, timeout, cwd=ROOT, env=None, preexec_fn=None):
+    """Run `cmds` together until all have ended -> [CompletedProcess] in their order."""
+    procs, streams, readers, born = [], [], [], {}
+    deadline, failed_at = time.monotonic() + timeout, None
+    try:
+        for cmd in cmds:
+            p = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+                                 start_new_session=True, preexec_fn=preexec_fn)
+            procs.append(p)
+            for pipe in (p.stdout, p.stderr):
+                streams.append([])
+                readers.append(threading.Thread(target=_drain, args=(pipe, streams[-1]), daemon=True))
+                readers[-1].start()
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            _survey(procs, born)  # while the parents live: an orphan is out of the tree's reach
+            if failed_at is None and any(p.returncode for p in procs):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() > failed_at + FAIL_GRACE_S:
+                break
+            time.sleep(0.2)
+        timed_out = any(p.poll() is None for p in procs) and failed_at is None
+    finally:
+        _stop(procs, born)
+        for t in readers:
+            t.join(timeout=10)
+    outs = ["".join(s) for s in streams]
+    done = [subprocess.CompletedProcess(p.args, p.returncode, outs[2 * i], outs[2 * i + 1]) for i, p in enumerate(procs)]
+    if timed_out:
+        raise AssertionError(f"timed out after {timeout}s:\n" + "\n".join(
+            f"=== {' '.join(r.args)[:300]}\n--- exit {r.returncode}, stdout:\n{r.stdout[-TAIL:]}\n--- stderr:\n"
+            f"{r.stderr[-TAIL:]}" for r in done))
+    return done
+
+
+def torchrun_nodes(nnodes, nproc, args, timeout, env=None, py=sys.executable):
+    """`torchrun --nnodes N --nproc_per_node nproc args...` (torchrun of the Python `py`) as N launches
+    on 127.0.0.1 (node ranks 0..N-1), through run_all. The port is held bound (SO_REUSEADDR, not
+    listening) until the job ends: node 0's rendezvous store (libuv: SO_REUSEADDR too) still binds it,
+    but no bind(0) hands it out meanwhile, the way free_port() and every server here pick theirs.
+    --rdzv-conf timeout: the static rendezvous' join timeout."""
+    with socket.socket() as hold:
+        hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        hold.bind(("127.0.0.1", 0))
+        port = hold.getsockname()[1]
+        cmds = [[py, "-m", "torch.distributed.run", "--nnodes", nnodes, "--node-rank", r,
+                 "--nproc_per_node", nproc, "--master-addr", "127.0.0.1", "--master-port", port,
+                 "--rdzv-conf", f"timeout={JOIN_S}", *args] for r in range(nnodes)]
+        return run_all(cmds, timeout, env=env)
+
+
+def _drain(pipe, chunks):
+    for line in pipe:
+        chunks.append(line)
+
+
+def _tree(pid):
+    """pid and every process under it, however deep (Linux's /proc/PID/task/TID/children)."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        for f in glob.glob(f"/proc/{p}/task/*/children"):
+            try:
+                with open(f) as fh:
+                    todo += [int(c) for c in fh.read().split()]
+            except OSError:  # that task just ended
+                pass
+    return found
+
+
+def _stat(pid):
+    """(state, start time) of pid from /proc/PID/stat (fields 3 and 22), None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], fields[19]
+
+
+def _survey(procs, born):
+    """Add to born {pid: start time} every process under the commands still running."""
+    for p in procs:
+        if p.poll() is None:
+            for q in _tree(p.pid):
+                st = _stat(q)
+                if st:
+                    born[q] = st[1]
+
+
+def _stop(procs, born):
+    """SIGTERM, then SIGKILL after KILL_GRACE_S, each command's process group and every process ever
+    seen under a command (with the group it leads, if any), by pid. A pid is signalled only while it
+    has the start time it had when seen, so a pid that another program has reused is left alone."""
+    _survey(procs, born)
+
+    def ours():
+        live = []
+        for q, t in born.items():
+            st = _stat(q)
+            if st and st[1] == t and st[0] != "Z":  # a zombie is done: its parent reaps it
+                live.append(q)
+        return live
+
+    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 5.0)):
+        signals = [(os.killpg, p.pid) for p in procs]  # a group lives on while a member does
+        signals += [(kill, q) for q in ours() for kill in (os.killpg, os.kill)]  # killpg(q): a group q started
+        for kill, q in signals:
+            try:
+                kill(q, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        end = time.monotonic() + wait
+        while time.monotonic() < end:
+            for p in procs:
+                p.poll()  # reap our children, else they linger as zombies in their groups
+            if not ours() and not any(map(_group_alive, [p.pid for p in procs])):
+                return
+            time.sleep(0.05)
+
+
+def _group_alive(pgid):
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
