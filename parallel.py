@@ -11,6 +11,7 @@ take this object; nothing else reaches for a group. Plus the few collectives the
 A plain process (no RANK from torchrun) is a world of one with an in-memory store. Sockets and
 the torchrun watch: README, "Reliability".
 """
+import atexit
 import contextlib
 import dataclasses
 import datetime
@@ -138,6 +139,9 @@ def init_distributed(tp=1, seed=1234, timeout_minutes=60, ep=1, pp=1, cp=1):
             dist.init_process_group(backend, timeout=timeout)
         else:  # a plain process: a world of one, no network port
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        # a gloo rank that exits with its group alive may abort in the interpreter's teardown, and then its
+        # torchrun skips the exit barrier that the other nodes' torchruns wait in (300 s): tests/test_cluster.py
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     if not ps.model_parallel_is_initialized():
         world = dist.get_world_size()
         if min(tp, cp, pp) < 1 or world % (tp * cp * pp):

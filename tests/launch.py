@@ -3,6 +3,18 @@
     r = launch.run(cmd, timeout=600, env=env)                    # subprocess.run's CompletedProcess
     rs = launch.run_all([cmd0, cmd1], timeout=600)               # one CompletedProcess a command
     rs = launch.torchrun_nodes(2, 1, [script, *args], timeout=600)   # `torchrun --nnodes 2` on 127.0.0.1
+    r = launch.python(script, *args, nproc=2, timeout=600)      # `torchrun --standalone ...`, from a forkserver
+    job = launch.start(script, *args); ...; job.kill(); job.wait()
+
+python() and start() run a project script as `python script` or `torchrun --standalone --nproc_per_node N
+script` would, each rank forked from multiprocessing's forkserver, which imported torch, megatron-core,
+transformers and the project once for the session (PRELOAD): a fresh interpreter spends ~5 s of CPU on those
+imports, ~8 s of wall time a two-rank launch on 2 cores, and the suite made ~80 launches. A rank runs the
+script with runpy as __main__, in a session of its own, with torchrun's environment (RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE) and a TCPStore this process serves on a port the kernel picks, which the
+ranks join as torchrun's workers join their agent's (TORCHELASTIC_USE_AGENT_STORE); its stdout and stderr
+(C++'s too) go to files. One failed rank stops the others, as torchrun does. The torchrun command itself
+(its agent, rendezvous, signals) is run() and torchrun_nodes()' to test.
 
 Every command runs in a session of its own and both its pipes are read while it runs (a pipe that
 nobody reads fills up and stalls its writer). All share one deadline; once one has failed the others
@@ -11,14 +23,20 @@ started is ended by its pid: torchrun puts each worker in a session of its own, 
 servers, so the command's process group alone would leave them running (subprocess.run's timeout
 kills only the direct child). A timeout raises AssertionError with every command's last output.
 """
+import atexit
+import datetime
 import glob
+import multiprocessing
 import os
+import runpy
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 from conftest import ROOT
 
@@ -161,3 +179,96 @@ def _group_alive(pgid):
     except ProcessLookupError:
         return False
     return True
+
+
+PRELOAD = ["torch", "torch.distributed", "megatron.core", "transformers", "model", "train_grpo", "sft", "tools.check"]
+_FORKSERVER = []
+
+
+def _rank(script, env, cwd, out):
+    """A forked rank: a session of its own, its outputs to files, torchrun's environment, script as __main__."""
+    os.setsid()
+    for fd, path in ((1, f"{out}.out"), (2, f"{out}.err")):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    import torch
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    sys.path[0] = str(Path(script[0]).parent)
+    sys.argv = list(script)
+    try:
+        runpy.run_path(script[0], run_name="__main__")
+    finally:  # a forked child leaves through os._exit: what atexit holds (servers to stop) runs here
+        atexit._run_exitfuncs()
+
+
+class Job:
+    """The ranks of one launch of a script (start())."""
+
+    def __init__(self, script, args, nproc, env, cwd):
+        if not _FORKSERVER:
+            _FORKSERVER.append(multiprocessing.get_context("forkserver"))
+            _FORKSERVER[0].set_forkserver_preload(PRELOAD)
+        env, self.store, self.dir = dict(os.environ if env is None else env), None, tempfile.mkdtemp(prefix="rank_")
+        if nproc > 1:
+            import torch.distributed as dist
+            self.store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False,
+                                       timeout=datetime.timedelta(minutes=10))
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.store.port), WORLD_SIZE=str(nproc),
+                       LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", TORCHELASTIC_USE_AGENT_STORE="True")
+        self.args = [str(script), *map(str, args)]
+        self.procs = [_FORKSERVER[0].Process(target=_rank, args=(self.args, dict(env, RANK=str(r), LOCAL_RANK=str(r))
+                                                                 if nproc > 1 else env, str(cwd), f"{self.dir}/{r}"))
+                      for r in range(nproc)]
+        for p in self.procs:
+            p.start()
+        self.pid = self.procs[0].pid
+
+    def poll(self):
+        """None while every rank runs or has succeeded but one, the first failure's code, else 0."""
+        failed = [p.exitcode for p in self.procs if p.exitcode not in (None, 0)]
+        if failed:
+            return failed[0] if failed[0] > 0 else 128 - failed[0]  # -N: killed by signal N
+        return None if any(p.exitcode is None for p in self.procs) else 0
+
+    def kill(self, sig=signal.SIGKILL):
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def wait(self, timeout=600):
+        """-> CompletedProcess(args, returncode, stdout, stderr), the ranks' outputs in rank order."""
+        deadline, failed_at = time.monotonic() + timeout, None
+        try:
+            while any(p.is_alive() for p in self.procs) and time.monotonic() < deadline:
+                if failed_at is None and self.poll():
+                    failed_at = time.monotonic()
+                if failed_at is not None and time.monotonic() > failed_at + FAIL_GRACE_S:
+                    break
+                time.sleep(0.05)
+            timed_out = any(p.is_alive() for p in self.procs) and failed_at is None
+        finally:
+            _stop([], {q: _stat(q)[1] for p in self.procs for q in _tree(p.pid) if _stat(q)})
+            for p in self.procs:
+                p.join(5)
+        out, err = ("".join(f.read_text(errors="replace") for r in range(len(self.procs))
+                            for f in [Path(f"{self.dir}/{r}.{k}")] if f.exists()) for k in ("out", "err"))
+        if timed_out:
+            raise AssertionError(f"timed out after {timeout}s: {' '.join(self.args)[:300]}\n--- stdout:\n"
+                                 f"{out[-TAIL:]}\n--- stderr:\n{err[-TAIL:]}")
+        return subprocess.CompletedProcess(self.args, self.poll() or 0, out, err)
+
+
+def start(script, *args, nproc=1, env=None, cwd=ROOT):
+    """`python script args` (nproc 1) or `torchrun --standalone --nproc_per_node nproc script args`, started."""
+    return Job(script, args, nproc, env, cwd)
+
+
+def python(script, *args, nproc=1, timeout=600, env=None, cwd=ROOT):
+    """start(...).wait(timeout): subprocess.run's CompletedProcess."""
+    return Job(script, args, nproc, env, cwd).wait(timeout)

@@ -48,6 +48,8 @@ def parquet(path, rs):
 
 
 def run(script, *args, preexec=None, timeout=600):
+    if preexec is None:
+        return launch.python(ROOT / script, *args, timeout=timeout, env=ENV)
     return launch.run([PY, ROOT / script, *args], timeout, env=ENV, preexec_fn=preexec)
 
 

@@ -2,9 +2,6 @@
 and a short CPU run: metrics, train-vs-rollout logprobs, checkpoints, SIGKILL + --load."""
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -58,11 +55,8 @@ def test_kl_estimators(kind, fn):
 
 def worker(ckpt, source, save, nproc=1, tp=1, ref=None, *extra):
     """-> [stats of update 0, stats of update 1] from tests/_grpo_worker.py (weights in save/final)."""
-    launcher = [PY] if nproc == 1 else [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                                        str(nproc)]
-    cmd = launcher + [str(ROOT / "tests" / "_grpo_worker.py"), str(ckpt), str(source), "--save", str(save),
-                      "--tp", str(tp), *extra] + (["--ref", str(ref)] if ref else [])
-    r = launch.run(cmd, timeout=600)
+    r = launch.python(ROOT / "tests" / "_grpo_worker.py", ckpt, source, "--save", save, "--tp", tp, *extra,
+                      *(["--ref", ref] if ref else []), nproc=nproc, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads((Path(save) / "updates.json").read_text())
 
@@ -140,11 +134,10 @@ def test_dp_rank_without_samples_takes_the_same_step(tiny_ckpt, geo3k_real, tmp_
 
 
 def grpo(*args, wait=True):
-    cmd = [PY, str(ROOT / "train_grpo.py"), *map(str, args)]
+    job = launch.start(ROOT / "train_grpo.py", *args)
     if not wait:
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                start_new_session=True)
-    r = launch.run(cmd, timeout=900)
+        return job
+    r = job.wait(900)
     assert r.returncode == 0, r.stderr[-3000:]
 
 
@@ -153,9 +146,9 @@ def killed_after_checkpoint(common, save, name):
     proc = grpo(*common, "--save", save, wait=False)
     deadline = time.time() + 600
     while not (save / name).exists():
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-2000:]
+        assert proc.poll() is None and time.time() < deadline, proc.wait(5).stderr[-2000:]
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
+    proc.kill()
     proc.wait()
 
 
@@ -228,10 +221,9 @@ def test_prompts_over_the_context_limit_never_reach_a_step(tiny_ckpt, tmp_path):
     HTTP 500 test."""
     from tools import synth
     synth.write_synth(tmp_path / "d", 8, n_test=2, seed=0)
-    r = launch.run([PY, str(ROOT / "train_grpo.py"), "--hf-checkpoint", str(tiny_ckpt("qwen3_vl")),
-                    "--prompt-data", str(tmp_path / "d"), "--save", str(tmp_path / "run"),
-                    "--rollout-engine", "local", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-                    "--num-rollout", "2", "--max-context-len", "20"], timeout=600)
+    r = launch.python(ROOT / "train_grpo.py", "--hf-checkpoint", tiny_ckpt("qwen3_vl"), "--prompt-data", tmp_path / "d",
+                      "--save", tmp_path / "run", "--rollout-engine", "local", "--rollout-batch-size", "2",
+                      "--n-samples-per-prompt", "2", "--num-rollout", "2", "--max-context-len", "20")
     assert r.returncode != 0 and "skipped 8 of 8 rows over the length limit" in r.stderr, r.stderr[-3000:]
     assert "--prompt-data" in r.stderr and "over --max-context-len 20" in r.stderr, r.stderr[-3000:]
     assert not list((tmp_path / "run").glob("iter_*")) and not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -9,7 +9,6 @@ computes and writes the gradients; this file compares them.
 """
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -68,11 +67,8 @@ def peaked(tiny_ckpt, tmp_path_factory):
 def grads(ckpt, out, nproc=1, *flags, ref=None):
     """{term: (HF name -> gradient, stats)} from tests/_grad_worker.py, one process or torchrun."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    "--nproc_per_node", str(nproc)]
-    cmd = launcher + [str(ROOT / "tests" / "_grad_worker.py"), str(ckpt), str(GEO3K_REAL / "test.parquet"),
-                    "--out", str(out), *flags] + (["--ref", str(ref)] if ref else [])
-    r = launch.run(cmd, timeout=600, env=env)
+    r = launch.python(ROOT / "tests" / "_grad_worker.py", ckpt, GEO3K_REAL / "test.parquet", "--out", out, *flags,
+                      *(["--ref", ref] if ref else []), nproc=nproc, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return {f.stem: (load_file(f), json.loads(f.with_suffix(".json").read_text())) for f in out.glob("*.safetensors")}
 
@@ -160,7 +156,6 @@ def test_megatron_ddp_sums_gradients_as_the_cpu_path_does(tiny_ckpt, tmp_path):
     script = tmp_path / "ddp_worker.py"
     script.write_text(DDP_WORKER)
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    r = launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                    str(script), str(tiny_ckpt("qwen3_vl")), str(ROOT)], timeout=300, env=env)
+    r = launch.python(script, tiny_ckpt("qwen3_vl"), ROOT, nproc=2, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert r.stdout.count("summed 3.0") == 2, r.stdout  # ranks held 1 and 2

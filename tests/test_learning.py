@@ -12,13 +12,11 @@ images stays at chance: the policy learns to use the picture from the reward alo
 """
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-import proc
+import launch as tests_launch
 
 ROOT = Path(__file__).resolve().parents[1]
 SFT = ["--lr", "1e-4", "--decoupled-lr", "1e-2", "--lr-decay-style", "constant", "--lr-warmup-iters", "3",
@@ -54,23 +52,19 @@ FAST_GRPO_SEED = 1
 
 
 def launch(script, out, *args):
-    """Start `script` with its output in OUT/run.log (a pipe could fill up and stall it)."""
+    """Start `script` with `--save OUT` (tests/launch.py)."""
     out.mkdir(parents=True, exist_ok=True)
-    log = open(out / "run.log", "w")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, str(ROOT / script), "--save", str(out), *map(str, args)],
-                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return tests_launch.start(ROOT / script, "--save", out, *args, env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"))
 
 
-def finish(*procs, timeout=3600):
+def finish(*jobs, timeout=3600):
     try:
-        for p in procs:
-            rc = p.wait(timeout=timeout)
-            log = Path(p.args[p.args.index("--save") + 1]) / "run.log"
-            assert rc == 0, log.read_text()[-3000:]
+        for job in jobs:
+            r = job.wait(timeout)
+            assert r.returncode == 0, r.stdout[-1500:] + r.stderr[-3000:]
     finally:  # a timed-out or failed run, and the one beside it, must not outlive the test
-        for p in procs:
-            proc.kill_group(p)
+        for job in jobs:
+            job.kill()
 
 
 def metrics(run):

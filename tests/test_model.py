@@ -4,7 +4,6 @@ TP=1 runs in this process (a world of one); TP=2 runs `torchrun --nproc_per_node
 """
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -178,8 +177,7 @@ def test_init_is_idempotent_and_tp_attributes(setup):
 
 def torchrun2(*args):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    r = launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args],
-                   timeout=300, env=env)
+    r = launch.python(*args, nproc=2, timeout=300, env=env)
     print(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     return r.stdout.strip().splitlines()

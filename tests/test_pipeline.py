@@ -4,7 +4,6 @@ megatron's 1F1B schedule), the export gathered from both stages, and the layouts
 rule. SFT steps at PP2 (tied head, even and uneven splits): test_sft.py; GRPO's: test_grpo.py, and its
 gradients parameter by parameter: test_layouts.py."""
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,9 +28,8 @@ def test_pp2_check_command(tiny_ckpt, arch):
 def test_layouts_pp_cannot_split_are_refused_with_the_rule(tiny_ckpt):
     """2 Qwen3-VL layers with deepstack features after both: a first stage of one layer cannot hold them."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    r = launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                    "model.py", "check", "--hf-checkpoint", str(tiny_ckpt("qwen3_vl")),
-                    "--pipeline-model-parallel-size", "2"], timeout=300, env=env)
+    r = launch.python("model.py", "check", "--hf-checkpoint", tiny_ckpt("qwen3_vl"), "--pipeline-model-parallel-size", "2",
+                      nproc=2, timeout=300, env=env)
     assert r.returncode != 0
     assert "the first stage holds 1 layers, fewer than the 2 Qwen3-VL adds deepstack features to" in r.stderr
 

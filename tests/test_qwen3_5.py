@@ -48,8 +48,7 @@ def setup(tiny_ckpt):
 
 def torchrun_n(n, *args):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    r = launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", n, *args],
-                   timeout=600, env=env)
+    r = launch.python(*args, nproc=n, timeout=600, env=env)
     print(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     return r.stdout.strip().splitlines()
@@ -225,8 +224,7 @@ def test_gated_deltanet_communicates_once():
     on its own made it 4 all-gathers forward, 5 all-gathers and 4 reduce-scatters backward. TP2 without SP:
     one all-reduce of the input gradient (was 4) and out_proj's forward all-reduce."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))  # run as a script
-    r = launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                    __file__, "gdn-collectives"], timeout=300, env=env)
+    r = launch.python(__file__, "gdn-collectives", nproc=2, timeout=300, env=env)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     got = {d["sp"]: d for d in (json.loads(x.split(" ", 1)[1]) for x in r.stdout.splitlines()
                                 if x.startswith("collectives "))}
@@ -294,9 +292,7 @@ def test_tp2_ep2_four_processes(tiny_ckpt):
 
 def run_entry(script, *args, nproc=1):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                      "--nproc_per_node", str(nproc)]
-    r = launch.run(launcher + [ROOT / script, *args], timeout=900, env=env)
+    r = launch.python(ROOT / script, *args, nproc=nproc, timeout=900, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     return [json.loads(x) for x in (Path(args[args.index("--save") + 1]) / "metrics.jsonl").read_text().splitlines()]
 

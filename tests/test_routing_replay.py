@@ -5,7 +5,6 @@ in bf16 its own choice differs from the engine's at some (token, layer), with re
 import base64
 import json
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -216,12 +215,12 @@ def test_rollout_fails_a_sample_whose_routes_do_not_cover_it(moe_processor, reco
 def test_grpo_with_replay_logs_the_mismatch_and_refuses_a_dense_model(moe, tiny_ckpt, tmp_path):
     from tools import synth
     synth.write_synth(tmp_path / "d", 8, n_test=0, seed=0, kinds=("sides",))
-    common = [sys.executable, str(ROOT / "train_grpo.py"), "--prompt-data", str(tmp_path / "d"), "--rollout-engine",
+    common = [ROOT / "train_grpo.py", "--prompt-data", str(tmp_path / "d"), "--rollout-engine",
               "local", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "8",
               "--num-rollout", "1", "--entropy-coef", "0.01", "--use-rollout-routing-replay"]
-    r = launch.run(common + ["--hf-checkpoint", tiny_ckpt("qwen3_vl"), "--save", tmp_path / "dense"], timeout=300)
+    r = launch.python(*common, "--hf-checkpoint", tiny_ckpt("qwen3_vl"), "--save", tmp_path / "dense", timeout=300)
     assert r.returncode != 0 and "--use-rollout-routing-replay" in r.stderr and "not a MoE model" in r.stderr
-    r = launch.run(common + ["--hf-checkpoint", moe, "--save", tmp_path / "moe", "--bf16"], timeout=600)
+    r = launch.python(*common, "--hf-checkpoint", moe, "--save", tmp_path / "moe", "--bf16", timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     (m,) = [json.loads(line) for line in (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()]
     assert 0 <= m["routing_mismatch"] < 0.5 and m["grad_norm"] > 0, m

@@ -2,8 +2,6 @@
 TP=2 and DP=2 reproduce one process, and a SIGKILLed run resumes on the same data order."""
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,16 +17,13 @@ PY = sys.executable
 
 
 def sft(*args, nproc=1, check=True, wait=True):
-    launcher = [PY] if nproc == 1 else [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                                        str(nproc)]
-    cmd = launcher + [str(ROOT / "sft.py"), *map(str, args)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    job = launch.start(ROOT / "sft.py", *args, nproc=nproc, env=env)
     if not wait:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                start_new_session=True)
-    r = launch.run(cmd, timeout=900, env=env)
+        return job
+    r = job.wait(900)
     if check and r.returncode:
-        raise AssertionError(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
+        raise AssertionError(f"{' '.join(r.args)} failed:\n{r.stderr[-3000:]}")
     return r
 
 
@@ -172,9 +167,9 @@ def test_sigkill_then_load_resumes_on_the_same_data_order(tiny_ckpt, tmp_path):
     proc = sft(*common, "--save", crash, wait=False)
     deadline = time.time() + 300
     while not (crash / "iter_0000004").exists():  # kill right after the second checkpoint lands
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-2000:]
+        assert proc.poll() is None and time.time() < deadline, proc.wait(5).stderr[-2000:]
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
+    proc.kill()
     proc.wait()
     assert (crash / "latest").read_text() == "iter_0000004"
     assert (crash / "iter_0000004" / "model.safetensors").exists()  # 'latest' is always complete

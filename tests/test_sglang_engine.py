@@ -408,9 +408,8 @@ def test_tensor_sync_to_a_tp2_server_sends_each_ranks_own_copy(ckpt, tmp_path, w
         (tmp_path / str(r) / "dump").mkdir(parents=True)
     script = tmp_path / "ipc_worker.py"
     script.write_text(IPC_WORKER)
-    r = launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", world,
-                    script, Path(__file__).parents[1], ckpt, tmp_path, FAKE, servers], timeout=300,
-                   env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = launch.python(script, Path(__file__).parents[1], ckpt, tmp_path, FAKE, servers, nproc=world, timeout=300,
+                      env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     want = {k: v for b in convert.export_hf(M.load_model(ckpt)) for k, v in b}
     blobs = []
