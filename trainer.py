@@ -1,6 +1,7 @@
 """Training plumbing shared by sft.py and train_grpo.py: the trainer item, packing by token budget, sums over
 data-parallel ranks, metrics, and atomic checkpoints (HF weights + optimizer, RNG, data position)."""
 import contextlib
+import copy
 import dataclasses
 import fcntl
 import importlib
@@ -153,7 +154,9 @@ class Run:
                                  f"resume at the same size")
         state = read_state(ckpt / "train_state" / state_name(self.par, opt),
                            lambda f: torch.load(f, weights_only=False))
-        optim.load_state(opt, state["optimizer"])
+        # torch.load's tensors are views of the file's records, whose storage cannot be resized: an optimizer
+        # state kept as it is (same device and dtype) would stop --offload-train's first park
+        optim.load_state(opt, copy.deepcopy(state["optimizer"]))
         sched.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         if self.rank == 0:
