@@ -409,10 +409,8 @@ def hand_out(shares, par):
     other DP ranks' never reach it; a group's images pickle once per rank)."""
     if par.world == 1:
         return shares[0]
-    dp_of = [None] * par.world
-    dist.all_gather_object(dp_of, par.dp_rank)
     mine = [None]
-    dist.scatter_object_list(mine, [shares[r] for r in dp_of] if par.rank == 0 else None, src=0)
+    dist.scatter_object_list(mine, [shares[d] for d in par.dp_ranks] if par.rank == 0 else None, src=0)
     return mine[0]
 
 
