@@ -1,8 +1,6 @@
-"""The optimizer: AdamW with its LR schedule, and one optimizer step over data/tensor parallel
-ranks (gradients summed over DP, clipped by their global norm over TP). fp32: torch AdamW; --bf16 /
---use-distributed-optimizer: MasterAdamW on CPU, megatron-core's DDP and optimizer on CUDA (README,
-"Precision"; the mechanism: docs/optimizer.md). Parameters with `allreduce == False` (MoE experts,
-Megatron's mark) are never sharded.
+"""The optimizer: AdamW with its LR schedule, and one optimizer step over the parallel ranks. fp32: torch
+AdamW; --bf16 / --use-distributed-optimizer: MasterAdamW on CPU, megatron-core's DDP and optimizer on CUDA.
+Parameters with `allreduce == False` (MoE experts, Megatron's mark) are never sharded. docs/optimizer.md.
 """
 import copy
 import math
@@ -228,7 +226,7 @@ def grad_norm_and_clip(grads, par, clip):
     down to `clip` when over it."""
     sharded, replicated, experts = (torch.zeros((), dtype=torch.float64, device=par.device) for _ in range(3))
     for p, g in grads:
-        if getattr(p, "shared", False):  # PP: the last stage's copy of a tied embedding, counted on the first (Megatron's mark)
+        if getattr(p, "shared", False):  # PP: the last stage's copy of a tied embedding (counted on the first)
             continue
         sq = g.detach().double().pow(2).sum()
         if not getattr(p, "allreduce", True):
