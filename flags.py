@@ -1,9 +1,5 @@
-"""The flags both trainers take, in groups, each with its bound (named as in slime / Megatron).
-A value out of bounds is the parser's error naming the flag and the value, before any work:
-
-    p.add_argument("--lr", type=at_least(0.0), ...)     # a float >= 0 (NaN fails too)
-    p.add_argument("--adam-beta1", type=fraction, ...)  # a float in [0, 1]
-"""
+"""The flags both trainers take, in groups, each with its bound (named as in slime / Megatron): a value
+out of bounds (at_least, fraction) is the parser's error naming the flag and the value, before any work."""
 import argparse
 
 
