@@ -92,7 +92,7 @@ def megatron_optimizer(model, args):
         optimizer_offload_fraction=args.optimizer_offload_fraction,
         overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d), [ddp])
     opt.ddp, opt.sharded = ddp, args.use_distributed_optimizer
-    for g in opt.param_groups:  # every part's of a ChainedOptimizer (MoE experts get their own)
+    for g in opt.param_groups:  # over every part of a ChainedOptimizer (MoE experts get their own)
         g["lr"], g["weight_decay"] = g["max_lr"], args.weight_decay * g["wd_mult"]
     return opt
 
