@@ -110,7 +110,7 @@ def init_distributed(tp=1, seed=1234, timeout_minutes=60, ep=1, pp=1, cp=1):
     world / ep). A second call returns the context the first one set up."""
     cuda = torch.cuda.is_available()
     if not cuda:  # for good: backward passes, outside megatron_on_cpu, ask it too (docs/parallel.md)
-        torch.cuda.current_device = _cpu
+        torch.cuda.current_device = lambda: "cpu"
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -162,10 +162,6 @@ def init_distributed(tp=1, seed=1234, timeout_minutes=60, ep=1, pp=1, cp=1):
         dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
         ep=ps.get_expert_model_parallel_world_size(), ep_rank=ps.get_expert_model_parallel_rank(),
         ep_group=ps.get_expert_model_parallel_group(), expert_dp_group=ps.get_expert_data_parallel_group())
-
-
-def _cpu():
-    return "cpu"
 
 
 _zeros = torch.zeros
