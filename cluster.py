@@ -37,27 +37,9 @@ import offload
 import sglang_engine
 
 
-def local_rank():
-    return int(os.environ.get("LOCAL_RANK", 0))
-
-
-def local_world(par):
-    """Trainer ranks on this node: torchrun's LOCAL_WORLD_SIZE (the whole job without torchrun)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", par.world))
-
-
 def ranks_per_server(par):
     """The trainer ranks that one server's slice of a node holds (the node's, with one server a node)."""
-    return local_world(par) // _LAYOUT["servers_per_node"]
-
-
-def node_rank(par):
-    return par.rank // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-
-
-def nodes(world):
-    """Nodes of the job: torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE (one node without torchrun)."""
-    return max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    return par.local_world // _LAYOUT["servers_per_node"]
 
 
 def node_address():
@@ -92,7 +74,7 @@ def on_leaders(par, engine, fn, what):
             out = fn(engine)
         except Exception as e:  # noqa: BLE001 - any failure of a node's server stops the step everywhere
             server = getattr(getattr(engine, "server", None), "url", "its server")
-            error = f"{what} on node {node_rank(par)} ({server}): {type(e).__name__}: {e}"
+            error = f"{what} on node {par.node} ({server}): {type(e).__name__}: {e}"
     if par.world > 1:
         errors = [None] * par.world
         dist.all_gather_object(errors, error)
@@ -108,29 +90,29 @@ def start(args, par, hf_dir, run_dir):
     slice's first rank with --rollout-num-gpus-per-engine) keeps it for weight updates, release and
     resume; None elsewhere."""
     if sglang_engine.engine_kind(args) != "sglang":
-        return sglang_engine.make_engine(args, hf_dir, run_dir) if par.rank == 0 else None
+        return sglang_engine.make_engine(args, hf_dir, run_dir, local_world=par.local_world) if par.rank == 0 else None
     per_node = _LAYOUT["servers_per_node"] = sglang_engine.servers_per_node(args, torch.cuda.is_available(),
-                                                                            local_world(par))
-    many = nodes(par.world) > 1
+                                                                            par.local_world)
+    many = par.world // par.local_world > 1
     if not many and per_node == 1:
-        return sglang_engine.make_engine(args, hf_dir, run_dir) if par.rank == 0 else None
+        return sglang_engine.make_engine(args, hf_dir, run_dir, local_world=par.local_world) if par.rank == 0 else None
     if args.use_rollout_routing_replay:  # every rank alike, before any server starts
         raise SystemExit("--use-rollout-routing-replay with several SGLang servers: SGLang's router (sglang-router "
                          "0.3.2) drops return_routed_experts from the requests it forwards; train R3 with one server")
     key = [secrets.token_urlsafe(24) if par.rank == 0 and many else None]  # one node: 127.0.0.1, no key
     if many:
         dist.broadcast_object_list(key, src=0)
-    node, stride = node_rank(par), ranks_per_server(par)
-    index = local_rank() // stride
+    stride = ranks_per_server(par)
+    index = par.local_rank // stride
 
     def serve(_):
-        e = sglang_engine.make_engine(args, hf_dir, run_dir, index=index, api_key=key[0],
+        e = sglang_engine.make_engine(args, hf_dir, run_dir, index=index, local_world=par.local_world, api_key=key[0],
                                       host=node_address() if many else "127.0.0.1",
-                                      name=f"node{node:02d}" + (f"_{index}" if per_node > 1 else ""))
+                                      name=f"node{par.node:02d}" + (f"_{index}" if per_node > 1 else ""))
         if e.weight_sync == "disk":  # it comes back with the last synced weights: restart it at once
             e.server.watch()
         return e
-    holder = local_rank() % stride == 0 and index < per_node
+    holder = par.local_rank % stride == 0 and index < per_node
     engine = on_leaders(par, True if holder else None, serve, "starting the SGLang server")
     urls = [None] * par.world
     dist.all_gather_object(urls, engine.server.url if engine is not None else None)

@@ -1,9 +1,5 @@
-"""The flags both trainers take, in groups, each with its bound (named as in slime / Megatron).
-A value out of bounds is the parser's error naming the flag and the value, before any work:
-
-    p.add_argument("--lr", type=at_least(0.0), ...)     # a float >= 0 (NaN fails too)
-    p.add_argument("--adam-beta1", type=fraction, ...)  # a float in [0, 1]
-"""
+"""The flags both trainers take, in groups, each with its bound (named as in slime / Megatron): a value
+out of bounds (at_least, fraction) is the parser's error naming the flag and the value, before any work."""
 import argparse
 
 
@@ -34,6 +30,11 @@ POSITIVE, COUNT = at_least(1), at_least(0)  # steps, sizes / intervals where 0 m
 
 def add_train_args(p):
     """The groups both trainers share; train_grpo.py adds add_rollout_args and its own."""
+    for add in (add_data_args, add_model_args, add_precision_args, add_optimizer_args, add_run_args):
+        add(p)
+
+
+def add_data_args(p):
     g = p.add_argument_group("data and evaluation").add_argument
     g("--prompt-data", required=True, help="training data: hub id, .parquet, .jsonl or folder")
     g("--input-key", default="problem", help="column holding the problem text")
@@ -49,6 +50,8 @@ def add_train_args(p):
     g("--eval-interval", type=COUNT, default=0, help="evaluate every N steps (0: only at the end)")
     g("--eval-samples", type=COUNT, default=64, help="evaluate on the first N eval problems")
 
+
+def add_model_args(p):
     g = p.add_argument_group("model and parallelism").add_argument
     g("--hf-checkpoint", required=True, help="Hugging Face checkpoint folder to start from")
     g("--freeze-vit", action="store_true", help="keep the vision tower fixed")
@@ -71,6 +74,8 @@ def add_train_args(p):
     g("--distributed-timeout-minutes", type=POSITIVE, default=60,
       help="collective timeout: rank 0 loads data, starts SGLang and evaluates while the others wait")
 
+
+def add_precision_args(p):
     g = p.add_argument_group("precision and memory").add_argument
     g("--bf16", action="store_true", help="compute in bf16 with fp32 master weights (optim.py); logprobs and loss in fp32")
     g("--accumulate-allreduce-grads-in-fp32", action="store_true", help="with --bf16: gradients accumulated and reduced in fp32")
@@ -87,6 +92,8 @@ def add_train_args(p):
     g("--recompute-num-layers", type=POSITIVE, default=1, help="layers per recomputed chunk (uniform) or recomputed layers (block)")
     g("--max-tokens-per-gpu", type=POSITIVE, default=4096, help="one packed micro-batch's tokens on a GPU (CP: x CP in all)")
 
+
+def add_optimizer_args(p):
     g = p.add_argument_group("optimizer").add_argument
     g("--global-batch-size", type=POSITIVE, default=16, help="samples per optimizer step, all ranks")
     g("--lr", type=at_least(0.0), default=1e-6, help="peak learning rate")
@@ -102,6 +109,8 @@ def add_train_args(p):
     g("--clip-grad", type=at_least(0.0), default=1.0, help="clip the global grad norm to this (0: off)")
     g("--seed", type=int, default=1234)
 
+
+def add_run_args(p):
     g = p.add_argument_group("run folder").add_argument
     g("--save", required=True, help="run folder: metrics.jsonl, config, checkpoints")
     g("--load", default=None, help="resume from the latest checkpoint in this run folder")

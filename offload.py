@@ -1,12 +1,7 @@
 """--offload-train: while SGLang generates, the trainer's GPU state waits in host memory, so that a
-colocated server can take the GPU (the recipe's --mem-fraction-static 0.7 instead of 0.4).
-
-Each storage is copied to (pinned) host memory and resized to zero bytes; resized back and refilled,
-it holds the same bytes. Every view into it (a parameter inside megatron's DDP buffer, a main_grad,
-an Adam moment) stays the same Python object, so nothing that refers to it changes: the optimizer,
-the DDP buckets and the autograd hooks all see their tensors back. Gradients are zero between steps
-(the optimizer step clears them), so their storages are freed and re-zeroed, not copied. The caching
-allocator is emptied after each release, so the memory really returns to the GPU.
+colocated server can take the GPU (the recipe's --mem-fraction-static 0.7 instead of 0.4). Each storage
+is copied to pinned host memory and resized to zero bytes, so every tensor that views it stays the same
+object (docs/offload.md).
 
     off = Offload(model, opt, ref)
     off.release()                       # before the rollout: everything
@@ -26,8 +21,7 @@ KINDS = ("params", "grads", "optimizer")  # a storage belongs to the first kind 
 def optimizer_tensors(opt):
     """The tensors an optimizer owns: its parameters (fp32 masters where it keeps them) and state."""
     for o in optim.inner_optimizers(opt):
-        for g in o.param_groups:
-            yield from g["params"]
+        yield from optim.params(o)
         for state in o.state.values():
             yield from (t for t in state.values() if torch.is_tensor(t))
 
@@ -60,9 +54,7 @@ class Offload:
         """Park `kinds` (those not parked already) in host memory and free their GPU memory."""
         cuda = torch.cuda.is_available()
         found = self.storages()
-        for kind in kinds:
-            if kind in self.out:
-                continue
+        for kind in [k for k in kinds if k not in self.out]:
             self.out[kind] = []
             for i, s in enumerate(found[kind]):
                 host = None
@@ -98,9 +90,8 @@ class Offload:
 
 
 def pinned(nbytes):
-    """A host buffer of exactly nbytes, page-locked (registered) where CUDA is, as torch's checkpoint stager
-    pins (distributed/checkpoint/_state_dict_stager.py:170-173). torch.empty(pin_memory=True) would round it
-    up to a power of two (ATen/core/CachingHostAllocator.h:340-349; c10/core/AllocatorConfig.h:361): 8 GiB for 4.2 GB."""
+    """A host buffer of exactly nbytes, page-locked where CUDA is (pin_memory=True would round it up to a
+    power of two: docs/offload.md)."""
     host = torch.empty(nbytes, dtype=torch.uint8)
     if torch.cuda.is_available():
         cudart = torch.cuda.cudart()

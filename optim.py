@@ -1,14 +1,14 @@
-"""The optimizer: AdamW with its LR schedule, and one optimizer step over data/tensor parallel
-ranks (gradients summed over DP, clipped by their global norm over TP). fp32: torch AdamW; --bf16 /
---use-distributed-optimizer: MasterAdamW on CPU, megatron-core's DDP and optimizer on CUDA (README,
-"Precision"). Parameters with `allreduce == False` (MoE experts, Megatron's mark) are never sharded.
+"""The optimizer: AdamW with its LR schedule, and one optimizer step over the parallel ranks. fp32: torch
+AdamW; --bf16 / --use-distributed-optimizer: MasterAdamW on CPU, megatron-core's DDP and optimizer on CUDA.
+Parameters with `allreduce == False` (MoE experts, Megatron's mark) are never sharded. docs/optimizer.md.
 """
 import copy
 import math
 
 import torch
 import torch.distributed as dist
-from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 
 import parallel
 import pipeline
@@ -37,28 +37,24 @@ def build_optimizer(model, args, total_steps):
         t = min(1.0, (step - args.lr_warmup_iters) / max(1, total_steps - args.lr_warmup_iters))
         floor = args.min_lr / args.lr if args.lr else 0.0
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
-    mixed = args.bf16 or args.use_distributed_optimizer
-    if mixed and torch.cuda.is_available():
+    if not (args.bf16 or args.use_distributed_optimizer):
+        opt = adamw(param_groups(model, args), args)
+    elif torch.cuda.is_available():
         opt = megatron_optimizer(model, args)
-        # megatron's groups (over every optimizer of a ChainedOptimizer: MoE experts get their own,
-        # optimizer/__init__.py get_megatron_optimizer, megatron-core 0.16.1) carry max_lr, wd_mult
-        for g in opt.param_groups:
-            g["lr"], g["weight_decay"] = g["max_lr"], args.weight_decay * g["wd_mult"]
-        return opt, Schedule(opt, factor)
-    groups = param_groups(model, args)
-    if mixed:
-        opt = MasterAdamW(groups, args, model.par)
-        return opt, Schedule(opt, factor)
-    opt = torch.optim.AdamW([{"params": ps, "lr": lr, "weight_decay": wd} for lr, wd, ps in groups],
-                            lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=1e-8)
+    else:
+        opt = MasterAdamW(param_groups(model, args), args, model.par)
     return opt, Schedule(opt, factor)
 
 
+def adamw(groups, args):
+    """torch's AdamW over [(lr, weight_decay, [tensors])]."""
+    return torch.optim.AdamW([{"params": ps, "lr": lr, "weight_decay": wd} for lr, wd, ps in groups],
+                             lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=1e-8)
+
+
 class Schedule:
-    """torch's LambdaLR for any optimizer with param_groups: lr of group i = its lr at the start x
-    factor(steps taken). LambdaLR takes only a torch Optimizer, and megatron's ChainedOptimizer
-    (MoE) is none; the groups are read anew at each step, as a load_state_dict replaces them. Each
-    group keeps its peak lr under LambdaLR's key, "initial_lr"."""
+    """torch's LambdaLR for any optimizer with param_groups (megatron's ChainedOptimizer, MoE's, is no torch
+    Optimizer): group i's lr = its peak lr, kept as "initial_lr", x factor(steps taken)."""
 
     def __init__(self, opt, factor):
         self.opt, self.factor, self.last_epoch = opt, factor, 0
@@ -82,12 +78,8 @@ class Schedule:
 
 
 def megatron_optimizer(model, args):
-    """CUDA: megatron-core's DDP (fp32 `main_grad` buckets, distributed_data_parallel.py:420-445)
-    and optimizer (fp32 masters; sharded over DP with --use-distributed-optimizer). The reduce is
-    not overlapped with backward: which parameters get gradients changes per batch (the vision
-    tower on text-only ones), and the overlapped reduce asserts when a bucket's parameters did
-    not all report ready (param_and_grad_buffer.py:524-535, megatron-core 0.16.1)."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    """CUDA: megatron-core's DDP and optimizer (fp32 masters; sharded over DP with
+    --use-distributed-optimizer), its groups' lr and weight decay set as param_groups sets ours."""
     for n, p in model.named_parameters():  # megatron's --decoupled-lr selects params by this mark
         p.is_embedding_or_output_parameter = "word_embeddings" in n or "output_layer" in n
     ddp = megatron_ddp(model, args)
@@ -100,18 +92,15 @@ def megatron_optimizer(model, args):
         optimizer_offload_fraction=args.optimizer_offload_fraction,
         overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d), [ddp])
     opt.ddp, opt.sharded = ddp, args.use_distributed_optimizer
+    for g in opt.param_groups:  # over every part of a ChainedOptimizer (MoE experts get their own)
+        g["lr"], g["weight_decay"] = g["max_lr"], args.weight_decay * g["wd_mult"]
     return opt
 
 
 def megatron_ddp(model, args):
-    """megatron-core's DDP around the model, SUMMING gradients over DP ranks as allreduce_grads does:
-    our loss is already divided by the global batch's token count. Without calculate_per_token_loss
-    DDP scales each gradient by 1/DP before the sum (distributed_data_parallel.py:254-288,
-    megatron-core 0.16.1): grad norms DP x too small, --clip-grad acting as clip x DP. The flag is
-    set on a copy of the config: on the model's own it would also rescale the MoE aux loss
-    (transformer/moe/router.py:456)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    config = copy.copy(model.language_model.config)
+    """megatron-core's DDP around the model, SUMMING gradients over DP ranks as allreduce_grads does (our
+    loss is already divided by the global batch's token count), with no overlapped reduce."""
+    config = copy.copy(model.language_model.config)  # not the model's own: the MoE aux loss would rescale
     config.calculate_per_token_loss = True
     with parallel.megatron_on_cpu():  # on CPU only for the test that holds the two paths together
         return DistributedDataParallel(config, DistributedDataParallelConfig(
@@ -127,13 +116,19 @@ def inner_optimizers(opt):
     return [opt.inner] if isinstance(opt, MasterAdamW) else [opt]
 
 
+def params(o):
+    """The tensors a torch optimizer steps, in its groups' order."""
+    return [p for g in o.param_groups for p in g["params"]]
+
+
 def state_of(opt):
-    """The optimizer's checkpoint state. Megatron's distributed optimizer leaves this rank's masters
-    and Adam moments out of state_dict() (distrib_optimizer.py:628-635): add its inner optimizers'."""
+    """The optimizer's checkpoint state; a sharded megatron optimizer's with its inner optimizers' masters
+    and moments, which its state_dict() leaves out."""
     if not isinstance(opt, MegatronOptimizer) or not opt.sharded:
         return opt.state_dict()
-    return {"megatron": opt.state_dict(), "inner": [o.state_dict() for o in inner_optimizers(opt)],
-            "masters": [[p.detach().clone() for g in o.param_groups for p in g["params"]] for o in inner_optimizers(opt)]}
+    inner = inner_optimizers(opt)
+    return {"megatron": opt.state_dict(), "inner": [o.state_dict() for o in inner],
+            "masters": [[p.detach().clone() for p in params(o)] for o in inner]}
 
 
 def load_state(opt, state):
@@ -142,14 +137,13 @@ def load_state(opt, state):
     opt.load_state_dict(state["megatron"])
     for o, inner, masters in zip(inner_optimizers(opt), state["inner"], state["masters"]):
         o.load_state_dict(inner)
-        for p, saved in zip([p for g in o.param_groups for p in g["params"]], masters):
+        for p, saved in zip(params(o), masters):
             p.data.copy_(saved)
 
 
 class MasterAdamW:
-    """fp32 masters and AdamW for this DP rank's shard: the parameters laid end to end (param_groups
-    order) and cut into DP equal ranges, as Megatron's distributed optimizer cuts its gradient
-    buffer; after each step the ranks' updated ranges are gathered into the model's parameters."""
+    """fp32 masters and AdamW for this DP rank's shard of the parameters laid end to end, as Megatron's
+    distributed optimizer shards its gradient buffer; each step gathers the updated ranges into the parameters."""
 
     def __init__(self, groups, args, par):
         self.sharded = bool(args.use_distributed_optimizer)
@@ -159,7 +153,7 @@ class MasterAdamW:
         n = sum(p.numel() for p in self.params if getattr(p, "allreduce", True))
         self.shard = -(-n // self.dp)
         lo, hi = self.dp_rank * self.shard, (self.dp_rank + 1) * self.shard
-        self.pieces, torch_groups, off = [], [], 0  # pieces: (param, a, b, fp32 master of p[a:b])
+        self.pieces, master_groups, off = [], [], 0  # pieces: (param, a, b, fp32 master of p[a:b])
         for lr, wd, ps in groups:
             masters = []
             for p in ps:
@@ -169,8 +163,8 @@ class MasterAdamW:
                 if b > a:
                     masters.append(p.detach().reshape(-1)[a:b].float().clone())
                     self.pieces.append((p, a, b, masters[-1]))
-            torch_groups.append({"params": masters, "lr": lr, "weight_decay": wd})
-        self.inner = torch.optim.AdamW(torch_groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=1e-8)
+            master_groups.append((lr, wd, masters))
+        self.inner = adamw(master_groups, args)
         grad_dtype = torch.float32 if args.accumulate_allreduce_grads_in_fp32 else self.params[0].dtype
         for p in self.params:  # each backward adds into main_grad and frees .grad
             p.main_grad = torch.zeros(p.shape, dtype=grad_dtype, device=p.device)
@@ -228,12 +222,11 @@ def _to_main_grad(p):
 
 
 def grad_norm_and_clip(grads, par, clip):
-    """Global L2 norm of [(param, grad)]: TP-sharded parameters (Megatron marks them with
-    `tensor_model_parallel`) are summed over the TP group, replicated ones counted once, MoE
-    experts (`allreduce` False: each EP rank holds others) summed over the EP group."""
+    """Global L2 norm of [(param, grad)], each parameter counted once whatever holds it; grads scaled
+    down to `clip` when over it."""
     sharded, replicated, experts = (torch.zeros((), dtype=torch.float64, device=par.device) for _ in range(3))
     for p, g in grads:
-        if getattr(p, "shared", False):  # PP: the last stage's copy of a tied embedding, counted on the first (Megatron's mark)
+        if getattr(p, "shared", False):  # PP: the last stage's copy of a tied embedding (counted on the first)
             continue
         sq = g.detach().double().pow(2).sum()
         if not getattr(p, "allreduce", True):
@@ -254,11 +247,8 @@ def grad_norm_and_clip(grads, par, clip):
 
 
 def allreduce_grads(grads, par):
-    """Sum [(param, grad)] over data- and context-parallel ranks (the loss is already divided by the
-    global token count, so the sum is the global-batch gradient; a CP rank's is its tokens' part). Every trainable parameter takes part, a zero
-    gradient where this rank had none, so every rank sends the same tensors in the same order.
-    One flat reduce per process group: MoE experts (`allreduce` False) over the expert-data-parallel
-    group, the ranks holding the same experts, whose tokens they did not see."""
+    """Sum [(param, grad)] over data- and context-parallel ranks (MoE experts: over the ranks holding the
+    same experts), one flat reduce per group: the loss is already divided by the global token count."""
     by_group = {}
     for p, g in grads:
         by_group.setdefault(par.dp_cp_group if getattr(p, "allreduce", True) else par.expert_dp_group, []).append(g)
@@ -275,8 +265,7 @@ def optimizer_step(model, opt, sched, par, args):
     """Reduce, clip and apply the accumulated gradients; advance the LR schedule; clear grads."""
     lr = opt.param_groups[0]["lr"]
     if isinstance(opt, MegatronOptimizer):  # CUDA: its optimizer clips (config.clip_grad) and steps
-        # before the DP reduce: a sum, so the order does not matter, but the distributed optimizer's
-        # reduce-scatter leaves each rank only its shard of the buffer, at other ranges on the two stages
+        # tied grads summed before the DP reduce, which leaves a sharded rank only its part of the buffer
         pipeline.sum_tied_grads(model, [(p, p.main_grad) for p in model.parameters() if p.requires_grad])
         opt.ddp.finish_grad_sync()
         _, norm, _ = opt.step()

@@ -1,15 +1,13 @@
-"""Parallel state: torchrun's environment -> one frozen `Parallel` context with the rank, world,
-device and the groups and ranks of every parallelism, megatron-core's parallel state underneath
-(its rank order: TP fastest, then CP, EP, DP, PP). The model, optimizer, conversion and trainer
-take this object; nothing else reaches for a group. Plus the few collectives the trainers use.
+"""Parallel state: torchrun's environment -> one frozen `Parallel` context (rank, world, device, the
+node, and the size, rank and group of every parallelism), megatron-core's parallel state underneath.
+The model, optimizer, conversion and trainers take this object; nothing else reaches for a group.
 
-    par = parallel.init_distributed(tp=2)   # under torchrun, or a plain process
-    par.rank, par.world, par.device, par.tp_group, par.dp_rank, par.ep, ...
+    par = parallel.init_distributed(tp=2)   # under torchrun, or a plain process (a world of one)
+    par.rank, par.world, par.device, par.node, par.tp_group, par.dp_rank, par.ep, ...
     with parallel.megatron_on_cpu():          # only where Megatron code runs
         ...
 
-A plain process (no RANK from torchrun) is a world of one with an in-memory store. Sockets and
-the torchrun watch: README, "Reliability".
+How Megatron runs on CPU, sockets and the torchrun watch: docs/parallel.md.
 """
 import atexit
 import contextlib
@@ -35,6 +33,9 @@ class Parallel:
     rank: int
     world: int
     device: torch.device
+    local_rank: int  # torchrun's LOCAL_RANK: this rank on its node (0 without torchrun)
+    local_world: int  # torchrun's LOCAL_WORLD_SIZE: the trainer ranks of a node (the world without torchrun)
+    node: int  # this rank's node: rank // local_world
     tp: int
     tp_rank: int
     tp_group: object
@@ -47,6 +48,7 @@ class Parallel:
     dp: int
     dp_rank: int
     dp_group: object
+    dp_ranks: tuple  # every global rank's DP rank, in rank order
     dp_cp_group: object  # DP x CP: the ranks whose gradients are summed (CP ranks hold parts of each sequence)
     ep: int
     ep_rank: int
@@ -76,18 +78,8 @@ def _to_host(tensor, as_numpy=False, record_stream=False):
 
 @contextlib.contextmanager
 def megatron_on_cpu():
-    """What megatron-core 0.16 needs to build and run its layers on CPU over gloo, for the duration
-    of the block only; does nothing when CUDA is present.
-    1. Layers place tensors with `device=torch.cuda.current_device()`: answer "cpu".
-    2. The model-parallel RNG tracker (tensor_parallel.random) saves, seeds and restores CUDA
-       generator states: let it use the CPU generator (seeding it as it would seed the CUDA one).
-    3. The pipeline schedules synchronize CUDA (p2p_communication.py:242) and count tokens in
-       `torch.zeros([], device="cuda")` (schedules.py:596, 983, 2138): a no-op, and the CPU.
-    4. The alltoall MoE dispatcher (PP's) copies its split sizes to the host on a side CUDA stream
-       (token_dispatcher.py:445, 871-894): one stand-in stream, current and side alike, so that
-       nothing waits and the copies (of CPU tensors: none) run inline; the sizes it asks for as
-       numpy (what the all-to-all takes) become numpy here too (moe_utils.py:1093-1096 converts
-       CUDA tensors only)."""
+    """Within the block, the CUDA calls megatron-core 0.16 makes while building and running its layers
+    answer for the CPU (each patch and the Megatron code that needs it: docs/parallel.md); without CUDA only."""
     if torch.cuda.is_available():
         yield
         return
@@ -114,23 +106,22 @@ def megatron_on_cpu():
 
 def init_distributed(tp=1, seed=1234, timeout_minutes=60, ep=1, pp=1, cp=1):
     """torchrun's environment (or a plain single process) -> the Parallel context, with Megatron's
-    parallel state at TP=tp, CP=cp (context_parallel.py), PP=pp (pipeline.py; DP = world / (tp cp pp)) and EP=ep (MoE experts
-    split over ep ranks, expert-TP 1: expert-DP = world / ep). A second call returns the context the
-    first one set up."""
+    parallel state at TP=tp, CP=cp, PP=pp (DP = world / (tp cp pp)) and EP=ep (expert-TP 1: expert-DP =
+    world / ep). A second call returns the context the first one set up."""
     cuda = torch.cuda.is_available()
-    if not cuda:
-        # Backward passes run outside megatron_on_cpu, and the sequence-/expert-parallel collectives
-        # allocate there on torch.cuda.current_device() (tensor_parallel/mappings.py:141): with no
-        # CUDA that call can only raise, so answering "cpu" for good changes nothing else.
-        torch.cuda.current_device = _cpu
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if not cuda:  # for good: backward passes, outside megatron_on_cpu, ask it too (docs/parallel.md)
+        torch.cuda.current_device = lambda: "cpu"
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if not dist.is_initialized():
         if cuda:
             torch.cuda.set_device(device)
         timeout = datetime.timedelta(minutes=timeout_minutes)
         backend = "nccl" if cuda else "gloo"
-        if os.environ.get("LOCAL_WORLD_SIZE", "1") == os.environ.get("WORLD_SIZE", "1"):  # one node:
-            for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # listen on 127.0.0.1, not the host's address
+        if local_world == world:  # one node: listen on 127.0.0.1, not the host's address
+            for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
                 os.environ.setdefault(var, "lo")
         if "RANK" in os.environ:  # torchrun: SIGTERM when it dies (if it died already, stop here); its store
             proc.die_with_parent(signal.SIGTERM)
@@ -139,11 +130,10 @@ def init_distributed(tp=1, seed=1234, timeout_minutes=60, ep=1, pp=1, cp=1):
             dist.init_process_group(backend, timeout=timeout)
         else:  # a plain process: a world of one, no network port
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        # a gloo rank that exits with its group alive may abort in the interpreter's teardown, and then its
-        # torchrun skips the exit barrier that the other nodes' torchruns wait in (300 s): tests/test_cluster.py
+        # a gloo rank exiting with its group alive may abort in teardown and stall torchrun's exit barrier
         atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+    rank, world = dist.get_rank(), dist.get_world_size()
     if not ps.model_parallel_is_initialized():
-        world = dist.get_world_size()
         if min(tp, cp, pp) < 1 or world % (tp * cp * pp):
             raise SystemExit(f"--tensor-model-parallel-size {tp} x --context-parallel-size {cp} x "
                              f"--pipeline-model-parallel-size {pp} must divide the world size {world}")
@@ -155,22 +145,23 @@ def init_distributed(tp=1, seed=1234, timeout_minutes=60, ep=1, pp=1, cp=1):
                                      expert_tensor_parallel_size=1)
         with megatron_on_cpu():
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    tp, cp = ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size()
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    dp_ranks = tuple(r // (tp * cp) % dp for r in range(world))  # Megatron's rank order: TP fastest, then CP, DP, PP
+    assert dp_ranks[rank] == dp_rank, "megatron-core's rank order is not TP, CP, DP, PP"
     return Parallel(
-        rank=dist.get_rank(), world=dist.get_world_size(), device=device,
-        tp=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
+        rank=rank, world=world, device=device, local_rank=local_rank, local_world=local_world,
+        node=rank // local_world, dp_ranks=dp_ranks,
+        tp=tp, tp_rank=ps.get_tensor_model_parallel_rank(),
         tp_group=ps.get_tensor_model_parallel_group(),
         pp=ps.get_pipeline_model_parallel_world_size(), pp_rank=ps.get_pipeline_model_parallel_rank(),
         pp_group=ps.get_pipeline_model_parallel_group(),
-        cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
+        cp=cp, cp_rank=ps.get_context_parallel_rank(),
         cp_group=ps.get_context_parallel_group(),
-        dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(), dp_group=ps.get_data_parallel_group(),
+        dp=dp, dp_rank=dp_rank, dp_group=ps.get_data_parallel_group(),
         dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
         ep=ps.get_expert_model_parallel_world_size(), ep_rank=ps.get_expert_model_parallel_rank(),
         ep_group=ps.get_expert_model_parallel_group(), expert_dp_group=ps.get_expert_data_parallel_group())
-
-
-def _cpu():
-    return "cpu"
 
 
 _zeros = torch.zeros

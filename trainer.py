@@ -45,7 +45,7 @@ class Item:
 
 def start(args, kind):
     """A training job's first call: (the parallel context, its seeded RNGs, the run folder)."""
-    if args.optimizer_cpu_offload and not args.use_distributed_optimizer:  # the distributed optimizer hosts it
+    if args.optimizer_cpu_offload and not args.use_distributed_optimizer:
         raise SystemExit("--optimizer-cpu-offload needs --use-distributed-optimizer (megatron-core's "
                          "HybridDeviceOptimizer runs inside its distributed optimizer, distrib_optimizer.py:602)")
     par = parallel.init_distributed(args.tensor_model_parallel_size, args.seed, args.distributed_timeout_minutes,
@@ -61,16 +61,16 @@ class Run:
     config, checkpoints. Global rank 0 writes; every rank takes part in a checkpoint."""
 
     def __init__(self, args, kind, par):
-        self.args, self.kind, self.par, self.rank = args, kind, par, par.rank
+        self.args, self.par, self.rank = args, par, par.rank
         self.save = Path(args.save)
         self.wandb, self.lock = None, None
         if self.rank == 0:
             self.save.mkdir(parents=True, exist_ok=True)
             self.lock = lock_folder(self.save)
         self.ckpt = find_checkpoint(args.load, self.save)  # the checkpoint to resume from, or None: a fresh start
-        if self.rank == 0 and self.ckpt is None:
-            start_fresh(self.save, args.overwrite, args.load)
         if self.rank == 0:
+            if self.ckpt is None:
+                start_fresh(self.save, args.overwrite, args.load)
             config = dict(vars(args), kind=kind, world_size=par.world, versions=versions())
             print(json.dumps(config, indent=1, default=str), flush=True)
             (self.save / f"config_{kind}.json").write_text(json.dumps(config, indent=1, default=str))
@@ -93,27 +93,27 @@ class Run:
             self.wandb.log(metrics, step=step)
 
     def save_checkpoint(self, model, opt, sched, step, rollout=None):
-        """<save>/iter_NNNNNNN (HF weights + train_state/), written as .tmp_<name> and renamed: a
-        half-written checkpoint is never visible. Then only the newest --save-keep stay. `rollout`: rank
-        0's rollout state to resume with (--partial-rollout's buffer), in train_state/rollout.pt."""
+        """<save>/iter_NNNNNNN (HF weights, train_state/, `rollout`: rank 0's rollout state to resume with), written
+        as .tmp_<name> and renamed, never half-visible; then only the newest --save-keep stay (docs/training.md)."""
         name = f"iter_{step:07d}"
         tmp, final = self.save / f".tmp_{name}", self.save / name
+        state_dir = tmp / "train_state"
         try:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-                (tmp / "train_state").mkdir(parents=True)
+                state_dir.mkdir(parents=True)
             dist.barrier()
             convert.save_hf(model, tmp, src_dir=self.args.hf_checkpoint)  # not a checkpoint pruning may remove
-            names = [None] * self.par.world  # ranks whose state_name is the same hold the same state:
-            dist.all_gather_object(names, state_name(self.par, opt))  # the first of them writes it
-            if names.index(names[self.rank]) == self.rank:
+            mine, names = state_name(self.par, opt), [None] * self.par.world
+            dist.all_gather_object(names, mine)  # ranks of the same state_name hold the same state: the first writes
+            if names.index(mine) == self.rank:
                 state = {"optimizer": optim.state_of(opt), "scheduler": sched.state_dict(), "rng": rng_state()}
-                torch.save(state, tmp / "train_state" / state_name(self.par, opt))
+                torch.save(state, state_dir / mine)
             dist.barrier()
             if self.rank == 0:
                 if rollout is not None:
-                    torch.save(rollout, tmp / "train_state" / "rollout.pt")
-                (tmp / "train_state" / "meta.json").write_text(json.dumps({"step": step, "tp": self.par.tp, "pp": self.par.pp}))
+                    torch.save(rollout, state_dir / "rollout.pt")
+                (state_dir / "meta.json").write_text(json.dumps({"step": step, "tp": self.par.tp, "pp": self.par.pp}))
                 shutil.rmtree(final, ignore_errors=True)
                 os.replace(tmp, final)
                 atomic_write(self.save / "latest", name)
@@ -142,7 +142,7 @@ class Run:
     def load_rollout(self, ckpt):
         """The rollout state save_checkpoint kept (rank 0), or None."""
         f = ckpt / "train_state" / "rollout.pt"
-        return read_state(f, lambda f: torch.load(f, weights_only=False)) if f.exists() else None
+        return read_state(f) if f.exists() else None
 
     def load_state(self, ckpt, opt, sched):
         """Optimizer, schedule and RNG of this rank; returns the meta dict (step, data position)."""
@@ -152,8 +152,7 @@ class Run:
             if meta.get(key, now) != now:
                 raise SystemExit(f"--load {ckpt}: saved at {flag} {meta[key]}, resumed at {now}; "
                                  f"resume at the same size")
-        state = read_state(ckpt / "train_state" / state_name(self.par, opt),
-                           lambda f: torch.load(f, weights_only=False))
+        state = read_state(ckpt / "train_state" / state_name(self.par, opt))
         # torch.load's tensors are views of the file's records, whose storage cannot be resized: an optimizer
         # state kept as it is (same device and dtype) would stop --offload-train's first park
         optim.load_state(opt, copy.deepcopy(state["optimizer"]))
@@ -166,8 +165,8 @@ class Run:
 
 
 def find_checkpoint(load_flag, save):
-    """The checkpoint --load points at: its `latest`, else (latest lost) its newest complete
-    iter_*; None when --load is --save and holds none yet (slime's habit). Else an error."""
+    """The checkpoint --load points at: its `latest`, else its newest complete iter_*; None when --load is
+    --save and holds none yet (slime's habit). Else an error."""
     if not load_flag:
         return None
     load, done = Path(load_flag), []
@@ -260,7 +259,7 @@ def lock_folder(folder):
     return f
 
 
-def read_state(path, read):
+def read_state(path, read=lambda f: torch.load(f, weights_only=False)):
     """read(path), or an error naming the checkpoint file that is missing, truncated or corrupt."""
     try:
         return read(path)
@@ -276,8 +275,7 @@ def atomic_write(path, text):
 
 
 def state_name(par, opt):
-    """This rank's train_state file: one per TP rank, or per (TP, DP) rank when the optimizer
-    is sharded over DP (--use-distributed-optimizer: each rank saves only its shard)."""
+    """This rank's train_state file: one per TP (PP, EP) rank, and per DP rank when the optimizer is sharded."""
     dp = f"_dp_{par.dp_rank:03d}" if getattr(opt, "sharded", False) else ""
     ep = f"_ep_{par.ep_rank:02d}" if par.ep > 1 else ""  # MoE: each EP rank holds other experts
     pp = f"_pp_{par.pp_rank:02d}" if par.pp > 1 else ""  # PP: each stage holds other layers
@@ -314,15 +312,13 @@ def versions():
 
 
 def global_sum(value, par, op=dist.ReduceOp.SUM):
-    """Sum a number over data-parallel ranks (e.g. loss tokens of the global batch); or max, by op.
-    The tensor lives on par.device: NCCL has no CPU tensors."""
+    """Sum a number over data-parallel ranks (e.g. loss tokens of the global batch); or max, by op."""
     t = torch.tensor(float(value), dtype=torch.float64, device=par.device)
     return parallel.all_reduce(t, par.dp_group, op).item()
 
 
 def pack(lengths, max_tokens):
-    """Indices grouped into micro-batches of at most `max_tokens` tokens (first-fit
-    decreasing; a single longer sequence gets a micro-batch of its own)."""
+    """Indices grouped into micro-batches of at most `max_tokens` tokens, first-fit decreasing (a longer one alone)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     bins, room = [], []
     for i in order:
@@ -338,11 +334,9 @@ def pack(lengths, max_tokens):
 
 
 def micro_batches(items, max_tokens, par, replay=True):
-    """-> (items, model inputs) of each packed micro-batch of this rank's `items` (Item); with EP, then
-    idle ones ([], two pad tokens that score nothing) up to the busiest rank's count: MoE layers run
-    collectives in forward and backward (README, "Qwen3.5"), so every rank runs as many micro-batches
-    (pipeline.run gives an idle one a zero loss, its backward's collectives included). replay: pass the
-    items' routed_experts (R3) to the model."""
+    """-> (items, model inputs) of each packed micro-batch of this rank's `items`; with EP, then idle ones
+    ([], two pad tokens) up to the busiest rank's count: MoE layers run collectives (docs/training.md).
+    replay: pass the items' routed_experts (R3) to the model."""
     bins = pack([len(it.ids) for it in items], max_tokens * par.cp)  # a CP rank holds 1/CP of each
     n = 0  # idle micro-batches to run, agreed before any runs: MoE collectives must not cross this reduce
     if par.ep > 1:
@@ -381,8 +375,7 @@ def epoch_order(n, seed, epoch):
 
 
 def stream(records, start, count, seed):
-    """Records at positions start .. start + count of the data stream: the data in an order that each
-    epoch shuffles anew, a function of (seed, epoch) only, so a resumed run sees the same."""
+    """Records at positions start .. start + count of the data stream, each epoch in its epoch_order."""
     n, orders, out = len(records), {}, []
     for j in range(start, start + count):
         epoch, pos = divmod(j, n)
@@ -393,9 +386,8 @@ def stream(records, start, count, seed):
 
 
 def draw(records, step, args):
-    """The prompts of a step: the stream's from step x --rollout-batch-size on. With --dynamic-sampling,
-    extra prompts follow (--dynamic-sampling-max-prompts in all), for generate_group_samples to draw on
-    until enough groups have mixed rewards; also a function of (seed, step)."""
+    """The prompts of a step: the stream's from step x --rollout-batch-size on; with --dynamic-sampling,
+    extra ones follow (--dynamic-sampling-max-prompts in all). A function of (seed, step)."""
     k = args.rollout_batch_size
     out = stream(records, step * k, k, args.seed)
     if args.dynamic_sampling:  # the over-sample, drawn from the rest of the data
@@ -408,14 +400,11 @@ def draw(records, step, args):
 
 
 def hand_out(shares, par):
-    """Each rank receives its DP rank's share from rank 0 (a scatter: its TP and CP peers get the same, the
-    other DP ranks' never reach it; a group's images pickle once per rank)."""
+    """Each rank receives its DP rank's share of rank 0's `shares` (a scatter: no rank gets another DP rank's)."""
     if par.world == 1:
         return shares[0]
-    dp_of = [None] * par.world
-    dist.all_gather_object(dp_of, par.dp_rank)
     mine = [None]
-    dist.scatter_object_list(mine, [shares[r] for r in dp_of] if par.rank == 0 else None, src=0)
+    dist.scatter_object_list(mine, [shares[d] for d in par.dp_ranks] if par.rank == 0 else None, src=0)
     return mine[0]
 
 

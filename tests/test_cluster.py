@@ -136,7 +136,7 @@ import sys, types
 sys.path.insert(0, sys.argv[1])
 import torch.distributed as dist, cluster
 dist.init_process_group("gloo")
-par = types.SimpleNamespace(rank=dist.get_rank(), world=dist.get_world_size())
+par = types.SimpleNamespace(rank=dist.get_rank(), world=dist.get_world_size(), node=dist.get_rank())  # a node each
 engine = types.SimpleNamespace(server=types.SimpleNamespace(url=f"http://10.0.0.{par.rank}:30000"))
 def update(e):
     if par.rank == 1:
@@ -239,10 +239,9 @@ def test_routing_replay_with_several_servers_is_refused_before_any_starts(monkey
     import types
     import cluster
     import train_grpo as G
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setitem(cluster._LAYOUT, "servers_per_node", 1)  # start() sets it: restored after the test
     args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--rollout-engine", "sglang",
                          "--rollout-num-gpus-per-engine", "1", "--use-rollout-routing-replay"])
     monkeypatch.setattr(cluster.sglang_engine, "make_engine", lambda *a, **k: pytest.fail("a server started"))
     with pytest.raises(SystemExit, match="--use-rollout-routing-replay with several SGLang servers"):
-        cluster.start(args, types.SimpleNamespace(rank=0, world=2), "x", "x")
+        cluster.start(args, types.SimpleNamespace(rank=0, world=2, local_rank=0, local_world=2, node=0), "x", "x")

@@ -371,7 +371,7 @@ def test_weight_sync_without_the_disk_is_bit_exact(mode, ckpt, tmp_path):
 
 
 IPC_WORKER = """
-import sys, types
+import sys
 sys.path.insert(0, sys.argv[1])
 import torch, cluster, parallel, model as M
 from sglang_engine import SGLangEngine
@@ -387,7 +387,7 @@ if rank % (world // servers) == 0:  # each server's TP is 2: one blob a server T
                        "--tp-size", "2"], launch_cmd=[sys.executable, fake], weight_sync="tensor")
 plan = [eng.sync_plan() if eng else None]
 torch.distributed.broadcast_object_list(plan)
-cluster.sync_weights(m, eng, types.SimpleNamespace(rank=rank, world=world), plan[0])
+cluster.sync_weights(m, eng, par, plan[0])
 if eng:
     eng.shutdown()
 """
