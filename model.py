@@ -1,9 +1,6 @@
 """model.py: the Megatron VLM (Megatron-core GPTModel + Hugging Face vision tower). Its parity check
-against transformers: tools/check.py; weight conversion: convert.py; process groups: parallel.py.
-
-    python model.py tiny --arch qwen3_vl --out ckpt/tiny                # tiny random checkpoint
-    python model.py check --hf-checkpoint ckpt/tiny                     # Megatron vs transformers, TP=1
-    torchrun --nproc_per_node 2 model.py check --hf-checkpoint DIR      # the same at TP=2 (TP = world)
+against transformers: tools/check.py; tiny checkpoints: tools/tiny.py; weight conversion: convert.py;
+process groups: parallel.py.
 
 We use GPTModel's modules but run the decoder loop here: MRoPE angles are computed here (Megatron's
 MultimodalRotaryEmbedding has no Qwen3-VL interleaved layout) and Qwen3-VL's deepstack features are
@@ -13,7 +10,6 @@ row of T tokens, THD + cu_seqlens (TE's attention; attention.py's on CPU).
 import dataclasses
 import functools
 import math
-import sys
 from pathlib import Path
 
 import torch
@@ -463,14 +459,3 @@ def load_model(hf_dir, opts=ModelOptions(), par=None):
         print(f"[model] {hf_dir}: layer spec {model.impl}, parameters {next(model.parameters()).dtype}, "
               f"device {par.device}, TP {model.tp}, PP {par.pp}", flush=True)
     return model.to(par.device)
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["tiny"]:
-        from tools import tiny
-        tiny.main(sys.argv[2:])
-    elif sys.argv[1:2] == ["check"]:
-        from tools import check
-        check.main(sys.argv[2:])
-    else:
-        sys.exit(__doc__)
