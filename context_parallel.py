@@ -40,8 +40,7 @@ def token_order(lens, cp):
 
 def _all_gather(x, group, sum_grads):
     """Equal-size x of every rank in `group`, concatenated along dim 0. Backward: this rank's rows of the
-    gradients summed over the ranks (sum_grads: each used them, as attention's keys and values), else of
-    its own gradient (every rank computed the same loss from all the rows)."""
+    gradients summed over the ranks (sum_grads), else of its own gradient (docs/layouts.md)."""
     return tensor_parallel.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=sum_grads, group=group)
 
 

@@ -330,9 +330,8 @@ def export_hf(model, bucket_bytes=256 << 20):
 
 
 def write_hf(buckets, out_dir, src_dir):
-    """Write (HF name, tensor) buckets as a checkpoint folder (old weight files there removed first): a
-    safetensors file a bucket (one: model.safetensors, else with an index), and the source folder's other
-    files (config, tokenizer, processor, template). -> number of tensors written."""
+    """Write (HF name, tensor) buckets as a checkpoint folder, a safetensors file a bucket (one: model.safetensors),
+    old weights removed, the source folder's other files copied. -> number of tensors written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for f in out.iterdir():

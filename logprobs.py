@@ -14,10 +14,8 @@ def _columns(n, device):
 
 
 class LogprobEntropy(torch.autograd.Function):
-    """z = h @ w.T / temp; returns log_softmax(z)[target] and entropy(softmax(z)), (N,) each.
-    Vocab-parallel over TP (w is this rank's rows of the vocabulary) and in chunks of columns:
-    the (N, V) logits are never held at once; backward recomputes them chunk by chunk. Each chunk
-    is updated in place: every pass over it is memory traffic, the cost on a CPU."""
+    """z = h @ w.T / temp -> log_softmax(z)[target], entropy(softmax(z)), (N,) each; vocab-parallel over TP and
+    in chunks of columns, recomputed chunk by chunk in backward: the (N, V) logits are never held at once."""
 
     @staticmethod
     def forward(ctx, h, w, target, temp, start, n_valid, group):

@@ -41,9 +41,8 @@ class RouteCounter:
 
 
 class Replay:
-    """One router's replay (Megatron's TopKRouter calls router_replay.get_replay_topk): `target` (tokens, k), the
-    engine's experts of the tokens it sees next, None: its own top-k. `stats`: (rows whose own top-k set
-    differs from the target's, rows with a target), summed on the device until taken."""
+    """One router's router_replay: `target` (tokens, k), the engine's experts of the tokens it sees next (None:
+    its own top-k); `stats`: (rows whose own top-k set differs from the target's, rows with a target)."""
 
     def __init__(self):
         self.target, self.stats = None, None
@@ -74,8 +73,7 @@ def install(language_model):
 
 
 def take_mismatch(replays):
-    """(2,) float64 (differing (token, layer) rows, rows with an engine route) of this rank's routers since the
-    last call, zeros when none ran."""
+    """(2,) float64: (differing, replayed) (token, layer) rows of this rank's routers since the last call."""
     total = torch.zeros(2, dtype=torch.float64)
     for r in replays.values():
         if r.stats is not None:
