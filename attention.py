@@ -1,25 +1,16 @@
-"""attention.py: core attention for the local (CPU) layer spec, per packed sequence.
-
-Megatron's local DotProductAttention takes the packed row as one sequence with a dense (T, T)
-mask: T^2 scores, memory and softmax work where the sequences need sum(T_i^2). With 32 samples of
-~95 tokens packed into one micro-batch that is 32x the work, and it was ~1 s of a 2.8 s GRPO train
-step on 2 cores (bench/vs_trl.py). This module takes the same arguments, but reads the sequence
-boundaries from PackedSeqParams (THD, as Transformer Engine's attention does; Megatron then hands
-it (T, heads, dim) tensors with RoPE already applied per sequence) and runs torch's
-scaled_dot_product_attention, causal, on each sequence. Under context parallelism (context_parallel.py)
-the cu_seqlens are those of the whole sequences, as TE takes them; each rank's queries attend over the
-keys and values gathered from every CP rank.
+"""attention.py: core attention for the local (CPU) layer spec: torch's causal SDPA on each sequence of the
+packed THD row, not Megatron's dense (T, T) mask over the whole row (why: docs/model.md).
 """
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import gpt_layer_specs as specs
 
 import context_parallel as C
 
 
 class PackedCoreAttention(torch.nn.Module):
-    """Drop-in for megatron.core.transformer.dot_product_attention.DotProductAttention (same
-    constructor and forward signatures, megatron-core 0.16) for packed THD input."""
+    """Drop-in for megatron-core 0.16's DotProductAttention (same signatures) for packed THD input."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None):
@@ -43,8 +34,8 @@ class PackedCoreAttention(torch.nn.Module):
         return torch.cat(out).reshape(query.shape[0], -1)  # (T, heads * dim)
 
     def _context_parallel(self, query, key, value, cu):
-        """This rank's queries (T / CP, heads, dim), its zigzag chunks of the sequences cu delimits, over
-        every rank's keys and values: a query at position p sees the keys at positions <= p."""
+        """This rank's queries (T / CP, heads, dim), its zigzag chunks of the sequences cu delimits (those of the
+        whole sequences, as TE takes them), over every rank's keys and values: position p sees keys <= p."""
         lens, group = [b - a for a, b in zip(cu[:-1], cu[1:])], ps.get_context_parallel_group()
         key, value = (C.gather_sequence(x, lens, self.cp, group) for x in (key, value))  # (T, groups, dim)
         qpos = C.held(lens, self.cp, ps.get_context_parallel_rank()).to(query.device)
@@ -61,7 +52,6 @@ class PackedCoreAttention(torch.nn.Module):
 
 def local_layer_spec(**kw):
     """megatron-core's local GPT layer spec (get_gpt_layer_local_spec(**kw)) with this core attention."""
-    from megatron.core.models.gpt import gpt_layer_specs as specs
     spec = specs.get_gpt_layer_local_spec(**kw)
     spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
     return spec

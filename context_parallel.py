@@ -1,17 +1,6 @@
-"""context_parallel.py: context parallelism (--context-parallel-size CP), the layout and its collectives.
-
-Each packed sequence, padded to a multiple of 2 CP tokens, is cut into 2 CP chunks; CP rank r holds
-chunks r and 2 CP - 1 - r (Megatron's zigzag layout, as TE's thd_get_partitioned_indices partitions a
-THD batch), so every rank has as much causal attention work as the others. What works per token
-(embedding, MLP, MoE, norms, the LM head) runs on the local tokens; what needs the whole sequence
-gets it here:
-- attention (attention.py on CPU): the keys and values all-gathered over CP (on CUDA Transformer
-  Engine's THD attention does its own CP exchange);
-- Gated DeltaNet (qwen3_5.py): an all-to-all to head-parallel (every rank runs the whole sequence for
-  1/CP of the heads: its conv and recurrent state cross chunk boundaries) and back;
-- logprobs: all-gathered back to token order; every CP rank then computes the same loss;
-- the vision tower: each distinct image runs on one CP rank, its features are all-gathered.
-Gradients of the parameters are summed over DP x CP (optim.allreduce_grads).
+"""context_parallel.py: context parallelism (--context-parallel-size CP): Megatron's zigzag layout of packed
+sequences (CP rank r holds chunks r and 2 CP - 1 - r of each) and the collectives that give what needs whole
+sequences its tokens (docs/layouts.md).
 """
 import torch
 import torch.distributed as dist
@@ -26,8 +15,8 @@ def padded(n, cp):
 
 
 def held(lens, cp, rank):
-    """(sum(lens) / CP,) positions in the packed row of sequences of lengths `lens` (each a multiple of
-    2 CP) that CP rank `rank` holds, in its order: per sequence, chunk rank, then chunk 2 CP - 1 - rank."""
+    """(sum(lens) / CP,) positions of the packed row (sequences of `lens`, multiples of 2 CP) that CP rank
+    `rank` holds, in its order: per sequence, chunk rank, then chunk 2 CP - 1 - rank."""
     if cp == 1:
         return torch.arange(sum(lens))
     out, off = [], 0
@@ -50,10 +39,8 @@ def token_order(lens, cp):
 
 
 def _all_gather(x, group, sum_grads):
-    """Equal-size x of every rank in `group`, concatenated along dim 0 (megatron-core's autograd
-    all-gather, for any group). Backward, sum_grads=True: this rank's rows of the gradients summed
-    over the ranks (a reduce-scatter: each rank used them, as attention's keys and values); False: its
-    rows of this rank's gradient (each rank computed the same loss from all the rows)."""
+    """Equal-size x of every rank in `group`, concatenated along dim 0. Backward: this rank's rows of the
+    gradients summed over the ranks (sum_grads), else of its own gradient (docs/layouts.md)."""
     return tensor_parallel.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=sum_grads, group=group)
 
 
@@ -64,8 +51,7 @@ def gather_sequence(x, lens, cp, group):
 
 def gather_rows(x, group, sum_grads=False):
     """This rank's x (n_r, ...) -> every rank's, concatenated in rank order (sum n_r, ...); n_r may differ.
-    Backward as _all_gather's: by default this rank's rows of its own gradient (all ranks must compute
-    the same loss from them)."""
+    Backward: _all_gather's."""
     n = dist.get_world_size(group)
     counts = torch.zeros(n, dtype=torch.long, device=x.device)
     dist.all_gather_into_tensor(counts, torch.tensor([x.shape[0]], device=x.device), group=group)
@@ -75,21 +61,18 @@ def gather_rows(x, group, sum_grads=False):
 
 
 def scored_here(lens, cp, rank, rows):
-    """rows (N,): positions of the packed row to score -> (local, pick, back): this rank's indices of
-    the rows it holds, which of the N they are, and the index that puts every rank's scores, gathered
-    in rank order (gather_rows), back in the order of rows."""
-    owner, local = torch.empty(sum(lens), dtype=torch.long), torch.empty(sum(lens), dtype=torch.long)
-    for r in range(cp):
-        mine = held(lens, cp, r)
-        owner[mine], local[mine] = r, torch.arange(len(mine))
-    by_rank = [(owner[rows] == r).nonzero()[:, 0] for r in range(cp)]
-    pick = by_rank[rank]
-    return local[rows[pick]], pick, torch.cat(by_rank).argsort()
+    """rows (N,): positions of the packed row to score -> (local, pick, back): this rank's indices of the rows
+    it holds, which of the N they are, and the index that puts every rank's scores (gather_rows) back in order."""
+    n = sum(lens) // cp  # rows a rank holds
+    where = token_order(lens, cp)[rows]  # each row's place among every rank's rows, in rank order
+    owner = where // n
+    pick = (owner == rank).nonzero()[:, 0]
+    return where[pick] - rank * n, pick, owner.argsort(stable=True).argsort()
 
 
 def images_here(tokens, cp, rank):
-    """Distinct images spread over the CP ranks, image j on rank j % CP; tokens: feature rows of each.
-    -> (this rank's images, the index that puts all features, gathered in rank order, in image order)."""
+    """Image j on CP rank j % CP; tokens: feature rows of each. -> (this rank's images, the index that puts
+    all features, gathered in rank order, in image order)."""
     ran = [j for r in range(cp) for j in range(len(tokens)) if j % cp == r]
     start = dict(zip(ran, torch.tensor([0] + [tokens[j] for j in ran]).cumsum(0).tolist()))
     back = torch.cat([torch.arange(start[j], start[j] + tokens[j]) for j in range(len(tokens))])

@@ -1,13 +1,10 @@
-"""Hugging Face <-> Megatron weights: one name map, loading each TP rank's slices, exporting full
-HF tensors (for checkpoints and for the rollout engine), and the one safetensors folder writer.
+"""Hugging Face <-> Megatron weights: one name map, each TP rank loading its slices, export of full HF
+tensors (for checkpoints and the rollout engine), and the one safetensors folder writer (docs/convert.md).
 
     model.names = name_map(model, hf_dir)         # model: model.MegatronVLM on its parallel context
     load_weights(model)
     for bucket in export_hf(model): ...           # [(HF name, full tensor)], names as in the source
     save_hf(model, out_dir)                        # a folder transformers and SGLang load as it is
-
-The vision tower keeps its HF names (replicated on every TP rank); language-model tensors are
-split over TP as Megatron's layers hold them and gathered back on export.
 """
 import dataclasses
 import json
@@ -20,8 +17,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-# Megatron name inside decoder.layers.{i}. -> (how it is split over TP, HF names inside layers.{i}.)
-# rep: replicated; col: split along dim 1; fc1: [gate; up] rows; qkv: per query group [q, k, v].
+# Megatron name inside decoder.layers.{i}. -> (how it is split over TP, HF names inside layers.{i}.);
+# the kinds: shard() below, docs/convert.md
 _LAYER = {
     "input_layernorm.weight": ("rep", ["input_layernorm.weight"]),
     "self_attention.linear_qkv.layer_norm_weight": ("rep", ["input_layernorm.weight"]),  # TE fuses
@@ -34,27 +31,19 @@ _LAYER = {
     "mlp.linear_fc1.layer_norm_weight": ("rep", ["post_attention_layernorm.weight"]),
     "mlp.linear_fc1.weight": ("fc1", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
     "mlp.linear_fc2.weight": ("col", ["mlp.down_proj.weight"]),
-    # Qwen3.5: Gated DeltaNet in the place of self_attention (gdn: [q | k | v] sections split by
-    # heads; rows: split along dim 0), and the MoE block's router and gated shared expert
-    "self_attention.in_proj_qkv.weight": ("gdn", ["linear_attn.in_proj_qkv.weight"]),
-    "self_attention.conv1d.weight": ("gdn", ["linear_attn.conv1d.weight"]),
-    "self_attention.in_proj_z.weight": ("rows", ["linear_attn.in_proj_z.weight"]),
-    "self_attention.in_proj_b.weight": ("rows", ["linear_attn.in_proj_b.weight"]),
-    "self_attention.in_proj_a.weight": ("rows", ["linear_attn.in_proj_a.weight"]),
-    "self_attention.A_log": ("rows", ["linear_attn.A_log"]),
-    "self_attention.dt_bias": ("rows", ["linear_attn.dt_bias"]),
-    "self_attention.norm.weight": ("rep", ["linear_attn.norm.weight"]),
-    "self_attention.out_proj.weight": ("col", ["linear_attn.out_proj.weight"]),
+    # Qwen3.5's MoE block: the router and the gated shared expert
     "mlp.router.weight": ("rep", ["mlp.gate.weight"]),
     "mlp.shared_experts.linear_fc1.weight": ("fc1", ["mlp.shared_expert.gate_proj.weight",
                                                      "mlp.shared_expert.up_proj.weight"]),
     "mlp.shared_experts.linear_fc2.weight": ("col", ["mlp.shared_expert.down_proj.weight"]),
     "mlp.shared_experts.gate_weight": ("rep", ["mlp.shared_expert_gate.weight"]),
 }
-# Routed experts (expert-TP 1: whole on the EP rank that holds them). Megatron: SequentialMLP
-# `local_experts.{j}.linear_fc1.weight`, TE's grouped MLP `linear_fc1.weight{j}`; HF: fused 3-D
-# `experts.gate_up_proj` (E, 2I, H) / `experts.down_proj` (E, H, I) as released checkpoints hold
-# them, or per-expert `experts.{e}.{gate,up,down}_proj.weight`. Export writes the source's layout.
+# Qwen3.5's Gated DeltaNet in the place of self_attention: HF's linear_attn.{the same name}
+_GDN = {"in_proj_qkv.weight": "gdn", "conv1d.weight": "gdn", "in_proj_z.weight": "rows", "in_proj_b.weight": "rows",
+        "in_proj_a.weight": "rows", "A_log": "rows", "dt_bias": "rows", "norm.weight": "rep", "out_proj.weight": "col"}
+_LAYER.update({f"self_attention.{n}": (kind, [f"linear_attn.{n}"]) for n, kind in _GDN.items()})
+# Routed experts, whole on their EP rank: SequentialMLP's `local_experts.{j}.linear_fc1.weight` or TE's grouped
+# `linear_fc1.weight{j}`; HF's fused (E, 2I, H) / (E, H, I) or per-expert tensors (docs/convert.md)
 _EXPERT = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$")
 _TOP = {"embedding.word_embeddings.weight": ("vocab", ["embed_tokens.weight"]),
         "decoder.final_layernorm.weight": ("rep", ["norm.weight"])}
@@ -85,7 +74,7 @@ def open_weights(f):
 
 
 def rule(model, name):
-    """Megatron parameter name -> (kind, [full HF names as in the source checkpoint])."""
+    """Megatron parameter name -> (kind, [full HF names as in the source checkpoint]); kind: shard()'s."""
     if name.startswith("visual."):
         return "rep", [model.names.vis_prefix + name[len("visual."):]]
     name = name[len("language_model."):]
@@ -96,8 +85,7 @@ def rule(model, name):
         i = int(i) + model.offset  # PP: the stage's first layer's index in the whole model
         m = _EXPERT.match(rest)
         if m:  # -> ("fused", [3-D name]) or ("expert", [gate, up] / [down]) of global expert e
-            fc, e = m[2] or m[3], model.names.ep_rank * model.names.local_experts + int(m[1] or m[4])
-            pre = f"{model.names.lm_prefix}layers.{i}.mlp.experts."
+            fc, e, pre = m[2] or m[3], expert_id(model, name), f"{model.names.lm_prefix}layers.{i}.mlp.experts."
             if model.names.fused_experts:
                 return "fused", [pre + ("gate_up_proj" if fc == "linear_fc1" else "down_proj")]
             return "expert", [f"{pre}{e}.{x}_proj.weight" for x in (["gate", "up"] if fc == "linear_fc1" else ["down"])]
@@ -121,17 +109,26 @@ def _rows(s, r, tp):
     return s[r * k:(r + 1) * k]
 
 
+def _gather(t, n, group):
+    """[t of each of the group's n ranks], [t] when n is 1."""
+    if n == 1:
+        return [t]
+    parts = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return parts
+
+
 def shard(model, kind, slices):
-    """Lazy safetensors slices of the HF tensors -> this rank's Megatron tensor (reads only it)."""
-    r, tp = model.tp_rank, model.tp
+    """Lazy safetensors slices of the HF tensors -> this rank's Megatron tensor, split as `kind` says."""
+    r, tp = model.par.tp_rank, model.par.tp
     if kind == "rep":
         return slices[0][:]
-    if kind == "col":
+    if kind == "col":  # split along dim 1
         k = slices[0].get_shape()[-1] // tp
         return slices[0][:, r * k:(r + 1) * k]
     if kind == "fc1":  # [gate_r; up_r]
         return torch.cat([_rows(s, r, tp) for s in slices])
-    if kind == "rows":
+    if kind == "rows":  # split along dim 0
         return _rows(slices[0], r, tp)
     if kind == "expert":  # whole: [gate; up] or down
         return torch.cat([s[:] for s in slices])
@@ -155,10 +152,7 @@ def full(model, kind, t):
     """This rank's Megatron tensor -> [full HF tensors] (gathers over TP)."""
     if kind == "rep":
         return [t]
-    parts = [t]
-    if model.tp > 1:
-        parts = [torch.empty_like(t) for _ in range(model.tp)]
-        dist.all_gather(parts, t.contiguous(), group=model.par.tp_group)
+    parts, tp = _gather(t, model.par.tp, model.par.tp_group), model.par.tp
     if kind == "col":
         return [torch.cat(parts, 1)]
     if kind == "vocab":
@@ -167,7 +161,7 @@ def full(model, kind, t):
         return [torch.cat(parts)]
     if kind == "gdn":  # each rank's [q_r; k_r; v_r] -> [q; k; v]
         kd, vd = model.names.gdn_dims
-        sections = [p.split([kd // model.tp, kd // model.tp, vd // model.tp]) for p in parts]
+        sections = [p.split([kd // tp, kd // tp, vd // tp]) for p in parts]
         return [torch.cat([torch.cat([s[i] for s in sections]) for i in range(3)])]
     if kind == "fc1":  # [gate_r; up_r] of every rank -> gate, up
         halves = [p.chunk(2) for p in parts]
@@ -185,7 +179,7 @@ def full(model, kind, t):
 class NameMap:
     """What conversion knows of the source checkpoint and of this rank's share of it."""
     src: dict  # HF name -> (shape, dtype): export gives back exactly these
-    files: dict  # HF name -> safetensors file; export passes `mtp.*` (multi-token prediction, untrained here) on from them
+    files: dict  # HF name -> safetensors file (export passes `mtp.*` on from them)
     fused_experts: bool  # routed experts as 3-D gate_up_proj / down_proj (released checkpoints) or per expert
     local_experts: int  # routed experts on this EP rank (0: dense)
     ep_rank: int
@@ -219,8 +213,7 @@ def name_map(model, hf_dir):
 
 
 def load_weights(model):
-    """Copy the source checkpoint's tensors (model.names) into `model`, each TP rank reading only
-    its slices."""
+    """Copy the source checkpoint's tensors (model.names) into `model`, each TP rank reading only its slices."""
     files = model.names.files
     handles = {f: open_weights(f) for f in set(files.values())}
     read = {"lm_head.weight"} if model.tie else set()  # a tied head's: export writes the embedding there
@@ -236,15 +229,14 @@ def load_weights(model):
                 continue
             p.copy_(shard(model, kind, slices))
             if kind != "rep" and not getattr(p, "tensor_model_parallel", False):
-                # what Megatron's weight init would have marked: the trainer's grad norm counts
-                # sharded tensors on every TP rank, the others once
+                # Megatron's init would have marked it: the grad norm counts sharded tensors on every TP rank
                 p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, int(kind == "col"), 1
     bad = [rule(model, n)[1][0] for n, p in model.named_parameters() if not torch.isfinite(p).all()]
     if bad:
         raise SystemExit(f"{files[bad[0]]}: tensor {bad[0]} holds NaN or inf"
                          + (f" ({len(bad) - 1} more tensors too)" if len(bad) > 1 else ""))
-    # Every tensor but mtp.* (passed through) must reach a parameter on some rank: export sends only those,
-    # and SGLang releases its weights without a CPU copy, so any other would be garbage after the first release.
+    # Every tensor but mtp.* must reach a parameter: export sends only those, and SGLang keeps no CPU copy
+    # of its weights when it releases them, so any other would be garbage after the first release.
     everyone = [None] * model.par.world
     dist.all_gather_object(everyone, read)
     left = sorted(n for n in files if not n.startswith("mtp.") and not any(n in r for r in everyone))
@@ -256,30 +248,24 @@ def load_weights(model):
 def _experts(model, name, kind, hf, t, fused):
     """Routed-expert tensors of every EP rank -> [(HF name, tensor)]: per-expert names at once, a
     fused 3-D tensor once its layer's last expert is in (`fused` collects them by name)."""
-    parts = [t]
-    if model.ep > 1:
-        parts = [torch.empty_like(t) for _ in range(model.ep)]
-        dist.all_gather(parts, t.contiguous(), group=model.par.ep_group)
-    e0 = expert_id(model, name) - model.names.ep_rank * model.names.local_experts  # local index j
-    out = []
-    for r, x in enumerate(parts):
-        e = r * model.names.local_experts + e0
+    mine, local, out = expert_id(model, name), model.names.local_experts, []
+    for r, x in enumerate(_gather(t, model.par.ep, model.par.ep_group)):
+        e = r * local + mine % local  # EP rank r's expert in the place of this rank's
         if kind == "expert":
-            names = [n.replace(f".experts.{expert_id(model, name)}.", f".experts.{e}.") for n in hf]
+            names = [n.replace(f".experts.{mine}.", f".experts.{e}.") for n in hf]
             out += list(zip(names, x.chunk(len(names))))
         else:
             fused.setdefault(hf[0], {})[e] = x
-    n_all = model.names.local_experts * len(parts)
+    n_all = local * model.par.ep
     if kind == "fused" and len(fused[hf[0]]) == n_all:
         out.append((hf[0], torch.stack([fused[hf[0]].pop(e) for e in range(n_all)])))
     return out
 
 
 def hf_tensors(model, grad=False):
-    """(HF name, full tensor) for every tensor of the source checkpoint; grad=True: their gradients
-    (None-grads as zeros). Collective over TP, EP and PP: every rank gets every full tensor, each PP
-    stage's in turn (broadcast from its rank of this rank's pipeline). The source's `mtp.*` tensors are
-    passed through as they are (not with grad=True)."""
+    """(HF name, full tensor) for every tensor of the source checkpoint, `mtp.*` passed through as it is;
+    grad=True: their gradients (None as zeros; no `mtp.*`). Collective over TP, EP and PP: every rank gets
+    every full tensor, each PP stage's in turn (broadcast from its rank of this rank's pipeline)."""
     par = model.par
     if par.pp == 1:
         yield from _stage_tensors(model, grad)
@@ -288,10 +274,8 @@ def hf_tensors(model, grad=False):
         mine = _stage_tensors(model, grad) if stage == par.pp_rank else None
         src = dist.get_global_rank(par.pp_group, stage)
         while True:  # one (name, shape, dtype) header, then the tensor; None ends the stage's
-            head = [None]
-            if mine is not None:
-                n, t = next(mine, (None, None))
-                head = [None if n is None else (n, tuple(t.shape), t.dtype)]
+            n, t = next(mine, (None, None)) if mine is not None else (None, None)
+            head = [None if n is None else (n, tuple(t.shape), t.dtype)]
             dist.broadcast_object_list(head, src=src, group=par.pp_group)
             if head[0] is None:
                 break
@@ -325,9 +309,10 @@ def _stage_tensors(model, grad):
         for n, x in zip(hf, tensors):
             if n in model.names.src:
                 yield n, x.to(model.names.src[n][1])
-    for n in [] if grad or not model.post else sorted(k for k in model.names.src if k.startswith("mtp.")):
-        with safe_open(model.names.files[n], "pt") as f:
-            yield n, f.get_tensor(n)
+    if not grad and model.post:  # the MTP head, untrained here: as the source holds it
+        for n in sorted(k for k in model.names.src if k.startswith("mtp.")):
+            with safe_open(model.names.files[n], "pt") as f:
+                yield n, f.get_tensor(n)
 
 
 def export_hf(model, bucket_bytes=256 << 20):
@@ -345,10 +330,8 @@ def export_hf(model, bucket_bytes=256 << 20):
 
 
 def write_hf(buckets, out_dir, src_dir):
-    """Write (HF name, tensor) buckets as a checkpoint folder: one safetensors file a bucket
-    (a single one named model.safetensors, else with an index), plus the source folder's
-    config, tokenizer, processor and template files. Old weight files there are removed first.
-    -> number of tensors written."""
+    """Write (HF name, tensor) buckets as a checkpoint folder, a safetensors file a bucket (one: model.safetensors),
+    old weights removed, the source folder's other files copied. -> number of tensors written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for f in out.iterdir():
@@ -372,9 +355,8 @@ def write_hf(buckets, out_dir, src_dir):
 
 
 def save_hf(model, out_dir, shard_bytes=4 << 30, src_dir=None):
-    """A checkpoint transformers and SGLang load as they are, its non-weight files from `src_dir`
-    (default: the folder the model was loaded from). Call on every rank (export gathers over TP);
-    global rank 0 writes."""
+    """A checkpoint transformers and SGLang load as they are, its other files from `src_dir` (default: the
+    model's own folder). Call on every rank (export gathers); global rank 0 writes."""
     buckets = export_hf(model, shard_bytes)
     if dist.get_rank() == 0:
         write_hf(buckets, out_dir, src_dir or model.hf_dir)

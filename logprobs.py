@@ -1,5 +1,4 @@
-"""logprobs.py: token logprobs and entropy from the LM head, vocab-parallel over TP and in chunks of
-the vocabulary, with a hand-written backward: the (N, V) logits are never held at once."""
+"""logprobs.py: token logprobs and entropy from the LM head (LogprobEntropy)."""
 import torch
 import torch.distributed as dist
 
@@ -7,8 +6,7 @@ from parallel import all_reduce as _all_reduce
 
 
 CHUNK = 16384  # vocabulary columns per LM-head chunk on a GPU: bounds the (N, CHUNK) logits held at once
-CPU_CHUNK = 1 << 19  # logits per chunk on a CPU (2 MB): the chunk's passes stay in cache. Measured with
-# N = 1024 rows, V = 151,665, H = 64, 2 cores: forward + backward 4.0 s at 16,384 columns, 1.1 s at 1,024
+CPU_CHUNK = 1 << 19  # logits per chunk on a CPU (2 MB): the chunk's passes stay in cache (docs/model.md)
 
 
 def _columns(n, device):
@@ -16,10 +14,8 @@ def _columns(n, device):
 
 
 class LogprobEntropy(torch.autograd.Function):
-    """z = h @ w.T / temp; returns log_softmax(z)[target] and entropy(softmax(z)), (N,) each.
-    Vocab-parallel over TP (w is this rank's rows of the vocabulary) and in chunks of columns:
-    the (N, V) logits are never held at once; backward recomputes them chunk by chunk. Each chunk
-    is updated in place: every pass over it is memory traffic, the cost on a CPU."""
+    """z = h @ w.T / temp -> log_softmax(z)[target], entropy(softmax(z)), (N,) each; vocab-parallel over TP and
+    in chunks of columns, recomputed chunk by chunk in backward: the (N, V) logits are never held at once."""
 
     @staticmethod
     def forward(ctx, h, w, target, temp, start, n_valid, group):

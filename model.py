@@ -1,30 +1,17 @@
-"""model.py: the Megatron VLM (Megatron-core GPTModel + Hugging Face vision tower). Its parity check
-against transformers: tools/check.py; weight conversion: convert.py; process groups: parallel.py.
-
-    python model.py tiny --arch qwen3_vl --out ckpt/tiny                # tiny random checkpoint
-    python model.py check --hf-checkpoint ckpt/tiny                     # Megatron vs transformers, TP=1
-    torchrun --nproc_per_node 2 model.py check --hf-checkpoint DIR      # the same at TP=2 (TP = world)
-
-We use GPTModel's modules but run the decoder loop here: MRoPE angles are computed here (Megatron's
-MultimodalRotaryEmbedding has no Qwen3-VL interleaved layout) and Qwen3-VL's deepstack features are
-added to the first layers' outputs at image positions, as transformers does. Packed sequences: one
-row of T tokens, THD + cu_seqlens (TE's attention; attention.py's on CPU).
+"""model.py: the Megatron VLM: the Hugging Face vision tower, then megatron-core GPTModel's modules in a decoder
+loop of ours (MRoPE, deepstack, packed rows: docs/model.md), built from ModelOptions. Parity: tools/check.py.
 """
 import dataclasses
 import functools
 import math
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-# Imported without Transformer Engine and Apex (as on CPU), megatron-core prints six "... not
-# installed. Falling back to ..." UserWarnings, once a process. We let them print: they are true,
-# and a filter set at import would change the process (style practice 17) and would work only if
-# its module were imported before megatron-core, as parallel.py's once had to be. The tests quiet
-# them in pytest.ini.
+# without Transformer Engine and Apex megatron-core warns that it falls back; true, so we let it (docs/model.md)
 from megatron.core import tensor_parallel
+from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel, gpt_layer_specs as specs
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import TransformerConfig
@@ -42,10 +29,8 @@ from parallel import all_reduce as _all_reduce
 
 
 def rope_positions(hf_config, input_ids, image_grid_thw=None):
-    """(3, T) MRoPE (t, h, w) position ids of one sequence (T,). Text tokens count up on all three
-    axes; an image's merged tokens take (frame, row, column) offset by the position after the text
-    before it, and the text after it resumes at the image's largest position + 1 (Qwen2-VL's rule,
-    as transformers' get_rope_index applies it). image_grid_thw: (n_images, 3) of its images, or None."""
+    """(3, T) MRoPE (t, h, w) positions of one sequence (T,), as transformers' get_rope_index (docs/model.md);
+    image_grid_thw: (n_images, 3) of its images, or None."""
     merge = hf_config.vision_config.spatial_merge_size
     ids = input_ids.cpu().tolist()
     out = torch.empty(3, len(ids), dtype=torch.long)
@@ -59,37 +44,34 @@ def rope_positions(hf_config, input_ids, image_grid_thw=None):
         h, w = h // merge, w // merge
         grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"))
         out[:, i:i + t * h * w] = grid.reshape(3, -1) + pos  # (3, t*h*w), frame-major like the tokens
-        pos = int(out[:, i:i + t * h * w].max()) + 1
-        i, k = i + t * h * w, k + 1
+        pos, i, k = pos + max(t, h, w), i + t * h * w, k + 1
     return out
 
 
 def image_tokens(image_grid_thw, merge_size):
-    """[<|image_pad|> tokens of each image]: its (t, h, w) patch grid over merge_size**2 (the
-    processor writes that many pads, the vision tower returns that many features)."""
+    """[<|image_pad|> tokens (= vision tower features) of each image]: its (t, h, w) patches / merge_size**2."""
     return [int(t * h * w) // merge_size ** 2 for t, h, w in image_grid_thw.tolist()]
 
 
 def unique_images(pixel_values, image_grid_thw, merge_size):
-    """A group's samples share their prompt's image: -> (pixel rows of each distinct image once,
-    their grids, take) where vision_output[take] is the output of every image, in order (a group of
-    8 runs the vision tower once, not 8 times; the index's backward sums the copies' gradients)."""
+    """-> (pixel rows of each distinct image once, their grids, take): vision_output[take] is every image's
+    output, in order. A GRPO group shares its prompt's image: the tower runs once, not once a sample."""
     rows = pixel_values.split(image_grid_thw.prod(-1).tolist())
-    first, start, take, n = [], [], [], 0  # first image of each distinct one, its first output row
-    for i, (r, t) in enumerate(zip(rows, image_tokens(image_grid_thw, merge_size))):
+    tokens = image_tokens(image_grid_thw, merge_size)
+    first, start, take = [], [], []  # each distinct image's first index, its first output row
+    for i, r in enumerate(rows):
         j = next((k for k, f in enumerate(first) if rows[f].shape == r.shape and torch.equal(rows[f], r)
                   and torch.equal(image_grid_thw[f], image_grid_thw[i])), None)
         if j is None:
-            j, n = len(first), n + t
+            j = len(first)
+            start.append(sum(tokens[f] for f in first))
             first.append(i)
-            start.append(n - t)
-        take.append(torch.arange(start[j], start[j] + t))
+        take.append(torch.arange(start[j], start[j] + tokens[i]))
     return torch.cat([rows[f] for f in first]), image_grid_thw[first], torch.cat(take)
 
 
 def split_images(hf_config, seqs, pixel_values=None, image_grid_thw=None):
-    """[(pixel_values, grid rows) or (None, None)] per sequence: images are handed out in order,
-    as many as each sequence's image-token count takes; a mismatch is an error."""
+    """[(pixel_values, grid rows) or (None, None)] per sequence, images in order as its image tokens take them."""
     grid = image_grid_thw.cpu() if image_grid_thw is not None else torch.zeros(0, 3, dtype=torch.long)
     patches = grid.prod(-1).tolist()  # pixel_values rows per image
     tokens = image_tokens(grid, hf_config.vision_config.spatial_merge_size)
@@ -109,8 +91,7 @@ def split_images(hf_config, seqs, pixel_values=None, image_grid_thw=None):
 
 
 def layer_impl(impl=None):
-    """Megatron's --transformer-impl: transformer_engine (the CUDA default) or local (attention.py's,
-    the CPU path). TE where it cannot load is an error saying why (README, GPU set-up)."""
+    """--transformer-impl: transformer_engine (the CUDA default) or local; TE that cannot load is an error."""
     if impl is None:
         impl = "transformer_engine" if torch.cuda.is_available() else "local"
     if impl not in ("transformer_engine", "local"):
@@ -153,17 +134,24 @@ class ModelOptions:
 
 
 def transformer_config(hf_config, par, opts, te, sp):
-    """Megatron's TransformerConfig of an HF VLM config: Qwen2.5 / Qwen3 / Qwen3.5 decoder, RMSNorm,
-    SwiGLU, GQA, QKV bias or QK-norm (Qwen3-VL and Qwen3.5), no dropout."""
+    """Megatron's TransformerConfig of an HF Qwen VLM config; options it cannot run are errors naming the flag."""
     tc = hf_config.text_config
     qwen3 = hf_config.model_type.startswith("qwen3")
     q35 = hf_config.model_type in ("qwen3_5", "qwen3_5_moe")
+    moe = getattr(tc, "num_experts", None)
+    if te and par.cp > 1 and not opts.bf16:  # no TE attention backend takes fp32 under CP (docs/model.md)
+        raise SystemExit(f"--context-parallel-size {par.cp} with Transformer Engine needs --bf16: TE has no fp32 "
+                         "attention under context parallelism. Pass --bf16, or --transformer-impl local (unfused).")
+    if opts.recompute_granularity == "selective" and not torch.cuda.is_available():  # its backward calls CUDA
+        raise SystemExit("--recompute-granularity selective (Megatron's checkpointed core attention) "
+                         "needs CUDA; on CPU use --recompute-granularity full")
+    if moe and par.tp > 1 and not sp:
+        raise SystemExit("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (Megatron's rule)")
+    if moe and par.pp > 1 and opts.moe_token_dispatcher_type == "allgather":
+        raise SystemExit("MoE with --pipeline-model-parallel-size > 1 needs --moe-token-dispatcher-type alltoall "
+                         "(megatron-core's allgather dispatcher takes no variable sequence lengths)")
     extra = dict(add_qkv_bias=not qwen3, qk_layernorm=qwen3, ffn_hidden_size=getattr(tc, "intermediate_size", 0),
                  moe_token_dispatcher_type="alltoall")  # dense: unused, but megatron refuses allgather under PP
-    if par.pp > 1 and getattr(tc, "num_experts", None):
-        if opts.moe_token_dispatcher_type == "allgather":
-            raise SystemExit("MoE with --pipeline-model-parallel-size > 1 needs --moe-token-dispatcher-type alltoall "
-                             "(megatron-core's allgather dispatcher takes no variable sequence lengths)")
     if q35:
         extra.update(qwen3_5.config_kwargs(tc, opts))  # gated attention, MoE
     return TransformerConfig(
@@ -183,14 +171,12 @@ def transformer_config(hf_config, par, opts, te, sp):
         use_cpu_initialization=not torch.cuda.is_available(), bias_activation_fusion=False,
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
-        cuda_graph_scope=[],  # what its default "full" becomes, with a deprecation warning (transformer_config.py:1700-1709)
+        cuda_graph_scope=[],  # what its default "full" becomes, without the deprecation warning
         recompute_granularity="selective" if opts.recompute_granularity == "selective" else None, **extra)
 
 
 def recompute_plan(n, granularity, method, k):
-    """[(first layer, end, recompute?)] of n decoder layers as the --recompute-* flags say. torch's
-    non-reentrant checkpoint, not Megatron's CheckpointFunction: the latter restores CUDA RNG state
-    in backward, which runs outside megatron_on_cpu here; dropout is 0 so no RNG state needs restoring."""
+    """[(first layer, end, recompute?)] of n decoder layers as the --recompute-* flags say."""
     if granularity != "full":
         return [(0, n, False)]
     if method == "block":
@@ -198,11 +184,11 @@ def recompute_plan(n, granularity, method, k):
     return [(i, min(i + k, n), True) for i in range(0, n, k)]
 
 
-def mrope_angles(pos, inv_freq, section, interleaved):
+def mrope_angles(pos, inv_freq, rope_parameters):
     """(3, T) t/h/w positions -> (T, 1, 1, 2 len(inv_freq)) angles in Megatron's rotate-half layout."""
     f = pos.to(inv_freq.device)[..., None].float() * inv_freq  # (3, T, d/2)
-    half = f.shape[-1]
-    if interleaved:  # Qwen3-VL: frequency j takes h if j%3==1, w if j%3==2 (within sections)
+    half, section = f.shape[-1], rope_parameters["mrope_section"]
+    if rope_parameters.get("mrope_interleaved", False):  # Qwen3-VL: frequency j takes h if j%3==1, w if j%3==2
         axis = torch.zeros(half, dtype=torch.long)
         axis[1:3 * section[1]:3], axis[2:3 * section[2]:3] = 1, 2
     else:  # Qwen2.5-VL: contiguous sections [t | h | w]
@@ -212,9 +198,7 @@ def mrope_angles(pos, inv_freq, section, interleaved):
 
 
 def sum_shared_grads_over_tp(language_model, par):
-    """Parameters shared over heads (each TP rank sees only its heads: QK-norms, GDN's norm) or over
-    the sequence (SP: each rank sees its shard) get their gradients summed over TP, as Megatron's
-    finalize_model_grads does."""
+    """Sum over TP the gradients of parameters shared over heads (QK-norms, GDN's norm) or the sequence (SP)."""
     for name, p in language_model.named_parameters():
         shared = any(k in name for k in ("q_layernorm", "k_layernorm", "self_attention.norm."))
         if par.tp > 1 and (shared or getattr(p, "sequence_parallel", False)):
@@ -222,11 +206,8 @@ def sum_shared_grads_over_tp(language_model, par):
 
 
 def packed_row(hf_config, seqs, per_seq, par, sp):
-    """-> (ids (T,), MRoPE positions (3, T), lens) of the row a micro-batch runs: each sequence padded
-    to a multiple of 2 CP under CP (pad ids after it: causal, it sees none of them), then a dummy
-    sequence of pad ids so that each rank's share is a multiple of TP under SP, even under CP (the
-    dummy splits in 2 CP chunks too) and the same on every EP rank (the allgather dispatcher gathers
-    equal shards). per_seq: split_images' (pixel_values, grid) of each sequence."""
+    """-> (ids (T,), MRoPE positions (3, T), lens) of the row a micro-batch runs (docs/model.md). per_seq:
+    split_images' (pixel_values, grid) of each sequence."""
     lens, ids, pos = [C.padded(len(s), par.cp) for s in seqs], [], []
     for s, (_, g), n in zip(seqs, per_seq, lens):
         ids += [s.cpu(), torch.zeros(n - len(s), dtype=torch.long)]
@@ -241,10 +222,30 @@ def packed_row(hf_config, seqs, per_seq, par, sp):
     return torch.cat(ids), torch.cat(pos, 1), lens
 
 
+def packed_seq_params(lens, cp, device):
+    """THD PackedSeqParams: attention and Gated DeltaNet run per sequence (under CP whole: TE splits them)."""
+    cu = torch.tensor([0] + lens, device=device).cumsum(0).int()
+    padded = dict(cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu) if cp > 1 else {}  # TE's THD CP reads these
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
+                           max_seqlen_kv=max(lens), **padded)
+
+
+def scored_positions(seqs, lens, loss_masks=None):
+    """-> (rows (N,), tokens (N,)): mask[t] = 1 scores token t from the logits at packed-row position t - 1
+    (mask[0] must be 0); loss_masks=None scores every token but the first."""
+    rows, tgt, off = [], [], 0
+    for i, (s, n) in enumerate(zip(seqs, lens)):
+        t = torch.arange(1, len(s)) if loss_masks is None else loss_masks[i].cpu().nonzero()[:, 0]
+        assert len(t) == 0 or t[0] > 0, "loss_mask[0] must be 0: token 0 has no logits before it"
+        rows.append(off + t - 1)
+        tgt.append(s.cpu()[t])
+        off += n
+    return torch.cat(rows), torch.cat(tgt)
+
+
 def vision_features(visual, hf_config, par, pix, grid):
-    """The vision tower on distinct images -> [merged-token features (n, H), then one deepstack
-    (n, H) a deepstack layer]. Under CP image j runs on CP rank j % CP only and the features are
-    all-gathered (each rank's gradients of them summed back to the rank that made them)."""
+    """The vision tower on distinct images -> [merged-token features (n, H), then (n, H) a deepstack layer].
+    Under CP image j runs on CP rank j % CP and the features are all-gathered."""
     cp, merge = par.cp, hf_config.vision_config.spatial_merge_size
 
     def tower(p, g):
@@ -263,37 +264,25 @@ def vision_features(visual, hf_config, par, pix, grid):
 
 
 class MegatronVLM(torch.nn.Module):
-    """HF vision tower (.visual) + Megatron GPTModel (.language_model), on the parallel context `par`."""
+    """HF vision tower (.visual) + Megatron GPTModel (.language_model) on `par`. PP: this rank's stage holds
+    layers [offset, offset + n); the first embeds and runs the tower, the last has the final norm and LM head."""
 
     def __init__(self, hf_config, hf_dir, par, opts=ModelOptions()):
         super().__init__()
         tc = hf_config.text_config
         self.hf_config, self.hf_dir, self.par = hf_config, Path(hf_dir), par
-        self.tp_rank, self.tp, self.ep = par.tp_rank, par.tp, par.ep
-        self.head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-        self.groups, self.heads = tc.num_key_value_heads, tc.num_attention_heads
-        self.vocab = tc.vocab_size
-        self.padded_vocab = -(-self.vocab // self.tp) * self.tp  # VocabParallelEmbedding splits evenly
+        self.groups, self.heads, self.vocab = tc.num_key_value_heads, tc.num_attention_heads, tc.vocab_size
+        self.padded_vocab = -(-self.vocab // par.tp) * par.tp  # VocabParallelEmbedding splits evenly
         self.tie = bool(getattr(hf_config, "tie_word_embeddings", False))
         qwen3 = hf_config.model_type.startswith("qwen3")  # Qwen3-VL and Qwen3.5: QK-norm, no QKV bias
         self.q35 = hf_config.model_type in ("qwen3_5", "qwen3_5_moe")
         self.impl = layer_impl(opts.transformer_impl)
         self.te = self.impl == "transformer_engine"
-        if self.te and par.cp > 1 and not opts.bf16:  # TE 2.20.2 get_attention_backend: Flash and Fused take
-            # bf16/fp16 only, Unfused no CP (dot_product_attention/utils.py:670-712, 1269-1273): no backend left
-            raise SystemExit(f"--context-parallel-size {par.cp} with Transformer Engine needs --bf16: TE has no fp32 "
-                             "attention under context parallelism. Pass --bf16, or --transformer-impl local (unfused).")
+        self.sp = opts.sequence_parallel and par.tp > 1
         self.recompute = (opts.recompute_granularity, opts.recompute_method, opts.recompute_num_layers)
-        if self.recompute[0] == "selective" and not torch.cuda.is_available():  # its backward calls CUDA
-            raise SystemExit("--recompute-granularity selective (Megatron's checkpointed core attention) "
-                             "needs CUDA; on CPU use --recompute-granularity full")
-        self.sp = opts.sequence_parallel and self.tp > 1
-        if getattr(tc, "num_experts", None) and self.tp > 1 and not self.sp:
-            raise SystemExit("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (Megatron's rule)")
         cfg = transformer_config(hf_config, par, opts, self.te, self.sp)
+        self.head_dim = cfg.kv_channels
         self.names = None  # convert.NameMap of the source checkpoint: load_model sets it
-        # PP (pipeline.py): this rank's stage holds layers [offset, offset + n); the first embeds and runs
-        # the vision tower, the last the final norm and LM head. A tied head is a copy on the last stage.
         self.pre, self.post = par.pp_rank == 0, par.pp_rank == par.pp - 1
         self.offset, n_local = pipeline.stage_layers(cfg, par, hf_config)
         self.input_tensor = None  # PP: the hidden states the previous stage sent (set_input_tensor)
@@ -309,7 +298,7 @@ class MegatronVLM(torch.nn.Module):
                 cfg, spec, vocab_size=self.padded_vocab, max_sequence_length=tc.max_position_embeddings,
                 share_embeddings_and_output_weights=self.tie and par.pp == 1, position_embedding_type="none",
                 pre_process=self.pre, post_process=self.post)
-        self.config, self.model_type = pipeline.schedule_config(cfg), pipeline.ModelType.encoder_or_decoder
+        self.config, self.model_type = pipeline.schedule_config(cfg), ModelType.encoder_or_decoder
         if self.tie and par.pp > 1 and self.post:  # Megatron's mark: its grad norm skips the copy
             self.language_model.output_layer.weight.shared = True
         self.routes = routing.RouteCounter(self.language_model, self.offset, cfg.num_layers)
@@ -320,22 +309,19 @@ class MegatronVLM(torch.nn.Module):
         sum_shared_grads_over_tp(self.language_model, par)
         rp = tc.rope_parameters
         assert rp.get("rope_type", "default") == "default", rp
-        self.mrope_section, self.mrope_interleaved = rp["mrope_section"], rp.get("mrope_interleaved", False)
         d = int(self.head_dim * rp.get("partial_rotary_factor", 1.0))  # Megatron rotates the first d dims
         self.register_buffer("inv_freq", 1.0 / (rp["rope_theta"] ** (
             torch.arange(0, d, 2, dtype=torch.int64).float() / d)), persistent=False)
 
     def routing_mismatch(self):
-        """(2,) float64: (token, layer) rows whose own top-k differed from the replayed one, and rows
-        replayed, on this rank since the last call."""
+        """(2,) float64: (token, layer) rows whose own top-k differed from the replayed one, rows replayed."""
         return routing.take_mismatch(self.replays)
 
     def expert_load(self):
-        """(decoder layers, experts) token counts routed by this rank since the last call (padding
-        included; rows of other PP stages' layers 0), then reset; None for a dense model or before any forward."""
+        """(decoder layers, experts) tokens this rank routed since the last call, padding included; None: dense."""
         return self.routes.take()
 
-    def _head_weight(self):  # (V_local, H): this rank's rows of the (padded) vocabulary
+    def head_weight(self):  # (V_local, H): this rank's rows of the (padded) vocabulary; tied: the embedding
         lm = self.language_model
         return lm.embedding.word_embeddings.weight if self.tie and self.pre else lm.output_layer.weight
 
@@ -344,52 +330,42 @@ class MegatronVLM(torch.nn.Module):
         self.input_tensor = t[0] if isinstance(t, list) else t
 
     def _layers(self, h, lo, hi, rot, psp, img, deep, routes=None):
-        """Decoder layers lo..hi-1 on h (T, 1, H), with deepstack features added after layer i < len(deep).
-        routes (T_local, all layers, k): the engine's experts each MoE router replays (routing.py)."""
+        """Decoder layers lo..hi-1 on h (T, 1, H); routes (T_local, all layers, k): routing.packed's."""
         with parallel.megatron_on_cpu():  # also when backward recomputes
             for i in range(lo, hi):
-                layer = self.language_model.decoder.layers[i]
                 if i in self.replays:  # set here, so a recomputed layer replays the same
                     self.replays[i].target = None if routes is None else routes[:, self.offset + i]
-                h, _ = layer(hidden_states=h, attention_mask=None, rotary_pos_emb=rot, packed_seq_params=psp)
+                h, _ = self.language_model.decoder.layers[i](hidden_states=h, attention_mask=None,
+                                                             rotary_pos_emb=rot, packed_seq_params=psp)
                 if i < len(deep):  # deepstack: add layer i's visual features at the image tokens
                     h = h.index_put((img,), deep[i][:, None].to(h.dtype), accumulate=True)
         return h
 
     def _hidden(self, seqs, pixel_values=None, image_grid_thw=None, routed_experts=None):
-        """Packed sequences (list of (T_i,) ids) -> (h, lens): final-norm hidden states (T_local, H) of
-        this rank's positions (context_parallel.held) of the packed row of sequences of lengths lens:
-        the sequences, each padded to a multiple of 2 CP under CP, then a dummy one where SP, CP or EP
-        need it. Without CP this rank holds the whole row. routed_experts: per sequence, the engine's
-        experts of each token and layer ((T_i, layers, k) or None) for the routers to replay."""
-        lm, cfg, cp = self.language_model, self.hf_config, self.par.cp
+        """Sequences [(T_i,) ids] -> (final-norm hidden states (T_local, H) of this rank's part of the row, lens)."""
+        lm, cfg, par = self.language_model, self.hf_config, self.par
         dev = self.inv_freq.device
-        ids, pos, lens = packed_row(cfg, seqs, split_images(cfg, seqs, pixel_values, image_grid_thw), self.par, self.sp)
-        ids, held = ids.to(dev), C.held(lens, cp, self.par.cp_rank)
+        ids, pos, lens = packed_row(cfg, seqs, split_images(cfg, seqs, pixel_values, image_grid_thw), par, self.sp)
+        ids, held = ids.to(dev), C.held(lens, par.cp, par.cp_rank)
         img, deep = (ids == cfg.image_token_id).nonzero()[:, 0], []
         h = lm.embedding.word_embeddings(ids[None]).transpose(0, 1) if self.pre else None  # (T, 1, H)
         if pixel_values is not None and self.pre:
             pix, grid, take = unique_images(pixel_values, image_grid_thw.cpu(), cfg.vision_config.spatial_merge_size)
-            feats = vision_features(self.visual, cfg, self.par, pix.to(dev, h.dtype), grid)  # merged tokens, deepstack
+            feats = vision_features(self.visual, cfg, par, pix.to(dev, h.dtype), grid)  # merged tokens, deepstack
             take = take.to(dev)
             h = h.index_put((img,), feats[0][take][:, None].to(h.dtype))
             deep = [d[take] for d in feats[1:]]  # Qwen3-VL's deepstack: one (n_img, H) a layer
-        if cp > 1 and self.pre:  # this rank's chunks from here on; deepstack rows of its image tokens
-            is_img = ids == cfg.image_token_id
-            row = (is_img.cumsum(0) - 1)[held.to(dev)]  # each held token's row among the image tokens
-            h, local = h[held.to(dev)], is_img[held.to(dev)]
+        if par.cp > 1 and self.pre:  # this rank's chunks from here on; deepstack rows of its image tokens
+            is_img, here = ids == cfg.image_token_id, held.to(dev)
+            row = (is_img.cumsum(0) - 1)[here]  # each held token's row among the image tokens
+            h, local = h[here], is_img[here]
             img, deep = local.nonzero()[:, 0], [d[row[local]] for d in deep]
-        cu = torch.tensor([0] + lens, device=dev).cumsum(0).int()
-        # THD: attention (TE's, or attention.py's on CPU) and Gated DeltaNet run per segment of cu_seqlens,
-        # the whole sequences' under CP (TE's convention: it splits them in the zigzag chunks itself)
-        padded = dict(cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu) if cp > 1 else {}  # TE's THD CP reads these
-        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
-                              max_seqlen_kv=max(lens), **padded)
-        # the whole row's angles: Megatron's THD RoPE takes each CP rank's chunks of them (rope_utils.py:213-223)
-        rot = mrope_angles(pos, self.inv_freq, self.mrope_section, self.mrope_interleaved)
+        psp = packed_seq_params(lens, par.cp, dev)
+        # the whole row's angles: Megatron's THD RoPE takes each CP rank's chunks of them
+        rot = mrope_angles(pos, self.inv_freq, self.hf_config.text_config.rope_parameters)
         routes = None
         if self.replays and routed_experts is not None and any(r is not None for r in routed_experts):
-            routes = routing.packed(list(routed_experts), list(seqs), lens, held, self.tp_rank, self.tp if self.sp else 1)
+            routes = routing.packed(list(routed_experts), list(seqs), lens, held, par.tp_rank, par.tp if self.sp else 1)
         with parallel.megatron_on_cpu():
             if self.sp and self.pre:  # (T / TP, 1, H) from here on: this rank's shard of the sequence
                 h = tensor_parallel.scatter_to_sequence_parallel_region(h)
@@ -407,31 +383,20 @@ class MegatronVLM(torch.nn.Module):
 
     def forward(self, seqs, pixel_values=None, image_grid_thw=None, loss_masks=None, temperature=1.0,
                 with_entropy=False, routed_experts=None):
-        """Token logprobs (N,) of every masked position, in sequence order, at `temperature`, and
-        their distributions' entropy (N,) when with_entropy. mask[t] = 1 scores token t from the
-        logits at t - 1 (mask[0] must be 0); loss_masks=None scores every token but the first.
-        The LM head runs only at those N positions (vocab-parallel, chunked). PP: a stage before the
-        last returns its hidden states for the next (pipeline.py runs the stages). routed_experts: _hidden's."""
+        """(logprobs (N,), entropy (N,) or None) of the tokens scored_positions picks, at `temperature`; the LM
+        head runs at those N positions only. PP: a stage before the last returns its hidden states."""
         h, lens = self._hidden(seqs, pixel_values, image_grid_thw, routed_experts)
         if not self.post:
             return h
-        rows, tgt, off = [], [], 0
-        for i, (s, n) in enumerate(zip(seqs, lens)):
-            t = (torch.arange(1, len(s)) if loss_masks is None else loss_masks[i].cpu().nonzero()[:, 0])
-            assert len(t) == 0 or t[0] > 0, "loss_mask[0] must be 0: token 0 has no logits before it"
-            rows.append(off + t - 1)  # positions in the packed row
-            tgt.append(s.cpu()[t])
-            off += n
-        rows, tgt = torch.cat(rows), torch.cat(tgt)
-        cp = self.par.cp
-        if cp > 1:  # score the rows this rank holds; all ranks' scores come back in token order below
-            rows, pick, back = C.scored_here(lens, cp, self.par.cp_rank, rows)
+        rows, tgt = scored_positions(seqs, lens, loss_masks)
+        if self.par.cp > 1:  # score the rows this rank holds; all ranks' scores come back in token order below
+            rows, pick, back = C.scored_here(lens, self.par.cp, self.par.cp_rank, rows)
             tgt = tgt[pick]
-        k = self.padded_vocab // self.tp  # this rank's vocabulary rows: [k r, k r + k), some padding
-        lp, ent = logprobs.LogprobEntropy.apply(h[rows.to(h.device)].float(), self._head_weight(), tgt.to(h.device),
-                                        float(temperature), self.tp_rank * k,
-                                        max(0, min(k, self.vocab - self.tp_rank * k)), self.par.tp_group)
-        if cp > 1:
+        k, r = self.padded_vocab // self.par.tp, self.par.tp_rank  # this rank's vocabulary rows: [k r, k r + k)
+        lp, ent = logprobs.LogprobEntropy.apply(h[rows.to(h.device)].float(), self.head_weight(), tgt.to(h.device),
+                                                float(temperature), r * k, max(0, min(k, self.vocab - r * k)),
+                                                self.par.tp_group)
+        if self.par.cp > 1:
             lp, ent = (C.gather_rows(x, self.par.cp_group)[back.to(h.device)] for x in (lp, ent))
         return lp, (ent if with_entropy else None)
 
@@ -441,15 +406,14 @@ class MegatronVLM(torch.nn.Module):
         if not self.post:
             return h
         with parallel.megatron_on_cpu():  # the gather allocates on torch.cuda.current_device()
-            z = tensor_parallel.gather_from_tensor_model_parallel_region(h @ self._head_weight().T)[:, :self.vocab]
+            z = tensor_parallel.gather_from_tensor_model_parallel_region(h @ self.head_weight().T)[:, :self.vocab]
         if self.par.cp > 1:
             z = C.gather_sequence(z, lens, self.par.cp, self.par.cp_group)
         return [x[:len(s)].float() for s, x in zip(seqs, z.split(lens))]
 
+
 def load_model(hf_dir, opts=ModelOptions(), par=None):
-    """MegatronVLM on the parallel context `par` (default: the current one, initialised if needed),
-    weights from the HF safetensors, each TP rank reading only its slices. Parameters are fp32, or
-    bf16 with opts.bf16."""
+    """MegatronVLM on `par` (default: the current context) with the checkpoint's weights, fp32 or opts.bf16."""
     par = par or parallel.init_distributed()
     model = MegatronVLM(AutoConfig.from_pretrained(hf_dir), hf_dir, par, opts)
     model.names = convert.name_map(model, hf_dir)
@@ -461,16 +425,5 @@ def load_model(hf_dir, opts=ModelOptions(), par=None):
             p.data = p.data.to(torch.bfloat16)
     if par.rank == 0:
         print(f"[model] {hf_dir}: layer spec {model.impl}, parameters {next(model.parameters()).dtype}, "
-              f"device {par.device}, TP {model.tp}, PP {par.pp}", flush=True)
+              f"device {par.device}, TP {par.tp}, PP {par.pp}", flush=True)
     return model.to(par.device)
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["tiny"]:
-        from tools import tiny
-        tiny.main(sys.argv[2:])
-    elif sys.argv[1:2] == ["check"]:
-        from tools import check
-        check.main(sys.argv[2:])
-    else:
-        sys.exit(__doc__)

@@ -1,9 +1,5 @@
-"""Pipeline parallelism (--pipeline-model-parallel-size): the decoder layers split over PP stages,
-megatron-core's schedules (1F1B: get_forward_backward_func) over our packed micro-batches, and the
-tied embedding's copy on the last stage. The first stage embeds and runs the vision tower; the last
-holds the final norm and LM head, computes the logprobs and the loss; every stage runs its layers on
-what the previous one sent (model.MegatronVLM.set_input_tensor). Packed rows differ in length, so
-each send carries its shape first (TransformerConfig.variable_seq_lengths).
+"""pipeline.py: pipeline parallelism (--pipeline-model-parallel-size): the decoder layers split over stages,
+megatron-core's 1F1B schedule over our packed micro-batches, the tied head's gradient (docs/layouts.md).
 
     out = pipeline.run(model, batches, step, loss)   # every rank: the last stage's results
 """
@@ -12,20 +8,16 @@ import copy
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 import parallel
 
-__all__ = ["ModelType", "run", "stage_layers", "schedule_config", "sum_tied_grads"]
-
 
 def stage_layers(cfg, par, hf_config):
     """(first layer, number of layers) of this rank's stage, as megatron-core splits them (evenly, or
-    --decoder-first/last-pipeline-num-layers). Qwen3-VL adds deepstack features after its first layers:
-    they must be on the first stage."""
+    --decoder-first/last-pipeline-num-layers); Qwen3-VL's deepstack layers must be on the first stage."""
     n_layers = cfg.num_layers
     if par.pp == 1:
         return 0, n_layers
@@ -44,23 +36,19 @@ def stage_layers(cfg, par, hf_config):
 
 
 def schedule_config(cfg):
-    """The config megatron's schedules read (model.config): the model's, with calculate_per_token_loss
-    so that they neither divide our loss (already over the global token count) by the micro-batch
-    count nor by the token count (schedules.py:257-269). A copy: on the model's own it would rescale
-    the MoE aux loss too."""
+    """The config megatron's schedules read (model.config): a copy of the model's (on its own it would rescale
+    the MoE aux loss too) with calculate_per_token_loss, so that they do not divide our loss (docs/layouts.md)."""
     out = copy.copy(cfg)
     out.calculate_per_token_loss = True
     return out
 
 
 def run(model, batches, step, loss=None, forward_only=False):
-    """Megatron's schedule over `batches` [(items, model inputs)]: `step(model, inputs)` is the model
-    call (on every stage: it returns the hidden states to send, on the last what `loss` takes);
-    `loss(items, out)` -> (scalar loss to backpropagate, {stat: float}) on the last stage. -> on every
-    rank, [per micro-batch: loss's stats, or step's output where loss is None (forward only)]; a stage
-    before the last receives them from the last (stats only: outputs stay on the last stage, [] elsewhere).
-    An idle micro-batch (items [], trainer.micro_batches under EP) takes a zero loss and reports nothing.
-    Without PP, the plain loop: forward, loss, backward a micro-batch at a time, `batches` read lazily."""
+    """Megatron's schedule over `batches` [(items, model inputs)]: `step(model, inputs)` is the model call (on
+    a stage before the last it returns the hidden states to send); `loss(items, out)` -> (scalar loss to
+    backpropagate, {stat: float}). -> on every rank, per micro-batch, loss's stats (a stage before the last
+    receives them), or where loss is None step's outputs (on the last stage; [] elsewhere). An idle
+    micro-batch (items []) takes a zero loss and reports nothing. Without PP: the plain loop, read lazily."""
     def loss_of(items, out):
         if loss is None:  # the outputs as what the loss reports: the MoE layers' loss scale reads the
             return torch.zeros((), device=model.par.device), out  # loss's device (schedules.py:281-286)
@@ -80,7 +68,11 @@ def run(model, batches, step, loss=None, forward_only=False):
 
     def forward_step(data_iterator, m):
         items, inputs = next(data_iterator)
-        return step(m, inputs), lambda o: _loss_triple(*loss_of(items, o))
+
+        def reduce(o):  # megatron's (loss, tokens, reported): tokens unused with calculate_per_token_loss
+            value, stats = loss_of(items, o)
+            return value, torch.ones((), dtype=torch.int), stats
+        return step(m, inputs), reduce
     with parallel.megatron_on_cpu():
         got = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
@@ -95,20 +87,9 @@ def run(model, batches, step, loss=None, forward_only=False):
     return box[0]
 
 
-def _loss_triple(value, stats):
-    # megatron's 3-tuple (loss, tokens, reported): tokens unused with calculate_per_token_loss
-    return value, torch.ones((), dtype=torch.int), stats
-
-
 def sum_tied_grads(model, grads):
-    """A tied LM head under PP: the first stage's embedding and the last stage's copy of it take the
-    sum of their gradients, so that the two stay equal after each step (megatron's
-    finalize_model_grads does this over the same embedding group). grads: [(param, grad)]."""
-    if not (model.tie and model.par.pp > 1):
-        return
-    lm = model.language_model
-    weight = lm.embedding.word_embeddings.weight if model.pre else lm.output_layer.weight if model.post else None
-    if weight is None:
-        return
-    g = next(g for p, g in grads if p is weight)
-    parallel.all_reduce(g, ps.get_embedding_group())
+    """A tied LM head under PP: the first stage's embedding and the last stage's copy take the sum of their
+    gradients, so that they stay equal (as megatron's finalize_model_grads does). grads: [(param, grad)]."""
+    if model.tie and model.par.pp > 1 and (model.pre or model.post):
+        g = next(g for p, g in grads if p is model.head_weight())
+        parallel.all_reduce(g, ps.get_embedding_group())

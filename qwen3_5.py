@@ -1,15 +1,8 @@
-"""qwen3_5.py: the Qwen3.5 language model's layers on Megatron-core (dense and MoE).
+"""qwen3_5.py: the Qwen3.5 language model's layers on Megatron-core (dense and MoE): gated attention, packed
+Gated DeltaNet, zero-centred norms, one layer spec per `layer_types` entry (docs/qwen3_5.md).
 
     spec = qwen3_5.block_spec(hf_text_config, te=False)       # model.py builds GPTModel from it
     qwen3_5.config_kwargs(hf_text_config, options)             # its TransformerConfig fields
-
-Layers follow `layer_types` (README, "Qwen3.5"): "full_attention" is Megatron's SelfAttention with
-the output gate (q_proj holds [q | gate] per head) and partial MRoPE; "linear_attention" is
-GatedDeltaNet below (Megatron 0.16's ssm/gated_delta_net.py needs FLA and Transformer Engine and
-rejects packed sequences). Norms are zero-centred, x_hat * (1 + w), except the GDN output norm
-(w * x_hat * silu(z)). With sequence parallelism GatedDeltaNet gathers the sequence once for its four
-input projections and out_proj scatters it. Under context parallelism it runs head-parallel: an
-all-to-all gives each CP rank every token of 1/CP of the heads (context_parallel.py), and one back.
 """
 import copy
 import warnings
@@ -27,15 +20,14 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-# GPU kernels, used when importable on CUDA (setup.sh's GPU branch). Each imports on its own: a broken
-# causal-conv1d build (a source build against torch's ABI) must not also turn FLA off. check_kernels
-# reports what is missing when a model is built on CUDA.
+# GPU kernels, used when importable on CUDA; each on its own, so that a broken causal-conv1d build does not
+# also turn FLA off. check_kernels says what is missing when a model is built on CUDA.
 MISSING = {}  # package -> the ImportError it raised
 try:  # causal-conv1d 1.7.0: x (B, C, T), weight (C, K), seq_idx (B, T)
     from causal_conv1d import causal_conv1d_fn
 except ImportError as e:
     causal_conv1d_fn, MISSING["causal-conv1d"] = None, e
-try:  # flash-linear-attention 0.6.0, fla/ops/gated_delta_rule/chunk.py:397: q, k, v (B, T, H, D), varlen by cu_seqlens
+try:  # flash-linear-attention 0.6.0: q, k, v (B, T, H, D), varlen by cu_seqlens
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 except ImportError as e:
     chunk_gated_delta_rule, MISSING["flash-linear-attention"] = None, e
@@ -50,8 +42,8 @@ def config_kwargs(tc, opts):
     MoE flags (moe_token_dispatcher_type, moe_router_dtype, moe_aux_loss_coeff)."""
     kw = dict(attention_output_gate=True, qk_layernorm=True, add_qkv_bias=False)
     if getattr(tc, "num_experts", None):
-        if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16 defines it only when TE
-            moe_utils.te_general_gemm = None  # imports, but the router's fp32 gemm tests it for None (moe_utils.py:1192)
+        if not hasattr(moe_utils, "te_general_gemm"):  # without TE megatron-core 0.16 leaves it undefined,
+            moe_utils.te_general_gemm = None  # but the router's fp32 gemm tests it for None (docs/qwen3_5.md)
         aux = float(opts.moe_aux_loss_coeff)
         kw.update(num_moe_experts=tc.num_experts, moe_router_topk=tc.num_experts_per_tok,
                   moe_ffn_hidden_size=tc.moe_intermediate_size, ffn_hidden_size=tc.moe_intermediate_size,
@@ -80,12 +72,9 @@ class ZeroCentredRMSNorm(torch.nn.Module):
 
 
 def delta_rule(q, k, v, g, beta):
-    """Gated delta rule over padded batches, chunk by chunk: state S (dk, dv) starts at 0; per step t
-    S <- exp(g_t) S; d_t = beta_t (v_t - S^T k_t); S <- S + k_t d_t^T; o_t = S^T q_t.
-    q, k (B, H, L, dk) (q already scaled); v (B, H, L, dv); g, beta (B, H, L) -> o (B, H, L, dv).
-    Inside a chunk with G = cumsum(g): (I + A) D = beta (V - exp(G) K S0), A[t, s] = beta_t
-    exp(G_t - G_s) k_t.k_s for s < t (unit lower-triangular solve), then
-    O = exp(G) Q S0 + (Q K^T * exp(G_t - G_s))_{s<=t} D and S1 = exp(G_C) S0 + (K exp(G_C - G))^T D."""
+    """Gated delta rule over padded batches, CHUNK positions at a time (the maths: docs/qwen3_5.md): per step
+    S <- exp(g_t) S; d_t = beta_t (v_t - S^T k_t); S <- S + k_t d_t^T; o_t = S^T q_t, S (dk, dv) from 0.
+    q, k (B, H, L, dk) (q already scaled); v (B, H, L, dv); g, beta (B, H, L) -> o (B, H, L, dv)."""
     B, H, L, dk = k.shape
     pad = -L % CHUNK  # zero padding at the end: causal, so earlier outputs do not see it
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
@@ -106,9 +95,8 @@ def delta_rule(q, k, v, g, beta):
 
 
 class GatedDeltaNet(MegatronModule):
-    """Qwen3.5's linear attention (HF names: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d,
-    A_log, dt_bias, norm, out_proj), this TP rank's heads. In the place of Megatron's self_attention:
-    (T, 1, H) -> ((T, 1, H), None); T is this rank's sequence shard under SP."""
+    """Qwen3.5's linear attention (HF's parameter names), this TP rank's heads, in the place of Megatron's
+    self_attention: (T, 1, H) -> ((T, 1, H), None); T is this rank's sequence shard under SP."""
 
     def __init__(self, config, layer_number=None, dims=None, **_):
         super().__init__(config)
@@ -117,13 +105,8 @@ class GatedDeltaNet(MegatronModule):
         self.dk, self.dv = dims["linear_key_head_dim"], dims["linear_value_head_dim"]
         conv = 2 * self.kh * self.dk + self.vh * self.dv  # local [q | k | v] channels
         lin = dict(config=config, init_method=config.init_method, bias=False)
-        # forward() gathers the sequence (SP) or marks the input for one gradient all-reduce (TP) once, for
-        # all four projections; they must not do it again each. In megatron-core 0.16.1 (tensor_parallel/
-        # layers.py) disable_grad_reduce=True turns off the dgrad all-reduce and the copy-to-TP region
-        # (:920-921, :994-999), and a config with sequence_parallel=False turns off the forward all-gather,
-        # the wgrad re-gather and the dgrad reduce-scatter (:912, :1028, :478-483, :515-522, :548-555).
-        # The copy shares every other field; the block sets _cpu_offloading_context before building its
-        # layers (transformer_block.py:314-323), so the copy has it too.
+        # forward() gathers the sequence (SP) or marks the input for the TP gradient all-reduce once for all
+        # four projections, so they must not each do it again: a config copy without SP (docs/qwen3_5.md)
         self.sequence_parallel = config.sequence_parallel and tp > 1
         unsharded = copy.copy(config)
         unsharded.sequence_parallel = False
@@ -145,16 +128,11 @@ class GatedDeltaNet(MegatronModule):
             if self.kh % self.cp:
                 raise SystemExit(f"Qwen3.5 under --context-parallel-size {self.cp}: text_config.linear_num_key_heads "
                                  f"{dims['linear_num_key_heads']} / TP {tp} must be divisible by CP")
-            kq, vc = self.kh // self.cp * self.dk, self.vh // self.cp * self.dv  # q or k, and v channels a rank
-
-            def part(j):  # rank j's [q | k | v] conv channels
-                return torch.cat([torch.arange(j * kq, (j + 1) * kq), self.kh * self.dk + torch.arange(j * kq, (j + 1) * kq),
-                                  2 * self.kh * self.dk + torch.arange(j * vc, (j + 1) * vc)])
-            self.cp_parts = [part(j) for j in range(self.cp)]
+            q, k, v = torch.arange(conv).split([self.kh * self.dk, self.kh * self.dk, self.vh * self.dv])
+            self.cp_parts = [torch.cat([x.chunk(self.cp)[j] for x in (q, k, v)]) for j in range(self.cp)]  # rank j's
 
     def forward(self, hidden_states, packed_seq_params=None, **_):
-        if self.sequence_parallel:  # (T/tp, 1, H) -> (T, 1, H); backward: one reduce-scatter. The gathered
-            # x is kept for the four wgrads (memory: T x H a layer) instead of re-gathered by each of them
+        if self.sequence_parallel:  # (T/tp, 1, H) -> (T, 1, H), kept for the four wgrads; backward: one reduce-scatter
             x = tensor_parallel.gather_from_sequence_parallel_region(hidden_states)
         else:  # identity; backward: one all-reduce over TP (none at TP=1)
             x = tensor_parallel.copy_to_tensor_model_parallel_region(hidden_states)
@@ -189,9 +167,8 @@ class GatedDeltaNet(MegatronModule):
         return q * self.dk ** -0.5, k, v.unflatten(-1, (vh, self.dv))
 
     def _conv(self, qkv, cu, w):
-        """Causal depthwise conv (weight w (conv, 1, K)) + silu within each sequence of the packed
-        (T, conv) -> (T, conv): causal-conv1d on CUDA (seq_idx keeps state from crossing cu), else
-        torch on a padded batch."""
+        """Causal depthwise conv (w (conv, 1, K)) + silu within each sequence of the packed (T, conv) -> (T, conv):
+        causal-conv1d on CUDA (seq_idx keeps state from crossing cu), else torch on a padded batch."""
         lens = cu[1:] - cu[:-1]
         if qkv.is_cuda and causal_conv1d_fn is not None:
             seq_idx = torch.repeat_interleave(torch.arange(len(lens), device=qkv.device, dtype=torch.int32), lens)
@@ -204,9 +181,8 @@ class GatedDeltaNet(MegatronModule):
         return torch.cat([x[i, :n] for i, n in enumerate(lens)])
 
     def _delta_rule(self, q, k, v, g, beta, cu):
-        """q, k (T, vh, dk), v (T, vh, dv), g, beta (T, vh) -> o (T, vh, dv), per sequence: FLA's varlen
-        chunked kernel on CUDA in v's dtype (bf16 under --bf16), else delta_rule above in fp32 on a
-        padded batch (S, L)."""
+        """q, k (T, vh, dk), v (T, vh, dv), g, beta (T, vh) -> o (T, vh, dv), per sequence: FLA's varlen kernel on
+        CUDA in v's dtype (bf16 under --bf16), else delta_rule above in fp32 on a padded batch (S, L)."""
         if v.is_cuda and chunk_gated_delta_rule is not None:
             o, _ = chunk_gated_delta_rule(q[None].to(v.dtype), k[None].to(v.dtype), v[None], g[None],
                                           beta[None].float(), scale=1.0, cu_seqlens=cu.long())  # q already scaled
@@ -219,12 +195,8 @@ class GatedDeltaNet(MegatronModule):
 
 
 def check_kernels(te):
-    """On CUDA, say at model build what runs in place of a missing Gated DeltaNet kernel (nothing on CPU).
-    FLA missing: the torch delta rule above, a Python loop over 64-token chunks of a padded batch, many
-    times slower and larger at the recipe's 4096-token responses: an error, as a missing Transformer
-    Engine is (model.layer_impl), unless --transformer-impl local asked for unfused layers on purpose.
-    causal-conv1d missing: torch's depthwise conv, a small cost next to the delta rule (FLA still runs
-    it), so a warning: a broken source build should not stop a run that is only slightly slower."""
+    """On CUDA, say at model build what runs in place of a missing Gated DeltaNet kernel: FLA missing is an
+    error (with te; a warning with --transformer-impl local), causal-conv1d missing a warning (docs/qwen3_5.md)."""
     if not torch.cuda.is_available():
         return
 

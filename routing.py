@@ -1,26 +1,14 @@
-"""routing.py: what the trainer's MoE routers do beyond Megatron's own: count the tokens each expert
-took (expert_load), and rollout routing replay (R3, arXiv 2510.11370; --use-rollout-routing-replay):
-each router takes the experts the engine chose for each token, so the policy being trained routes as
-the one that sampled, while the probabilities of those experts still come from the router's logits
-(and get their gradients).
-
-Megatron's TopKRouter hands its top-k to `router.router_replay.get_replay_topk(scores, topk,
-num_groups, group_topk, default)` whenever that attribute is set (megatron-core 0.16
-transformer/moe/router.py:205-207, 583; moe_utils.py:700-706). Its own RouterReplay keeps one
-global list of targets to pop in order; here each decoder layer's target is set just before the
-layer runs (model._layers), so a recomputed layer (--recompute-granularity full) and 1F1B's
-interleaved micro-batches find the same target without any bookkeeping of order.
-
-A target row of -1 (the sequence's last token, which no engine forward saw; padding) keeps the
-router's own choice. Routes travel as (T, layers, top_k) int16 per sequence: all decoder layers, as
-SGLang returns them (state_capturer/routed_experts.py:80-81), -1 at a layer without experts.
+"""routing.py: what the trainer's MoE routers do beyond Megatron's own: count the tokens each expert took
+(expert_load), and rollout routing replay (R3, --use-rollout-routing-replay): each router takes the experts
+the engine chose for each token, their probabilities still from its own logits (docs/routing.md). Routes
+travel as (T, all decoder layers, top_k) int16 per sequence, NONE where the router chooses.
 """
 import functools
 import re
 
 import torch
 
-NONE = -1  # no engine route for this (token, layer): the router chooses
+NONE = -1  # no engine route for this (token, layer): a sequence's last token, padding, a dense layer
 
 
 def routers(module):
@@ -33,9 +21,8 @@ def routers(module):
 
 
 class RouteCounter:
-    """Tokens each MoE layer's router sent to each expert (forward hooks on Megatron's TopKRouter), in
-    one row per decoder layer of the whole model: a PP stage fills its own layers' rows (its first is
-    `offset` of `layers`), so every rank's table has one shape and one layer's row means one layer."""
+    """Tokens each MoE layer's router sent to each expert (forward hooks on Megatron's TopKRouter), one row per
+    decoder layer of the whole model (a PP stage fills its own, from `offset`): every rank's table has one shape."""
 
     def __init__(self, language_model, offset, layers):
         self.counts = None  # (decoder layers, experts), since the last take(); zeros where no router
@@ -54,9 +41,8 @@ class RouteCounter:
 
 
 class Replay:
-    """One router's replay: `target` (tokens, k) the engine's experts of the tokens this router sees
-    next (None: its own top-k). `stats` = (token rows whose own top-k set differs from the target's,
-    rows with a target), accumulated on the device until taken: the mismatch before replay."""
+    """One router's router_replay: `target` (tokens, k), the engine's experts of the tokens it sees next (None:
+    its own top-k); `stats`: (rows whose own top-k set differs from the target's, rows with a target)."""
 
     def __init__(self):
         self.target, self.stats = None, None
@@ -87,8 +73,7 @@ def install(language_model):
 
 
 def take_mismatch(replays):
-    """(differing (token, layer) rows, rows with an engine route) since the last call, summed over this
-    rank's routers, as a (2,) float64 tensor (zeros when none ran)."""
+    """(2,) float64: (differing, replayed) (token, layer) rows of this rank's routers since the last call."""
     total = torch.zeros(2, dtype=torch.float64)
     for r in replays.values():
         if r.stats is not None:
@@ -98,14 +83,12 @@ def take_mismatch(replays):
 
 
 def packed(routes, seqs, lens, held, sp_rank, sp):
-    """Per-sequence engine routes ((len_i, layers, k) or None) -> (T_local, layers, k): the rows this
-    rank's routers see, in the order of model.packed_row's row (each sequence padded to lens[i], then
-    the dummy), this CP rank's `held` positions, then under SP (`sp` ranks) the contiguous 1/sp share
-    of rank `sp_rank` (Megatron's scatter_to_sequence_parallel_region splits dim 0 so)."""
+    """Per-sequence engine routes ((len_i, layers, k) or None) -> (T_local, layers, k): the rows this rank's
+    routers see: model.packed_row's row, this CP rank's `held` positions, then SP rank sp_rank's 1/sp."""
     shape = next(r.shape[1:] for r in routes if r is not None)
     full = torch.full((sum(lens), *shape), NONE, dtype=torch.int16)
     off = 0
-    for r, s, n in zip(routes + [None] * (len(lens) - len(routes)), seqs + [None] * (len(lens) - len(seqs)), lens):
+    for r, s, n in zip(routes, seqs, lens):  # the dummy sequence at the end, if any, keeps NONE
         if r is not None:
             if r.shape[0] != len(s) or r.shape[1:] != shape:
                 raise ValueError(f"routing replay: routes {tuple(r.shape)} for a sequence of {len(s)} tokens "

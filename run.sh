@@ -43,7 +43,7 @@ if [[ "$NUM_GPUS" == 0 ]]; then
   SEED=${SEED:-1234} DATA_SEED=${DATA_SEED:-0}   # GRPO's seed; the data's and SFT's (bench/RESULTS.md: both varied)
   $PY tools/synth.py --n 1024 --n-test 64 --seed "$DATA_SEED" --out "$RUN/data" --kinds sides   # regular 3-6-gons: how many sides?
   $PY tools/synth.py --n 384 --seed $((DATA_SEED + 1)) --out "$RUN/warmup" --kinds sides      # other problems, for SFT
-  $PY model.py tiny --arch qwen3_vl --out "$RUN/base"                        # random weights, real tokenizer
+  $PY tools/tiny.py --arch qwen3_vl --out "$RUN/base"                        # random weights, real tokenizer
   EVAL=(--eval-prompt-data "$RUN/data" --eval-split test --eval-samples 64)
   $PY train_grpo.py --hf-checkpoint "$RUN/base" --prompt-data "$RUN/data" --save "$RUN/base_eval" \
       "${EVAL[@]}" --num-rollout 0 --rollout-engine local --rollout-max-response-len 48  # the random model

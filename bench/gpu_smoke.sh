@@ -2,7 +2,7 @@
 # The GPU smoke test: one command on a machine with one CUDA GPU, under 10 minutes, one PASS/FAIL
 # line per check. It covers what the CPU suite cannot reach: NCCL's rules (CUDA tensors in every
 # collective, even in a world of one), the loss on CUDA, Transformer Engine's layer spec and THD
-# packing, model.py check on one device, the local engine on CUDA, and stock SGLang on a GPU.
+# packing, tools/check.py on one device, the local engine on CUDA, and stock SGLang on a GPU.
 #
 #   GPU=1 bash setup.sh          # once: requirements + sglang + Transformer Engine (README)
 #   bash bench/gpu_smoke.sh      # logs in $SMOKE_DIR (default: a new temporary folder)
@@ -50,19 +50,19 @@ except Exception as e:
     te = f'NOT IMPORTABLE ({type(e).__name__}: {e})'
 print(f'{torch.cuda.get_device_name()} torch {torch.__version__} cuda {torch.version.cuda} '
       f'transformers {transformers.__version__} megatron-core {megatron.core.__version__} TE {te}')"
-check tiny_checkpoints bash -c "$PY model.py tiny --arch qwen3_vl --out $DIR/tiny && $PY model.py tiny --arch qwen2_5_vl --out $DIR/tiny25 \
+check tiny_checkpoints bash -c "$PY tools/tiny.py --arch qwen3_vl --out $DIR/tiny && $PY tools/tiny.py --arch qwen2_5_vl --out $DIR/tiny25 \
   && $PY tools/synth.py --n 64 --n-test 8 --kinds sides --out $DIR/data && echo made"
 # Logits of Megatron (TE spec, THD packing) vs transformers, both on cuda:0; fp32, so 1e-4 holds
 # where TE keeps fp32 (unfused attention); a FAIL here with a small diff is TE's kernel choice.
-check check_te_qwen3_vl "$PY" model.py check --hf-checkpoint "$DIR/tiny" --transformer-impl transformer_engine
-check check_te_qwen2_5_vl "$PY" model.py check --hf-checkpoint "$DIR/tiny25" --transformer-impl transformer_engine
-check check_local_spec "$PY" model.py check --hf-checkpoint "$DIR/tiny" --transformer-impl local
+check check_te_qwen3_vl "$PY" tools/check.py --hf-checkpoint "$DIR/tiny" --transformer-impl transformer_engine
+check check_te_qwen2_5_vl "$PY" tools/check.py --hf-checkpoint "$DIR/tiny25" --transformer-impl transformer_engine
+check check_local_spec "$PY" tools/check.py --hf-checkpoint "$DIR/tiny" --transformer-impl local
 # Qwen3.5: Gated DeltaNet through FLA's varlen kernel and causal-conv1d (check_kernels stops the build if
 # FLA is missing), then with causal-conv1d taken away: FLA's delta rule after the torch conv
-check tiny_qwen3_5 bash -c "$PY model.py tiny --arch qwen3_5 --out $DIR/tiny35 && echo made"
-check check_te_qwen3_5 "$PY" model.py check --hf-checkpoint "$DIR/tiny35"
+check tiny_qwen3_5 bash -c "$PY tools/tiny.py --arch qwen3_5 --out $DIR/tiny35 && echo made"
+check check_te_qwen3_5 "$PY" tools/check.py --hf-checkpoint "$DIR/tiny35"
 check check_qwen3_5_torch_conv "$PY" -c "import runpy, sys, qwen3_5; qwen3_5.causal_conv1d_fn = None
-sys.argv = ['model.py', 'check', '--hf-checkpoint', '$DIR/tiny35']; runpy.run_path('model.py', run_name='__main__')"
+sys.argv = ['tools/check.py', '--hf-checkpoint', '$DIR/tiny35']; runpy.run_path('tools/check.py', run_name='__main__')"
 # in a bf16 model FLA's delta rule takes q, k and v in bf16 (not promoted to fp32)
 check qwen3_5_fla_bf16 "$PY" -c "
 import torch, model as M, qwen3_5
@@ -110,7 +110,7 @@ check grpo_cpu_adam "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine local
 check grpo_cpu_adam_metrics metric "$DIR/grpo_cpu_adam"
 # Qwen3.5-MoE in bf16 with the distributed optimizer: the routed experts get an optimizer of their own
 # (megatron's ChainedOptimizer: optim.Schedule over every group, state saved and resumed per part)
-check tiny_moe bash -c "$PY model.py tiny --arch qwen3_5_moe --out $DIR/tiny_moe && echo made"
+check tiny_moe bash -c "$PY tools/tiny.py --arch qwen3_5_moe --out $DIR/tiny_moe && echo made"
 MOE=(--hf-checkpoint "$DIR/tiny_moe" --prompt-data "$DIR/data" --rollout-batch-size 4 --n-samples-per-prompt 4
      --rollout-max-response-len 32 --lr 1e-5 --save-interval 2 --rollout-engine local "${BF16[@]}" --save "$DIR/grpo_moe")
 check grpo_moe_bf16_distopt "${TR[@]}" train_grpo.py "${MOE[@]}" --num-rollout 2
@@ -149,9 +149,9 @@ if "$PY" -c "import sglang" 2>/dev/null; then
   check grpo_sglang_moe_r3 "${TR[@]}" train_grpo.py "${MOE[@]/grpo_moe/grpo_sglang_moe_r3}" --rollout-engine sglang \
     --colocate --sglang-mem-fraction-static 0.3 --max-turns 2 --num-rollout 2 --use-rollout-routing-replay
   check grpo_sglang_moe_r3_metrics metric "$DIR/grpo_sglang_moe_r3"
-  # NEXTN speculative decoding from the checkpoint's own MTP head (model.py tiny --mtp): the draft loads
+  # NEXTN speculative decoding from the checkpoint's own MTP head (tools/tiny.py --mtp): the draft loads
   # mtp.*, every sync reaches target and draft; logprob_diff_mean says whether the logprobs are the target's
-  check tiny_moe_mtp bash -c "$PY model.py tiny --arch qwen3_5_moe --mtp --out $DIR/tiny_moe_mtp && echo made"
+  check tiny_moe_mtp bash -c "$PY tools/tiny.py --arch qwen3_5_moe --mtp --out $DIR/tiny_moe_mtp && echo made"
   check grpo_sglang_nextn "${TR[@]}" train_grpo.py "${MOE[@]/grpo_moe/grpo_sglang_nextn}" --hf-checkpoint "$DIR/tiny_moe_mtp" \
     --rollout-engine sglang --colocate --sglang-mem-fraction-static 0.3 --num-rollout 2 \
     --sglang-speculative-algorithm NEXTN --sglang-speculative-num-steps 1 --sglang-speculative-eagle-topk 1 \
@@ -167,8 +167,8 @@ fi
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [ "$GPUS" -ge 2 ]; then
   TR2=("$PY" -m torch.distributed.run --standalone --nproc_per_node 2)
-  check check_te_cp2_qwen3_vl "${TR2[@]}" model.py check --hf-checkpoint "$DIR/tiny" --context-parallel-size 2 --bf16
-  check check_te_cp2_qwen3_5 "${TR2[@]}" model.py check --hf-checkpoint "$DIR/tiny35" --context-parallel-size 2 --bf16
+  check check_te_cp2_qwen3_vl "${TR2[@]}" tools/check.py --hf-checkpoint "$DIR/tiny" --context-parallel-size 2 --bf16
+  check check_te_cp2_qwen3_5 "${TR2[@]}" tools/check.py --hf-checkpoint "$DIR/tiny35" --context-parallel-size 2 --bf16
   check grpo_cp2 "${TR2[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine local --context-parallel-size 2 "${BF16[@]}" \
     --save "$DIR/grpo_cp2"
   check grpo_cp2_metrics metric "$DIR/grpo_cp2"
@@ -176,10 +176,10 @@ if [ "$GPUS" -ge 2 ]; then
   # dispatcher (its DtoH copies on a real side stream, token_dispatcher.py:445, 871-894; a stand-in on
   # CPU) and an MTP head (its mtp.* tensors, read on the CPU, broadcast to the other stage), SFT and GRPO
   # at PP2, and SFT of the MoE split 3 + 1 (expert_load adds each layer's counts to its own)
-  check tiny_pp bash -c "$PY model.py tiny --arch qwen3_vl --layers 4 --tie --out $DIR/tiny_pp && \
-$PY model.py tiny --arch qwen3_5_moe --layers 4 --mtp --out $DIR/tiny_moe_pp && echo made"
-  check check_pp2_qwen3_vl "${TR2[@]}" model.py check --hf-checkpoint "$DIR/tiny_pp" --pipeline-model-parallel-size 2
-  check check_pp2_qwen3_5_moe "${TR2[@]}" model.py check --hf-checkpoint "$DIR/tiny_moe_pp" --pipeline-model-parallel-size 2
+  check tiny_pp bash -c "$PY tools/tiny.py --arch qwen3_vl --layers 4 --tie --out $DIR/tiny_pp && \
+$PY tools/tiny.py --arch qwen3_5_moe --layers 4 --mtp --out $DIR/tiny_moe_pp && echo made"
+  check check_pp2_qwen3_vl "${TR2[@]}" tools/check.py --hf-checkpoint "$DIR/tiny_pp" --pipeline-model-parallel-size 2
+  check check_pp2_qwen3_5_moe "${TR2[@]}" tools/check.py --hf-checkpoint "$DIR/tiny_moe_pp" --pipeline-model-parallel-size 2
   check sft_pp2 "${TR2[@]}" sft.py --hf-checkpoint "$DIR/tiny_pp" --prompt-data "$DIR/data" --save "$DIR/sft_pp2" \
     --global-batch-size 8 --lr 1e-3 --pipeline-model-parallel-size 2 --bf16 --accumulate-allreduce-grads-in-fp32
   check sft_pp2_moe_3_1 "${TR2[@]}" sft.py --hf-checkpoint "$DIR/tiny_moe_pp" --prompt-data "$DIR/data" \

@@ -1,4 +1,4 @@
-"""Context parallelism: the zigzag layout, and `model.py check --context-parallel-size 2` against
+"""Context parallelism: the zigzag layout, and `tools/check.py --context-parallel-size 2` against
 transformers through the user's command. The gradients at CP2 (dense with the vision tower, and
 Qwen3.5-MoE's Gated DeltaNet and experts at CP2 x EP2) are test_layouts.py's; SFT and GRPO steps at
 CP2 are test_sft.py's and test_grpo.py's."""
@@ -30,7 +30,7 @@ def test_cp2_check_command(tiny_ckpt):
     """Qwen3.5's logits at CP=2 over gloo against transformers' (sequences of 34, 35 and 38 tokens,
     padded to multiples of 4; Gated DeltaNet head-parallel, gated attention over gathered keys). The
     other families at CP2 (and CP4, TP2 x CP2, CP2 x EP2) measured: bench/RESULTS.md, "Layouts"."""
-    lines = torchrun2("model.py", "check", "--hf-checkpoint", tiny_ckpt("qwen3_5"), "--context-parallel-size", "2")
+    lines = torchrun2("tools/check.py", "--hf-checkpoint", tiny_ckpt("qwen3_5"), "--context-parallel-size", "2")
     assert "export_exact=True" in lines[-2] and "tp=1 cp=2" in lines[-2]
     assert lines[-1].startswith("max_abs_logit_diff=") and float(lines[-1].split("=")[1]) <= 1e-4
 
@@ -53,7 +53,7 @@ def test_fp32_under_cp_with_transformer_engine_is_refused_at_build(tiny_ckpt, mo
 
 
 def test_check_command_in_bf16(tiny_ckpt):
-    """`model.py check --bf16`, what bench/gpu_smoke.sh runs under CP on GPUs: our bf16 logits within
+    """`tools/check.py --bf16`, what bench/gpu_smoke.sh runs under CP on GPUs: our bf16 logits within
     BF16_TOL of transformers' fp32 ones, and the export equal to the source rounded to bf16."""
     import parallel
     from tools import check

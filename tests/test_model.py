@@ -1,6 +1,6 @@
 """model.py against transformers on tiny random checkpoints: CPU, fp32, gloo.
 
-TP=1 runs in this process (a world of one); TP=2 runs `torchrun --nproc_per_node 2 model.py check`.
+TP=1 runs in this process (a world of one); TP=2 runs `torchrun --nproc_per_node 2 tools/check.py`.
 """
 import json
 import os
@@ -186,7 +186,7 @@ def torchrun2(*args):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tp2_check_command(tiny_ckpt, arch):
     """Logits and the export round trip at TP=2 over gloo, through the user's command."""
-    lines = torchrun2("model.py", "check", "--hf-checkpoint", tiny_ckpt(arch))
+    lines = torchrun2("tools/check.py", "--hf-checkpoint", tiny_ckpt(arch))
     assert "export_exact=True" in lines[-2] and "tp=2" in lines[-2]
     assert lines[-1].startswith("max_abs_logit_diff=") and float(lines[-1].split("=")[1]) <= 1e-4
 
@@ -239,5 +239,5 @@ def test_tiny_with_a_real_configs_structure(tiny_ckpt, name):
     parallel.init_distributed(1)
     assert check.check(d) <= 1e-4
     if name.startswith("Qwen2.5"):  # 8 query heads per KV head, split over TP (the 2:1 case: test_tp2_*)
-        lines = torchrun2("model.py", "check", "--hf-checkpoint", d)
+        lines = torchrun2("tools/check.py", "--hf-checkpoint", d)
         assert "export_exact=True" in lines[-2] and float(lines[-1].split("=")[1]) <= 1e-4

@@ -1,4 +1,4 @@
-"""Pipeline parallelism: `model.py check --pipeline-model-parallel-size 2` against transformers through
+"""Pipeline parallelism: `tools/check.py --pipeline-model-parallel-size 2` against transformers through
 the user's command (the batch as one packed micro-batch, then each sequence as one, through
 megatron's 1F1B schedule), the export gathered from both stages, and the layouts refused with their
 rule. SFT steps at PP2 (tied head, even and uneven splits): test_sft.py; GRPO's: test_grpo.py, and its
@@ -19,7 +19,7 @@ def test_pp2_check_command(tiny_ckpt, arch):
     """Qwen3-VL with a tied head (the last stage's copy) and deepstack on the first stage; Qwen3.5's
     stages split between Gated DeltaNet and attention layers; Qwen3.5-MoE with the alltoall dispatcher
     (megatron's rule under PP). Qwen2.5-VL, TP2 x PP2, PP2 x CP2, PP2 x EP2: bench/RESULTS.md, "Layouts"."""
-    lines = torchrun2("model.py", "check", "--hf-checkpoint", tiny_ckpt(arch, layers=4, tie=arch == "qwen3_vl"),
+    lines = torchrun2("tools/check.py", "--hf-checkpoint", tiny_ckpt(arch, layers=4, tie=arch == "qwen3_vl"),
                       "--pipeline-model-parallel-size", "2")
     assert "export_exact=True" in lines[-2] and "tp=1 cp=1 pp=2" in lines[-2]
     assert lines[-1].startswith("max_abs_logit_diff=") and float(lines[-1].split("=")[1]) <= 1e-4
@@ -28,7 +28,7 @@ def test_pp2_check_command(tiny_ckpt, arch):
 def test_layouts_pp_cannot_split_are_refused_with_the_rule(tiny_ckpt):
     """2 Qwen3-VL layers with deepstack features after both: a first stage of one layer cannot hold them."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    r = launch.python("model.py", "check", "--hf-checkpoint", tiny_ckpt("qwen3_vl"), "--pipeline-model-parallel-size", "2",
+    r = launch.python("tools/check.py", "--hf-checkpoint", tiny_ckpt("qwen3_vl"), "--pipeline-model-parallel-size", "2",
                       nproc=2, timeout=300, env=env)
     assert r.returncode != 0
     assert "the first stage holds 1 layers, fewer than the 2 Qwen3-VL adds deepstack features to" in r.stderr

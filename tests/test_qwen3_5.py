@@ -1,7 +1,7 @@
 """Qwen3.5 (dense and MoE) on Megatron vs transformers: tiny random checkpoints, CPU, fp32, gloo.
 
 TP=1 runs in this process (the TP=1 logits check is test_model.py's, parametrised over these
-architectures too); TP=2 (+SP), EP=2 and TP2 x EP2 run `model.py check` / the gradient
+architectures too); TP=2 (+SP), EP=2 and TP2 x EP2 run `tools/check.py` / the gradient
 worker under torchrun. Gated DeltaNet's packing is checked against per-sequence runs and a plain
 token-by-token recurrence.
 """
@@ -98,7 +98,7 @@ def per_expert(fused):
 
 @pytest.mark.parametrize("layout", ["fused", "per_expert"])
 def test_export_is_bit_exact_in_both_expert_layouts_with_mtp(setup, layout, tmp_path):
-    """Export writes the source's expert layout and passes `mtp.*` (the MTP head `model.py tiny --mtp`
+    """Export writes the source's expert layout and passes `mtp.*` (the MTP head `tools/tiny.py --mtp`
     writes, one in bf16) through untouched; transformers loads the checkpoint all the same."""
     import shutil
     from tools import tiny
@@ -241,7 +241,7 @@ def test_gated_deltanet_communicates_once():
 def test_two_process_check_command(tiny_ckpt, arch, flags):
     """TP2 + SP (dense, MoE) and EP2: logits within 1e-4 of transformers and the export round trip.
     The packed batch has 107 tokens: SP pads it to 108 and drops the pad again."""
-    lines = torchrun2("model.py", "check", "--hf-checkpoint", tiny_ckpt(arch), *flags)
+    lines = torchrun2("tools/check.py", "--hf-checkpoint", tiny_ckpt(arch), *flags)
     assert "export_exact=True" in lines[-2]
     assert lines[-1].startswith("max_abs_logit_diff=") and float(lines[-1].split("=")[1]) <= 1e-4
 
@@ -249,7 +249,7 @@ def test_two_process_check_command(tiny_ckpt, arch, flags):
 @pytest.mark.slow
 def test_moe_tp2_without_sp_is_refused(tiny_ckpt):
     with pytest.raises(AssertionError, match="needs --sequence-parallel"):
-        torchrun2("model.py", "check", "--hf-checkpoint", tiny_ckpt("qwen3_5_moe"))
+        torchrun2("tools/check.py", "--hf-checkpoint", tiny_ckpt("qwen3_5_moe"))
 
 
 def grads_in_processes(n, *args):
@@ -283,7 +283,7 @@ def test_tp2_sp_grads_match_transformers(tiny_ckpt):
 def test_tp2_ep2_four_processes(tiny_ckpt):
     """TP2 x EP2 with SP on 4 processes: logits, export and gradients."""
     d = tiny_ckpt("qwen3_5_moe")
-    lines = torchrun_n(4, "model.py", "check", "--hf-checkpoint", d, "--tensor-model-parallel-size", "2",
+    lines = torchrun_n(4, "tools/check.py", "--hf-checkpoint", d, "--tensor-model-parallel-size", "2",
                        "--expert-model-parallel-size", "2", "--sequence-parallel")
     assert "export_exact=True" in lines[-2] and float(lines[-1].split("=")[1]) <= 1e-4
     (f,) = grads_in_processes(4, "--tp", "2", "--ep", "2", "--sp", d)

@@ -108,7 +108,7 @@ def test_local_engine_takes_the_names_from_pretrained_takes(tiny_ckpt, tmp_path,
     does: a Qwen3.5-MoE as transformers' save_pretrained writes it (routed experts per expert: each
     expert's gate, up and down into its slices of the fused tensors; mtp.* skipped), a Qwen2.5-VL in its
     released layout (`model.layers.*`, `visual.*`). After an update it holds what from_pretrained reads
-    from the trainer's checkpoint; `model.py check` passes on the source."""
+    from the trainer's checkpoint; `tools/check.py` passes on the source."""
     import convert
     import model as M
     import parallel

@@ -1,14 +1,16 @@
 """The parity check: our Megatron model against transformers' on one checkpoint, fp32, on a packed
-batch of images and text, plus the export round trip. The command line of `model.py check`:
+batch of images and text, plus the export round trip. Its last line is `max_abs_logit_diff=<x>`; it
+exits non-zero above 1e-4 (--bf16: BF16_TOL).
 
-    python model.py check --hf-checkpoint ckpt/tiny                     # TP = 1
-    torchrun --nproc_per_node 2 model.py check --hf-checkpoint DIR      # TP = world size
-    torchrun --nproc_per_node 2 model.py check --hf-checkpoint DIR --context-parallel-size 2
-    torchrun --nproc_per_node 2 model.py check --hf-checkpoint DIR --pipeline-model-parallel-size 2
+    python tools/check.py --hf-checkpoint ckpt/tiny                     # TP = 1
+    torchrun --nproc_per_node 2 tools/check.py --hf-checkpoint DIR      # TP = world size
+    torchrun --nproc_per_node 2 tools/check.py --hf-checkpoint DIR --context-parallel-size 2
+    torchrun --nproc_per_node 2 tools/check.py --hf-checkpoint DIR --pipeline-model-parallel-size 2
 """
 import argparse
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -16,10 +18,11 @@ from PIL import Image
 from safetensors import safe_open
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-import convert
-import model as M
-import parallel
-import pipeline
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core modules, however this is run
+import convert  # noqa: E402
+import model as M  # noqa: E402
+import parallel  # noqa: E402
+import pipeline  # noqa: E402
 
 
 # --bf16: our logits against transformers' fp32 ones. Measured on the tiny qwen3_vl / qwen3_5 (CPU, local
@@ -64,15 +67,16 @@ def hf_logits(hf, seqs, pixel_values=None, image_grid_thw=None):
 
 def check(hf_dir, transformer_impl=None, tp=None, ep=1, sequence_parallel=False, cp=1, pp=1, bf16=False):
     """Megatron vs transformers (fp32) on check_inputs, and the export round trip; TP = world size /
-    (CP PP) unless given, CP = cp, PP = pp, EP = ep (MoE); the batch packed, then each sequence alone. Every rank runs the same inputs, on its device (cuda:LOCAL_RANK or cpu).
+    (CP PP) unless given, CP = cp, PP = pp, EP = ep (MoE); the batch packed, then each sequence alone. Every
+    rank runs the same inputs, on its device (cuda:LOCAL_RANK or cpu).
     bf16: our parameters in bf16 (Transformer Engine's attention under CP takes no fp32), exported as
     the source rounded to bf16. Returns the max abs logit diff (inf when the export does not reproduce
     the checkpoint)."""
     tp = tp or int(os.environ.get("WORLD_SIZE", 1)) // (cp * pp)
     par = parallel.init_distributed(tp, ep=ep, cp=cp, pp=pp)
     rank, world, device = par.rank, par.world, par.device
-    opts = M.ModelOptions(transformer_impl=transformer_impl, sequence_parallel=sequence_parallel,
-                          moe_token_dispatcher_type="alltoall" if pp > 1 else "allgather", bf16=bf16)  # PP's (model.py)
+    opts = M.ModelOptions(transformer_impl=transformer_impl, sequence_parallel=sequence_parallel, bf16=bf16,
+                          moe_token_dispatcher_type="alltoall" if pp > 1 else "allgather")  # MoE under PP: alltoall
     model = M.load_model(hf_dir, opts, par)
     files = convert.weight_files(hf_dir)
     same = {}
@@ -99,7 +103,7 @@ def check(hf_dir, transformer_impl=None, tp=None, ep=1, sequence_parallel=False,
     return diff if exact else float("inf")
 
 
-def main(argv):
+def main(argv=None):
     p = argparse.ArgumentParser(description="Megatron vs transformers logits on one checkpoint")
     p.add_argument("--hf-checkpoint", required=True, help="Hugging Face checkpoint folder")
     p.add_argument("--transformer-impl", default=None, choices=["transformer_engine", "local"],
@@ -114,3 +118,7 @@ def main(argv):
     sys.exit(0 if check(a.hf_checkpoint, a.transformer_impl, a.tensor_model_parallel_size,
                         a.expert_model_parallel_size, a.sequence_parallel, a.context_parallel_size,
                         a.pipeline_model_parallel_size, a.bf16) <= (BF16_TOL if a.bf16 else 1e-4) else 1)
+
+
+if __name__ == "__main__":
+    main()

