@@ -1,27 +1,7 @@
-"""cluster.py: where the SGLang servers run, and the trainer's side of each step with them: the
-colocated release/resume around training (step_aside, step_back, to_rollout) and the weight sync
-into every server (sync_weights). README, "Several nodes".
-
-With --rollout-engine sglang on one node nothing changes: rank 0 starts one server on 127.0.0.1. On
-several nodes each node's local rank 0 (its leader) starts a server over its node's GPUs (on CPU, the
-test harness, one server a node), logging to sglang_node<N>.log in the run folder (its synced weights
-under weights/node<N>); global rank 0 puts SGLang's router (sglang_server.Router) in front of them all
-and generates through it. --rollout-num-gpus-per-engine K splits each node's serving GPUs into
-servers of K (sglang_engine.servers_per_node; on CPU a server per K trainer ranks), sglang_node<N>_<j>
-the j-th, held by the first rank of the j-th equal slice of the node's ranks (colocated: the ranks on
-its GPUs); on one node these too sit behind the router, on 127.0.0.1 without a key. Servers on several
-nodes bind to the node's address (the one its route to MASTER_ADDR leaves from) and take a per-run API key
-(secrets.token_urlsafe, handed to the ranks over the job's own process group, never written out; it is
-on the server's and the router's command line, which other users of the node can read in /proc).
-
-A server that dies is restarted by its holder: at once where it comes back with the current weights
-(disk sync: the last synced folder), else at the next weight update, which it then receives whole;
-meanwhile the router sends elsewhere and retries what it held (what still fails is a failed sample).
-Each holder releases, resumes and updates its own server from its own ranks (every rank holds the full
-exported tensors; "tensor" sync into a server of TP > 1 gathers over server_group). `on_leaders` runs
-such a step on every holder and returns only when all have reported: a failure on any stops the
-step on every rank, naming the node and its server, and no rollout starts before every server holds
-the new weights.
+"""cluster.py: the trainer's side of the SGLang servers, on every rank (Servers): where they run (one on
+127.0.0.1; a server per node, or per --rollout-num-gpus-per-engine GPUs, behind SGLang's router), and each
+step's moves around training: to_rollout, step_aside, step_back, sync. A step on the servers runs on every
+holder and fails on every rank if it fails on one (on_leaders). Mechanism: docs/cluster.md.
 """
 import os
 import secrets
@@ -37,32 +17,12 @@ import offload
 import sglang_engine
 
 
-def ranks_per_server(par):
-    """The trainer ranks that one server's slice of a node holds (the node's, with one server a node)."""
-    return par.local_world // _LAYOUT["servers_per_node"]
-
-
 def node_address():
     """The address other nodes reach this one at: the source of its route to MASTER_ADDR (a UDP
     socket's connect sends nothing; it only picks the interface)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((os.environ.get("MASTER_ADDR", "127.0.0.1"), 9))
         return s.getsockname()[0]
-
-
-_SERVER_GROUP, _LAYOUT = [], {"servers_per_node": 1}
-
-
-def server_group(par):
-    """(the process group of the trainer ranks one server's GPUs belong to, its holder's global rank):
-    each node's ranks, or each consecutive slice of them with --rollout-num-gpus-per-engine; (None, 0)
-    when that is the whole job. Made once, by every rank at its first call (new_subgroups is collective)."""
-    size = ranks_per_server(par)
-    if size >= par.world:
-        return None, 0
-    if not _SERVER_GROUP:
-        _SERVER_GROUP.append(dist.new_subgroups(size)[0])
-    return _SERVER_GROUP[0], par.rank - par.rank % size
 
 
 def on_leaders(par, engine, fn, what):
@@ -84,66 +44,6 @@ def on_leaders(par, engine, fn, what):
     return out
 
 
-def start(args, par, hf_dir, run_dir):
-    """-> this rank's engine, started on every rank together: rank 0's generates (through the router
-    when there are several servers); each other server's holder (a node's local rank 0, or its j-th
-    slice's first rank with --rollout-num-gpus-per-engine) keeps it for weight updates, release and
-    resume; None elsewhere."""
-    if sglang_engine.engine_kind(args) != "sglang":
-        return sglang_engine.make_engine(args, hf_dir, run_dir, local_world=par.local_world) if par.rank == 0 else None
-    per_node = _LAYOUT["servers_per_node"] = sglang_engine.servers_per_node(args, torch.cuda.is_available(),
-                                                                            par.local_world)
-    many = par.world // par.local_world > 1
-    if not many and per_node == 1:
-        return sglang_engine.make_engine(args, hf_dir, run_dir, local_world=par.local_world) if par.rank == 0 else None
-    if args.use_rollout_routing_replay:  # every rank alike, before any server starts
-        raise SystemExit("--use-rollout-routing-replay with several SGLang servers: SGLang's router (sglang-router "
-                         "0.3.2) drops return_routed_experts from the requests it forwards; train R3 with one server")
-    key = [secrets.token_urlsafe(24) if par.rank == 0 and many else None]  # one node: 127.0.0.1, no key
-    if many:
-        dist.broadcast_object_list(key, src=0)
-    stride = ranks_per_server(par)
-    index = par.local_rank // stride
-
-    def serve(_):
-        e = sglang_engine.make_engine(args, hf_dir, run_dir, index=index, local_world=par.local_world, api_key=key[0],
-                                      host=node_address() if many else "127.0.0.1",
-                                      name=f"node{par.node:02d}" + (f"_{index}" if per_node > 1 else ""))
-        if e.weight_sync == "disk":  # it comes back with the last synced weights: restart it at once
-            e.server.watch()
-        return e
-    holder = par.local_rank % stride == 0 and index < per_node
-    engine = on_leaders(par, True if holder else None, serve, "starting the SGLang server")
-    urls = [None] * par.world
-    dist.all_gather_object(urls, engine.server.url if engine is not None else None)
-    urls = [u for u in urls if u]
-    if par.rank == 0:
-        engine.attach_router(urls, shlex.split(args.sglang_router_args or ""))
-        print(f"[cluster] {len(urls)} SGLang servers behind SGLang's router: {', '.join(urls)}", flush=True)
-    return engine
-
-
-def sync_weights(model, engine, par, plan=(1, None)):
-    """Full HF tensors to the engine (the export gathers over TP on every rank; rank 0 sends). `plan`:
-    the engine's sync_plan(), on every rank: a colocated server of TP > 1 gets its TP rank i's copy
-    from trainer rank i's GPU."""
-    buckets = convert.export_hf(model)
-    if plan[0] > 1:  # each server from the ranks on its GPUs
-        group, holder = server_group(par)
-        buckets = sglang_engine.serialize_on_ranks(buckets, par.rank - holder, *plan, group, holder)
-
-    def update(e):
-        try:
-            e.update_weights(buckets)
-        finally:
-            for _ in buckets:  # a failed update still takes part in the export's collectives to the end
-                pass
-    if engine is None:
-        for _ in buckets:
-            pass
-    on_leaders(par, engine, update, "the weight update")  # every server holds the new weights
-
-
 class Servers:
     """The trainer's side of the rollout engines, on every rank: this rank's engine (rank 0's generates; a
     server's holder updates it; None elsewhere), --offload-train's Offload, and each step's moves around
@@ -157,9 +57,45 @@ class Servers:
             if par.rank == 0:
                 print(f"[offload] --offload-train: {self.off.host_bytes() / 2**30:.2f} GiB of host memory per rank "
                       "for the trainer's parameters, more once the optimizer states exist (offload_host_gib)", flush=True)
-        self.engine = start(args, par, hf_dir, run_dir)
+        self.per_node, self.group = 1, None  # servers a node; the process group of the ranks one server holds
+        self.engine = self.start(args, hf_dir, run_dir)
         # every rank takes part in a sync that serialises on several ranks (sync_plan): rank 0's engine says
         self.plan = self.agree(self.engine.sync_plan() if self.engine is not None else None)
+
+    def start(self, args, hf_dir, run_dir):
+        """-> this rank's engine, started on every rank together: rank 0's generates (through the router
+        when there are several servers); each other server's holder (a node's local rank 0, or the first
+        rank of its j-th slice with --rollout-num-gpus-per-engine) keeps it to update, release and resume."""
+        par = self.par
+        local = sglang_engine.engine_kind(args) != "sglang"
+        if not local:
+            self.per_node = sglang_engine.servers_per_node(args, torch.cuda.is_available(), par.local_world)
+        many = par.world // par.local_world > 1
+        if local or (not many and self.per_node == 1):
+            return sglang_engine.make_engine(args, hf_dir, run_dir, local_world=par.local_world) if par.rank == 0 else None
+        if args.use_rollout_routing_replay:  # every rank alike, before any server starts
+            raise SystemExit("--use-rollout-routing-replay with several SGLang servers: SGLang's router (sglang-router "
+                             "0.3.2) drops return_routed_experts from the requests it forwards; train R3 with one server")
+        key = self.agree(secrets.token_urlsafe(24) if many else None)  # one node: 127.0.0.1, no key
+        stride = par.local_world // self.per_node
+        index = par.local_rank // stride
+
+        def serve(_):
+            e = sglang_engine.make_engine(args, hf_dir, run_dir, index=index, local_world=par.local_world, api_key=key,
+                                          host=node_address() if many else "127.0.0.1",
+                                          name=f"node{par.node:02d}" + (f"_{index}" if self.per_node > 1 else ""))
+            if e.weight_sync == "disk":  # it comes back with the last synced weights: restart it at once
+                e.server.watch()
+            return e
+        engine = on_leaders(par, True if par.local_rank % stride == 0 and index < self.per_node else None, serve,
+                            "starting the SGLang server")
+        urls = [None] * par.world
+        dist.all_gather_object(urls, engine.server.url if engine is not None else None)
+        urls = [u for u in urls if u]
+        if par.rank == 0:
+            engine.attach_router(urls, shlex.split(args.sglang_router_args or ""))
+            print(f"[cluster] {len(urls)} SGLang servers behind SGLang's router: {', '.join(urls)}", flush=True)
+        return engine
 
     def agree(self, value):
         """Rank 0's `value` on every rank."""
@@ -210,9 +146,27 @@ class Servers:
         return held
 
     def sync(self, model):
-        """The new weights to every server (sync_weights). -> metrics."""
-        t = time.perf_counter()
-        sync_weights(model, self.engine, self.par, self.plan)
+        """Full HF tensors to every server (the export gathers over TP on every rank; each holder sends):
+        a colocated server of TP > 1 gets its TP rank i's copy from trainer rank i's GPU. -> metrics."""
+        t, par = time.perf_counter(), self.par
+        buckets = convert.export_hf(model)
+        if self.plan[0] > 1:  # each server from the ranks on its GPUs: new_subgroups is collective, made once
+            size = par.local_world // self.per_node
+            if self.group is None and size < par.world:
+                self.group = dist.new_subgroups(size)[0]
+            holder = par.rank - par.rank % size
+            buckets = sglang_engine.serialize_on_ranks(buckets, par.rank - holder, *self.plan, self.group, holder)
+
+        def update(e):
+            try:
+                e.update_weights(buckets)
+            finally:
+                for _ in buckets:  # a failed update still takes part in the export's collectives to the end
+                    pass
+        if self.engine is None:
+            for _ in buckets:
+                pass
+        on_leaders(par, self.engine, update, "the weight update")  # every server holds the new weights
         out = {"sync_s": time.perf_counter() - t}
         if self.off is not None:
             out["offload_host_gib"] = self.off.host_bytes() / 2**30

@@ -239,9 +239,9 @@ def test_routing_replay_with_several_servers_is_refused_before_any_starts(monkey
     import types
     import cluster
     import train_grpo as G
-    monkeypatch.setitem(cluster._LAYOUT, "servers_per_node", 1)  # start() sets it: restored after the test
     args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--rollout-engine", "sglang",
                          "--rollout-num-gpus-per-engine", "1", "--use-rollout-routing-replay"])
     monkeypatch.setattr(cluster.sglang_engine, "make_engine", lambda *a, **k: pytest.fail("a server started"))
     with pytest.raises(SystemExit, match="--use-rollout-routing-replay with several SGLang servers"):
-        cluster.start(args, types.SimpleNamespace(rank=0, world=2, local_rank=0, local_world=2, node=0), "x", "x")
+        cluster.Servers(args, types.SimpleNamespace(rank=0, world=2, local_rank=0, local_world=2, node=0),
+                        None, None, None, "x", "x")

@@ -378,7 +378,6 @@ from sglang_engine import SGLangEngine
 ckpt, run_dir, fake, servers = *sys.argv[2:5], int(sys.argv[5])
 par = parallel.init_distributed(1)
 rank, world = par.rank, par.world
-cluster._LAYOUT["servers_per_node"] = servers  # as cluster.start sets it for --rollout-num-gpus-per-engine
 m = M.load_model(ckpt)
 eng = None
 if rank % (world // servers) == 0:  # each server's TP is 2: one blob a server TP rank
@@ -387,7 +386,9 @@ if rank % (world // servers) == 0:  # each server's TP is 2: one blob a server T
                        "--tp-size", "2"], launch_cmd=[sys.executable, fake], weight_sync="tensor")
 plan = [eng.sync_plan() if eng else None]
 torch.distributed.broadcast_object_list(plan)
-cluster.sync_weights(m, eng, par, plan[0])
+servers_ = cluster.Servers.__new__(cluster.Servers)  # as Servers.start leaves it, with these servers
+servers_.par, servers_.engine, servers_.off, servers_.per_node, servers_.group, servers_.plan = par, eng, None, servers, None, plan[0]
+servers_.sync(m)
 if eng:
     eng.shutdown()
 """
