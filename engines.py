@@ -6,6 +6,7 @@
 
 An engine takes token ids and images and returns token ids and their logprobs; it knows nothing
 of samples, episodes or rewards (rollout.py), so rollout.py and the engines do not import each other.
+How LocalEngine maps checkpoint names and how its Sampler draws: docs/local_engine.md.
 """
 import re
 
@@ -31,20 +32,17 @@ class Engine:
 
     concurrent = False  # generate may be called from many threads at once (else rollout batches rounds)
 
-    # A server engine frees its GPU memory for training (release), takes it back (resume) and
-    # stops (shutdown); in process there is nothing to do.
     def release(self, tags=None):
-        pass
+        """Free the engine's GPU memory for training (a server's); in process there is nothing to do."""
 
     def resume(self, tags=None):
-        pass
+        """Take back what release() freed."""
 
     def shutdown(self):
-        pass
+        """Stop the engine's server, if it has one."""
 
     def abort(self):
-        """Cut every request in flight short (--partial-rollout): each answers finish "abort" with the
-        tokens it had."""
+        """Cut every request in flight short (--partial-rollout): each answers "abort" with its tokens so far."""
 
     def sync_plan(self):
         """(trainer ranks that each serialise their own copy of a weight bucket, its dtype): one
@@ -63,13 +61,10 @@ class LocalEngine(Engine):
         self.model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=dtype).to(self.device).eval()
         tok = self.processor.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        # A clean generation config: a checkpoint's defaults (repetition_penalty, top_k=20...)
-        # would otherwise change the sampling distribution behind our back.
+        # clean: a checkpoint's defaults (repetition_penalty, top_k=20...) would change the sampling
         self.model.generation_config = GenerationConfig(pad_token_id=self.pad_id, eos_token_id=tok.eos_token_id)
         self.image_pad = tok.convert_tokens_to_ids(IMAGE_PAD)
-        # Checkpoint names -> the model's, as from_pretrained maps them (transformers 5.19 modeling_utils.py:4311,
-        # core_model_loading.py:1648-1660): legacy prefixes, per-expert MoE tensors into the fused ones. The
-        # names it ignores (Qwen3.5's mtp.*, the MTP head: modeling_qwen3_5_moe.py:1004) are skipped.
+        # checkpoint names -> the model's, as from_pretrained maps them; the names it ignores are skipped
         conv = get_model_conversion_mapping(self.model)
         self.converters = [c for c in conv if isinstance(c, WeightConverter)]
         self.renamings = [c for c in conv if isinstance(c, WeightRenaming)]
@@ -99,22 +94,18 @@ class LocalEngine(Engine):
         lens = [len(b["input_ids"]) for b in batch]
         B, L = len(batch), max(lens)
         ids = torch.full((B, L), self.pad_id, dtype=torch.long)      # (B, L), left padded
-        mask = torch.zeros((B, L), dtype=torch.long)
         for i, b in enumerate(batch):
             ids[i, L - lens[i]:] = torch.tensor(b["input_ids"])
-            mask[i, L - lens[i]:] = 1
+        mask = (torch.arange(L) >= L - torch.tensor(lens)[:, None]).long()
         kw = dict(input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == self.image_pad).long() * mask)
         images = [im for b in batch for im in b["images"]]
         if images:
             enc = self.processor.image_processor(images=images, return_tensors="pt")
-            pixels, grid = enc["pixel_values"], enc["image_grid_thw"]
-            kw.update(pixel_values=pixels.to(self.model.dtype), image_grid_thw=grid)
+            kw.update(pixel_values=enc["pixel_values"].to(self.model.dtype), image_grid_thw=enc["image_grid_thw"])
         limits = [b.get("max_new_tokens", sp["max_new_tokens"]) for b in batch]
         stop = list(sp.get("stop_token_ids") or [self.processor.tokenizer.eos_token_id])
         sampler = Sampler(float(sp.get("temperature", 1.0)), float(sp.get("top_p", 1.0)), sp.get("top_k", -1) or -1)
-        # HF's greedy loop with our Sampler as its last logits processor: the Sampler draws the
-        # token and leaves only it finite, so argmax takes it (HF's own sampling, multinomial over
-        # softmax, draws one random number per vocabulary entry: 166 ms a step at B=16, V=152k).
+        # HF's greedy loop, our Sampler as its last logits processor: HF's own sampling is far slower
         gc = GenerationConfig(do_sample=False, max_new_tokens=max(limits), eos_token_id=stop, pad_token_id=self.pad_id)
         self.recording = {} if self.route_shape else None
         cut = _Aborted(self, self.aborts)
@@ -153,8 +144,8 @@ class LocalEngine(Engine):
         self.aborts += 1
 
     def update_weights(self, buckets):
-        """Copy (HF name, full tensor) buckets into the model; any name from_pretrained takes is taken (a
-        per-expert tensor goes to its slice of the fused one), those it ignores are skipped. -> tensors loaded."""
+        """Copy (HF name, full tensor) buckets into the model as from_pretrained would (a per-expert tensor into
+        its slice of the fused one; names it ignores skipped). -> tensors loaded."""
         params, n = self.model.state_dict(), 0
         with torch.no_grad():
             for name, t in (item for bucket in buckets for item in bucket):
@@ -162,8 +153,7 @@ class LocalEngine(Engine):
                     continue
                 p = self._target(name, params)
                 if p.shape != t.shape:
-                    raise ValueError(f"update_weights: {name} is {tuple(t.shape)}, "
-                                     f"model has {tuple(p.shape)}")
+                    raise ValueError(f"update_weights: {name} is {tuple(t.shape)}, model has {tuple(p.shape)}")
                 p.copy_(t.to(p.device, p.dtype))
                 n += 1
         return n
@@ -178,9 +168,7 @@ class LocalEngine(Engine):
         if pattern is None:  # renamed only
             return params[target]
         conv = next(c for c in self.converters if pattern in c.source_patterns)
-        merge, *cat = conv.operations
-        # per-expert -> fused (conversion_mapping.py:1095-1109): MergeModulelist stacks the experts along its
-        # dim, then Concatenate joins the source patterns ([gate, up]) along its dim of the stacked tensor
+        merge, *cat = conv.operations  # per-expert -> fused: stack the experts, then join [gate, up]
         if not isinstance(merge, MergeModulelist) or len(cat) > 1 or not all(isinstance(o, Concatenate) for o in cat):
             raise KeyError(f"update_weights: {name!r} loads into {target} through {conv.operations}, which this "
                            "engine does not apply")
@@ -206,14 +194,10 @@ BLOCK = 1024  # vocabulary entries per block of the Sampler's two-level inverse-
 
 
 class Sampler:
-    """A logits processor that draws each next token itself, by inverse CDF: one uniform number
-    a row, located first among the cumulative masses of blocks of BLOCK tokens, then within the
-    chosen block (the same distribution as torch.multinomial over softmax(logits / T) after top-k /
-    top-p, without a cumulative sum over the whole vocabulary), or argmax when T <= 0. It returns
-    -inf everywhere but the drawn token, so a greedy generate takes it, and a processor placed
-    after it may still force another. `logprobs[j]` (B,) = log_softmax(logits_j / T)[token j] from
-    the raw logits (T = 1 when greedy; before top-k / top-p, as SGLang reports them), whichever
-    token was finally taken."""
+    """A logits processor that draws each next token itself from softmax(logits / T) after top-k / top-p
+    (argmax when T <= 0) by a two-level inverse CDF, and returns -inf everywhere but the drawn token, so
+    a greedy generate takes it. `logprobs[j]` (B,) = log_softmax(logits_j / T)[token j] of the raw logits
+    (T = 1 when greedy; before top-k / top-p, as SGLang reports them), whichever token was finally taken."""
 
     def __init__(self, temperature, top_p=1.0, top_k=-1):
         self.T, self.top_p, self.top_k = temperature, top_p, top_k
@@ -258,14 +242,13 @@ def block_sums(e):
 
 def draw(e, mass):
     """One index a row of the nonnegative weights e (B, V), with probability e / sum(e); mass =
-    block_sums(e). fp64 cumulative sums: in fp32 a sum near 1 moves in steps of 6e-8."""
+    block_sums(e). Sums in fp64: in fp32 a sum near 1 moves in steps of 6e-8."""
     c = mass.cumsum(-1)                                                  # (B, blocks)
     u = torch.rand(len(c), 1, dtype=c.dtype, device=c.device) * c[:, -1:]
     blk = torch.searchsorted(c, u, right=True).clamp(max=c.shape[1] - 1)  # first block whose end passes u
     u = u - (c.gather(1, blk) - mass.gather(1, blk))                     # what is left inside it
     cols = blk * BLOCK + torch.arange(BLOCK, device=e.device)            # (B, BLOCK)
-    inside = cols < e.shape[1]
-    w = torch.where(inside, e.gather(1, cols.clamp(max=e.shape[1] - 1)), 0.0).double().cumsum(-1)
+    w = torch.where(cols < e.shape[1], e.gather(1, cols.clamp(max=e.shape[1] - 1)), 0.0).double().cumsum(-1)
     # rounding may leave u outside [0, the block's sum): keep it inside, on a token of mass > 0
     u = torch.minimum(u.clamp(min=0.0), torch.nextafter(w[:, -1:], torch.zeros_like(w[:, -1:])))
     return (blk * BLOCK + torch.searchsorted(w, u, right=True))[:, 0]

@@ -4,10 +4,7 @@
     python proc.py PARENT_PID cmd args...                       # launcher: arm, check, exec cmd
     proc.kill_group(popen)                                      # SIGTERM, then SIGKILL, a group
 
-The launcher form is how a parent with threads starts a child that must not outlive it:
-`preexec_fn` is unsafe once threads run, so the child arms PR_SET_PDEATHSIG itself, checks that
-its parent is still the one that started it (it may have died before the arming), then execs
-the real command. The setting survives execve, so the command runs armed.
+The launcher is how a parent with threads starts a child that must not outlive it (docs/processes.md).
 """
 import ctypes
 import os
@@ -19,15 +16,13 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def die_with_parent(sig=signal.SIGKILL, parent=None):
-    """Have the kernel send `sig` to this process when the thread that started it ends, even when
-    the parent is SIGKILLed (Linux PR_SET_PDEATHSIG; elsewhere a no-op that returns False).
-    With `parent`: exit at once if our parent is no longer that pid (it died before the arming,
-    so the signal will never come)."""
+    """Have the kernel send `sig` to this process when the thread that started it ends, even a SIGKILLed
+    one (Linux PR_SET_PDEATHSIG; elsewhere a no-op that returns False). With `parent`: exit at once if our
+    parent is no longer that pid (it died before the arming, so the signal will never come)."""
     if sys.platform != "linux":
         return False
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
             return False
     except (AttributeError, OSError):
         return False
@@ -37,9 +32,8 @@ def die_with_parent(sig=signal.SIGKILL, parent=None):
 
 
 def kill_group(proc, grace=15.0):
-    """SIGTERM the process group that `proc` (a Popen started with start_new_session=True) leads,
-    SIGKILL what is left after `grace` seconds; returns once the group is empty or 5 s after
-    the SIGKILL. Only this group is signalled, never anything found by name."""
+    """SIGTERM the process group that `proc` (a Popen started with start_new_session=True) leads, SIGKILL
+    what is left after `grace` seconds; returns once the group is empty or 5 s after the SIGKILL."""
     pgid = proc.pid
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
         try:
@@ -56,13 +50,8 @@ def kill_group(proc, grace=15.0):
             time.sleep(0.05)
 
 
-def main(argv):
-    if len(argv) < 3:
-        sys.exit("usage: python proc.py PARENT_PID cmd [args...]")
-    parent, cmd = int(argv[1]), argv[2:]
-    die_with_parent(signal.SIGKILL, parent)  # exits if the parent is already gone
-    os.execvp(cmd[0], cmd)
-
-
 if __name__ == "__main__":
-    main(sys.argv)
+    if len(sys.argv) < 3:
+        sys.exit("usage: python proc.py PARENT_PID cmd [args...]")
+    die_with_parent(signal.SIGKILL, int(sys.argv[1]))  # exits if the parent is already gone
+    os.execvp(sys.argv[2], sys.argv[2:])

@@ -5,7 +5,8 @@
 
 Rewards are exactly 0.0 or 1.0, so a group of equal rewards gets an advantage of exactly 0;
 format_ok is a metric and is deliberately not mixed into the reward. Importing changes nothing in
-the process; the first get_reward_fn or scoring call runs init() (hooks, warm-up) by itself.
+the process; the first get_reward_fn or scoring call runs init() by itself. How a call's time is
+bounded on any thread: docs/reward.md.
 """
 import ctypes
 import functools
@@ -41,11 +42,7 @@ class _Timeout(BaseException):
     """BaseException so that math-verify's and sympy's `except Exception` cannot swallow it."""
 
 
-# Time bound: a watchdog thread raises _Timeout inside an over-budget scoring thread with
-# PyThreadState_SetAsyncExc. Unlike SIGALRM (math-verify's way) this works on any thread. It lands
-# between bytecodes, which covers sympy's and the LaTeX parser's pure-Python loops; long C calls
-# (bigint powers) cannot be interrupted, so _parse keeps them out. The budget counts the thread's
-# own CPU time, so a verdict does not flip when the machine is busy.
+# Time bound: a watchdog thread raises _Timeout inside an over-budget scoring thread (docs/reward.md).
 _LOCK = threading.Lock()  # a plain Lock: its C-level enter/exit cannot be split by _Timeout
 _ARMED = {}               # thread id -> [its CPU clock, CPU deadline, wall deadline, last fired]
 _WATCHDOG = [False]
@@ -72,9 +69,8 @@ def _watchdog():
 
 
 def _drop_timeouts(hook):
-    """A _Timeout can land in a __del__ run by the scoring thread (garbage freed or collected
-    while armed). CPython then hands it to sys.unraisablehook as 'Exception ignored in ...'; drop
-    those with one log line (the call still scores 0.0, see _deadline) and pass on the rest."""
+    """sys.unraisablehook that logs a _Timeout landed in a __del__ in one line (the call still scores 0.0,
+    see _deadline) and passes on the rest."""
     def drop(unraisable):
         if unraisable.exc_type is _Timeout:
             logging.getLogger(__name__).warning("a reward time limit cut short %r", unraisable.object)
@@ -89,10 +85,8 @@ def _after_fork():  # the watchdog thread does not survive fork, and _LOCK or _I
 
 
 def init():
-    """What scoring needs from the process, done once, on the first scoring call (get_reward_fn and
-    _deadline call this, so no caller has to): math-verify's logger quiet, the unraisable hook that
-    drops _Timeouts, the at-fork reset, and the warm-up. Thread-safe: a thread scoring meanwhile
-    waits here, before its own time limit starts."""
+    """What scoring needs from the process, done once, on the first scoring call: math-verify's logger
+    quiet, the unraisable hook, the at-fork reset, the warm-up. A thread scoring meanwhile waits here."""
     global _FORK_HOOKED, _READY
     if _READY:
         return
@@ -102,13 +96,10 @@ def init():
     with _INIT_LOCK:
         if _READY:
             return
-        # We disable math-verify's own timeouts (signals: main thread only) and bound time
-        # ourselves, so its once-per-process "timeout is disabled" warning is noise.
+        # its own timeouts (signals: main thread only) are off, so its warning about that is noise
         logging.getLogger("math_verify").setLevel(logging.ERROR)
         sys.unraisablehook = _drop_timeouts(sys.unraisablehook)
-        # sympy imports much of itself lazily on first use (solvers, sets, evalf). Pay that here,
-        # once a process (~0.5 s), outside any time limit, so no scored call spends its budget on
-        # an import or is interrupted inside one.
+        # sympy imports much of itself on first use (~0.5 s): here, outside any time limit
         for answer, label in WARM_UP:
             with suppress(Exception):  # best effort: scoring works without it
                 _judge("\\boxed{%s}" % answer, label, 0.05)
@@ -117,8 +108,8 @@ def init():
 
 @contextmanager
 def _deadline(cpu_s, wall_s):
-    """Raise _Timeout in this thread once it has used cpu_s of CPU or wall_s of wall time; a call
-    that ran over ends in _Timeout even where the first one landed elsewhere (in a __del__)."""
+    """Raise _Timeout in this thread once it has used cpu_s of CPU or wall_s of wall time, and at the end
+    of a call that ran over even where the first one landed elsewhere (in a __del__)."""
     init()  # before the clock starts: the first call's warm-up is not counted against it
     tid = threading.get_ident()
     try:
@@ -148,8 +139,7 @@ def _deadline(cpu_s, wall_s):
 
 
 def _box_end(text, start):
-    """Index of the brace that closes the box whose content begins at start; None if unclosed or
-    longer than MAX_BOX_CHARS."""
+    """Index of the brace closing the box whose content begins at start; None if unclosed or too long."""
     i, depth = start, 1
     while i < len(text) and i - start <= MAX_BOX_CHARS:
         c = text[i]
@@ -166,18 +156,14 @@ def _box_end(text, start):
 def last_boxed(text):
     """Content of the last \\boxed{...} / \\fbox{...}; None if absent, too long, or if any box is
     left open (a later box closing inside an open one is malformed output, not an answer)."""
-    if not isinstance(text, str):
-        return None
-    starts = [m.end() for m in _BOX_START.finditer(text)]
-    if not starts:
-        return None
+    starts = [m.end() for m in _BOX_START.finditer(text)] if isinstance(text, str) else []
     end = -1
     for start in starts:  # outermost boxes only: a closed box closes every box inside it
         if start > end:
             end = _box_end(text, start)
             if end is None:
                 return None
-    return text[starts[-1]:_box_end(text, starts[-1])]
+    return text[starts[-1]:_box_end(text, starts[-1])] if starts else None
 
 
 def _clean(s):
@@ -302,8 +288,7 @@ WARM_UP = [("x = 13", "13"), ("8.66", "5\\sqrt{3}"), ("(1,2]", "\\{1,2\\}"), ("x
 
 
 def get_reward_fn(rm_type):
-    """The reward function for --rm-type (math | geo3k). The first call also runs init(), so a
-    caller that fetches its function at set-up pays the warm-up there, not in its first rollout."""
+    """The reward function for --rm-type (math | geo3k); runs init(), so set-up pays the warm-up, not a rollout."""
     if rm_type not in REWARDS:
         raise ValueError(f"unknown --rm-type {rm_type!r}; choose one of {sorted(REWARDS)}")
     init()

@@ -5,21 +5,9 @@ sglang_server.py), and make_engine: the engine, GPUs and server flags that the t
     outs = engine.generate([{"input_ids": ids, "images": [pil]}], sampling)   # engines.Engine API
     engine.release(); ...train...; engine.resume(); engine.update_weights(buckets); engine.shutdown()
 
-POST /generate with "input_ids", images as data URIs and "return_logprob". SGLang wants ONE image
-pad per image and expands it itself (sglang 0.5.23 multimodal/processors/base_processor.py:586
-build_input_ids; an expanded run makes it index past the image grids: HTTP 500 IndexError), so each
-run of pads is collapsed here, and the server's meta_info.prompt_tokens (its own expansion) is
-returned for the rollout to check against the expanded length it holds. An HTTP error fails only
-its sample; a restarted server's answers are dropped until the next sync (but for "disk").
-
-Weight sync (`weight_sync`; the modes: README, "Where SGLang runs"), buckets cast to the server's
-dtype: "tensor" (serialize_tensors; a server of TP > 1 gets each trainer rank's own copy,
-serialize_on_ranks) and "distributed" run inside /begin_weight_update ... /end_weight_update
-(refused outside it: scheduler_components/weight_updater.py:192, 234) with flush_cache off and one
-/flush_cache at the end; "disk"'s /update_weights_from_disk flushes the cache itself
-(io_struct.py:1970). A refused load (HTTP 400 {"success": false, "message"}) raises with the
-message. release()/resume() (io_struct.py:2177/2187, `tags` unset = all memory) need
---sglang-enable-memory-saver.
+An HTTP error fails only its sample; a restarted server's answers are dropped until the next sync (but
+for "disk"). The request format, the weight-sync modes (`weight_sync`) and SGLang's side of each, with
+citations: docs/sglang.md.
 """
 import base64
 import datetime
@@ -31,6 +19,7 @@ import shlex
 import threading
 import time
 import uuid
+from contextlib import suppress
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -49,13 +38,16 @@ WEIGHT_SYNC = ("disk", "tensor", "distributed")
 GROUP = "geo3k_weight_sync"  # the process-group name for "distributed"
 COLOCATE_MEM_FRACTION = 0.4  # SGLang's share of each GPU when it shares them with training (README)
 OFFLOAD_MEM_FRACTION = 0.7  # the same with --offload-train: the recipe's (the trainer waits in host memory)
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's memory regions (sglang/srt/constants.py)
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's memory regions
+
+
+def read_config(hf_dir):
+    return json.loads((Path(hf_dir) / "config.json").read_text())
 
 
 def read_image_token_id(hf_dir):
-    """The checkpoint's image pad id (config.json `image_token_id`: 151655 for Qwen2.5/3-VL,
-    248056 for Qwen3.5), or None for a checkpoint without images."""
-    value = json.loads((Path(hf_dir) / "config.json").read_text()).get("image_token_id")
+    """The checkpoint's image pad id (151655 for Qwen2.5/3-VL, 248056 for Qwen3.5); None without images."""
+    value = read_config(hf_dir).get("image_token_id")
     return None if value is None else int(value)
 
 
@@ -69,11 +61,11 @@ def flag_value(args, names, default):
 
 
 def server_dtype(hf_dir, server_args):
-    """The torch dtype the server holds its weights in: its --dtype, else the checkpoint's config
-    dtype, which SGLangEngine then passes as --dtype (SGLang's own auto would not keep float32)."""
+    """The torch dtype the server holds its weights in: its --dtype, else the checkpoint's (which
+    SGLangEngine then passes as --dtype: SGLang's own auto would not keep float32)."""
     name = flag_value(server_args, ("--dtype",), "auto")
     if name == "auto":
-        cfg = json.loads((Path(hf_dir) / "config.json").read_text())
+        cfg = read_config(hf_dir)
         text = cfg.get("text_config") or {}
         name = cfg.get("torch_dtype") or cfg.get("dtype") or text.get("torch_dtype") or text.get("dtype") or "float32"
     name = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(name, name)
@@ -83,16 +75,15 @@ def server_dtype(hf_dir, server_args):
 
 
 def serialize_tensors(named):
-    """[(name, tensor)] -> base64 text: SGLang's MultiprocessingSerializer (utils/common.py:3060) form.
-    CUDA tensors become IPC handles naming their GPU by UUID (sglang utils/patch_torch.py:80 reads
-    either; an index would be ours, not the server's numbering); CPU tensors become /dev/shm files."""
+    """[(name, tensor)] -> base64 text in SGLang's MultiprocessingSerializer form: CUDA tensors as IPC
+    handles naming their GPU by UUID (an index would be ours, not the server's), CPU ones as /dev/shm files."""
     def reduce(t):
         fn, args = torch.multiprocessing.reductions.reduce_tensor(t)
-        if t.is_cuda:  # args[6]: the device index (reductions.reduce_tensor's CUDA branch)
+        if t.is_cuda:  # args[6]: the device index
             args = (*args[:6], str(torch.cuda.get_device_properties(args[6]).uuid), *args[7:])
         return fn, args
     if any(not v.is_cuda for _, v in named):
-        torch.multiprocessing.set_sharing_strategy("file_system")  # an fd cannot be passed to a process not forked from us
+        torch.multiprocessing.set_sharing_strategy("file_system")  # an fd cannot reach a process not forked from us
     buf = io.BytesIO()
     pickler = ForkingPickler(buf)
     pickler.dispatch_table[torch.Tensor] = reduce
@@ -108,13 +99,9 @@ class Serialized:
 
 
 def serialize_on_ranks(buckets, rank, ranks, dtype, group=None, dst=0):
-    """Colocated "tensor" sync into a server of TP `ranks` > 1, run on every trainer rank of the node
-    (`group`, None: the job; its leader: global rank `dst`): local rank i < `ranks` serialises its own
-    GPU's copy of each bucket for server TP rank i (the same GPU: both take the node's GPUs in order),
-    gathered on the leader, which gets Serialized buckets (the others: None).
-    Each server rank opens only blobs[tp_rank] (sglang 0.5.23 managers/tp_worker.py:194-201); one
-    blob for all would open a CUDA context on GPU 0 in every server rank, outside its memory saver,
-    and copy each bucket across GPUs. Each bucket stays alive until rank 0 has posted it."""
+    """Colocated "tensor" sync into a server of TP `ranks` > 1, on every trainer rank of the node (`group`,
+    None: the job; its leader: global rank `dst`): local rank i < `ranks` serialises its own GPU's copy of
+    each bucket for server TP rank i; the leader gets Serialized buckets, the others None."""
     for bucket in buckets:
         bucket = [(k, v.to(dtype)) for k, v in bucket] if rank < ranks else bucket  # the others only wait
         blobs = [None] * dist.get_world_size(group) if rank == 0 else None
@@ -145,7 +132,7 @@ class SGLangEngine(Engine):
         self.server_tp = int(flag_value(server_args, ("--tp-size", "--tp"), 1))
         self.route_shape = None  # R3: (all layers, top_k) of the routes the server returns
         if routed_experts:
-            cfg = json.loads((Path(hf_dir) / "config.json").read_text())
+            cfg = read_config(hf_dir)
             tc = cfg.get("text_config") or cfg
             self.route_shape = (int(tc["num_hidden_layers"]), int(tc["num_experts_per_tok"]))
             if "--enable-return-routed-experts" not in server_args:
@@ -154,13 +141,10 @@ class SGLangEngine(Engine):
             raise ValueError("weight sync over a process group takes a server with one data-parallel "
                              "replica (rank = 1 + TP rank); use --dp-size 1 or weight_sync disk")
         self.dtype = server_dtype(config_dir or hf_dir, server_args)
-        if flag_value(server_args, ("--dtype",), None) is None:  # say it: SGLang's auto serves a float32
-            # config in float16 (sglang 0.5.23 configs/model_config.py:2303-2319), not the dtype we sync in
+        if flag_value(server_args, ("--dtype",), None) is None:  # SGLang's auto serves float32 in float16
             server_args = [*server_args, "--dtype", str(self.dtype).removeprefix("torch.")]
         env = dict(env or {})  # added to our environment for the server (and its restarts)
-        # SGLang caches vision-encoder outputs by image content (100 MB LRU, mem_cache/multimodal_cache.py)
-        # and no weight update or /flush_cache clears it: a trained vision tower would see an image it
-        # met before encoded by old weights. Size 0 refuses every entry. The user's own setting wins.
+        # its vision cache outlives weight updates: off, unless the user sets its size
         env.setdefault("SGLANG_VLM_CACHE_SIZE_MB", os.environ.get("SGLANG_VLM_CACHE_SIZE_MB", "0"))
         self.server = Server(hf_dir, run_dir, server_args, env, launch_cmd, timeout, request_timeout,
                              max_restarts, on_restart=self._restarted, host=host, api_key=api_key, name=name)
@@ -168,17 +152,15 @@ class SGLangEngine(Engine):
         self.inflight, self.lock = set(), threading.Lock()  # the request ids (rid) of /generates not yet answered
 
     def attach_router(self, workers, args=(), launch_cmd=None):
-        """Generate through SGLang's router in front of `workers` (every node's server URL, this one's
-        included); weight updates, release and resume stay with this node's own server."""
+        """Generate through SGLang's router in front of `workers` (every server's URL, this one's too);
+        weight updates, release and resume stay with this server."""
         self.front = Router(workers, self.server.run_dir, self.server.timeout, self.server.request_timeout,
                             api_key=self.server.api_key, launch_cmd=launch_cmd, args=args)
 
     def _restarted(self):
         # it holds its launch weights: stale unless synced from disk; its process group is gone
         self.stale, self.group = self.weight_sync != "disk", None
-        if self.released:  # it came back holding all its memory, the trainer's meanwhile: free it again, so
-            # the next resume (or the retried one that found it dead) names only what it freed (SGLang
-            # raises KeyError resuming a region it holds, weight_updater.py:389-390)
+        if self.released:  # it came back holding all its memory, the trainer's meanwhile: free it again
             self.server.post("/release_memory_occupation", {"tags": sorted(self.released)})
 
     def shutdown(self):
@@ -217,10 +199,7 @@ class SGLangEngine(Engine):
         return out
 
     def routes(self, meta):
-        """R3: meta_info["routed_experts"], base64 of int32 (rows, all layers, top_k) for the positions
-        [routed_experts_start_len, prompt + new - 1) (sglang 0.5.23 batch_result_processor.py:154-161,
-        state_capturer/base.py:173-188, detokenizer_manager.py:432-445) -> {"routed_experts": int16 array},
-        or an error for the sample."""
+        """R3: meta_info -> {"routed_experts": int16 (rows, layers, top_k)}, or an error for the sample."""
         raw = meta.get("routed_experts")
         if raw is None:
             return {"error": "the SGLang server returned no routed_experts (not started with "
@@ -231,8 +210,7 @@ class SGLangEngine(Engine):
         return {"routed_experts": flat.reshape(-1, *self.route_shape).astype(np.int16)}
 
     def generate_payload(self, item, sp):
-        """The /generate body for one batch item (see Engine.generate): image pads collapsed to
-        one per image, images as data URIs, logprobs of the new tokens asked for."""
+        """The /generate body for one batch item: one image pad per image, images as data URIs."""
         params = {"temperature": float(sp.get("temperature", 1.0)), "top_p": float(sp.get("top_p", 1.0)),
                   "top_k": int(sp.get("top_k", -1)),
                   "max_new_tokens": int(item.get("max_new_tokens", sp["max_new_tokens"])),
@@ -242,28 +220,24 @@ class SGLangEngine(Engine):
         if self.image_pad is not None:
             ids = collapse_image_pads(ids, self.image_pad)  # the server expands each pad itself
         payload = {"input_ids": ids, "sampling_params": params, "return_logprob": True, "rid": uuid.uuid4().hex}
-        if self.route_shape:  # R3 (io_struct.py:263-268): positions counted in the server's expanded ids, as ours
+        if self.route_shape:  # R3: positions counted in the server's expanded ids, as ours
             payload.update(return_routed_experts=True, routed_experts_start_len=int(item.get("routed_experts_start", 0)))
         if item.get("images"):
             payload["image_data"] = [data.image_to_data_uri(im) for im in item["images"]]
         return payload
 
     def abort(self):
-        """--partial-rollout: every /generate in flight answers now with what it has (finish "abort"), by its
-        request id (AbortReq, sglang 0.5.23 io_struct.py:2285; the scheduler cuts a running request after its
-        next decode step, scheduler.py:5797-5811), sent to every server: the router does not say which holds it."""
+        """--partial-rollout: every /generate in flight answers now with what it has (finish "abort")."""
         with self.lock:
             rids = list(self.inflight)
         def tell(url, rid):
-            try:
+            with suppress(ServerError, ServerDown):  # a server that is gone has nothing left to cut
                 self.server.post("/abort_request", {"rid": rid}, url=url)
-            except (ServerError, ServerDown):  # a server that is gone has nothing left to cut
-                pass
         urls = getattr(self.front, "workers", [self.server.url])
         list(self.server.pool.map(lambda a: tell(*a), [(u, r) for u in urls for r in rids]))
 
     def update_weights(self, buckets):
-        """Load (HF name, full tensor) buckets into the server by self.weight_sync (module doc);
+        """Load (HF name, full tensor) buckets into the server by self.weight_sync (docs/sglang.md);
         -> number of tensors. A load the server refuses raises RuntimeError with its message."""
         buckets = (b if isinstance(b, Serialized) else [(k, v.to(self.dtype)) for k, v in b] for b in buckets)
         if self.weight_sync == "disk":
@@ -285,20 +259,19 @@ class SGLangEngine(Engine):
         return (self.server_tp, self.dtype) if self.weight_sync == "tensor" and self.server_tp > 1 else (1, None)
 
     def release(self, tags=MEMORY_TAGS):
-        """Free the server's GPU memory regions `tags` (weight_updater.py:337-381)."""
+        """Free the server's GPU memory regions `tags`."""
         self.server.call("/release_memory_occupation", {"tags": list(tags)})
         self.released |= set(tags)
 
     def resume(self, tags=MEMORY_TAGS):
-        """Take back those of `tags` that release() freed: SGLang raises on a region resumed twice
-        (offload_tags.remove, weight_updater.py:389-390), and --offload-train resumes in two parts."""
+        """Take back those of `tags` that release() freed: SGLang raises on a region resumed twice."""
         tags = [t for t in tags if t in self.released]
         if tags:
             self.server.call("/resume_memory_occupation", {"tags": tags})
             self.released -= set(tags)
 
 
-# ------------------------------------------------------------------ weight sync: the modes (module doc)
+# ------------------------------------------------------------------ weight sync: the modes (docs/sglang.md)
 def weight_update(server, path, body):
     try:
         r = server.call(path, body)
@@ -314,7 +287,7 @@ def flush_cache(server):
             server.call("/flush_cache", {})
             return
         except ServerError as e:
-            if "HTTP 400" not in str(e):
+            if e.code != 400:
                 raise
             time.sleep(0.5)
     raise RuntimeError("SGLang /flush_cache kept refusing (requests still running?)")
@@ -372,8 +345,7 @@ def join_group(server, tp):
     body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": world,
             "group_name": GROUP, "backend": "nccl" if cuda else "gloo"}
     answer = server.pool.submit(weight_update, server, "/init_weights_update_group", body)
-    # The server's ranks see the store as PrefixStore(group) (sglang utils/common.py:2905), then
-    # torch adds "<group>/" and "<device>/" (torch 2.14 distributed_c10d.py:2734, 2764): the same here.
+    # the store's keys as the server's ranks see them (docs/sglang.md)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     keys = dist.PrefixStore(f"{device.type}/", dist.PrefixStore(f"{GROUP}/", dist.PrefixStore(GROUP, store)))
     pg = (dist.ProcessGroupNCCL(keys, 0, world) if cuda else dist.ProcessGroupGloo(keys, 0, world, timeout))
@@ -389,9 +361,7 @@ def sglang_server_args(argv):
     for a in argv:
         if a.startswith("--sglang-"):
             name, eq, value = a[len("--sglang-"):].partition("=")
-            out.append("--" + name)
-            if eq:
-                out.append(value)
+            out += ["--" + name, value] if eq else ["--" + name]
         elif a.startswith("--") or not out:
             raise SystemExit(f"unknown argument {a!r} (server flags are passed as --sglang-<name> <value>)")
         else:
@@ -400,9 +370,8 @@ def sglang_server_args(argv):
 
 
 def servers_per_node(args, cuda, local_world):
-    """How many servers each node runs: its serving GPUs (--colocate: the training ones; else
-    --rollout-num-gpus; on CPU, the test harness: its trainer ranks) / --rollout-num-gpus-per-engine,
-    one when that is unset. Each is held by a trainer rank of its node (cluster.py)."""
+    """How many servers each node runs: its serving GPUs (--colocate or CPU: its trainer ranks; else
+    --rollout-num-gpus) / --rollout-num-gpus-per-engine, one when that is unset."""
     k = args.rollout_num_gpus_per_engine
     if not k:
         return 1
@@ -418,12 +387,11 @@ def servers_per_node(args, cuda, local_world):
 
 
 def sglang_placement(args, cuda, n_gpus, local_world, visible=None, index=0):
-    """-> (server flags, server environment): the GPUs the node's SGLang server `index` gets (README,
-    "Where SGLang runs"): the node's serving GPUs, or its index-th slice of
-    --rollout-num-gpus-per-engine of them. On CPU (the test harness) the server runs where it is started."""
+    """-> (server flags, server environment) of the node's SGLang server `index`: the node's serving GPUs, or
+    its slice of them (README, "Where SGLang runs"); on CPU (the test harness) it runs where it is started."""
     flags = list(args.sglang_args)
     if not cuda:
-        if args.colocate:  # sglang 0.5.23's release calls torch.cuda.synchronize: it kills a CPU server
+        if args.colocate:
             raise SystemExit("--colocate needs CUDA (SGLang's /release_memory_occupation is CUDA-only and "
                              "kills a CPU server); on CPU leave it out: the server runs beside training")
         return flags, {}

@@ -1,13 +1,6 @@
-"""The SGLang server process (one a node, or several: cluster.py): `python -m
-sglang.launch_server` on a free port of `host` (127.0.0.1 unless other nodes must reach it), leading
-its own process group, logging to <run_dir>/sglang[_<name>].log, started through `python proc.py <our pid>
-cmd...`, which arms PR_SET_PDEATHSIG (create it in the main thread: the signal follows the thread that
-started it); stop(), atexit and SIGINT/SIGTERM end the group (proc.kill_group). Server.call POSTs to
-it; a request that finds it dead restarts it and retries, an HTTP error is the caller's (ServerError).
-With an api_key the server gets `--api-key` and every request its "Authorization: Bearer" header
-(SGLang's utils/auth.py:74-151: every path but /health*, /ready*, /metrics* refuses a request without
-it); the key never reaches a log: the logged command shows "***". Router: SGLang's load balancer
-(sglang-router), the same process handling in front of several servers.
+"""The SGLang server process (one a node, or several: cluster.py) and the requests to it; Router:
+SGLang's load balancer in front of several, handled the same way. Create a Server in the main thread:
+it dies with the thread that started it. Its process, restarts, API key and the router: docs/sglang.md.
 """
 import atexit
 import http.client
@@ -23,6 +16,7 @@ import urllib.error
 import urllib.request
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from pathlib import Path
 
 import proc
@@ -45,11 +39,11 @@ class ServerError(RuntimeError):
 
     def message(self):
         """The server's own "message" field when the body is JSON carrying one, else the body."""
-        try:
+        with suppress(ValueError):
             obj = json.loads(self.body)
-        except ValueError:
-            obj = None
-        return str(obj["message"]) if isinstance(obj, dict) and obj.get("message") else self.body
+            if isinstance(obj, dict) and obj.get("message"):
+                return str(obj["message"])
+        return self.body
 
 
 def free_port(host="127.0.0.1"):
@@ -59,13 +53,11 @@ def free_port(host="127.0.0.1"):
 
 
 def port_free(host, port):
-    with socket.socket() as s:
+    with socket.socket() as s, suppress(OSError):
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT does not count
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
+        s.bind((host, port))
         return True
+    return False
 
 
 def _stop_all():
@@ -94,8 +86,8 @@ def _install_handlers():
 
 
 class Server:
-    """One server process and the requests to it. A request that finds it dead restarts it (at
-    most max_restarts times, from model_path, with the same args and env) and calls on_restart()."""
+    """One server process and the requests to it. A request that finds it dead restarts it (at most
+    max_restarts times, from model_path, with the same args and env) and calls on_restart()."""
 
     def __init__(self, model_path, run_dir, args, env, launch_cmd, timeout, request_timeout, max_restarts,
                  on_restart, host="127.0.0.1", api_key=None, name=""):
@@ -169,8 +161,7 @@ class Server:
             return False
 
     def _recover(self, epoch, error):
-        """Called by a request that found the server gone: restart it once per failure epoch
-        (concurrent requests that failed together share one restart), then they all retry."""
+        """Restart a server a request found gone, once per failure epoch: requests that failed together share it."""
         with self.lock:
             if self.epoch != epoch or self.proc is None:
                 return
@@ -188,8 +179,8 @@ class Server:
             self.on_restart()
 
     def watch(self, every=2.0):
-        """Restart the server as soon as it dies, not at the next request (a daemon thread): for a server
-        that only a router calls between weight updates, and that comes back with the weights it had."""
+        """Restart the server as soon as it dies (a daemon thread), not at our next request: for one that
+        only a router calls, and that comes back with the weights it had."""
         def loop():
             while self.proc is not None:
                 time.sleep(every)
@@ -223,10 +214,9 @@ class Server:
             raise ServerError(path, e.code, e.read().decode(errors="replace")) from None
         except (OSError, http.client.HTTPException) as e:
             raise ServerDown(f"{type(e).__name__}: {e}") from None
-        try:
+        with suppress(ValueError):
             return json.loads(body)
-        except ValueError:
-            return body
+        return body
 
     def call(self, path, payload, timeout=None):
         """POST, surviving server deaths: restart and retry (at most max_restarts + 1 tries)."""
@@ -240,11 +230,8 @@ class Server:
 
 
 class Router(Server):
-    """SGLang's load balancer (`python -m sglang_router.launch_router`, sglang-router 0.3.2) on
-    127.0.0.1 in front of `workers` (server URLs), --policy cache_aware: a request goes to the server
-    whose radix cache holds the longest prefix of its input_ids, so a multi-turn sample's later turns
-    go where its earlier ones went. With api_key it passes the key to the servers and asks it of us
-    (both measured: tests/test_cluster.py). It drops request fields its schema lacks (return_routed_experts among them)."""
+    """SGLang's load balancer (sglang-router) on 127.0.0.1 in front of `workers` (server URLs), --policy
+    cache_aware: a multi-turn sample's later turns go where its earlier ones went (docs/sglang.md)."""
 
     def __init__(self, workers, run_dir, timeout, request_timeout, api_key=None, launch_cmd=None, args=()):
         self.workers = list(workers)
@@ -253,9 +240,8 @@ class Router(Server):
                          name="router")
 
     def _healthy(self, timeout):
-        """At its start every worker registered and healthy (its /readiness: {"healthy_workers": n, ...}):
-        its /health answers 200 while it still registers them in the background, and a request then
-        gets 503. Later one healthy worker is enough: a dead server is its node's to restart."""
+        """At its start every worker registered and healthy (its /health says 200 before that), later one:
+        a dead server is its node's to restart."""
         need = 1 if getattr(self, "ready", False) else len(self.workers)
         try:
             with urllib.request.urlopen(self.url + "/readiness", timeout=timeout) as r:
@@ -266,7 +252,7 @@ class Router(Server):
 
     def command(self):
         own = [] if "--policy" in self.args else ["--policy", "cache_aware"]
-        if "--prometheus-port" not in self.args:  # its metrics port is fixed (29000): two routers on a machine clash
+        if "--prometheus-port" not in self.args:  # its default is fixed (29000): two routers on a machine clash
             own += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         return [*self.launch_cmd, "--host", self.host, "--port", str(self.port), "--worker-urls", *self.workers,
                 *own, *self.args]
