@@ -398,7 +398,9 @@ class _Pipeline:
                 self._start_group()
             if not self.running:
                 self.done.set()
-        self.done.wait()
+        while not self.done.wait(2.0):
+            if self.stopping:  # a request that reached its server after the abort is cut by this one
+                getattr(self.engine, "abort", lambda: None)()
         self.pool.shutdown(wait=False)
         self.bar.close()
         if self.errors:
