@@ -36,7 +36,7 @@ class PackedCoreAttention(torch.nn.Module):
     def _context_parallel(self, query, key, value, cu):
         """This rank's queries (T / CP, heads, dim), its zigzag chunks of the sequences cu delimits (those of the
         whole sequences, as TE takes them), over every rank's keys and values: position p sees keys <= p."""
-        lens, group = [b - a for a, b in zip(cu[:-1], cu[1:])], ps.get_context_parallel_group()
+        lens, group = tuple(b - a for a, b in zip(cu[:-1], cu[1:])), ps.get_context_parallel_group()
         key, value = (C.gather_sequence(x, lens, self.cp, group) for x in (key, value))  # (T, groups, dim)
         qpos = C.held(lens, self.cp, ps.get_context_parallel_rank()).to(query.device)
         out, lo = [], 0

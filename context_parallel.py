@@ -2,6 +2,8 @@
 sequences (CP rank r holds chunks r and 2 CP - 1 - r of each) and the collectives that give what needs whole
 sequences its tokens (docs/layouts.md).
 """
+import functools
+
 import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
@@ -14,9 +16,11 @@ def padded(n, cp):
     return -(-n // m) * m
 
 
+@functools.lru_cache(maxsize=64)
 def held(lens, cp, rank):
-    """(sum(lens) / CP,) positions of the packed row (sequences of `lens`, multiples of 2 CP) that CP rank
-    `rank` holds, in its order: per sequence, chunk rank, then chunk 2 CP - 1 - rank."""
+    """(sum(lens) / CP,) positions of the packed row (sequences of `lens`, a tuple of multiples of 2 CP) that CP
+    rank `rank` holds, in its order: per sequence, chunk rank, then chunk 2 CP - 1 - rank. Cached: every layer
+    of a micro-batch asks for the same (a cached tensor is never written to)."""
     if cp == 1:
         return torch.arange(sum(lens))
     out, off = [], 0
@@ -33,8 +37,9 @@ def rank_order(lens, cp):
     return torch.cat([held(lens, cp, r) for r in range(cp)])
 
 
+@functools.lru_cache(maxsize=64)
 def token_order(lens, cp):
-    """The index that puts the ranks' local rows, concatenated in rank order, back in token order."""
+    """The index that puts the ranks' local rows, concatenated in rank order, back in token order (cached)."""
     return rank_order(lens, cp).argsort()
 
 

@@ -219,12 +219,12 @@ def packed_row(hf_config, seqs, per_seq, par, sp):
     extra = share * par.cp - sum(lens)
     if extra:
         lens, ids, pos = lens + [extra], ids + [torch.zeros(extra, dtype=torch.long)], pos + [torch.arange(extra).expand(3, -1)]
-    return torch.cat(ids), torch.cat(pos, 1), lens
+    return torch.cat(ids), torch.cat(pos, 1), tuple(lens)
 
 
 def packed_seq_params(lens, cp, device):
     """THD PackedSeqParams: attention and Gated DeltaNet run per sequence (under CP whole: TE splits them)."""
-    cu = torch.tensor([0] + lens, device=device).cumsum(0).int()
+    cu = torch.tensor([0, *lens], device=device).cumsum(0).int()
     padded = dict(cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu) if cp > 1 else {}  # TE's THD CP reads these
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
                            max_seqlen_kv=max(lens), **padded)

@@ -143,7 +143,7 @@ class GatedDeltaNet(MegatronModule):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # (T, vh) log decay
         w, kh, vh = self.conv1d.weight, self.kh, self.vh
         if self.cp > 1:  # -> every token of the whole sequences, this CP rank's heads
-            lens, group, rank = (cu[1:] - cu[:-1]).tolist(), ps.get_context_parallel_group(), ps.get_context_parallel_rank()
+            lens, group, rank = tuple((cu[1:] - cu[:-1]).tolist()), ps.get_context_parallel_group(), ps.get_context_parallel_rank()
             qkv = C.to_heads(qkv[:, torch.cat(self.cp_parts).to(qkv.device)], lens, self.cp, group)
             gb = C.to_heads(torch.stack([g, beta.float()], -1).flatten(1), lens, self.cp, group).unflatten(-1, (-1, 2))
             g, beta = gb[..., 0], gb[..., 1]

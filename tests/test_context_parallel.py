@@ -10,11 +10,11 @@ from test_model import torchrun2
 
 def test_zigzag_chunks_balance_the_ranks_and_come_back_in_token_order():
     assert [C.padded(n, 2) for n in (35, 36, 1)] == [36, 36, 4] and C.padded(35, 1) == 35
-    lens = [8, 12]  # chunks of 2 and 3 tokens at CP 2
+    lens = (8, 12)  # chunks of 2 and 3 tokens at CP 2
     assert C.held(lens, 2, 0).tolist() == [0, 1, 6, 7, 8, 9, 10, 17, 18, 19]
     assert C.held(lens, 2, 1).tolist() == [2, 3, 4, 5, 11, 12, 13, 14, 15, 16]
     for cp in (1, 2, 3):
-        lens = [6 * cp, 2 * cp, 10 * cp]
+        lens = (6 * cp, 2 * cp, 10 * cp)
         rows = C.rank_order(lens, cp)
         assert sorted(rows.tolist()) == list(range(sum(lens)))  # every token on one rank
         assert torch.equal(rows[C.token_order(lens, cp)], torch.arange(sum(lens)))
