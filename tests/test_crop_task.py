@@ -22,7 +22,7 @@ from tools import blank_crop, synth
 
 @pytest.fixture(scope="module")
 def rows():
-    return synth.synth_records(12, seed=5, kinds=("crop",), size=64)
+    return synth.synth_records(12, seed=5, kinds=("crop",), size=64)  # 512-px canvases
 
 
 def test_rows_name_a_box_whose_crop_is_the_polygon_of_the_answer(rows):
@@ -30,12 +30,12 @@ def test_rows_name_a_box_whose_crop_is_the_polygon_of_the_answer(rows):
         canvas = data.decode_image(r["images"][0]["bytes"])
         x1, y1, x2, y2 = r["box"]
         assert canvas.size == (512, 512) and r["tools"] == ["crop"]
-        assert 100 <= x1 < x2 == x1 + 64 <= 512 and 100 <= y1 < y2 == y1 + 64 <= 512
+        assert x1 in (96, 352) and y1 in (96, 352) and (x2, y2) == (x1 + 64, y1 + 64)  # a quarter's centre
         assert r["problem"] == f"<image>How many sides does the polygon in the box {r['box']} have?"
         inside = canvas.crop(r["box"])
         assert _sides_from_image(inside) == int(r["answer"])
         assert (255, 0, 0) not in [c for _, c in inside.getcolors(10_000)]
-        ring = canvas.crop((x1 - 4, y1 - 4, x2 + 4, y2 + 4))  # the outline, just outside the box
+        ring = canvas.crop((x1 - 16, y1 - 16, x2 + 16, y2 + 16))  # the outline, just outside the box
         assert (255, 0, 0) in [c for _, c in ring.getcolors(10_000)]
         dark = sum(v < 128 for v in canvas.convert("L").getdata())
         assert dark > 2 * sum(v < 128 for v in inside.convert("L").getdata())  # distractors elsewhere
@@ -72,7 +72,9 @@ def call(name, arguments):
 
 
 def test_rollout_metrics_count_calls_by_tool_score_crops_against_the_box_and_split_accuracy(processor, rows, tmp_path):
-    pq.write_table(pa.Table.from_pylist(rows[:4]), tmp_path / "train.parquet")
+    one_a_box = list({tuple(r["box"]): r for r in rows}.values())  # the engine plays each episode by its box
+    assert len(one_a_box) == 4
+    pq.write_table(pa.Table.from_pylist(one_a_box), tmp_path / "train.parquet")
     recs = data.load_geo3k(tmp_path, "train")
     assert [r["tools"] for r in recs] == [["crop"]] * 4 and all(len(r["box"]) == 4 for r in recs)
     (a, b, c, d), right = [r["box"] for r in recs], [f"\\boxed{{{r['answer']}}}" for r in recs]
