@@ -75,25 +75,20 @@ def _triangle(rng, size, jitter):
 
 
 def _boxed(rng, size, jitter, canvas=8):
-    """A `sides` picture of `size` px pasted into a canvas `canvas` times as wide at the centre of one of its
-    quarters, marked by a thick red ring just outside it, with 3 more polygons anywhere else; the question
-    names the box in pixels. At the tiny processor's 256 px for the whole canvas the polygon is a few
-    patches; the env's crop of the box is the `sides` picture itself. Four places, not anywhere: the tiny
-    model did not learn to copy 12 free digits from the prompt into its call (NOTES-43.md)."""
+    """Two `sides` pictures of `size` px on a canvas `canvas` times as wide, at mid-height, a quarter of the
+    way in from either side; the question names one's box in pixels. At the tiny processor's 256 px for the
+    whole canvas each polygon is a few patches; the env's crop of the box is that `sides` picture. Only the
+    text says which polygon is asked, by which digits it holds (NOTES-43.md: why two places and no mark)."""
     side = size * canvas
     img = Image.new("RGB", (side, side), "white")
-    x, y = (side * (2 * rng.randrange(2) + 1) // 4 - size // 2 for _ in range(2))
-    spots, answers = [], []
-    while len(spots) < 4:  # the box first, then the distractors, clear of one another and of the ring
-        if all(abs(x - a) > size + 24 or abs(y - b) > size + 24 for a, b in spots):
-            _, n, pic = _polygon(rng, size, jitter, SIDES_QUESTIONS)
-            img.paste(pic, (x, y))
-            spots.append((x, y))
-            answers.append(n)
-        x, y = rng.randrange(0, side - size), rng.randrange(0, side - size)
+    spots = [(side // 4 - size // 2, (side - size) // 2), (3 * side // 4 - size // 2, (side - size) // 2)]
+    rng.shuffle(spots)  # the first is the one asked
+    answers = []
+    for x, y in spots:
+        _, n, pic = _polygon(rng, size, jitter, SIDES_QUESTIONS)
+        img.paste(pic, (x, y))
+        answers.append(n)
     box = [spots[0][0], spots[0][1], spots[0][0] + size, spots[0][1] + size]
-    # 12 px wide: still 3 px of red once the processor shrinks the canvas 4x
-    ImageDraw.Draw(img).rectangle((box[0] - 16, box[1] - 16, box[2] + 15, box[3] + 15), outline="red", width=12)
     return f"How many sides does the polygon in the box {box} have?", answers[0], img, {"box": box, "tools": ["crop"]}
 
 
