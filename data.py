@@ -3,7 +3,7 @@
     python data.py show tests/data/geo3k_real/test.parquet   # load and summarise a source
 
 `load_geo3k(source, split=None)` returns a list of {"problem", "answer", "images"} records
-(images as RGB PIL images) from a hub id (`hiyouga/geometry3k`), a parquet or jsonl file, or a
+(images as RGB PIL images; other columns as they are) from a hub id (`hiyouga/geometry3k`), a parquet or jsonl file, or a
 folder holding `<split>.parquet` / `<split>.jsonl`; how bad rows are handled: README, "Reliability".
 """
 import argparse
@@ -158,7 +158,9 @@ def _record(row, base_dir, input_key, label_key, max_pixels, allow_urls, allow_o
             images.append(decode_image(value, base_dir, max_pixels, allow_urls, allow_outside))
         except Exception as e:  # noqa: BLE001 - PIL raises many types for corrupt bytes
             raise ValueError(f"image {j}: {e}") from None
-    return {"problem": problem, "answer": answer, "images": images}
+    # other columns ride along: a `messages` conversation (SFT), the `tools` a row offers, a crop task's `box`
+    rest = {k: v for k, v in row.items() if k not in (input_key, label_key, "images", "image")}
+    return {**rest, "problem": problem, "answer": answer, "images": images}
 
 
 def load_geo3k(source, split=None, input_key="problem", label_key="answer", max_bad_frac=0.01,

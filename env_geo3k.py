@@ -11,7 +11,10 @@ tool") with a TOOLS entry and a TOOL_SPECS entry (the JSON-schema spec templates
 `tools=`). Nothing the model writes is evaluated or executed: arguments are checked as data.
 Options read from args: max_turns (required), oracle (default True; False makes calc_score only
 record the answer, as evaluation must: an oracle tool inflates multi-turn accuracy), rm_type
-("math"), min_pixels (crop area floor, default 56*56), max_payload (4096 chars).
+("math"), min_pixels (crop area floor, default 56*56), max_payload (4096 chars). Read from the
+sample: `tools`, the names it offers (default all: a task without the oracle leaves calc_score out),
+and `box`, a region the task names, which each crop of image 0 is scored against in its step info
+(`iou`, for metrics; the model never sees it).
 """
 import json
 import math
@@ -96,6 +99,50 @@ def crop(env, arguments):
 TOOLS = {"calc_score": calc_score, "calc_geo3k_reward": calc_score, "crop": crop}
 
 
+def offered(names):
+    """The tool names a row offers (`tools`; None: every tool), checked."""
+    if names is None:
+        return list(TOOLS)
+    if isinstance(names, str) or not all(n in TOOLS for n in names):
+        raise ValueError(f"tools {names!r}: a list of tool names from {', '.join(TOOLS)}")
+    return list(names)
+
+
+def specs(names=None):
+    """TOOL_SPECS of the tools offered."""
+    names = offered(names)
+    return [s for s in TOOL_SPECS if s["function"]["name"] in names]
+
+
+def iou(a, b):
+    """Intersection over union of two [x1, y1, x2, y2] boxes."""
+    w, h = min(a[2], b[2]) - max(a[0], b[0]), min(a[3], b[3]) - max(a[1], b[1])
+    inter = max(0, w) * max(0, h)
+    return inter / ((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter)
+
+
+def tool_metrics(steps, rewards):
+    """A multi-turn rollout's tool use, from each episode's step infos and reward (None: failed): per
+    episode, tool_calls_<tool> (calls that ran); crop_iou, the mean IoU of crops of image 0 with the row's
+    box, and crop_hit_frac, the share of episodes with one at IoU >= 0.5; accuracy_with_crop and
+    accuracy_without_crop over the episodes that did or did not crop. {} for single-turn ones."""
+    if not any(steps):
+        return {}
+    ran, n = [[i for i in st if i.get("ran")] for st in steps], len(steps)
+    names = [t["function"]["name"] for t in TOOL_SPECS]
+    m = {f"tool_calls_{t}": sum(i["tool"] == t for st in ran for i in st) / n for t in names}
+    ious = [[i["iou"] for i in st if "iou" in i] for st in ran]
+    if any(ious):
+        m["crop_iou"] = sum(map(sum, ious)) / sum(map(len, ious))
+        m["crop_hit_frac"] = sum(max(x, default=0) >= 0.5 for x in ious) / n
+    cropped = [any(i["tool"] == "crop" for i in st) for st in ran]
+    for key, want in (("accuracy_with_crop", True), ("accuracy_without_crop", False)):
+        part = [r for r, c in zip(rewards, cropped) if c == want and r is not None]
+        if part:
+            m[key] = sum(r > 0 for r in part) / len(part)
+    return m
+
+
 def _spec(name, description, properties, required):
     return {"type": "function", "function": {"name": name, "description": description, "parameters": {
         "type": "object", "properties": properties, "required": required}}}
@@ -119,10 +166,11 @@ JSON_EXAMPLE = '<tool_call>\n{"name": "calc_score", "arguments": {"answer": "42"
 XML_EXAMPLE = "<tool_call>\n<function=calc_score>\n<parameter=answer>\n42\n</parameter>\n</function>\n</tool_call>"
 
 
-def usage(xml=False):
-    """The exact call format (Qwen3.5's XML form if the model used it) and each tool's usage line
-    (aliases listed once)."""
-    lines = ["- " + fn.__doc__.strip().splitlines()[0] for fn in dict.fromkeys(TOOLS.values())]
+def usage(xml=False, names=None):
+    """The exact call format (Qwen3.5's XML form if the model used it) and each offered tool's usage
+    line (aliases listed once)."""
+    tools = [TOOLS[n] for n in offered(names)]
+    lines = ["- " + fn.__doc__.strip().splitlines()[0] for fn in dict.fromkeys(tools)]
     example = XML_EXAMPLE if xml else JSON_EXAMPLE
     return f"Call one tool exactly like this:\n{example}\nTools:\n" + "\n".join(lines)
 
@@ -144,8 +192,9 @@ def _field(sample, name):  # sample: a dict, an object or None
 
 class Geo3kEnv:
     def __init__(self, label, images, max_turns, oracle=True, rm_type="math", min_pixels=MIN_SIDE * MIN_SIDE,
-                 max_payload=4096):  # the options the module docstring names
+                 max_payload=4096, tools=None, box=None):  # the options the module docstring names
         self.label = None if label is None else str(label)
+        self.tools, self.box = offered(tools), box
         self.problem_images = list(images or [])
         self.max_turns, self.oracle, self.min_pixels, self.max_payload = max_turns, oracle, min_pixels, max_payload
         self.reward_fn = reward.get_reward_fn(rm_type or "math")
@@ -231,14 +280,16 @@ class Geo3kEnv:
         images = []
         try:
             name, arguments = self.parse(response_text, info)
-            if name not in TOOLS:
-                raise ToolError(f"unknown tool {name[:80]!r}; tools are {', '.join(TOOLS)}")
+            if name not in self.tools:
+                raise ToolError(f"unknown tool {name[:80]!r}; tools are {', '.join(self.tools)}")
             text, images, info["score"] = TOOLS[name](self, arguments)
             info["ran"] = True
+            if name == "crop" and self.box is not None and arguments.get("image", 0) == 0:
+                info["iou"] = iou(arguments["bbox"], self.box)
         except ToolError as e:
             info["error"] = str(e)
             xml = "<function=" in response_text[response_text.rfind("<tool_call>"):]
-            text = f"Error: {e}.\n{usage(xml)}"
+            text = f"Error: {e}.\n{usage(xml, self.tools)}"
         if self.turn == self.max_turns - 1:  # every tool's feedback warns, not only calc_score's
             text += "\nThis is your last turn: give your final answer now as \\boxed{...}."
         return {"text": text, "images": images}, self.turn >= self.max_turns, info
@@ -265,4 +316,4 @@ def build_env(sample=None, args=None, **_):
     # the recipe's args namespace may hold any of the options, or none but max_turns
     options = {k: getattr(args, k) for k in ("oracle", "rm_type", "min_pixels", "max_payload")
                if getattr(args, k, None) is not None}
-    return Geo3kEnv(label, images, max_turns, **options)
+    return Geo3kEnv(label, images, max_turns, tools=_field(sample, "tools"), box=_field(sample, "box"), **options)

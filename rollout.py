@@ -96,16 +96,24 @@ def render(processor, messages, tools=None, add_generation_prompt=False):
                                          tokenize=False)
 
 
+def template_tools(processor, record):
+    """The record's offered tools (its `tools`, default all) as the template's `tools=` list, or None where
+    the template renders none (Qwen2.5-VL ignores it)."""
+    probe = [{"role": "user", "content": "?"}]
+    renders = render(processor, probe, env_geo3k.TOOL_SPECS) != render(processor, probe)
+    return env_geo3k.specs(record.get("tools")) if renders else None
+
+
 def chat_prompt(processor, record, multi_turn=False):
     """-> (messages, tools) of a record's prompt. Multi-turn: the tools go in the model's own
     trained format where its template renders a `tools=` list (Qwen3-VL, Qwen3.5, tools/tiny.py's),
-    else (Qwen2.5-VL ignores it) as env_geo3k's hand-written list in the system prompt."""
+    else as env_geo3k's hand-written list in the system prompt."""
     if not multi_turn:
         return data.prompt_messages(record), None
-    probe = [{"role": "user", "content": "?"}]
-    if render(processor, probe, env_geo3k.TOOL_SPECS) != render(processor, probe):
-        return data.prompt_messages(record, multi_turn=True), env_geo3k.TOOL_SPECS
-    return data.prompt_messages(record, multi_turn=True, tool_list=env_geo3k.usage()), None
+    tools = template_tools(processor, record)
+    if tools is not None:
+        return data.prompt_messages(record, multi_turn=True), tools
+    return data.prompt_messages(record, multi_turn=True, tool_list=env_geo3k.usage(names=record.get("tools"))), None
 
 
 def encode_prompt(processor, messages, images, tools=None):
@@ -576,7 +584,7 @@ def generate_group_samples(engine, processor, records, args, reward_fn=None, par
 
 
 def rollout_metrics(samples):
-    """Means over samples; reward and accuracy over the ones not failed."""
+    """Means over samples; reward and accuracy over the ones not failed; multi-turn, the env's tool metrics."""
     n = max(len(samples), 1)
     ok = [s for s in samples if s.status != "failed"] or [Sample(prompt_ids=[])]
     m = {"reward": sum(s.reward for s in ok) / len(ok),
@@ -589,6 +597,8 @@ def rollout_metrics(samples):
          "tool_calls": sum(s.tool_calls for s in samples) / n,
          "format_ok_frac": sum(bool(s.metadata.get("format_ok")) for s in samples) / n,
          "samples": len(samples)}
+    m.update(env_geo3k.tool_metrics([s.metadata.get("steps", []) for s in samples],  # multi-turn: tool use
+                                    [None if s.status == "failed" else s.reward for s in samples]))
     if samples and "rollout" in samples[0].metadata:  # where the rollout's time went, what it cut and dropped
         ends, stats = [s.metadata["end_s"] for s in samples], samples[0].metadata["rollout"]
         if stats["dropped"] is not None:  # --dynamic-sampling: the share of complete groups kept

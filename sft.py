@@ -12,6 +12,7 @@ global batch and divided by its token count, so any TP x DP split gives the same
 image goes through the vision tower into the loss; `--freeze-vit` keeps the tower fixed.
 """
 import argparse
+import json
 import math
 
 import torch
@@ -39,16 +40,54 @@ def parse_args(argv=None):
     return build_parser().parse_args(argv)
 
 
+def _parts(content):
+    """A message's content: a string, or its parts with the None-valued keys parquet gives them dropped."""
+    return content if isinstance(content, str) else [{k: v for k, v in p.items() if v is not None} for p in content]
+
+
+def _n_images(messages):
+    return sum(p.get("type") == "image" for m in messages if not isinstance(m["content"], str) for p in m["content"])
+
+
 def encode(processor, record):
-    """-> the trainer's Item: the prompt exactly as a rollout encodes
-    it, then the answer as the chat template renders it after that prompt (through <|im_end|>),
-    with loss mask 1."""
-    messages = data.prompt_messages(record)
-    prompt = rollout.encode_prompt(processor, messages, record["images"])
-    target = rollout.encode_target(processor, messages, data.sft_target(record["answer"]))
-    pixel_values, grid = rollout.encode_images(processor, record["images"])
-    return T.Item(ids=torch.tensor(prompt + target), mask=torch.tensor([False] * len(prompt) + [True] * len(target)),
-                  pixel_values=pixel_values, image_grid_thw=grid)
+    """-> the trainer's Item, tokens exactly as a rollout of the same conversation makes them: the
+    prompt (encode_prompt), then each assistant turn as the template renders it after what precedes
+    it (encode_target, through <|im_end|>; loss mask 1) and each tool turn as a rollout appends it
+    (encode_observation; mask 0). The conversation: the record's `messages` (slime's SFT form, a list
+    or its JSON: system, user, assistant and tool turns, tool calls as text; the tools offered are the
+    row's `tools`; its `images` in the order of their parts), else the prompt and `Answer: \\boxed{..}`."""
+    images, messages, tools = list(record["images"]), record.get("messages"), None
+    if messages is None:
+        messages = data.sft_messages(record)
+    else:
+        messages = json.loads(messages) if isinstance(messages, str) else messages
+        messages = [{"role": m["role"], "content": _parts(m["content"])} for m in messages]
+        tools = rollout.template_tools(processor, record)
+    roles = [m["role"] for m in messages]
+    if "assistant" not in roles or roles[-1] != "assistant" or not set(roles) <= {"system", "user", "assistant", "tool"}:
+        raise ValueError(f"messages with roles {roles}: want system, user, assistant and tool turns, the last an assistant's")
+    first = roles.index("assistant")
+    seen = _n_images(messages[:first])
+    ids = rollout.encode_prompt(processor, messages[:first], images[:seen], tools)
+    mask, history = [False] * len(ids), messages[:first]
+    opener = rollout.assistant_opener(processor, history, tools)
+    stops = processor.tokenizer.convert_tokens_to_ids([rollout.IM_END, rollout.ENDOFTEXT])
+    for m in messages[first:]:
+        if m["role"] == "assistant":  # a rollout keeps what the model wrote after the opener, decoded
+            text = m["content"] if isinstance(m["content"], str) else "".join(p.get("text", "") for p in m["content"])
+            turn = rollout.encode_target(processor, history, text, tools)
+            said = processor.tokenizer.decode([t for t in turn if t not in stops], skip_special_tokens=False)
+            history = history + [{"role": "assistant", "content": opener + said}]
+        else:
+            n = _n_images([m])
+            turn = rollout.encode_observation(processor, history, m, images[seen:seen + n], tools)
+            history, seen = history + [m], seen + n
+        ids += turn
+        mask += [m["role"] == "assistant"] * len(turn)
+    if seen != len(images):
+        raise ValueError(f"messages show {seen} images, the row has {len(images)}")
+    pixel_values, grid = rollout.encode_images(processor, images)
+    return T.Item(ids=torch.tensor(ids), mask=torch.tensor(mask), pixel_values=pixel_values, image_grid_thw=grid)
 
 
 def batch_loss(model, par, items, max_tokens, backward):

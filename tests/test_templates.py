@@ -192,6 +192,33 @@ def test_template_that_rerenders_history_fails_the_sample(records):
     assert set(s.loss_mask) == {0}
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_sft_of_an_episode_is_the_rollout_of_it(name, records):
+    """sft.encode of a `messages` row (prompt as the rollout makes it, a crop call in the model's format, the
+    env's tool turn with its image, the answer) gives the tokens and loss mask of a rollout whose model
+    writes the SFT targets, and each target is the row's text (Qwen3.5-35B's after closing its open <think>)."""
+    import sft
+    proc, crop_only = real_processor(name), dict(records[0], tools=["crop"])
+    messages, _ = rollout.chat_prompt(proc, crop_only, multi_turn=True)
+    call = CROP_XML if name.startswith("Qwen3.5") else CROP_JSON
+    env = env_geo3k.build_env(crop_only, rollout_args(max_turns=3))
+    obs, _, _ = env.step(call)
+    row = dict(crop_only, images=crop_only["images"] + obs["images"], messages=messages + [
+        {"role": "assistant", "content": call}, env.format_observation(obs), {"role": "assistant", "content": ANSWER}])
+    item = sft.encode(proc, row)
+    ids, mask = item.ids.tolist(), item.mask.tolist()
+    starts = [i for i in range(1, len(ids)) if mask[i] and not mask[i - 1]] + [len(ids)]  # each target's run
+    targets = [proc.tokenizer.decode([t for t, m in zip(ids[a:b], mask[a:b]) if m]) for a, b in zip(starts, starts[1:])]
+    prefix = "\n</think>\n\n" if name == QWEN3_5_MOE else ""
+    assert targets == [prefix + call + "<|im_end|>", prefix + ANSWER + "<|im_end|>"]
+    eng = Script(proc.tokenizer, [t.removesuffix("<|im_end|>") for t in targets])
+    (s,) = rollout.run_episodes(eng, proc, [crop_only], rollout_args(max_turns=3, n_samples_per_prompt=1,
+                                                                     rollout_max_response_len=2000))
+    assert s.status == "completed" and s.turns == 2, s.fail_reason
+    assert ids == s.tokens and mask == [False] * len(s.prompt_ids) + [bool(m) for m in s.loss_mask]
+    assert ("<tools>" in proc.tokenizer.decode(s.prompt_ids)) == (name != QWEN2_5_VL)
+
+
 # ---------------------------------------------------------------------------------- tool calls round trip
 CALLS = [("crop", {"bbox": [10, 20, 110, 70], "image": 0}), ("crop", {"bbox": [0, 0, 50, 50]}),
          ("calc_score", {"answer": "80"}), ("calc_score", {"answer": "5\\sqrt{3}"}),

@@ -16,7 +16,7 @@ def read(path):
 
 
 def stage_rows(run):
-    """[(title, first reward, mean of the last 5, {eval key: [before, after]}), rewards per step]."""
+    """[(title, first reward, mean of the last 5, {eval key: [before, after]})], [(title, rewards, crop calls)]."""
     base = read(run / "base_eval" / "metrics.jsonl")
     last = {k: base[0][k] for k, _ in EVALS if base and k in base[0]}  # each eval's latest value
     rows, curves = [], []
@@ -35,8 +35,8 @@ def stage_rows(run):
             last[k] = acc[k][1] if acc[k][1] is not None else before
         tail = [r for _, r in rewards[-5:]]
         rows.append((title, rewards[0][1] if rewards else None, sum(tail) / len(tail) if tail else None, acc))
-        if rewards:
-            curves.append((title, rewards))
+        if rewards:  # with the crop calls per episode of a multi-turn stage
+            curves.append((title, rewards, [(x["step"], x["tool_calls_crop"]) for x in m if "tool_calls_crop" in x]))
     return rows, curves
 
 
@@ -63,9 +63,12 @@ def main(run):
         acc.set(ylabel="greedy eval accuracy", ylim=(-0.02, 1.02), title="after each stage")
         acc.grid(alpha=0.3)
         acc.legend(fontsize=8)
-        for title, pts in curves:
-            ax.plot([s for s, _ in pts], [r for _, r in pts], marker=".", label=title)
-        ax.set(xlabel="GRPO step", ylabel="mean reward", ylim=(-0.02, 1.02), title=f"{run.name}: reward")
+        for title, pts, calls in curves:
+            line, = ax.plot([s for s, _ in pts], [r for _, r in pts], marker=".", label=title)
+            if calls:
+                ax.plot([s for s, _ in calls], [c for _, c in calls], ls="--", color=line.get_color(),
+                        label=f"{title}: crop calls / episode")
+        ax.set(xlabel="GRPO step", ylabel="mean reward; crop calls", ylim=(-0.02, 1.02), title=f"{run.name}: reward")
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()

@@ -3,16 +3,25 @@ the tests and the benches train on. Not part of a training job on real data.
 
     python tools/synth.py --n 512 --out data/synth            # train.parquet + test.parquet
     python tools/synth.py --n 1024 --kinds sides --out data/sides --seed 1
+    python tools/synth.py --n 1024 --kinds crop --out data/crop          # the polygon in a box of a big canvas
+    python tools/synth.py --n 512 --kinds crop --out data/crop_warm --warm-start 0.3   # SFT episodes, 30% cropping
 """
 import argparse
 import io
+import json
 import math
 import random
+import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw
+
+if not __package__:  # run as a script (python tools/synth.py): the core is one folder up
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import data  # noqa: E402
+import env_geo3k  # noqa: E402
 
 POLYGON_QUESTIONS = {  # question -> answer as a function of the number of sides n
     "Find the sum of the interior angles of the polygon.": lambda n: 180 * (n - 2),
@@ -65,29 +74,85 @@ def _triangle(rng, size, jitter):
     return "Find x, the measure of the unlabelled angle in degrees.", _num(180 - a - b), img
 
 
+def _boxed(rng, size, jitter, canvas=8):
+    """Two `sides` pictures of `size` px on a canvas `canvas` times as wide, at mid-height, a quarter of the
+    way in from either side; the question names one's box in pixels. At the tiny processor's 256 px for the
+    whole canvas each polygon is a few patches; the env's crop of the box is that `sides` picture. Only the
+    text says which polygon is asked, by which digits it holds (NOTES-43.md: why two places and no mark)."""
+    side = size * canvas
+    img = Image.new("RGB", (side, side), "white")
+    spots = [(side // 4 - size // 2, (side - size) // 2), (3 * side // 4 - size // 2, (side - size) // 2)]
+    rng.shuffle(spots)  # the first is the one asked
+    answers = []
+    for x, y in spots:
+        _, n, pic = _polygon(rng, size, jitter, SIDES_QUESTIONS)
+        img.paste(pic, (x, y))
+        answers.append(n)
+    box = [spots[0][0], spots[0][1], spots[0][0] + size, spots[0][1] + size]
+    return f"How many sides does the polygon in the box {box} have?", answers[0], img, {"box": box, "tools": ["crop"]}
+
+
 KINDS = {"sides": lambda rng, size, jitter: _polygon(rng, size, jitter, SIDES_QUESTIONS),
-         "polygon": _polygon, "triangle": _triangle}  # easiest first: one-token answers, 4 classes
+         "polygon": _polygon, "triangle": _triangle, "crop": _boxed}  # easiest first: one-token answers, 4 classes
+
+
+def _png(img):
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return {"bytes": buf.getvalue(), "path": None}
 
 
 def synth_records(n, seed=0, kinds=("polygon",), size=128, jitter=0.0):
-    """n records in the geo3k schema; `jitter` in [0, 1] varies pose and colour (the difficulty dial)."""
+    """n records in the geo3k schema (crop: with the `box` and the `tools` offered); `jitter` in [0, 1]
+    varies pose and colour (the difficulty dial)."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        question, answer, img = KINDS[rng.choice(list(kinds))](rng, size, jitter)
-        buf = io.BytesIO()
-        img.save(buf, format="PNG")
-        out.append({"images": [{"bytes": buf.getvalue(), "path": None}],
-                    "problem": "<image>" + question, "answer": answer})
+        question, answer, img, *extra = KINDS[rng.choice(list(kinds))](rng, size, jitter)
+        out.append({"images": [_png(img)], "problem": "<image>" + question, "answer": answer, **(extra or [{}])[0]})
     return out
 
 
-def write_synth(out, n, n_test=64, seed=0, kinds=("polygon",), size=128, jitter=0.0):
+def crop_view(rows):
+    """The crop kind's rows with the env's crop of the box as their only image: what a model that
+    always crops sees (the whole-image vs crop measurement)."""
+    out = []
+    for r in rows:
+        env = env_geo3k.Geo3kEnv(r["answer"], [data.decode_image(r["images"][0]["bytes"])], max_turns=2)
+        _, images, _ = env_geo3k.crop(env, {"bbox": r["box"]})
+        out.append(dict(r, images=[_png(images[0])]))
+    return out
+
+
+def warm_start(rows, share, seed=0):
+    """SFT episodes (slime's `messages` form) of the crop kind's rows: a `share` of them call crop on the
+    named box and answer after seeing it, the rest answer at once; tool turns are the env's own at --max-turns 3
+    (its text, its crop in `images`, after the canvas). SFT then teaches the call's format, not a policy."""
+    rng, out = random.Random(seed), []
+    for r in rows:
+        canvas = data.decode_image(r["images"][0]["bytes"])
+        messages = data.prompt_messages({**r, "images": [canvas]}, multi_turn=True)
+        images = [r["images"][0]]
+        if rng.random() < share:
+            call = '<tool_call>\n' + json.dumps({"name": "crop", "arguments": {"bbox": r["box"]}}) + '\n</tool_call>'
+            env = env_geo3k.build_env({**r, "images": [canvas]}, argparse.Namespace(max_turns=3))
+            obs, _, info = env.step(call)
+            assert info["ran"], info
+            messages += [{"role": "assistant", "content": call}, env.format_observation(obs)]
+            images += [_png(im) for im in obs["images"]]
+        messages.append({"role": "assistant", "content": data.sft_target(r["answer"])})
+        out.append(dict(r, images=images, messages=json.dumps(messages)))  # JSON: each content's form kept
+    return out
+
+
+def write_synth(out, n, n_test=64, seed=0, kinds=("polygon",), size=128, jitter=0.0, view=None, warm=None):
+    """view "crop": crop_view's rows; warm (a share): warm_start's episodes."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for split, count, s in (("train", n, seed), ("test", n_test, seed + 1_000_003)):
-        pq.write_table(pa.Table.from_pylist(synth_records(count, s, kinds, size, jitter)),
-                       out / f"{split}.parquet")
+        rows = synth_records(count, s, kinds, size, jitter)
+        rows = crop_view(rows) if view == "crop" else warm_start(rows, warm, s) if warm is not None else rows
+        pq.write_table(pa.Table.from_pylist(rows), out / f"{split}.parquet")
     return out
 
 
@@ -98,14 +163,22 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--seed", type=int, default=0, help="random seed (same seed, same files)")
     p.add_argument("--kinds", default="polygon", help=f"comma list of {sorted(KINDS)}")
-    p.add_argument("--size", type=int, default=128, help="image side in pixels")
+    p.add_argument("--size", type=int, default=128, help="image side in pixels (crop: the box's; the canvas is 8x)")
     p.add_argument("--jitter", type=float, default=0.0, help="0..1: random pose and colour (harder)")
+    p.add_argument("--crop-view", action="store_true", help="crop: each image is the crop of its box")
+    p.add_argument("--warm-start", type=float, default=None, metavar="SHARE",
+                   help="crop: SFT episodes (`messages`), SHARE of them calling crop")
     a = p.parse_args(argv)
     kinds = tuple(k.strip() for k in a.kinds.split(","))
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:
         p.error(f"unknown --kinds {unknown}; choose from {sorted(KINDS)}")
-    out = write_synth(a.out, a.n, a.n_test, a.seed, kinds, a.size, a.jitter)
+    if (a.crop_view or a.warm_start is not None) and kinds != ("crop",):
+        p.error(f"--crop-view and --warm-start need --kinds crop (got --kinds {a.kinds})")
+    if a.warm_start is not None and not 0 <= a.warm_start <= 1:
+        p.error(f"--warm-start {a.warm_start}: a share from 0 to 1")
+    out = write_synth(a.out, a.n, a.n_test, a.seed, kinds, a.size, a.jitter, "crop" if a.crop_view else None,
+                      a.warm_start)
     print(f"wrote {a.n} train and {a.n_test} test problems to {out}")
 
 

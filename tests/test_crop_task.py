@@ -1,0 +1,131 @@
+"""Issue 43's task, where the answer needs the crop tool (tools/synth.py, kind "crop"): its rows, its SFT
+episodes encoded as a rollout encodes them, the tool metrics of a rollout, and the blank-crop control.
+The learning check (GRPO learns to crop; the blank control does not): tests/test_learning.py."""
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+
+import data
+import engines
+import env_geo3k
+import rollout
+import sft
+from conftest import rollout_args
+from test_data import _sides_from_image
+from tools import blank_crop, synth
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return synth.synth_records(12, seed=5, kinds=("crop",), size=64)  # 512-px canvases
+
+
+def test_rows_name_a_box_whose_crop_is_the_polygon_of_the_answer(rows):
+    for r in rows:
+        canvas = data.decode_image(r["images"][0]["bytes"])
+        x1, y1, x2, y2 = r["box"]
+        assert canvas.size == (512, 512) and r["tools"] == ["crop"]
+        assert x1 in (96, 352) and y1 == 224 and (x2, y2) == (x1 + 64, y1 + 64)  # left or right, mid-height
+        assert r["problem"] == f"<image>How many sides does the polygon in the box {r['box']} have?"
+        inside = canvas.crop(r["box"])
+        assert _sides_from_image(inside) == int(r["answer"])
+        assert {c for _, c in canvas.getcolors(10_000)} == {(0, 0, 0), (255, 255, 255)}  # no mark: the text tells
+        other = canvas.crop((448 - x2, y1, 512 - x1, y2))
+        assert 3 <= _sides_from_image(other) <= 6  # the other polygon, mirrored across the middle
+    (view,) = synth.crop_view(rows[:1])
+    assert data.decode_image(view["images"][0]["bytes"]).tobytes() == \
+        data.decode_image(rows[0]["images"][0]["bytes"]).crop(rows[0]["box"]).tobytes()
+
+
+def test_a_row_offering_an_unknown_tool_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"tools \['zoom'\]: a list of tool names from calc_score"):
+        env_geo3k.build_env({"answer": "3", "images": [], "tools": ["zoom"]}, rollout_args(max_turns=3))
+
+
+class Planned(engines.Engine):
+    """Plays each episode's plan, chosen by its problem's image (plans: {id(image): turns}): turn k writes turns[k]."""
+
+    def __init__(self, processor, plans):
+        self.tok, self.plans = processor.tokenizer, plans
+        self.im_end, self.header = self.tok.convert_tokens_to_ids("<|im_end|>"), self.tok.encode("<|im_start|>assistant\n")
+
+    def generate(self, batch, sampling):
+        outs = []
+        for item in batch:
+            ids, h = list(item["input_ids"]), self.header
+            turn = sum(ids[i:i + len(h)] == h for i in range(len(ids))) - 1
+            out = self.tok.encode(self.plans[id(item["images"][0])][turn]) + [self.im_end]
+            outs.append({"ids": out, "logprobs": [-0.5] * len(out), "finish": "stop", "prompt_tokens": len(ids)})
+        return outs
+
+
+def call(name, arguments):
+    return '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (name, str(arguments).replace("'", '"'))
+
+
+def test_rollout_metrics_count_calls_by_tool_score_crops_against_the_box_and_split_accuracy(processor, rows, tmp_path):
+    pq.write_table(pa.Table.from_pylist(rows[:4]), tmp_path / "train.parquet")
+    recs = data.load_geo3k(tmp_path, "train")
+    assert [r["tools"] for r in recs] == [["crop"]] * 4 and all(len(r["box"]) == 4 for r in recs)
+    (a, b, _, _), right = [r["box"] for r in recs], [f"\\boxed{{{r['answer']}}}" for r in recs]
+    plans = dict(zip([id(r["images"][0]) for r in recs], [
+        [call("crop", {"bbox": a}), right[0]],                                 # the right box, the right answer
+        [call("crop", {"bbox": [b[0] + 32, b[1], b[2] + 32, b[3]]}), "\\boxed{9}"],  # IoU 1/3, wrong
+        [right[2]],                                                             # no call, right
+        [call("calc_score", {"answer": "4"}), "\\boxed{9}"]]))                  # a tool not offered, wrong
+    args = rollout_args(max_turns=3, n_samples_per_prompt=1, rollout_max_response_len=400)
+    samples = rollout.run_episodes(Planned(processor, plans), processor, recs, args, reward_fn=None)
+    assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 0.0]
+    assert "unknown tool 'calc_score'; tools are crop" in samples[3].metadata["steps"][0]["observation"]
+    m = rollout.rollout_metrics(samples)
+    assert m["tool_calls_crop"] == 0.5 and m["tool_calls_calc_score"] == 0.0 and m["tool_calls"] == 0.5
+    assert m["crop_iou"] == pytest.approx((1 + 1 / 3) / 2) and m["crop_hit_frac"] == 0.25
+    assert m["accuracy_with_crop"] == 0.5 and m["accuracy_without_crop"] == 0.5
+    single = rollout.run_episodes(Planned(processor, plans), processor, recs[2:3], rollout_args(n_samples_per_prompt=1))
+    assert not {k for k in rollout.rollout_metrics(single) if k.startswith(("tool_calls_", "crop_", "accuracy_"))}
+
+
+def test_sft_encodes_an_episode_as_the_rollout_of_it_does(processor, rows, tmp_path):
+    """A warm-start row (read back from parquet) encodes to exactly the tokens, loss mask and pixels of a
+    rollout whose model writes the row's assistant turns: with a crop call and without one."""
+    warm = synth.warm_start(rows[:6], share=0.5, seed=1)
+    assert {len(r["images"]) for r in warm} == {1, 2}
+    pq.write_table(pa.Table.from_pylist(warm), tmp_path / "train.parquet")
+    recs = data.load_geo3k(tmp_path, "train")
+    for rec in recs:
+        item = sft.encode(processor, rec)
+        turns = [m["content"] for m in json.loads(rec["messages"]) if m["role"] == "assistant"]
+        plans = {id(rec["images"][0]): turns}
+        problem = dict(rec, images=rec["images"][:1])
+        (s,) = rollout.run_episodes(Planned(processor, plans), processor, [problem],
+                                    rollout_args(max_turns=3, n_samples_per_prompt=1, rollout_max_response_len=400))
+        assert s.status == "completed" and s.turns == len(turns), s.fail_reason
+        assert item.ids.tolist() == s.tokens
+        assert item.mask.tolist() == [False] * len(s.prompt_ids) + [bool(m) for m in s.loss_mask]
+        pixels, grid = rollout.encode_images(processor, s.images)
+        assert torch.equal(item.pixel_values, pixels) and torch.equal(item.image_grid_thw, grid)
+    direct = next(r for r in recs if len(r["images"]) == 1)
+    with pytest.raises(ValueError, match="messages show 1 images, the row has 2"):
+        sft.encode(processor, dict(direct, images=direct["images"] * 2))
+    with pytest.raises(ValueError, match=r"roles \['system', 'user'\]: want .* the last an assistant's"):
+        sft.encode(processor, dict(direct, messages=json.loads(direct["messages"])[:2]))
+
+
+def test_blank_crop_returns_a_white_image_of_the_crops_size_and_runs_the_real_trainer(monkeypatch):
+    canvas = Image.new("RGB", (300, 200), "black")
+    args = rollout_args(max_turns=3)
+    monkeypatch.setitem(env_geo3k.TOOLS, "crop", env_geo3k.crop)
+    real = env_geo3k.build_env({"answer": "3", "images": [canvas]}, args)
+    want, _, _ = real.step(call("crop", {"bbox": [10, 20, 30, 34]}))  # 20x14 -> shown 4x: 80x56
+    seen = {}
+    monkeypatch.setattr(blank_crop.train_grpo, "main", lambda argv: seen.update(argv=argv, crop=env_geo3k.TOOLS["crop"]))
+    blank_crop.main(["--flags"])
+    assert seen == {"argv": ["--flags"], "crop": blank_crop.blank_crop}
+    env = env_geo3k.build_env({"answer": "3", "images": [canvas]}, args)
+    got, _, info = env.step(call("crop", {"bbox": [10, 20, 30, 34]}))
+    assert info["ran"] and got["text"] == want["text"] and got["images"][0].size == want["images"][0].size == (80, 56)
+    assert got["images"][0].getcolors() == [(80 * 56, (255, 255, 255))] and env.images[1] is got["images"][0]

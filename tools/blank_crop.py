@@ -1,0 +1,34 @@
+"""The control of the crop task's GRPO (issue 43): train_grpo.py as it is, but env_geo3k's crop returns a
+blank (white) image of the size the real crop would show, with the same text. If the policy gains from
+the real crop what it does not gain here, it learnt from what the crop shows, not from calling it.
+
+    python tools/blank_crop.py <train_grpo.py flags>          # one process (the local engine)
+"""
+import sys
+from pathlib import Path
+
+from PIL import Image
+
+if not __package__:  # run as a script (python tools/blank_crop.py): the core is one folder up
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import env_geo3k  # noqa: E402
+import train_grpo  # noqa: E402
+
+REAL_CROP = env_geo3k.crop
+
+
+def blank_crop(env, arguments):
+    """env_geo3k.crop's checks, text and numbering, its image replaced by a white one of the same size."""
+    text, images, score = REAL_CROP(env, arguments)
+    blank = [Image.new("RGB", im.size, "white") for im in images]
+    env.images[len(env.images) - len(images):] = blank  # a later crop of this one sees the blank too
+    return text, blank, score
+
+
+def main(argv=None):
+    env_geo3k.TOOLS["crop"] = blank_crop  # the env looks its tools up at each call
+    return train_grpo.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
