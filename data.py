@@ -23,7 +23,7 @@ URL_MAX_BYTES, URL_TIMEOUT = 32 << 20, 20  # with allow_urls: one image's body, 
 
 SINGLE_TURN_INSTRUCTION = ("Solve the geometry problem shown in the diagram. Think briefly, then "
                            "give the final answer as \\boxed{<answer>}.")
-# The tools themselves reach the model as rollout.chat_prompt decides (the template's `tools=`, or a list here).
+# The tools themselves reach the model as chat.chat_prompt decides (the template's `tools=`, or a list here).
 MULTI_TURN_SYSTEM = (
     "You solve geometry problems from diagrams. You may call one of your tools, then stop and "
     "wait for its result: calc_score checks a candidate answer, crop shows a region of an image "

@@ -4,14 +4,12 @@ generation with exact token bookkeeping, group sampling and scoring.
     engine = sglang_engine.make_engine(args, hf_dir, run_dir)   # engines.LocalEngine / SGLangEngine
     samples = generate_group_samples(engine, processor, records, args)
 
-Token-in/token-out: a sample's token list is built once, here (encode_prompt, the engine's ids,
-encode_observation); it is what the engine is sent each turn and what the trainer reads, and
-nothing the model wrote is ever re-tokenised. Each turn checks that the engine saw exactly the
+Token-in/token-out: a sample's token list is built once, here (chat.py's prompt and observations, the
+engine's ids); the engine is sent it each turn, the trainer reads it, nothing is re-tokenised. Each turn checks that the engine saw exactly the
 tokens sent (SGLang re-expanding image tokens shows as a prompt length mismatch), each sample that
 its placeholder runs match the images' grids. A sample failing a check is `failed` with its reason
 and an all-zero loss mask; neither it nor an `aborted` one is trained on.
 """
-import dataclasses
 import math
 import os
 import statistics
@@ -19,18 +17,15 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 from tqdm import tqdm
 
-import data
+import chat
 import env_geo3k
-import model
 import reward
 
-IM_END, ENDOFTEXT = "<|im_end|>", "<|endoftext|>"
-VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
 
 
 @dataclass
@@ -60,7 +55,7 @@ class Sample:
         return self.prompt_ids + self.response_ids
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class RolloutConfig:
     """What a rollout reads: the rollout flags of the same names (flags.add_rollout_args), and the
     env's oracle switch (evaluation turns it off: an oracle tool inflates multi-turn accuracy)."""
@@ -79,113 +74,7 @@ class RolloutConfig:
 
     @classmethod
     def from_args(cls, args):
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name != "oracle"})
-
-
-def encode_images(processor, images):
-    """-> (pixel_values (sum patches, C*T*P*P), image_grid_thw (n, 3)) as the trainer feeds them."""
-    if not images:
-        return None, None
-    out = processor.image_processor(images=list(images), return_tensors="pt")
-    return out["pixel_values"], out["image_grid_thw"]
-
-
-def render(processor, messages, tools=None, add_generation_prompt=False):
-    """The chat template's text for `messages` (tools reach only templates that render them)."""
-    return processor.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                         tokenize=False)
-
-
-def template_tools(processor, record):
-    """The record's offered tools (its `tools`, default all) as the template's `tools=` list, or None where
-    the template renders none (Qwen2.5-VL ignores it)."""
-    probe = [{"role": "user", "content": "?"}]
-    renders = render(processor, probe, env_geo3k.TOOL_SPECS) != render(processor, probe)
-    return env_geo3k.specs(record.get("tools")) if renders else None
-
-
-def chat_prompt(processor, record, multi_turn=False):
-    """-> (messages, tools) of a record's prompt. Multi-turn: the tools go in the model's own
-    trained format where its template renders a `tools=` list (Qwen3-VL, Qwen3.5, tools/tiny.py's),
-    else as env_geo3k's hand-written list in the system prompt."""
-    if not multi_turn:
-        return data.prompt_messages(record), None
-    tools = template_tools(processor, record)
-    if tools is not None:
-        return data.prompt_messages(record, multi_turn=True), tools
-    return data.prompt_messages(record, multi_turn=True, tool_list=env_geo3k.usage(names=record.get("tools"))), None
-
-
-def encode_prompt(processor, messages, images, tools=None):
-    text = render(processor, messages, tools, add_generation_prompt=True)
-    return list(processor(text=[text], images=list(images) or None)["input_ids"][0])
-
-
-def assistant_opener(processor, messages, tools=None):
-    """What the generation prompt writes after `<|im_start|>assistant\\n`, which the model's text
-    continues: "" for Qwen2.5-VL / Qwen3-VL, "<think>\\n\\n</think>\\n\\n" for Qwen3.5 with thinking
-    off (0.8B, 2B), "<think>\\n" with it on (4B and up)."""
-    head = "<|im_start|>assistant\n"
-    before = render(processor, messages, tools)
-    after = render(processor, messages, tools, add_generation_prompt=True)
-    if not after.startswith(before + head):
-        raise ValueError(f"the generation prompt {after[len(before):][:40]!r} does not open an assistant turn")
-    return after[len(before) + len(head):]
-
-
-def encode_observation(processor, history, message, images, tools=None):
-    """Tokens appended after a model turn that ended in <|im_end|>: what the chat template adds
-    to `history` (prompt, model turns as assistant messages, earlier tool messages) when the tool
-    `message` and the next generation prompt follow, from the last <|im_end|> on: "\\n", the tool
-    turn (a user turn with <tool_response> for Qwen3-VL / Qwen3.5, a `tool` turn for Qwen2.5-VL),
-    the assistant header. The whole conversation is rendered, as real templates need (Qwen2.5-VL
-    adds a default system prompt, Qwen3.5 raises without a user query), and only the added text
-    tokenised; the history's rendering must be an exact prefix of the longer one, or this raises."""
-    before = render(processor, history, tools)
-    after = render(processor, history + [message], tools, add_generation_prompt=True)
-    if not after.startswith(before):
-        k = len(os.path.commonprefix([before, after]))
-        raise ValueError(f"the chat template renders earlier turns differently once a tool turn follows "
-                         f"(at char {k}: {before[k:k + 40]!r} vs {after[k:k + 40]!r})")
-    cut = before.rfind(IM_END) + len(IM_END)
-    if cut < len(IM_END) or before[cut:].strip():
-        raise ValueError(f"the chat template does not end an assistant turn with {IM_END} "
-                         f"(it ends {before[-40:]!r})")
-    return list(processor(text=[after[cut:]], images=list(images) or None)["input_ids"][0])
-
-
-def encode_target(processor, messages, text, tools=None):
-    """Token ids the model should write after the prompt `messages` (and the generation prompt)
-    to answer `text`, through <|im_end|>, as the template renders that answer: text + <|im_end|>
-    for most templates, but "\\n</think>\\n\\n" + text + <|im_end|> for Qwen3.5 with thinking on,
-    whose generation prompt leaves <think> open (SFT targets; prompt ids: encode_prompt)."""
-    prompt = render(processor, messages, tools, add_generation_prompt=True)
-    full = render(processor, messages + [{"role": "assistant", "content": text}], tools)
-    end = full.rfind(IM_END) + len(IM_END)
-    if not full.startswith(prompt) or end <= len(prompt):
-        raise ValueError(f"the chat template's answer turn does not continue its generation prompt "
-                         f"({full[len(prompt) - 20:len(prompt) + 20]!r})")
-    return processor.tokenizer.encode(full[len(prompt):end], add_special_tokens=False)
-
-
-def check_images(processor, ids, images):
-    """None if every image's placeholder count is what its grid implies, else the reason."""
-    start, end, pad = processor.tokenizer.convert_tokens_to_ids([VISION_START, VISION_END, IMAGE_PAD])
-    runs, n = [], None  # lengths of the pad runs between <|vision_start|> and <|vision_end|>
-    for t in ids:
-        if t == start:
-            n = 0
-        elif t == pad and n is not None:
-            n += 1
-        elif t == end and n is not None:
-            runs.append(n)
-            n = None
-    total = sum(t == pad for t in ids)
-    _, grid = encode_images(processor, images)
-    want = [] if grid is None else model.image_tokens(grid, processor.image_processor.merge_size)
-    if runs != want or total != sum(want):
-        return f"image placeholders {runs} (total {total}) != grids imply {want}"
-    return None
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if f.name != "oracle"})
 
 
 def _fail(s, reason):
@@ -216,7 +105,7 @@ def new_episode(processor, rec, args, prompt):
     env = env_geo3k.build_env(rec, args)
     env.reset()
     messages = list(messages)  # each episode appends its own turns
-    return Episode(s, env, {"messages": messages, "tools": tools, "opener": assistant_opener(processor, messages, tools)})
+    return Episode(s, env, {"messages": messages, "tools": tools, "opener": chat.assistant_opener(processor, messages, tools)})
 
 
 def routed_rows(s):
@@ -229,7 +118,7 @@ def _finish_turn(ep, out, processor, args, stops, version=0, ours=False):
     """Append one engine answer to the episode's sample; at the end of a turn run the env and append its
     observation. -> still active? An abort we asked for (`ours`: --partial-rollout) keeps the turn open:
     its tokens so far are the sample's, and the next rollout continues it."""
-    s, env, chat = ep.sample, ep.env, ep.chat
+    s, env, conv = ep.sample, ep.env, ep.chat
     ids, lps = list(out["ids"]), list(out["logprobs"])
     if out.get("error"):
         return _fail(s, out["error"])
@@ -266,15 +155,15 @@ def _finish_turn(ep, out, processor, args, stops, version=0, ours=False):
     s.tool_calls += int(bool(info.get("ran")))  # calls that ran, not every <tool_call> tag
     if done:
         return False
-    im_end = processor.tokenizer.convert_tokens_to_ids(IM_END)
+    im_end = processor.tokenizer.convert_tokens_to_ids(chat.IM_END)
     close = [] if turn and turn[-1] == im_end else [im_end]  # stopped on another stop token
     # The model's text continues the generation prompt's opener (Qwen3.5's <think> block), so the
     # assistant message is opener + text: the template renders it as the tokens the model saw and
     # wrote (for canonically tokenised text), and a thinking template finds its </think> in it.
-    chat["messages"].append({"role": "assistant", "content": chat["opener"] + text})
+    conv["messages"].append({"role": "assistant", "content": conv["opener"] + text})
     message = env.format_observation(obs)
-    obs_ids = close + encode_observation(processor, chat["messages"], message, obs["images"], chat["tools"])
-    chat["messages"].append(message)
+    obs_ids = close + chat.encode_observation(processor, conv["messages"], message, obs["images"], conv["tools"])
+    conv["messages"].append(message)
     if (len(s.response_ids) + len(obs_ids) >= args.rollout_max_response_len
             or len(s.tokens) + len(obs_ids) >= args.max_context_len):
         s.status = "truncated"
@@ -385,7 +274,7 @@ class _Pipeline:
         self.rounds = None if getattr(engine, "concurrent", False) else _Rounds(engine)
         self.cpu = threading.Semaphore(len(os.sched_getaffinity(0)))
         self.lock, self.done = threading.Lock(), threading.Event()
-        self.stops = processor.tokenizer.convert_tokens_to_ids([IM_END, ENDOFTEXT])
+        self.stops = processor.tokenizer.convert_tokens_to_ids([chat.IM_END, chat.ENDOFTEXT])
         self.sampling = dict(temperature=args.rollout_temperature, stop_token_ids=self.stops,
                              top_p=args.rollout_top_p, top_k=args.rollout_top_k)
         size = (cap or target) * (args.n_samples_per_prompt + 1)  # a thread an episode (a round waits for all)
@@ -453,8 +342,8 @@ class _Pipeline:
         rec = self.groups[key][0]
         try:
             with self.cpu:  # the chat template and the processor once per prompt, not per sample
-                messages, tools = chat_prompt(self.processor, rec, self.args.max_turns > 1)
-                prompt = (messages, tools, encode_prompt(self.processor, messages, list(rec["images"]), tools))
+                messages, tools = chat.chat_prompt(self.processor, rec, self.args.max_turns > 1)
+                prompt = (messages, tools, chat.encode_prompt(self.processor, messages, list(rec["images"]), tools))
                 eps = [new_episode(self.processor, rec, self.args, prompt) for _ in range(self.args.n_samples_per_prompt)]
             with self.lock:
                 self.groups[key] = (rec, prompt, eps)
@@ -497,7 +386,7 @@ class _Pipeline:
                 ep.done = True
                 if ep.env is not None:
                     ep.env.close()
-                reason = None if s.status == "failed" else check_images(self.processor, s.tokens, s.images)
+                reason = None if s.status == "failed" else chat.check_images(self.processor, s.tokens, s.images)
                 if reason:
                     _fail(s, reason)
                 if self.reward_fn is not False:

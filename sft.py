@@ -24,7 +24,7 @@ import flags as F
 import model as M
 import optim
 import pipeline
-import rollout
+import chat
 import trainer as T
 
 
@@ -62,31 +62,31 @@ def encode(processor, record):
     else:
         messages = json.loads(messages) if isinstance(messages, str) else messages
         messages = [{"role": m["role"], "content": _parts(m["content"])} for m in messages]
-        tools = rollout.template_tools(processor, record)
+        tools = chat.template_tools(processor, record)
     roles = [m["role"] for m in messages]
     if "assistant" not in roles or roles[-1] != "assistant" or not set(roles) <= {"system", "user", "assistant", "tool"}:
         raise ValueError(f"messages with roles {roles}: want system, user, assistant and tool turns, the last an assistant's")
     first = roles.index("assistant")
     seen = _n_images(messages[:first])
-    ids = rollout.encode_prompt(processor, messages[:first], images[:seen], tools)
+    ids = chat.encode_prompt(processor, messages[:first], images[:seen], tools)
     mask, history = [False] * len(ids), messages[:first]
-    opener = rollout.assistant_opener(processor, history, tools)
-    stops = processor.tokenizer.convert_tokens_to_ids([rollout.IM_END, rollout.ENDOFTEXT])
+    opener = chat.assistant_opener(processor, history, tools)
+    stops = processor.tokenizer.convert_tokens_to_ids([chat.IM_END, chat.ENDOFTEXT])
     for m in messages[first:]:
         if m["role"] == "assistant":  # a rollout keeps what the model wrote after the opener, decoded
             text = m["content"] if isinstance(m["content"], str) else "".join(p.get("text", "") for p in m["content"])
-            turn = rollout.encode_target(processor, history, text, tools)
+            turn = chat.encode_target(processor, history, text, tools)
             said = processor.tokenizer.decode([t for t in turn if t not in stops], skip_special_tokens=False)
             history = history + [{"role": "assistant", "content": opener + said}]
         else:
             n = _n_images([m])
-            turn = rollout.encode_observation(processor, history, m, images[seen:seen + n], tools)
+            turn = chat.encode_observation(processor, history, m, images[seen:seen + n], tools)
             history, seen = history + [m], seen + n
         ids += turn
         mask += [m["role"] == "assistant"] * len(turn)
     if seen != len(images):
         raise ValueError(f"messages show {seen} images, the row has {len(images)}")
-    pixel_values, grid = rollout.encode_images(processor, images)
+    pixel_values, grid = chat.encode_images(processor, images)
     return T.Item(ids=torch.tensor(ids), mask=torch.tensor(mask), pixel_values=pixel_values, image_grid_thw=grid)
 
 

@@ -19,7 +19,7 @@ from transformers import AutoProcessor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
 from tools import synth  # noqa: E402
-import rollout  # noqa: E402
+import chat  # noqa: E402
 from sglang_engine import SGLangEngine  # noqa: E402
 
 
@@ -31,7 +31,7 @@ def main():
     processor = AutoProcessor.from_pretrained(a.hf_checkpoint)
     rec = synth.synth_records(1, seed=3, kinds=("polygon",), size=128, jitter=0.0)[0]
     rec = dict(rec, images=[data.decode_image(im) for im in rec["images"]])
-    item = {"input_ids": rollout.encode_prompt(processor, data.prompt_messages(rec), rec["images"]), "images": rec["images"]}
+    item = {"input_ids": chat.encode_prompt(processor, data.prompt_messages(rec), rec["images"]), "images": rec["images"]}
     greedy = dict(temperature=0.0, max_new_tokens=8)
     state = load_file(str(Path(a.hf_checkpoint) / "model.safetensors"))
     g = torch.Generator().manual_seed(0)

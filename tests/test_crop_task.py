@@ -12,6 +12,7 @@ from PIL import Image
 import data
 import engines
 import env_geo3k
+import chat
 import rollout
 import sft
 from conftest import rollout_args
@@ -106,7 +107,7 @@ def test_sft_encodes_an_episode_as_the_rollout_of_it_does(processor, rows, tmp_p
         assert s.status == "completed" and s.turns == len(turns), s.fail_reason
         assert item.ids.tolist() == s.tokens
         assert item.mask.tolist() == [False] * len(s.prompt_ids) + [bool(m) for m in s.loss_mask]
-        pixels, grid = rollout.encode_images(processor, s.images)
+        pixels, grid = chat.encode_images(processor, s.images)
         assert torch.equal(item.pixel_values, pixels) and torch.equal(item.image_grid_thw, grid)
     direct = next(r for r in recs if len(r["images"]) == 1)
     with pytest.raises(ValueError, match="messages show 1 images, the row has 2"):

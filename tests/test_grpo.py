@@ -332,11 +332,11 @@ def test_dynamic_sampling_tops_up_through_the_trainer(processor, records):
     with mixed rewards are kept or --dynamic-sampling-max-prompts prompts were drawn."""
     import types
     import data
-    import rollout
+    import chat
     recs = [dict(r, problem=f"{r['problem']} ({i})", answer=str(i)) for i, r in enumerate(records * 3)]  # 12 prompts
     answer_of = {}
     for r in recs:
-        answer_of[tuple(rollout.encode_prompt(processor, data.prompt_messages(r), r["images"]))] = r["answer"]
+        answer_of[tuple(chat.encode_prompt(processor, data.prompt_messages(r), r["images"]))] = r["answer"]
 
     class Engine:  # right on the first sample of prompts whose answer is a multiple of 3, else wrong
         def generate(self, batch, sampling):

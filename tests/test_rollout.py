@@ -11,6 +11,7 @@ import torch
 import data
 import engines
 import env_geo3k
+import chat
 import rollout
 from conftest import rollout_args
 
@@ -45,7 +46,7 @@ def teacher_logprobs(model, processor, s, temperature):
     """log_softmax(logits / T) of every response token, from one full forward over s.tokens."""
     ids = torch.tensor([s.tokens])                                     # (1, L)
     pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    pixels, grid = rollout.encode_images(processor, s.images)
+    pixels, grid = chat.encode_images(processor, s.images)
     logits = model(input_ids=ids, pixel_values=pixels, image_grid_thw=grid,
                    mm_token_type_ids=(ids == pad).long()).logits[0]    # (L, V)
     P, T = len(s.prompt_ids), (temperature if temperature > 0 else 1.0)
@@ -72,10 +73,10 @@ def test_single_turn_local_masks_and_logprobs(engine, processor, ckpt, records, 
     for s, rec in zip(samples, [records[0]] * 2 + [records[1]] * 2):
         assert s.status in ("completed", "truncated") and s.fail_reason is None
         assert s.images == rec["images"] and s.image_turns == [0]
-        assert s.prompt_ids == rollout.encode_prompt(processor, data.prompt_messages(rec), rec["images"])
+        assert s.prompt_ids == chat.encode_prompt(processor, data.prompt_messages(rec), rec["images"])
         assert len(s.response_ids) == len(s.loss_mask) == len(s.rollout_logprobs) <= 10
         assert s.loss_mask == [1] * len(s.response_ids) and s.turns == 1
-        assert rollout.check_images(processor, s.tokens, s.images) is None
+        assert chat.check_images(processor, s.tokens, s.images) is None
     diff = max_logprob_diff(load_model(ckpt), processor, samples, temperature)
     print(f"single-turn T={temperature}: max |rollout - teacher-forced| logprob = {diff:.2e}")
     assert diff < TOL
@@ -323,8 +324,8 @@ def test_truncation_and_failures(processor, records):
     tokens = list(samples[0].prompt_ids)
     pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     tokens.remove(pad)                                # one placeholder lost
-    assert "placeholders" in rollout.check_images(processor, tokens, samples[0].images)
-    assert rollout.check_images(processor, samples[0].prompt_ids, samples[0].images * 2) is not None
+    assert "placeholders" in chat.check_images(processor, tokens, samples[0].images)
+    assert chat.check_images(processor, samples[0].prompt_ids, samples[0].images * 2) is not None
 
 
 def test_group_samples_rewards_and_dynamic_sampling(processor, records):
@@ -362,8 +363,8 @@ def test_prompt_encoded_once_per_group(processor, records, monkeypatch):
     """A group's samples share one prompt: the chat template and processor run once per record, and
     each sample still owns its lists (one episode's turns never leak into another's)."""
     calls = []
-    plain = rollout.encode_prompt
-    monkeypatch.setattr(rollout, "encode_prompt", lambda *a, **k: calls.append(1) or plain(*a, **k))
+    plain = chat.encode_prompt
+    monkeypatch.setattr(chat, "encode_prompt", lambda *a, **k: calls.append(1) or plain(*a, **k))
     eng = ScriptedEngine(processor, ['<tool_call>\n{"name": "calc_score", "arguments": {"answer": "1"}}\n</tool_call>', "hi"])
     samples = rollout.run_episodes(eng, processor, records[:2], rollout_args(n_samples_per_prompt=3, max_turns=2,
                                                                            rollout_max_response_len=400))
@@ -384,8 +385,8 @@ def test_episodes_flow_on_their_own_and_dynamic_sampling_redraws_at_once(process
     def encoded(multi):  # each record's prompt ids, as the rollout encodes them
         out = []
         for r in recs:
-            messages, tools = rollout.chat_prompt(processor, r, multi)
-            out.append(tuple(rollout.encode_prompt(processor, messages, r["images"], tools)))
+            messages, tools = chat.chat_prompt(processor, r, multi)
+            out.append(tuple(chat.encode_prompt(processor, messages, r["images"], tools)))
         return out
     prompts = encoded(True)
     log, lock = [], threading.Lock()  # (prompt index, turn, start, end) of every request
@@ -493,8 +494,8 @@ def test_partial_rollout_parks_what_still_generates_and_continues_it_as_if_unint
 def test_local_engine_abort_lands_mid_generation_and_greedy_continues_it(engine, processor, records, monkeypatch):
     """LocalEngine.abort() stops a generate at its next token: the rows answer finish "abort" with the
     tokens they had, and a greedy request for the rest continues them into the uninterrupted answer."""
-    messages, _ = rollout.chat_prompt(processor, records[0])
-    prompt = rollout.encode_prompt(processor, messages, records[0]["images"])
+    messages, _ = chat.chat_prompt(processor, records[0])
+    prompt = chat.encode_prompt(processor, messages, records[0]["images"])
     item, sp = {"input_ids": prompt, "images": records[0]["images"]}, dict(temperature=0.0, max_new_tokens=12, stop_token_ids=[1])
     whole = engine.generate([item, item], sp)[0]
     assert whole["finish"] == "length" and len(whole["ids"]) == 12

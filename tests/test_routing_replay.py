@@ -14,6 +14,7 @@ import torch
 import engines
 import launch
 import model as M
+import chat
 import rollout
 import routing
 import train_grpo as G
@@ -91,8 +92,8 @@ def test_local_engine_routes_of_a_left_padded_batch(multi_turn, moe_processor, r
     """Two prompts of different lengths in one generate (the shorter left-padded), one asking from
     position 5: each gets its own positions' routes."""
     eng, _ = multi_turn
-    short = rollout.encode_prompt(moe_processor, [{"role": "user", "content": "x"}], [])
-    long = rollout.encode_prompt(moe_processor, [{"role": "user", "content": "a longer question, " * 4}], [])
+    short = chat.encode_prompt(moe_processor, [{"role": "user", "content": "x"}], [])
+    long = chat.encode_prompt(moe_processor, [{"role": "user", "content": "a longer question, " * 4}], [])
     outs = eng.generate([{"input_ids": short, "images": [], "routed_experts_start": 5},
                          {"input_ids": long, "images": []}], dict(temperature=1.0, max_new_tokens=6))
     for prompt, out, start in ((short, outs[0], 5), (long, outs[1], 0)):
@@ -181,7 +182,7 @@ def test_sglang_engine_asks_for_and_decodes_routes(moe, moe_processor, records, 
     eng, rec = sglang(moe, tmp_path, routed_experts=True)
     try:
         assert "--enable-return-routed-experts" in eng.server.log_tail()
-        item = {"input_ids": rollout.encode_prompt(moe_processor, [{"role": "user", "content": "hi"}], []),
+        item = {"input_ids": chat.encode_prompt(moe_processor, [{"role": "user", "content": "hi"}], []),
                 "images": [], "routed_experts_start": 3}
         out = eng.generate([item], dict(max_new_tokens=5))[0]
         body = [r for r in read_record(rec) if r["path"] == "/generate"][-1]["json"]

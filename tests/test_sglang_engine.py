@@ -15,6 +15,7 @@ import pytest
 
 import flags
 import launch
+import chat
 import rollout
 from fake_sglang import fake_output, weights_digest
 from sglang_engine import collapse_image_pads, read_image_token_id, sglang_server_args
@@ -430,8 +431,8 @@ def test_an_abort_lands_mid_generation_and_the_rest_continues_it(ckpt, processor
     server gives uninterrupted (the fake's, like greedy decoding's, a function of the ids before each token)."""
     eng, rec = sglang(ckpt, tmp_path, "--fake-token-delay", "0.2")
     try:
-        messages, _ = rollout.chat_prompt(processor, records[0])
-        prompt = rollout.encode_prompt(processor, messages, records[0]["images"])
+        messages, _ = chat.chat_prompt(processor, records[0])
+        prompt = chat.encode_prompt(processor, messages, records[0]["images"])
         item, sp, box = {"input_ids": prompt, "images": records[0]["images"]}, dict(max_new_tokens=16), []
         eng.generate([item], dict(max_new_tokens=1))  # the fake loads its image processor on first use
         t = threading.Thread(target=lambda: box.append(eng.generate([item, item], sp)))

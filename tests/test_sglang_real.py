@@ -28,6 +28,7 @@ import torch
 import data
 import engines
 import launch
+import chat
 import rollout
 from conftest import rollout_args
 from sglang_engine import SGLangEngine
@@ -93,7 +94,7 @@ class CropFirst(engines.Engine):
 
 
 def prompt_item(processor, rec):
-    ids = rollout.encode_prompt(processor, data.prompt_messages(rec), rec["images"])
+    ids = chat.encode_prompt(processor, data.prompt_messages(rec), rec["images"])
     return {"input_ids": ids, "images": list(rec["images"])}
 
 
@@ -247,7 +248,7 @@ class TestRealServer:
                                                      crop_record, tmp_path):
         """Run last in the class: checks every request sent so far (real.sent)."""
         one = prompt_item(processor, records[0])
-        two = {"input_ids": rollout.encode_prompt(processor, data.prompt_messages(crop_record), crop_record["images"]),
+        two = {"input_ids": chat.encode_prompt(processor, data.prompt_messages(crop_record), crop_record["images"]),
                "images": crop_record["images"]}
         sampling = dict(temperature=0.8, top_p=1.0, top_k=-1, max_new_tokens=4, stop_token_ids=[151645, 151643])
         tokenize = [{"body": real.generate_payload(item, sampling), "expected": item["input_ids"]}

@@ -17,6 +17,7 @@ from jinja2 import TemplateError
 import data
 import engines
 import env_geo3k
+import chat
 import rollout
 from tools import tiny
 from conftest import ROOT, rollout_args
@@ -81,13 +82,13 @@ def test_rendered_examples_are_reproduced(name):
                                                      '{"bbox": [0, 0, 10, 10]}}\n</tool_call>'},
                     {"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": "Cropped."}]}]
     tool_only = [{"role": "tool", "content": [{"type": "text", "text": "Cropped."}]}]
-    assert rollout.render(proc, conversation, add_generation_prompt=True) == want["conversation"]
+    assert chat.render(proc, conversation, add_generation_prompt=True) == want["conversation"]
     if isinstance(want["tool_only"], str):
-        assert rollout.render(proc, tool_only, add_generation_prompt=True) == want["tool_only"]
+        assert chat.render(proc, tool_only, add_generation_prompt=True) == want["tool_only"]
     else:
         message = want["tool_only"]["raises"].split(": ", 1)[1]
         with pytest.raises(TemplateError, match=message):
-            rollout.render(proc, tool_only, add_generation_prompt=True)
+            chat.render(proc, tool_only, add_generation_prompt=True)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -164,16 +165,16 @@ def test_multi_turn_tokens_equal_the_full_render(name, records):
     assert ("<tools>" in prompt_text) == native and ("Call one tool exactly like this" in prompt_text) != native
     # image pads read from the tokenizer: Qwen3.5's is 248056
     pad = config(name)["image_token_id"]
-    _, grid = rollout.encode_images(proc, s.images)
-    assert s.tokens.count(pad) == int(grid.prod(-1).sum()) // 4 and rollout.check_images(proc, s.tokens, s.images) is None
+    _, grid = chat.encode_images(proc, s.images)
+    assert s.tokens.count(pad) == int(grid.prod(-1).sum()) // 4 and chat.check_images(proc, s.tokens, s.images) is None
 
 
 @pytest.mark.parametrize("name,opener", [(QWEN3_VL, ""), (QWEN2_5_VL, ""), (QWEN3_5_SMALL, "<think>\n\n</think>\n\n"),
                                          (QWEN3_5_MOE, "<think>\n")])
 def test_assistant_opener(name, opener, records):
     proc = real_processor(name)
-    messages, tools = rollout.chat_prompt(proc, records[0], multi_turn=True)
-    assert rollout.assistant_opener(proc, messages, tools) == opener
+    messages, tools = chat.chat_prompt(proc, records[0], multi_turn=True)
+    assert chat.assistant_opener(proc, messages, tools) == opener
 
 
 def test_template_that_rerenders_history_fails_the_sample(records):
@@ -199,7 +200,7 @@ def test_sft_of_an_episode_is_the_rollout_of_it(name, records):
     writes the SFT targets, and each target is the row's text (Qwen3.5-35B's after closing its open <think>)."""
     import sft
     proc, crop_only = real_processor(name), dict(records[0], tools=["crop"])
-    messages, _ = rollout.chat_prompt(proc, crop_only, multi_turn=True)
+    messages, _ = chat.chat_prompt(proc, crop_only, multi_turn=True)
     call = CROP_XML if name.startswith("Qwen3.5") else CROP_JSON
     env = env_geo3k.build_env(crop_only, rollout_args(max_turns=3))
     obs, _, _ = env.step(call)
@@ -234,8 +235,8 @@ def test_env_parses_the_calls_the_template_writes(name, tool, arguments):
     user = [{"role": "user", "content": "Find x."}]
     call = {"role": "assistant", "content": "",
             "tool_calls": [{"type": "function", "function": {"name": tool, "arguments": arguments}}]}
-    before = rollout.render(proc, user, add_generation_prompt=True)
-    text = rollout.render(proc, user + [call])
+    before = chat.render(proc, user, add_generation_prompt=True)
+    text = chat.render(proc, user + [call])
     assert text.startswith(before) and text.endswith("<|im_end|>\n")
     written = text[len(before):].removesuffix("<|im_end|>\n")   # what the model writes for that call
     assert ("<function=" in written) == name.startswith("Qwen3.5")
@@ -258,9 +259,9 @@ def test_sft_target_continues_the_generation_prompt(name, prefix, records):
     inside the thought."""
     proc = real_processor(name)
     messages = data.prompt_messages(records[0])
-    target = rollout.encode_target(proc, messages, data.sft_target("3"))
+    target = chat.encode_target(proc, messages, data.sft_target("3"))
     assert proc.tokenizer.decode(target) == prefix + data.sft_target("3") + "<|im_end|>"
-    prompt = rollout.encode_prompt(proc, messages, records[0]["images"])
+    prompt = chat.encode_prompt(proc, messages, records[0]["images"])
     text = re.sub(r"(<\|image_pad\|>)+", "<|image_pad|>", proc.tokenizer.decode(prompt + target))  # one pad an image
-    assert text == rollout.render(proc, messages + [{"role": "assistant", "content": data.sft_target("3")}]
+    assert text == chat.render(proc, messages + [{"role": "assistant", "content": data.sft_target("3")}]
                                   ).removesuffix("\n")

@@ -1,0 +1,119 @@
+"""How a conversation becomes tokens, through the model's own chat template: a prompt (with the tools
+a row offers), each observation a tool turn appends, an SFT target, and the check that a sample's image
+placeholders match its images' grids. Rollouts (rollout.py) and SFT (sft.py) both encode here, so a
+trained conversation is token for token what a rollout of it would be.
+"""
+import os
+
+import data
+import env_geo3k
+import model
+
+IM_END, ENDOFTEXT = "<|im_end|>", "<|endoftext|>"
+VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
+
+
+def encode_images(processor, images):
+    """-> (pixel_values (sum patches, C*T*P*P), image_grid_thw (n, 3)) as the trainer feeds them."""
+    if not images:
+        return None, None
+    out = processor.image_processor(images=list(images), return_tensors="pt")
+    return out["pixel_values"], out["image_grid_thw"]
+
+
+def render(processor, messages, tools=None, add_generation_prompt=False):
+    """The chat template's text for `messages` (tools reach only templates that render them)."""
+    return processor.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                         tokenize=False)
+
+
+def template_tools(processor, record):
+    """The record's offered tools (its `tools`, default all) as the template's `tools=` list, or None where
+    the template renders none (Qwen2.5-VL ignores it)."""
+    probe = [{"role": "user", "content": "?"}]
+    renders = render(processor, probe, env_geo3k.TOOL_SPECS) != render(processor, probe)
+    return env_geo3k.specs(record.get("tools")) if renders else None
+
+
+def chat_prompt(processor, record, multi_turn=False):
+    """-> (messages, tools) of a record's prompt. Multi-turn: the tools go in the model's own
+    trained format where its template renders a `tools=` list (Qwen3-VL, Qwen3.5, tools/tiny.py's),
+    else as env_geo3k's hand-written list in the system prompt."""
+    if not multi_turn:
+        return data.prompt_messages(record), None
+    tools = template_tools(processor, record)
+    if tools is not None:
+        return data.prompt_messages(record, multi_turn=True), tools
+    return data.prompt_messages(record, multi_turn=True, tool_list=env_geo3k.usage(names=record.get("tools"))), None
+
+
+def encode_prompt(processor, messages, images, tools=None):
+    text = render(processor, messages, tools, add_generation_prompt=True)
+    return list(processor(text=[text], images=list(images) or None)["input_ids"][0])
+
+
+def assistant_opener(processor, messages, tools=None):
+    """What the generation prompt writes after `<|im_start|>assistant\\n`, which the model's text
+    continues: "" for Qwen2.5-VL / Qwen3-VL, "<think>\\n\\n</think>\\n\\n" for Qwen3.5 with thinking
+    off (0.8B, 2B), "<think>\\n" with it on (4B and up)."""
+    head = "<|im_start|>assistant\n"
+    before = render(processor, messages, tools)
+    after = render(processor, messages, tools, add_generation_prompt=True)
+    if not after.startswith(before + head):
+        raise ValueError(f"the generation prompt {after[len(before):][:40]!r} does not open an assistant turn")
+    return after[len(before) + len(head):]
+
+
+def encode_observation(processor, history, message, images, tools=None):
+    """Tokens appended after a model turn that ended in <|im_end|>: what the chat template adds
+    to `history` (prompt, model turns as assistant messages, earlier tool messages) when the tool
+    `message` and the next generation prompt follow, from the last <|im_end|> on: "\\n", the tool
+    turn (a user turn with <tool_response> for Qwen3-VL / Qwen3.5, a `tool` turn for Qwen2.5-VL),
+    the assistant header. The whole conversation is rendered, as real templates need (Qwen2.5-VL
+    adds a default system prompt, Qwen3.5 raises without a user query), and only the added text
+    tokenised; the history's rendering must be an exact prefix of the longer one, or this raises."""
+    before = render(processor, history, tools)
+    after = render(processor, history + [message], tools, add_generation_prompt=True)
+    if not after.startswith(before):
+        k = len(os.path.commonprefix([before, after]))
+        raise ValueError(f"the chat template renders earlier turns differently once a tool turn follows "
+                         f"(at char {k}: {before[k:k + 40]!r} vs {after[k:k + 40]!r})")
+    cut = before.rfind(IM_END) + len(IM_END)
+    if cut < len(IM_END) or before[cut:].strip():
+        raise ValueError(f"the chat template does not end an assistant turn with {IM_END} "
+                         f"(it ends {before[-40:]!r})")
+    return list(processor(text=[after[cut:]], images=list(images) or None)["input_ids"][0])
+
+
+def encode_target(processor, messages, text, tools=None):
+    """Token ids the model should write after the prompt `messages` (and the generation prompt)
+    to answer `text`, through <|im_end|>, as the template renders that answer: text + <|im_end|>
+    for most templates, but "\\n</think>\\n\\n" + text + <|im_end|> for Qwen3.5 with thinking on,
+    whose generation prompt leaves <think> open (SFT targets; prompt ids: encode_prompt)."""
+    prompt = render(processor, messages, tools, add_generation_prompt=True)
+    full = render(processor, messages + [{"role": "assistant", "content": text}], tools)
+    end = full.rfind(IM_END) + len(IM_END)
+    if not full.startswith(prompt) or end <= len(prompt):
+        raise ValueError(f"the chat template's answer turn does not continue its generation prompt "
+                         f"({full[len(prompt) - 20:len(prompt) + 20]!r})")
+    return processor.tokenizer.encode(full[len(prompt):end], add_special_tokens=False)
+
+
+def check_images(processor, ids, images):
+    """None if every image's placeholder count is what its grid implies, else the reason."""
+    start, end, pad = processor.tokenizer.convert_tokens_to_ids([VISION_START, VISION_END, IMAGE_PAD])
+    runs, n = [], None  # lengths of the pad runs between <|vision_start|> and <|vision_end|>
+    for t in ids:
+        if t == start:
+            n = 0
+        elif t == pad and n is not None:
+            n += 1
+        elif t == end and n is not None:
+            runs.append(n)
+            n = None
+    total = sum(t == pad for t in ids)
+    _, grid = encode_images(processor, images)
+    want = [] if grid is None else model.image_tokens(grid, processor.image_processor.merge_size)
+    if runs != want or total != sum(want):
+        return f"image placeholders {runs} (total {total}) != grids imply {want}"
+    return None
