@@ -56,7 +56,7 @@ if [[ "$NUM_GPUS" == 0 ]]; then
         --n-samples-per-prompt 8 --rollout-max-response-len 48 --rollout-temperature 1.0
         --lr 1e-4 --decoupled-lr 3e-3 --eval-interval 20 --save-interval 20 --max-tokens-per-gpu 1024 --seed "$SEED")
   $PY train_grpo.py --hf-checkpoint "$RUN/sft/$(cat "$RUN/sft/latest")" --save "$RUN/grpo" \
-      "${GRPO[@]}" --num-rollout 100
+      "${GRPO[@]}" --num-rollout 100 --dynamic-sampling   # all-equal groups replaced: README, "CPU demo"
   $PY train_grpo.py --hf-checkpoint "$RUN/grpo/$(cat "$RUN/grpo/latest")" --save "$RUN/grpo_mt" \
       "${GRPO[@]}" --num-rollout 30 --max-turns 3 --lr-warmup-iters 10   # warm-up: README, "Known limits"
   $PY tools/report.py "$RUN"
