@@ -37,7 +37,7 @@ if [[ "$NUM_GPUS" == 0 ]]; then
   # ---------------------------------------------------------------- the CPU demo
   [[ "$MODEL" == tiny && "$DATA" == synth ]] || die "MODEL=$MODEL DATA=$DATA needs GPUs: set NUM_GPUS (the CPU demo uses MODEL=tiny DATA=synth)"
   export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-  RUN=runs/${NAME:-cpu-demo}
+  RUN=${RUN:-runs/${NAME:-cpu-demo}}   # RUN: any folder (tests/test_learning.py)
   rm -rf "$RUN"; mkdir -p "$RUN"
   PY=.venv/bin/python
   SEED=${SEED:-1234} DATA_SEED=${DATA_SEED:-0}   # GRPO's seed; the data's and SFT's (bench/RESULTS.md: both varied)
