@@ -326,6 +326,10 @@ def test_truncation_and_failures(processor, records):
     tokens.remove(pad)                                # one placeholder lost
     assert "placeholders" in chat.check_images(processor, tokens, samples[0].images)
     assert chat.check_images(processor, samples[0].prompt_ids, samples[0].images * 2) is not None
+    # a model that writes an image placeholder itself: the sample's runs no longer match its grids
+    (s,) = rollout.run_episodes(ScriptedEngine(processor, ["<|image_pad|> 4"]), processor, records[:1],
+                                rollout_args(n_samples_per_prompt=1))
+    assert s.status == "failed" and "placeholders" in s.fail_reason and set(s.loss_mask) == {0}, s.fail_reason
 
 
 def test_group_samples_rewards_and_dynamic_sampling(processor, records):
