@@ -52,6 +52,12 @@ def encode_prompt(processor, messages, images, tools=None):
     return list(processor(text=[text], images=list(images) or None)["input_ids"][0])
 
 
+def prompt_length(processor, record, multi_turn=False):
+    """The length of a record's prompt as a rollout encodes it (the processor checks its images)."""
+    messages, tools = chat_prompt(processor, record, multi_turn)
+    return len(encode_prompt(processor, messages, record["images"], tools))
+
+
 def assistant_opener(processor, messages, tools=None):
     """What the generation prompt writes after `<|im_start|>assistant\\n`, which the model's text
     continues: "" for Qwen2.5-VL / Qwen3-VL, "<think>\\n\\n</think>\\n\\n" for Qwen3.5 with thinking

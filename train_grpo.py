@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoProcessor
 
+import chat
 import cluster
 import flags as F
 import model as M
@@ -146,12 +147,6 @@ def kl_term(logp, ref, kind):
     return torch.exp(d) - d - 1
 
 
-def prompt_tokens(processor, record, args):
-    """The length of a record's prompt as a rollout encodes it (the processor checks its images)."""
-    messages, tools = R.chat_prompt(processor, record, args.max_turns > 1)
-    return len(R.encode_prompt(processor, messages, record["images"], tools))
-
-
 def to_item(sample, processor, adv, encoded=None):
     """A sample as trainer input. `encoded` caches image encodings by the images' identity: a
     group's samples share their prompt's images, so those are encoded once, and pickled once
@@ -159,7 +154,7 @@ def to_item(sample, processor, adv, encoded=None):
     encoded = {} if encoded is None else encoded
     key = tuple(map(id, sample.images))
     if key not in encoded:
-        encoded[key] = R.encode_images(processor, sample.images)
+        encoded[key] = chat.encode_images(processor, sample.images)
     pv, grid = encoded[key]
     mask = [0] * len(sample.prompt_ids) + list(sample.loss_mask)
     old = [0.0] * len(sample.prompt_ids) + list(sample.rollout_logprobs)
@@ -465,7 +460,7 @@ def main(argv=None):
     records = eval_records = None
     if par.rank == 0:  # rank 0 owns the data and the rewards; each node's leader its server (cluster.py)
         reward.get_reward_fn(args.rm_type)  # its one-off warm-up here, not in the first rollout
-        fit = dict(measure=lambda r: prompt_tokens(processor, r, args),
+        fit = dict(measure=lambda r: chat.prompt_length(processor, r, args.max_turns > 1),
                    limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len} with room for a response"))
         records, eval_records = T.load_data(args, **fit), T.load_data(args, evaluation=True, **fit)
     servers = cluster.Servers(args, par, model, opt, ref, str(ckpt or args.hf_checkpoint), str(run.save))

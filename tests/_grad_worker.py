@@ -21,6 +21,7 @@ import data  # noqa: E402
 import model as M  # noqa: E402
 import optim  # noqa: E402
 import pipeline  # noqa: E402
+import chat  # noqa: E402
 import rollout as R  # noqa: E402
 import train_grpo as G  # noqa: E402
 import trainer as T  # noqa: E402
@@ -32,7 +33,7 @@ def samples(proc, source, n_prompts=4, group=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     items = []
     for k, rec in enumerate(data.load_geo3k(source)[:n_prompts]):
-        prompt = R.encode_prompt(proc, data.prompt_messages(rec), rec["images"])
+        prompt = chat.encode_prompt(proc, data.prompt_messages(rec), rec["images"])
         for j in range(group):
             n = int(torch.randint(3, 41, (1,), generator=g))
             resp = torch.randint(0, 151_000, (n,), generator=g).tolist()

@@ -17,6 +17,7 @@ import convert  # noqa: E402
 import data  # noqa: E402
 import model as M  # noqa: E402
 import optim  # noqa: E402
+import chat  # noqa: E402
 import rollout as R  # noqa: E402
 import train_grpo as G  # noqa: E402
 import trainer as T  # noqa: E402
@@ -28,7 +29,7 @@ def samples(ckpt, source):
     proc = AutoProcessor.from_pretrained(ckpt)
     items = []
     for k, rec in enumerate(data.load_geo3k(source)[:4]):
-        prompt = R.encode_prompt(proc, data.prompt_messages(rec), rec["images"])
+        prompt = chat.encode_prompt(proc, data.prompt_messages(rec), rec["images"])
         for j, reply in enumerate((data.sft_target(rec["answer"]), "I think it is \\boxed{7}.")):
             resp = proc.tokenizer.encode(reply + "<|im_end|>", add_special_tokens=False)
             s = R.Sample(prompt_ids=prompt, response_ids=resp, loss_mask=[1] * len(resp),
