@@ -139,7 +139,8 @@ class TestRealServer:
         the tokens so far with their logprobs); a request for the rest continues them into the answer the
         server gives uninterrupted."""
         import threading
-        item, sp = prompt_item(processor, records[0]), dict(GREEDY, max_new_tokens=48)
+        N = 1024
+        item, sp = prompt_item(processor, records[0]), dict(GREEDY, max_new_tokens=N)  # 48 were done within 1 s
         whole = real.generate([item], sp)[0]
         box = []
         t = threading.Thread(target=lambda: box.append(real.generate([item], sp)[0]))
@@ -151,7 +152,7 @@ class TestRealServer:
         print(f"\n[sglang_real] abort after 1 s: {len(cut['ids'])} of {len(whole['ids'])} tokens")
         assert cut["finish"] == "abort" and 0 < len(cut["ids"]) < len(whole["ids"]), cut
         rest = real.generate([dict(item, input_ids=item["input_ids"] + cut["ids"])],
-                             dict(sp, max_new_tokens=48 - len(cut["ids"])))[0]
+                             dict(sp, max_new_tokens=N - len(cut["ids"])))[0]
         assert cut["ids"] + rest["ids"] == whole["ids"]
         got = torch.tensor(cut["logprobs"] + rest["logprobs"])
         assert (got - torch.tensor(whole["logprobs"])).abs().max() < 1e-3
