@@ -157,15 +157,15 @@ class Servers:
             holder = par.rank - par.rank % size
             buckets = sglang_engine.serialize_on_ranks(buckets, par.rank - holder, *self.plan, self.group, holder)
 
-        def update(e):
+        def update(e=None):
             try:
-                e.update_weights(buckets)
-            finally:
-                for _ in buckets:  # a failed update still takes part in the export's collectives to the end
+                if e is not None:
+                    e.update_weights(buckets)
+            finally:  # a failed update, and a rank with no server, take part in the export's collectives to the end
+                for _ in buckets:
                     pass
         if self.engine is None:
-            for _ in buckets:
-                pass
+            update()
         on_leaders(par, self.engine, update, "the weight update")  # every server holds the new weights
         out = {"sync_s": time.perf_counter() - t}
         if self.off is not None:

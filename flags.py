@@ -1,6 +1,14 @@
 """The flags both trainers take, in groups, each with its bound (named as in slime / Megatron): a value
 out of bounds (at_least, fraction) is the parser's error naming the flag and the value, before any work."""
 import argparse
+import dataclasses
+
+
+class FromArgs:
+    """A frozen dataclass of flag values (model.ModelOptions, rollout.RolloutConfig): each field args has."""
+    @classmethod
+    def from_args(cls, args):
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
 
 
 def at_least(low):

@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModel
 import attention
 import context_parallel as C
 import convert
+import flags
 import logprobs
 import parallel
 import pipeline
@@ -113,7 +114,7 @@ def layer_impl(impl=None):
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelOptions:
+class ModelOptions(flags.FromArgs):
     """How the model is built: the trainer's flags of the same names (Megatron's)."""
     transformer_impl: str | None = None  # None: transformer_engine on CUDA, local on CPU
     freeze_vit: bool = False
@@ -127,10 +128,6 @@ class ModelOptions:
     moe_aux_loss_coeff: float = 0.0
     decoder_first_pipeline_num_layers: int | None = None  # PP: an uneven split (Megatron's flags)
     decoder_last_pipeline_num_layers: int | None = None
-
-    @classmethod
-    def from_args(cls, args):
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
 def transformer_config(hf_config, par, opts, te, sp):

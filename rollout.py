@@ -17,13 +17,14 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 from tqdm import tqdm
 
 import chat
 import env_geo3k
+import flags
 import reward
 
 
@@ -56,7 +57,7 @@ class Sample:
 
 
 @dataclass(frozen=True)
-class RolloutConfig:
+class RolloutConfig(flags.FromArgs):
     """What a rollout reads: the rollout flags of the same names (flags.add_rollout_args), and the
     env's oracle switch (evaluation turns it off: an oracle tool inflates multi-turn accuracy)."""
     rollout_batch_size: int = 8
@@ -71,10 +72,6 @@ class RolloutConfig:
     over_sampling_batch_size: int = None
     rm_type: str = "math"
     oracle: bool = True
-
-    @classmethod
-    def from_args(cls, args):
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if f.name != "oracle"})
 
 
 def _fail(s, reason):
