@@ -114,7 +114,14 @@ def routed_rows(s):
 def _finish_turn(ep, out, processor, args, stops, version=0, ours=False):
     """Append one engine answer to the episode's sample; at the end of a turn run the env and append its
     observation. -> still active? An abort we asked for (`ours`: --partial-rollout) keeps the turn open:
-    its tokens so far are the sample's, and the next rollout continues it."""
+    its tokens so far are the sample's, and the next rollout continues it. An exception fails the sample."""
+    try:
+        return _turn(ep, out, processor, args, stops, version, ours)
+    except Exception as e:  # noqa: BLE001 - one bad episode must not end the rollout
+        return _fail(ep.sample, f"{type(e).__name__}: {e}")
+
+
+def _turn(ep, out, processor, args, stops, version, ours):
     s, env, conv = ep.sample, ep.env, ep.chat
     ids, lps = list(out["ids"]), list(out["logprobs"])
     if out.get("error"):
@@ -258,33 +265,27 @@ class _Rounds:
 
 
 class _Pipeline:
-    """Each episode on its own thread: its next turn goes to the engine as soon as its env step is
-    done, its reward as soon as it ends; the CPU work (templates, image processor, env, reward) runs
-    in at most as many threads at once as this machine has cores, while other episodes generate.
-    SGLang (Engine.concurrent) takes every request as it comes; a batch engine gets _Rounds.
-    Up to `cap` groups are in flight; the rollout ends once `target` groups are kept. With `partial`
-    (--partial-rollout) it then aborts the groups still generating and parks them for the next."""
+    """Each episode on its own thread: a turn goes to the engine once its env step is done; CPU work in at most
+    as many threads as cores. SGLang (Engine.concurrent) takes requests as they come, a batch engine gets
+    _Rounds. Up to `cap` groups run; it ends once `target` are kept (--partial-rollout: the rest parked)."""
 
     def __init__(self, engine, processor, args, reward_fn, target, dynamic=False, cap=None, version=0):
         self.engine, self.processor, self.args, self.dynamic, self.target = engine, processor, args, dynamic, target
         self.reward_fn, self.version, self.cap = reward_fn, version, cap
-        self.rounds = None if getattr(engine, "concurrent", False) else _Rounds(engine)
-        self.cpu = threading.Semaphore(len(os.sched_getaffinity(0)))
-        self.lock, self.done = threading.Lock(), threading.Event()
+        self.rounds, self.records, self.next = None if getattr(engine, "concurrent", False) else _Rounds(engine), [], 0
+        self.cpu, self.lock, self.done = threading.Semaphore(len(os.sched_getaffinity(0))), threading.Lock(), threading.Event()
         self.stops = processor.tokenizer.convert_tokens_to_ids([chat.IM_END, chat.ENDOFTEXT])
         self.sampling = dict(temperature=args.rollout_temperature, stop_token_ids=self.stops,
                              top_p=args.rollout_top_p, top_k=args.rollout_top_k)
         size = (cap or target) * (args.n_samples_per_prompt + 1)  # a thread an episode (a round waits for all)
         self.pool = ThreadPoolExecutor(size if self.rounds else min(size, 1024), thread_name_prefix="episode")
         self.groups, self.left, self.kept, self.dropped, self.running, self.errors, self.calls = {}, {}, [], set(), 0, [], []
-        self.stopping, self.aborted = False, 0  # partial: the rollout has what it needs; requests it cut
-        self.t0 = time.perf_counter()
+        self.stopping, self.aborted, self.t0 = False, 0, time.perf_counter()  # partial: enough kept; requests cut
 
     def run(self, records, buffered=()):
         """-> (the kept groups' samples, the groups still open when it stopped: [(record, prompt, episodes)]).
         `buffered`: such groups of an earlier rollout, continued first (their samples keep their tokens)."""
-        self.records, self.next = records, 0
-        self.bar = tqdm(total=0, desc="rollout", file=sys.stderr, mininterval=1.0, leave=False)
+        self.records, self.bar = records, tqdm(total=0, desc="rollout", file=sys.stderr, mininterval=1.0, leave=False)
         with self.lock:
             for rec, prompt, eps in buffered:
                 self._open(rec, prompt, eps)
@@ -299,17 +300,13 @@ class _Pipeline:
         self.bar.close()
         if self.errors:
             raise self.errors[0]
-        busy, end = 0.0, 0.0  # engine busy: the union of the requests' (start, end)
-        for a, b in sorted(self.calls):
-            busy, end = busy + max(0.0, b - max(a, end)), max(end, b)
-        stats = dict(wall_s=time.perf_counter() - self.t0, engine_busy_s=busy, aborted=self.aborted,
+        stats = dict(wall_s=time.perf_counter() - self.t0, engine_busy_s=_busy(self.calls), aborted=self.aborted,
                      drawn=self.next, dropped=len(self.dropped) if self.dynamic else None)
-        out = []  # the first complete groups (buffered ones first); the others stay for the next rollout
-        for key in sorted(self.kept)[:self.target]:
-            for ep in self.groups.pop(key)[2]:
-                ep.sample.group, ep.sample.metadata["rollout"] = key, stats
-                out.append(ep.sample)
-        return out, [g for k, g in sorted(self.groups.items()) if k not in self.dropped]
+        # the first complete groups (buffered ones first); the others stay for the next rollout
+        out = [(key, ep.sample) for key in sorted(self.kept)[:self.target] for ep in self.groups.pop(key)[2]]
+        for key, s in out:
+            s.group, s.metadata["rollout"] = key, stats
+        return [s for _, s in out], [g for k, g in sorted(self.groups.items()) if k not in self.dropped]
 
     def _open(self, rec, prompt, eps):  # under self.lock: a group's unfinished episodes go to work
         key = len(self.groups)
@@ -350,16 +347,15 @@ class _Pipeline:
             self._stop(e)
 
     def _episode(self, key, j, ep):
-        s, args = ep.sample, self.args
+        s, args, engine_s, own = ep.sample, self.args, 0.0, 0.0
         try:
-            engine_s, own = 0.0, 0.0
             while not ep.done:
                 room = min(args.rollout_max_response_len - len(s.response_ids), args.max_context_len - len(s.tokens))
                 if room <= 0:
                     s.status = "truncated"
                     break
                 if self.stopping:
-                    return self._park(ep)
+                    return self._finished(None)  # --partial-rollout: it waits in its group for the next rollout
                 t = time.perf_counter()
                 item = {"input_ids": s.tokens, "images": s.images, "max_new_tokens": room,
                         "routed_experts_start": routed_rows(s)}
@@ -370,24 +366,13 @@ class _Pipeline:
                 engine_s += call[1] - t
                 with self.cpu:
                     t = time.perf_counter()
-                    try:
-                        ours = self.stopping and out["finish"] == "abort" and not out.get("error")
-                        self.aborted += ours and out is not ABORTED  # requests the abort cut (not those never sent)
-                        ep.done = not _finish_turn(ep, out, self.processor, args, self.stops, self.version, ours)
-                    except Exception as e:  # noqa: BLE001 - one bad episode must not end the rollout
-                        _fail(s, f"{type(e).__name__}: {e}")
-                        ep.done = True
+                    ours = self.stopping and out.get("finish") == "abort" and not out.get("error")
+                    self.aborted += ours and out is not ABORTED  # requests the abort cut (not those never sent)
+                    ep.done = not _finish_turn(ep, out, self.processor, args, self.stops, self.version, ours)
                     own += time.perf_counter() - t
             with self.cpu:
                 t = time.perf_counter()
-                ep.done = True
-                if ep.env is not None:
-                    ep.env.close()
-                reason = None if s.status == "failed" else chat.check_images(self.processor, s.tokens, s.images)
-                if reason:
-                    _fail(s, reason)
-                if self.reward_fn is not False:
-                    _score(s, args, self.reward_fn)
+                _close(ep, self.processor, args, self.reward_fn)
                 s.metadata.update(engine_s=s.metadata.get("engine_s", 0.0) + engine_s,
                                   own_s=s.metadata.get("own_s", 0.0) + own + time.perf_counter() - t,
                                   end_s=time.perf_counter() - self.t0)
@@ -395,20 +380,14 @@ class _Pipeline:
         except BaseException as e:  # noqa: BLE001 - the engine gave up (a dead server): run() raises it
             self._stop(e)
 
-    def _park(self, ep):  # --partial-rollout: this episode waits in its group for the next rollout
+    def _finished(self, key):  # an episode of group `key` ended (None: parked, not ended)
         with self.lock:
             self.running -= 1
-            if not self.running:
-                self.done.set()
-        if self.rounds:
-            self.rounds.leave()
-
-    def _finished(self, key):
-        with self.lock:
-            self.running, self.left[key] = self.running - 1, self.left[key] - 1
-            self.bar.update(1)
-            if not self.left[key]:
-                self._complete(key)
+            if key is not None:
+                self.left[key] -= 1
+                self.bar.update(1)
+                if not self.left[key]:
+                    self._complete(key)
             if not self.running:
                 self.done.set()
         if self.rounds:
@@ -420,16 +399,14 @@ class _Pipeline:
             self.kept.append(key)
         else:
             self.dropped.add(key)
-            if len(self.kept) + self._open_groups() < (self.cap or self.target) and self.next < len(self.records):
+            still_open = len(self.groups) - len(self.kept) - len(self.dropped)
+            if len(self.kept) + still_open < (self.cap or self.target) and self.next < len(self.records):
                 self._start_group()  # the moment a group is known all-equal, another is drawn
         if self.cap and len(self.kept) >= self.target and not self.stopping:
             self.stopping = True  # --partial-rollout: enough; cut what still generates
             if self.rounds:
                 self.rounds.abort()
             getattr(self.engine, "abort", lambda: None)()
-
-    def _open_groups(self):
-        return len(self.groups) - len(self.kept) - len(self.dropped)
 
     def _stop(self, e):
         with self.lock:
@@ -443,6 +420,26 @@ def run_episodes(engine, processor, records, args, reward_fn=False):
     """n_samples_per_prompt episodes per record (group = record position), each on its own
     (_Pipeline); scored when reward_fn is None (--rm-type's) or a function."""
     return _Pipeline(engine, processor, args, reward_fn, len(records)).run(records)[0]
+
+
+def _busy(calls):
+    """Seconds the engine had a request: the union of the requests' (start, end)."""
+    busy, end = 0.0, 0.0
+    for a, b in sorted(calls):
+        busy, end = busy + max(0.0, b - max(a, end)), max(end, b)
+    return busy
+
+
+def _close(ep, processor, args, reward_fn):
+    """An ended episode: its env closed, its image placeholders checked, its reward (reward_fn False: none)."""
+    ep.done, s = True, ep.sample
+    if ep.env is not None:
+        ep.env.close()
+    reason = None if s.status == "failed" else chat.check_images(processor, s.tokens, s.images)
+    if reason:
+        _fail(s, reason)
+    if reward_fn is not False:
+        _score(s, args, reward_fn)
 
 
 def _score(s, args, reward_fn):

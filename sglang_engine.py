@@ -115,6 +115,13 @@ def collapse_image_pads(ids, pad):
     return [t for i, t in enumerate(ids) if not (t == pad and i and ids[i - 1] == pad)]
 
 
+def route_shape(hf_dir):
+    """R3: (all layers, top_k) of the routes a server of this checkpoint returns."""
+    cfg = read_config(hf_dir)
+    tc = cfg.get("text_config") or cfg
+    return int(tc["num_hidden_layers"]), int(tc["num_experts_per_tok"])
+
+
 class SGLangEngine(Engine):
     concurrent = True  # rollout.py sends each episode's turn on its own: the server batches continuously
 
@@ -130,13 +137,9 @@ class SGLangEngine(Engine):
         self.weight_sync, self.group, self.stale = weight_sync, None, False
         self.released = set()  # the server's memory regions freed by release(), not yet resumed
         self.server_tp = int(flag_value(server_args, ("--tp-size", "--tp"), 1))
-        self.route_shape = None  # R3: (all layers, top_k) of the routes the server returns
-        if routed_experts:
-            cfg = read_config(hf_dir)
-            tc = cfg.get("text_config") or cfg
-            self.route_shape = (int(tc["num_hidden_layers"]), int(tc["num_experts_per_tok"]))
-            if "--enable-return-routed-experts" not in server_args:
-                server_args = [*server_args, "--enable-return-routed-experts"]
+        self.route_shape = route_shape(hf_dir) if routed_experts else None  # R3: the routes it returns
+        if routed_experts and "--enable-return-routed-experts" not in server_args:
+            server_args = [*server_args, "--enable-return-routed-experts"]
         if weight_sync == "distributed" and int(flag_value(server_args, ("--dp-size", "--dp"), 1)) > 1:
             raise ValueError("weight sync over a process group takes a server with one data-parallel "
                              "replica (rank = 1 + TP rank); use --dp-size 1 or weight_sync disk")

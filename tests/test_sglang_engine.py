@@ -439,10 +439,10 @@ def test_an_abort_lands_mid_generation_and_the_rest_continues_it(ckpt, processor
         t.start()
         while len([r for r in read_record(rec) if r["path"] == "/generate"]) < 3:
             time.sleep(0.05)
-        time.sleep(0.5)  # two or three tokens in
+        time.sleep(1.0)  # ~5 tokens of 16 in (fewer on a loaded machine: 0.5 s once gave none)
         eng.abort()
         t.join(30)
-        assert [c["finish"] for c in box[0]] == ["abort"] * 2 and all(1 <= len(c["ids"]) < 7 for c in box[0]), box
+        assert [c["finish"] for c in box[0]] == ["abort"] * 2 and all(1 <= len(c["ids"]) < 16 for c in box[0]), box
         cut = box[0][0]
         rest = eng.generate([dict(item, input_ids=prompt + cut["ids"])], sp)[0]
         ids, lps, finish = fake_output(prompt, 16, weights_digest(ckpt))
