@@ -1,6 +1,6 @@
 """How the code reads, in numbers (issue 26): lines of the core (top-level *.py) and of tools/,
-the classes over 150 lines and functions over 70, each trainer's flags and their argparse groups,
-and README's length. Run from anywhere: python bench/code_shape.py [--code DIR]"""
+the classes over 150 lines and functions over 70, import circles among the core and tools/ (the
+core must not import tools/), each trainer's flags and their argparse groups, and README's length. Run from anywhere: python bench/code_shape.py [--code DIR]"""
 import argparse
 import ast
 import json
@@ -21,6 +21,36 @@ def long_defs(path, cls_max=150, fn_max=70):
                 isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and size > fn_max:
             out.append(f"{path.name}:{n.name} {size}")
     return out
+
+
+def circles(code, files):
+    """Import circles among `files` (module name: the file's stem, tools/x.py as tools.x), each once."""
+    names = {("tools." if f.parent.name == "tools" else "") + f.stem: f for f in files}
+    deps = {}
+    for name, f in names.items():
+        found = set()
+        for n in ast.walk(ast.parse(f.read_text())):
+            if isinstance(n, ast.Import):
+                found |= {a.name for a in n.names}
+            elif isinstance(n, ast.ImportFrom) and n.module:
+                found |= {n.module} | {f"{n.module}.{a.name}" for a in n.names}
+        deps[name] = found & set(names)
+    out = set()
+
+    def walk(path):
+        for nxt in deps[path[-1]]:
+            if nxt == path[0]:
+                out.add(tuple(sorted(path)))
+            elif nxt not in path and len(path) < 8:
+                walk(path + [nxt])
+    for name in names:
+        walk([name])
+    return sorted(" <-> ".join(c) for c in out)
+
+
+def _imports(f):
+    return {a.name for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.Import) for a in n.names} | \
+        {n.module for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.ImportFrom) and n.module}
 
 
 def flags(code, script):
@@ -45,6 +75,8 @@ def main():
     report = {"core_lines": sum(map(lines, core)), "tools_lines": sum(map(lines, tools)),
               "largest_files": sorted(((lines(f), f.name) for f in core), reverse=True)[:5],
               "over_size": [d for f in core for d in long_defs(f)],
+              "import_circles": circles(code, core + tools),
+              "core_imports_tools": [f.name for f in core if "tools" in {m.split(".")[0] for m in _imports(f)}],
               "readme_lines": lines(code / "README.md"),
               "train_grpo": flags(code, "train_grpo"), "sft": flags(code, "sft")}
     for k, v in report.items():
