@@ -1,0 +1,87 @@
+"""Plant each defect of a list in a checkout, one at a time, run the tests that should catch it, restore the
+file; one JSON line each: caught or not, by which test, seconds (bench/RESULTS.md, "Test suite").
+
+    .venv/bin/python bench/planted_defects.py [--code DIR] [ID ...]
+
+Each defect is the kind of one-line slip a fork makes (rollout, loss, layouts, weight sync, reward,
+checkpoints, resume). A defect whose text is not found once in its file is reported, not planted: the
+code moved, so update its text. Leaves the checkout as it found it, also when interrupted.
+"""
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# id: (the slip, file, text as written, text with the slip, the test files that should catch it)
+DEFECTS = {
+    "clip_max": ("PPO clip: max instead of min of the two surrogates", "train_grpo.py",
+                 "pg = -torch.minimum(ratio * adv, clipped * adv)", "pg = -torch.maximum(ratio * adv, clipped * adv)",
+                 ["tests/test_grpo.py"]),
+    "adv_no_std": ("advantages: the std division dropped", "train_grpo.py",
+                   "a = a / (r.std() + 1e-6)", "a = a",
+                   ["tests/test_grpo.py"]),
+    "mask_last": ("rollout: the model's last token (its stop) gets loss mask 0", "rollout.py",
+                  "s.loss_mask += [1] * len(ids)", "s.loss_mask += [1] * (len(ids) - 1) + [0] * min(1, len(ids))",
+                  ["tests/test_rollout.py"]),
+    "obs_mask": ("rollout: tool observation tokens trained (mask 1)", "rollout.py",
+                 "s.loss_mask += [0] * len(obs_ids)", "s.loss_mask += [1] * len(obs_ids)",
+                 ["tests/test_rollout.py"]),
+    "tp_gather_order": ("TP export: column shards joined in the wrong rank order", "convert.py",
+                        "return [torch.cat(parts, 1)]", "return [torch.cat(parts[::-1], 1)]",
+                        ["tests/test_model.py", "tests/test_layouts.py"]),
+    "first_box": ("reward: the first \\boxed{} instead of the last", "reward.py",
+                  "starts = [m.end() for m in _BOX_START.finditer(text)]",
+                  "starts = [m.end() for m in _BOX_START.finditer(text)][:1]",
+                  ["tests/test_reward.py"]),
+    "rng_not_restored": ("resume: the sampling RNG is not restored", "trainer.py",
+                         'torch.set_rng_state(s["torch"])', "pass",
+                         ["tests/test_grpo.py"]),
+    "dp_average": ("DP reduce: gradients averaged over DP instead of summed", "optim.py",
+                   "flat = torch.cat([g.reshape(-1) for g in gs])",
+                   "flat = torch.cat([g.reshape(-1) for g in gs]) / dist.get_world_size(group)",
+                   ["tests/test_grpo.py", "tests/test_layouts.py"]),
+    "no_image_check": ("rollout: image placeholders no longer checked against the grids", "rollout.py",
+                       'reason = None if s.status == "failed" else chat.check_images(processor, s.tokens, s.images)',
+                       "reason = None", ["tests/test_rollout.py", "tests/test_sglang_engine.py"]),
+    "k3_wrong": ("KL k3 estimator missing its -1", "train_grpo.py",
+                 "return torch.exp(d) - d - 1\n", "return torch.exp(d) - d\n",
+                 ["tests/test_grpo.py"]),
+    "trim_keeps_all": ("resume: metrics after the checkpoint are kept (steps logged twice)", "trainer.py",
+                       'if json.loads(line)["step"] <= step:', 'if json.loads(line)["step"] <= step or True:',
+                       ["tests/test_grpo.py", "tests/test_faults.py"]),
+    "cp_chunk": ("CP: the second zigzag chunk off by one chunk", "context_parallel.py",
+                 "torch.arange(off + (2 * cp - 1 - rank) * c, off + (2 * cp - rank) * c)",
+                 "torch.arange(off + (2 * cp - 2 - rank) * c, off + (2 * cp - 1 - rank) * c)",
+                 ["tests/test_context_parallel.py", "tests/test_layouts.py"]),
+}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--code", default=str(Path(__file__).resolve().parents[1]), help="checkout to plant in")
+    p.add_argument("ids", nargs="*", help=f"defects to plant (default all: {', '.join(DEFECTS)})")
+    a = p.parse_args()
+    root = Path(a.code)
+    for key in a.ids or DEFECTS:
+        what, f, old, new, tests = DEFECTS[key]
+        path = root / f
+        text = path.read_text()
+        if text.count(old) != 1:
+            print(json.dumps({"id": key, "error": f"its text is {text.count(old)} times in {f}, not once"}), flush=True)
+            continue
+        path.write_text(text.replace(old, new))
+        t = time.time()
+        try:
+            r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+                               cwd=root, capture_output=True, text=True)
+        finally:
+            path.write_text(text)
+        failed = [line.split(" ")[1] for line in r.stdout.splitlines() if line.startswith("FAILED")]
+        print(json.dumps({"id": key, "defect": what, "caught": r.returncode != 0, "by": failed[:3],
+                          "seconds": round(time.time() - t), "tail": r.stdout.strip().splitlines()[-1:]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
