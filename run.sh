@@ -6,8 +6,9 @@
 #       synthetic geometry set: SFT warm-up -> GRPO single-turn -> GRPO multi-turn (calc_score + crop
 #       tools) -> eval. The warm-up (24 steps) teaches only the answer format: accuracy stays at
 #       chance (1 in 4). GRPO then learns from the reward alone to read the number of sides from the
-#       picture (reward 0.25 -> 0.87, greedy accuracy 0.30 -> 1.0), then the multi-turn prompt
-#       (reward 0.33 -> ~0.9). ~9 min on 2 cores; see README "Known limits".
+#       picture (greedy accuracy 0.27-0.30 -> 1.0 at five seeds), then the multi-turn prompt (greedy
+#       multi-turn 0.30-0.89 -> 1.0). 7.5 min on a quiet 2-core machine; the range and why: bench/RESULTS.md, "CPU demo".
+#       SEED (GRPO), DATA_SEED (data and SFT); RUN=<folder> instead of runs/$NAME.
 #       Writes runs/cpu-demo/: each stage's metrics.jsonl and checkpoints, summary.md, reward_curve.png.
 #
 #   MODEL=Qwen/Qwen3-VL-2B-Instruct DATA=hiyouga/geometry3k NUM_GPUS=4 MODE=multi_turn bash run.sh
@@ -56,9 +57,9 @@ if [[ "$NUM_GPUS" == 0 ]]; then
         --n-samples-per-prompt 8 --rollout-max-response-len 48 --rollout-temperature 1.0
         --lr 1e-4 --decoupled-lr 3e-3 --eval-interval 20 --save-interval 20 --max-tokens-per-gpu 1024 --seed "$SEED")
   $PY train_grpo.py --hf-checkpoint "$RUN/sft/$(cat "$RUN/sft/latest")" --save "$RUN/grpo" \
-      "${GRPO[@]}" --num-rollout 100 --dynamic-sampling   # all-equal groups replaced: README, "CPU demo"
+      "${GRPO[@]}" --num-rollout 100 --dynamic-sampling   # all-equal groups replaced: bench/RESULTS.md, "CPU demo"
   $PY train_grpo.py --hf-checkpoint "$RUN/grpo/$(cat "$RUN/grpo/latest")" --save "$RUN/grpo_mt" \
-      "${GRPO[@]}" --num-rollout 30 --max-turns 3 --lr-warmup-iters 10   # warm-up: README, "Known limits"
+      "${GRPO[@]}" --num-rollout 30 --max-turns 3 --lr-warmup-iters 10   # warm-up: bench/RESULTS.md, "CPU demo"
   $PY tools/report.py "$RUN"
   echo "final Hugging Face checkpoint: $RUN/grpo_mt/$(cat "$RUN/grpo_mt/latest")"
   exit 0
