@@ -23,22 +23,26 @@ def long_defs(path, cls_max=150, fn_max=70):
     return out
 
 
-def circles(code, files):
-    """Import circles among `files` (module name: the file's stem, tools/x.py as tools.x), each once."""
+def imports(f):
+    """Module names file `f` imports (`from a import b`: both a and a.b, b may be a module)."""
+    found = set()
+    for n in ast.walk(ast.parse(f.read_text())):
+        if isinstance(n, ast.Import):
+            found |= {a.name for a in n.names}
+        elif isinstance(n, ast.ImportFrom) and n.module:
+            found |= {n.module} | {f"{n.module}.{a.name}" for a in n.names}
+    return found
+
+
+def circles(files, deps):
+    """Import circles among `files` (module name: the file's stem, tools/x.py as tools.x), each once;
+    deps: {file: imports(file)}."""
     names = {("tools." if f.parent.name == "tools" else "") + f.stem: f for f in files}
-    deps = {}
-    for name, f in names.items():
-        found = set()
-        for n in ast.walk(ast.parse(f.read_text())):
-            if isinstance(n, ast.Import):
-                found |= {a.name for a in n.names}
-            elif isinstance(n, ast.ImportFrom) and n.module:
-                found |= {n.module} | {f"{n.module}.{a.name}" for a in n.names}
-        deps[name] = found & set(names)
+    edges = {name: deps[f] & set(names) for name, f in names.items()}
     out = set()
 
     def walk(path):
-        for nxt in deps[path[-1]]:
+        for nxt in edges[path[-1]]:
             if nxt == path[0]:
                 out.add(tuple(sorted(path)))
             elif nxt not in path and len(path) < 8:
@@ -46,11 +50,6 @@ def circles(code, files):
     for name in names:
         walk([name])
     return sorted(" <-> ".join(c) for c in out)
-
-
-def _imports(f):
-    return {a.name for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.Import) for a in n.names} | \
-        {n.module for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.ImportFrom) and n.module}
 
 
 def flags(code, script):
@@ -72,11 +71,12 @@ def main():
     code = Path(p.parse_args().code)
     core = sorted(code.glob("*.py"))
     tools = sorted((code / "tools").glob("*.py")) if (code / "tools").is_dir() else []
+    deps = {f: imports(f) for f in core + tools}  # each file parsed once
     report = {"core_lines": sum(map(lines, core)), "tools_lines": sum(map(lines, tools)),
               "largest_files": sorted(((lines(f), f.name) for f in core), reverse=True)[:5],
               "over_size": [d for f in core for d in long_defs(f)],
-              "import_circles": circles(code, core + tools),
-              "core_imports_tools": [f.name for f in core if "tools" in {m.split(".")[0] for m in _imports(f)}],
+              "import_circles": circles(core + tools, deps),
+              "core_imports_tools": [f.name for f in core if any(m.split(".")[0] == "tools" for m in deps[f])],
               "readme_lines": lines(code / "README.md"),
               "train_grpo": flags(code, "train_grpo"), "sft": flags(code, "sft")}
     for k, v in report.items():
