@@ -52,10 +52,11 @@ def encode_prompt(processor, messages, images, tools=None):
     return list(processor(text=[text], images=list(images) or None)["input_ids"][0])
 
 
-def prompt_length(processor, record, multi_turn=False):
-    """The length of a record's prompt as a rollout encodes it (the processor checks its images)."""
+def prompt(processor, record, multi_turn=False):
+    """-> (messages, tools, token ids) of a record's prompt as a rollout encodes it (the processor checks
+    its images)."""
     messages, tools = chat_prompt(processor, record, multi_turn)
-    return len(encode_prompt(processor, messages, record["images"], tools))
+    return messages, tools, encode_prompt(processor, messages, list(record["images"]), tools)
 
 
 def assistant_opener(processor, messages, tools=None):

@@ -4,10 +4,10 @@ generation with exact token bookkeeping, group sampling and scoring.
     engine = sglang_engine.make_engine(args, hf_dir, run_dir)   # engines.LocalEngine / SGLangEngine
     samples = generate_group_samples(engine, processor, records, args)
 
-Token-in/token-out: a sample's token list is built once, here (chat.py's prompt and observations, the
-engine's ids); the engine is sent it each turn, the trainer reads it, nothing is re-tokenised. Each turn checks that the engine saw exactly the
-tokens sent (SGLang re-expanding image tokens shows as a prompt length mismatch), each sample that
-its placeholder runs match the images' grids. A sample failing a check is `failed` with its reason
+Token-in/token-out: a sample's token list is built once, here (chat.py's prompt and observations,
+the engine's ids); the engine is sent it each turn, the trainer reads it, nothing is re-tokenised.
+Each turn checks that the engine saw exactly the tokens sent (SGLang re-expanding image tokens shows
+as a prompt length mismatch), each sample that its placeholder runs match the images' grids. A sample failing a check is `failed` with its reason
 and an all-zero loss mask; neither it nor an `aborted` one is trained on.
 """
 import math
@@ -336,8 +336,7 @@ class _Pipeline:
         rec = self.groups[key][0]
         try:
             with self.cpu:  # the chat template and the processor once per prompt, not per sample
-                messages, tools = chat.chat_prompt(self.processor, rec, self.args.max_turns > 1)
-                prompt = (messages, tools, chat.encode_prompt(self.processor, messages, list(rec["images"]), tools))
+                prompt = chat.prompt(self.processor, rec, self.args.max_turns > 1)
                 eps = [new_episode(self.processor, rec, self.args, prompt) for _ in range(self.args.n_samples_per_prompt)]
             with self.lock:
                 self.groups[key] = (rec, prompt, eps)

@@ -460,7 +460,7 @@ def main(argv=None):
     records = eval_records = None
     if par.rank == 0:  # rank 0 owns the data and the rewards; each node's leader its server (cluster.py)
         reward.get_reward_fn(args.rm_type)  # its one-off warm-up here, not in the first rollout
-        fit = dict(measure=lambda r: chat.prompt_length(processor, r, args.max_turns > 1),
+        fit = dict(measure=lambda r: len(chat.prompt(processor, r, args.max_turns > 1)[2]),
                    limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len} with room for a response"))
         records, eval_records = T.load_data(args, **fit), T.load_data(args, evaluation=True, **fit)
     servers = cluster.Servers(args, par, model, opt, ref, str(ckpt or args.hf_checkpoint), str(run.save))
