@@ -17,7 +17,7 @@ import rollout
 import sft
 from conftest import rollout_args
 from test_data import _sides_from_image
-from tools import blank_crop, synth
+from tools import blank_crop, report, synth
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +130,33 @@ def test_blank_crop_returns_a_white_image_of_the_crops_size_and_runs_the_real_tr
     got, _, info = env.step(call("crop", {"bbox": [10, 20, 30, 34]}))
     assert info["ran"] and got["text"] == want["text"] and got["images"][0].size == want["images"][0].size == (80, 56)
     assert got["images"][0].getcolors() == [(80 * 56, (255, 255, 255))] and env.images[1] is got["images"][0]
+
+
+def test_the_demo_report_keeps_each_stage_on_its_eval_set_and_shows_crop_calls_and_hits(tmp_path):
+    """tools/report.py on a run.sh folder: a stage's before/after are on its own eval set (the warm start's SFT,
+    with none, does not borrow the sides set's 1.0 nor the crop set's start), and the multi-turn stage's crop
+    calls and box hits per 10 steps reach summary.md and the curve."""
+    def stage(name, eval_data, rows):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config_x.json").write_text(json.dumps({"eval_prompt_data": eval_data}))
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stage("base_eval", "run/data", [{"step": 0, "eval_accuracy": 0.0}])
+    stage("sft", "run/data", [{"step": 1, "loss": 1.0}])
+    stage("grpo", "run/data", [{"step": 0, "eval_accuracy": 0.3}, {"step": 1, "reward": 0.4},
+                               {"step": 1, "eval_accuracy": 1.0, "eval_multi_turn_accuracy": 0.9}])
+    stage("sft_crop", None, [{"step": 1, "loss": 1.0}])
+    steps = [{"step": i + 1, "reward": 0.5, "tool_calls_crop": 0.2 if i < 10 else 0.9, "crop_hit_frac": 0.1 if i < 10
+              else 0.5} for i in range(20)]
+    stage("grpo_mt", "run/crop", [{"step": 0, "eval_accuracy": 0.25, "eval_multi_turn_accuracy": 0.22}, *steps,
+                                  {"step": 20, "eval_accuracy": 0.25, "eval_multi_turn_accuracy": 0.6}])
+    report.main(tmp_path)
+    rows, curves = report.stage_rows(tmp_path)
+    assert [(t, w, acc) for t, w, _, _, acc in rows] == [
+        ("SFT", "data", {"eval_accuracy": [0.0, 0.3], "eval_multi_turn_accuracy": [None, None]}),
+        ("GRPO single-turn", "data", {"eval_accuracy": [0.3, 1.0], "eval_multi_turn_accuracy": [None, 0.9]}),
+        ("SFT tool calls", "-", {"eval_accuracy": [None, None], "eval_multi_turn_accuracy": [None, None]}),
+        ("GRPO multi-turn", "crop", {"eval_accuracy": [0.25, 0.25], "eval_multi_turn_accuracy": [0.22, 0.6]})]
+    summary = (tmp_path / "summary.md").read_text()
+    assert ("GRPO multi-turn, per 10 steps: crop calls / episode 0.20, 0.90; share whose crop hit the box 0.10, 0.50"
+            in summary), summary
+    assert summary.count("per 10 steps") == 1 and (tmp_path / "reward_curve.png").stat().st_size > 0
