@@ -14,6 +14,7 @@ import env_geo3k
 import chat
 import rollout
 from conftest import rollout_args
+from fakes import ANSWER, CROP_CALL, ScriptedEngine
 
 FAKE = str(Path(__file__).with_name("fake_sglang.py"))
 TOL = 1e-5
@@ -153,35 +154,6 @@ def test_logprobs_exact_when_logits_are_large(engine, processor, ckpt, records):
 
 
 # ---------------------------------------------------------------------------------- multi-turn
-CROP_CALL = '<tool_call>\n{"name": "crop", "arguments": {"bbox": [0, 0, 64, 64]}}\n</tool_call>'
-ANSWER = "The crop shows the polygon. \\boxed{360}"
-
-
-class ScriptedEngine(engines.Engine):
-    """Answers turn k (counted per request by the number of assistant headers) with script[k]."""
-
-    def __init__(self, processor, script, finish="stop"):
-        self.tok, self.script, self.finish, self.seen = processor.tokenizer, script, finish, []
-        self.im_end = self.tok.convert_tokens_to_ids("<|im_end|>")
-        self.header = self.tok.encode("<|im_start|>assistant\n")
-
-    def turn(self, ids):
-        h = self.header
-        return sum(ids[i:i + len(h)] == h for i in range(len(ids))) - 1
-
-    def generate(self, batch, sampling):
-        outs = []
-        for item in batch:
-            self.seen.append((list(item["input_ids"]), list(item["images"])))
-            ids = self.tok.encode(self.script[min(self.turn(item["input_ids"]), len(self.script) - 1)]) + [self.im_end]
-            limit = item.get("max_new_tokens", sampling["max_new_tokens"])
-            finish = "length" if len(ids) > limit else self.finish
-            ids = ids[:limit]
-            outs.append({"ids": ids, "logprobs": [-0.5] * len(ids), "finish": finish,
-                         "prompt_tokens": len(item["input_ids"])})
-        return outs
-
-
 def test_multi_turn_crop_matches_full_render(processor, records):
     """The trainer-side tokens of a crop episode are exactly the processor's tokens for the whole
     conversation rendered at once, with both images, and the crop reaches turn 2's request."""
@@ -201,7 +173,7 @@ def test_multi_turn_crop_matches_full_render(processor, records):
         {"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": observation}]},
         {"role": "assistant", "content": ANSWER}]
     # tools/tiny.py's template renders tools=, so the specs go there, in its format, not in the system text
-    text = processor.apply_chat_template(messages, tools=env_geo3k.TOOL_SPECS, tokenize=False)
+    text = processor.apply_chat_template(messages, tools=env_geo3k.specs(env_geo3k.offered()), tokenize=False)
     assert '"name": "crop"' in text and "<tools>" in text
     full = processor(text=[text.removesuffix("\n")], images=s.images)["input_ids"][0]
     assert s.tokens == list(full)
@@ -344,7 +316,7 @@ def test_group_samples_rewards_and_dynamic_sampling(processor, records):
                 outs.append({"ids": ids, "logprobs": [-0.1] * len(ids), "finish": "stop",
                              "prompt_tokens": len(item["input_ids"])})
             return outs
-    fn = lambda response, label: float(label == "mixed" and int(response) % 2 == 1)  # noqa: E731
+    fn = lambda response, record: float(record["answer"] == "mixed" and int(response) % 2 == 1)  # noqa: E731
     args = rollout_args(n_samples_per_prompt=2)
     plain = rollout.generate_group_samples(Counting(processor, []), processor, recs[:2], args, reward_fn=fn)
     assert [s.group for s in plain] == [0, 0, 1, 1] and [s.reward for s in plain] == [0, 0, 0, 1]
