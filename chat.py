@@ -31,7 +31,7 @@ def template_tools(processor, record):
     """The specs of the tools the record offers (env_geo3k.offered) as the template's `tools=` list, or None
     where the template renders none (Qwen2.5-VL ignores it)."""
     probe = [{"role": "user", "content": "?"}]
-    if render(processor, probe, env_geo3k.specs(env_geo3k.TOOLS)) == render(processor, probe):
+    if render(processor, probe, env_geo3k.specs(list(env_geo3k.TOOLS))) == render(processor, probe):
         return None
     return env_geo3k.specs(env_geo3k.offered(record.get("tools")))
 

@@ -153,28 +153,29 @@ ALIASES = {"calc_geo3k_reward": "calc_score"}  # old names that still run, not a
 
 
 def offered(names=None):
-    """{name: Tool} a row gets: its `tools` (names; None: TOOLS' default ones), checked; the one place that decides."""
+    """The names of the tools a row gets: its `tools` (None: TOOLS' default ones), checked; the one place that decides
+    (the env runs those, the prompt shows those: specs, usage; names alone travel in a checkpoint's episodes)."""
     if names is None:
-        return {n: t for n, t in TOOLS.items() if t.default}
+        return [n for n, t in TOOLS.items() if t.default]
     if isinstance(names, str) or not names or not all(n in TOOLS for n in names):
         raise ValueError(f"tools {names!r}: a list of tool names from {', '.join(TOOLS)}")
-    return {n: TOOLS[n] for n in names}
+    return list(names)
 
 
-def specs(tools):
-    """The JSON-schema specs of `tools` ({name: Tool}), as chat templates take them (`tools=`)."""
-    return [t.spec(n) for n, t in tools.items()]
+def specs(names):
+    """The JSON-schema specs of the tools `names`, as chat templates take them (`tools=`)."""
+    return [TOOLS[n].spec(n) for n in names]
 
 
-def usage(tools, xml=False):
+def usage(names, xml=False):
     """The exact call format on the first tool's example (Qwen3.5's XML form if the model used it) and each tool's
     usage line."""
-    name, example = next(iter(tools)), next(iter(tools.values())).example
+    name, example = names[0], TOOLS[names[0]].example
     call = json.dumps({"name": name, "arguments": example})
     if xml:  # as Qwen3.5's template writes it: strings raw, the rest as JSON
         call = f"<function={name}>\n" + "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n"
                                                 "</parameter>\n" for k, v in example.items()) + "</function>"
-    lines = "\n".join("- " + t.usage for t in tools.values())
+    lines = "\n".join("- " + TOOLS[n].usage for n in names)
     return f"Call one tool exactly like this:\n<tool_call>\n{call}\n</tool_call>\nTools:\n{lines}"
 
 
@@ -282,9 +283,9 @@ class Geo3kEnv:
         images = []
         try:
             name, arguments = self.parse(response_text, info)
-            tool = self.tools.get(ALIASES.get(name, name))
-            if tool is None:
+            if ALIASES.get(name, name) not in self.tools:
                 raise ToolError(f"unknown tool {name[:80]!r}; tools are {', '.join(self.tools)}")
+            tool = TOOLS[ALIASES.get(name, name)]
             _check_args(arguments, tool)
             text, images, gained = tool.run(self, arguments)
             info.update(gained, ran=True)

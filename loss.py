@@ -13,10 +13,6 @@ def grpo_advantages(r):  # a group's rewards (G,) float64 -> advantages (G,)
     return (r - r.mean()) / (r.std() + 1e-6)
 
 
-def dr_grpo_advantages(r):  # Dr. GRPO: no division by the std
-    return r - r.mean()
-
-
 def _clip(ratio, adv, eps_low, eps_high):
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     return -torch.minimum(ratio * adv, clipped * adv), clipped * adv < ratio * adv
@@ -44,7 +40,8 @@ def cispo(logp, old, adv, lens, eps_low, eps_high):
 
 
 Estimator = collections.namedtuple("Estimator", ["advantage", "policy"])  # (group rewards -> advantages, policy loss)
-ESTIMATORS = {"grpo": Estimator(grpo_advantages, ppo_clip), "dr_grpo": Estimator(dr_grpo_advantages, ppo_clip),
+ESTIMATORS = {"grpo": Estimator(grpo_advantages, ppo_clip),
+              "dr_grpo": Estimator(lambda r: r - r.mean(), ppo_clip),  # Dr. GRPO: no division by the std
               "gspo": Estimator(grpo_advantages, gspo), "cispo": Estimator(grpo_advantages, cispo)}
 
 

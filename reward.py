@@ -267,7 +267,7 @@ def score(rm_type, response, record):
         return 0.0
 
 
-def reject_constant(name):  # json's parse_constant: NaN / Infinity are not JSON
+def _reject_constant(name):  # json's parse_constant: NaN / Infinity are not JSON
     raise ValueError(f"{name} is not valid JSON")
 
 
@@ -277,7 +277,7 @@ def strict_json(text):
     depth = itertools.accumulate((c in "[{") - (c in "]}") for c in _JSON_STRING.sub('""', text))
     if max(depth, default=0) > MAX_JSON_DEPTH:
         raise ValueError("nested too deeply")
-    return json.loads(text, parse_constant=reject_constant)
+    return json.loads(text, parse_constant=_reject_constant)
 
 
 def format_ok(response):

@@ -257,7 +257,7 @@ def test_tool_declarations_make_the_prompt_and_the_offer():
         assert set(params["required"]) <= set(params["properties"]) and tool.usage.startswith(name + " {")
     everything = env_geo3k.offered()
     assert [s["function"]["name"] for s in env_geo3k.specs(everything)] == ["calc_score", "crop"]
-    assert env_geo3k.ALIASES == {"calc_geo3k_reward": "calc_score"} and list(everything) == ["calc_score", "crop"]
+    assert env_geo3k.ALIASES == {"calc_geo3k_reward": "calc_score"} and everything == ["calc_score", "crop"]
     listed = env_geo3k.usage(everything)
     assert "- calc_score {" in listed and "- crop {" in listed and "calc_geo3k_reward" not in listed
     crop_only = env_geo3k.offered(["crop"])
