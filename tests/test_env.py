@@ -207,9 +207,14 @@ def high_recursion_limit():
     sys.setrecursionlimit(old)
 
 
+def every_tool():
+    """The table's env: a row offering every tool in TOOLS (a fork's default=False one too)."""
+    return make_env(row={"answer": "80", "images": [picture()], "tools": list(env_geo3k.TOOLS)})
+
+
 @pytest.mark.parametrize("response,text,expect", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_step_table(response, text, expect, high_recursion_limit):
-    env = make_env()
+    env = every_tool()
     env.reset()
     obs, done, info = env.step(response)
     assert set(info) == {"turn", "tool", "arguments", "ran", "error", "score", "n_calls", "note"}
@@ -240,7 +245,7 @@ def test_table_runs_every_tool_in_both_call_formats():
     """A tool (or call format) added without table cases that run it fails here."""
     ran = set()
     for _, response, _, _ in CASES:
-        env = make_env()
+        env = every_tool()
         _, _, info = env.step(response)
         if info["ran"]:
             ran.add((info["tool"], "xml" if "<function=" in response.rsplit("<tool_call>", 1)[-1] else "json"))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import loss as L
+import reward
 import train_grpo as G
 
 # Two sequences: A (2 tokens, adv +1) and B (1 token, adv -1); eps 0.2 below, 0.28 above
@@ -99,6 +100,6 @@ def test_tis_weight_is_capped():
 
 def test_flag_choices_are_the_registries():
     actions = {a.dest: a for a in G.build_parser()._actions}
-    assert actions["advantage_estimator"].choices == list(L.ESTIMATORS) == ["grpo", "dr_grpo", "gspo", "cispo"]
+    assert actions["advantage_estimator"].choices == list(L.ESTIMATORS) and "gspo" in L.ESTIMATORS
     assert actions["kl_loss_type"].choices == list(L.KL)
-    assert actions["rm_type"].choices == ["math", "geo3k"]
+    assert actions["rm_type"].choices == list(reward.REWARDS)

@@ -225,8 +225,8 @@ def test_format_ok(response, want):
 def test_score_runs_the_registry_on_the_whole_row(monkeypatch):
     """A reward sees the row (its other columns too) and is made 0.0 / 1.0 and time-bounded by score();
     an unknown name is refused by name (argparse lists REWARDS as --rm-type's choices)."""
-    assert list(reward.REWARDS) == ["math", "geo3k"]
-    with pytest.raises(ValueError, match="unknown --rm-type 'bogus'; choose one of \\['geo3k', 'math'\\]"):
+    assert list(reward.REWARDS)[:2] == ["math", "geo3k"]
+    with pytest.raises(ValueError, match="unknown --rm-type 'bogus'; choose one of \\[.*'geo3k', 'math'"):
         reward.score("bogus", B % "1", {"answer": "1"})
 
     def choice(response, record):  # a multiple-choice row: the letter names one of its choices
