@@ -89,9 +89,8 @@ def crop(env, arguments):
     region = image.convert("RGB").crop((x1, y1, x2, y2))
     if k > 1:
         region = region.resize((cw * k, ch * k), resample=0)  # 0 = Image.NEAREST
-    env.images.append(region)
     text = (f"Crop of image {i} at [{x1}, {y1}, {x2}, {y2}] ({cw}x{ch} px, shown at "
-            f"{cw * k}x{ch * k}); it is now image {len(env.images) - 1}.")
+            f"{cw * k}x{ch * k}); it is now image {len(env.images)}.")
     box = env.record.get("box")  # the region a task names (the crop task's): a crop of image 0 is scored against it
     return text, [region], {"iou": iou(bbox, box)} if box is not None and i == 0 else {}
 
@@ -121,7 +120,7 @@ def crop_metrics(ran, rewards):
 @dataclasses.dataclass(frozen=True)
 class Tool:
     """A tool's declaration: what varies with the tool is read from here (docs/extending.md, "A tool")."""
-    run: object          # (env, arguments) -> (text, images, {key: value} the step info gains); ToolError: bad ones
+    run: object          # (env, arguments) -> (text, new images, {key: value} the step info gains); ToolError: bad ones
     usage: str           # its line in the call-format help (system prompt, error feedback)
     description: str     # with parameters: the JSON-schema spec a chat template renders (`tools=`)
     parameters: dict     # JSON-schema properties; the env refuses arguments not named here
@@ -288,6 +287,7 @@ class Geo3kEnv:
             tool = TOOLS[ALIASES.get(name, name)]
             _check_args(arguments, tool)
             text, images, gained = tool.run(self, arguments)
+            self.images += images  # what a tool shows, later calls can refer to
             info.update(gained, ran=True)
         except ToolError as e:
             info["error"] = str(e)
