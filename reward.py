@@ -3,12 +3,10 @@
     import reward
     r = reward.score("geo3k", response, {"answer": "5 \\sqrt { 3 }"})   # 1.0 or 0.0, never raises; thread-safe
 
-A reward is a function (response, record) -> true or false in REWARDS: `record` is the data row, its label
-in "answer" and its other columns as loaded (a multiple-choice row's `choices`...). score() makes it exactly
-0.0 or 1.0, so a group of equal rewards gets an advantage of exactly 0, and bounds its time on any thread
-(docs/reward.md); the rollout and env_geo3k's calc_score both score through it. format_ok is a metric and is
-deliberately not mixed into the reward. Importing changes nothing in the process; the first scoring call
-runs init() by itself.
+A reward in REWARDS is (response, record) -> true or false, record the data row (its label in "answer", its
+other columns); score(), which the rollout and env_geo3k's calc_score call, makes it exactly 0.0 or 1.0 (equal
+rewards: A = 0) and bounds its time on any thread (docs/reward.md). format_ok is a metric, not in the reward.
+Importing changes nothing in the process; the first scoring call runs init() by itself.
 """
 import ctypes
 import functools

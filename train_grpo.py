@@ -51,8 +51,7 @@ def build_parser():
     F.add_rollout_args(p)
     a = p.add_argument_group("GRPO").add_argument
     a("--num-rollout", type=F.COUNT, default=100, help="GRPO steps (rollout + update); 0: evaluate only")
-    a("--advantage-estimator", default="grpo", choices=list(L.ESTIMATORS),
-      help="dr_grpo: no std division; gspo: one clipped ratio a sequence; cispo: a clipped, stop-gradient IS weight")
+    a("--advantage-estimator", default="grpo", choices=list(L.ESTIMATORS), help="loss.py; README, \"The algorithm\"")
     a("--eps-clip", type=F.at_least(0.0), default=0.2, help="PPO clip below 1")
     a("--eps-clip-high", type=F.at_least(0.0), default=0.28, help="PPO clip above 1")
     a("--kl-loss-coef", type=F.at_least(0.0), default=0.0, help="KL to the initial policy (0: no reference model)")
