@@ -1,7 +1,8 @@
-"""The fakes the tests share (one copy each): a scripted engine, a model of fixed logprobs and an env factory.
+"""The fakes the tests share (one copy each): scripted engines, a model of fixed logprobs and an env factory.
 
     eng = ScriptedEngine(processor, [CROP_CALL, ANSWER])       # turn k of every episode writes script[k]
     eng = ScriptedEngine(processor, lambda item: plans[...])    # each episode its own turns
+    eng = ForcedFirstTurnEngine(ckpt, processor=processor)      # the local engine, its first turn forced to CROP_CALL
     model = FakeModel([-0.6, -0.7, -2.0])                      # policy_loss's plumbing without Megatron
     env = make_env(max_turns=5, rm_type="geo3k")               # env_geo3k on a row of `picture()`
 """
@@ -45,6 +46,48 @@ class ScriptedEngine(engines.Engine):
             outs.append({"ids": ids, "logprobs": [-0.5] * len(ids), "finish": finish,
                          "prompt_tokens": len(item["input_ids"])})
         return outs
+
+
+class ForceTokens:
+    """A logits processor that makes generate emit `script` (then keeps repeating its last id):
+    every other id gets -inf. The engine's logprobs come from the raw logits, so they are the
+    model's own probabilities of the forced ids, computed by the engine's cached decode."""
+
+    def __init__(self, script, prompt_len):
+        self.script, self.prompt_len = script, prompt_len
+
+    def __call__(self, input_ids, scores):                              # (B, L), (B, V)
+        step = min(input_ids.shape[1] - self.prompt_len, len(self.script) - 1)
+        forced = torch.full_like(scores, float("-inf"))
+        forced[:, self.script[step]] = 0.0
+        return forced
+
+
+class ForcedFirstTurnEngine(engines.LocalEngine):
+    """Turn 1 (a prompt with one image): LocalEngine's own generate and logprobs, every step forced
+    to the crop call's tokens; later turns: plain LocalEngine sampling, on a prompt that now holds
+    two images. The reference (teacher_logprobs: one full forward, no cache) shares no code with it."""
+
+    def generate(self, batch, sampling):
+        first = [i for i, item in enumerate(batch) if len(item["images"]) == 1]
+        rest = [i for i in range(len(batch)) if i not in first]
+        out = [None] * len(batch)
+        if first:
+            tok = self.processor.tokenizer
+            script = tok.encode(CROP_CALL) + [tok.convert_tokens_to_ids("<|im_end|>")]
+            prompt_len = max(len(batch[i]["input_ids"]) for i in first)   # generate left-pads to it
+            plain = self.model.generate
+            force = ForceTokens(script, prompt_len)  # after the engine's Sampler, so it has the last word
+            self.model.generate = lambda **kw: plain(**dict(kw, logits_processor=kw["logits_processor"] + [force]))
+            try:
+                for i, o in zip(first, super().generate([batch[i] for i in first], sampling)):
+                    assert o["ids"] == script
+                    out[i] = o
+            finally:
+                del self.model.generate                                   # the class's method again
+        for i, o in zip(rest, super().generate([batch[i] for i in rest], sampling)):
+            out[i] = o
+        return out
 
 
 class FakeModel(torch.nn.Module):

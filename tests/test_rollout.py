@@ -14,7 +14,7 @@ import env_geo3k
 import chat
 import rollout
 from conftest import rollout_args
-from fakes import ANSWER, CROP_CALL, ScriptedEngine
+from fakes import ANSWER, CROP_CALL, ForcedFirstTurnEngine, ScriptedEngine
 
 FAKE = str(Path(__file__).with_name("fake_sglang.py"))
 TOL = 1e-5
@@ -207,48 +207,6 @@ def test_tool_calls_counts_calls_that_ran(processor, records):
                                                                       rollout_max_response_len=1000))
     assert s.status == "completed" and s.turns == 3, s.fail_reason
     assert [step["ran"] for step in s.metadata["steps"]] == [False, True, False] and s.tool_calls == 1
-
-
-class ForceTokens:
-    """A logits processor that makes generate emit `script` (then keeps repeating its last id):
-    every other id gets -inf. The engine's logprobs come from the raw logits, so they are the
-    model's own probabilities of the forced ids, computed by the engine's cached decode."""
-
-    def __init__(self, script, prompt_len):
-        self.script, self.prompt_len = script, prompt_len
-
-    def __call__(self, input_ids, scores):                              # (B, L), (B, V)
-        step = min(input_ids.shape[1] - self.prompt_len, len(self.script) - 1)
-        forced = torch.full_like(scores, float("-inf"))
-        forced[:, self.script[step]] = 0.0
-        return forced
-
-
-class ForcedFirstTurnEngine(engines.LocalEngine):
-    """Turn 1 (a prompt with one image): LocalEngine's own generate and logprobs, every step forced
-    to the crop call's tokens; later turns: plain LocalEngine sampling, on a prompt that now holds
-    two images. The reference (teacher_logprobs: one full forward, no cache) shares no code with it."""
-
-    def generate(self, batch, sampling):
-        first = [i for i, item in enumerate(batch) if len(item["images"]) == 1]
-        rest = [i for i in range(len(batch)) if i not in first]
-        out = [None] * len(batch)
-        if first:
-            tok = self.processor.tokenizer
-            script = tok.encode(CROP_CALL) + [tok.convert_tokens_to_ids("<|im_end|>")]
-            prompt_len = max(len(batch[i]["input_ids"]) for i in first)   # generate left-pads to it
-            plain = self.model.generate
-            force = ForceTokens(script, prompt_len)  # after the engine's Sampler, so it has the last word
-            self.model.generate = lambda **kw: plain(**dict(kw, logits_processor=kw["logits_processor"] + [force]))
-            try:
-                for i, o in zip(first, super().generate([batch[i] for i in first], sampling)):
-                    assert o["ids"] == script
-                    out[i] = o
-            finally:
-                del self.model.generate                                   # the class's method again
-        for i, o in zip(rest, super().generate([batch[i] for i in rest], sampling)):
-            out[i] = o
-        return out
 
 
 def test_multi_turn_local_logprobs(ckpt, processor, records):
