@@ -424,20 +424,22 @@ def sglang_placement(args, cuda, n_gpus, local_world, visible=None, index=0):
 
 
 def engine_kind(args):
-    """--rollout-engine: local or sglang; auto = SGLang if importable and CUDA is present."""
+    """--rollout-engine: local or sglang; auto = SGLang if importable and CUDA is present. Called by parse_args:
+    sglang not installed (and no --sglang-launch-cmd to start it) stops the run there, before any model loads."""
+    found = importlib.util.find_spec("sglang")
+    if args.rollout_engine == "sglang" and not (found or args.sglang_launch_cmd):
+        raise SystemExit("--rollout-engine sglang: sglang is not installed in this python (`GPU=1 bash setup.sh` "
+                         "installs it); or --rollout-engine local")
     if args.rollout_engine != "auto":
         return args.rollout_engine
-    return "sglang" if importlib.util.find_spec("sglang") and torch.cuda.is_available() else "local"
+    return "sglang" if found and torch.cuda.is_available() else "local"
 
 
 def make_engine(args, hf_dir, run_dir, index=0, local_world=1, **where):
     """The engine --rollout-engine names. index: which of the node's servers (servers_per_node); local_world:
     the node's trainer ranks (Parallel.local_world); where: its host, api_key and name (cluster.py)."""
     cuda = torch.cuda.is_available()
-    if engine_kind(args) == "local":
-        if args.sglang_args:
-            raise SystemExit(f"{' '.join(args.sglang_args)}: SGLang flags, but the rollout engine is local "
-                             "(--rollout-engine sglang to use them)")
+    if engine_kind(args) == "local":  # SGLang flags with it: refused by parse_args
         return LocalEngine(hf_dir, "cuda" if cuda else "cpu", routed_experts=args.use_rollout_routing_replay)
     flags, env = sglang_placement(args, cuda, torch.cuda.device_count() if cuda else 0, local_world,
                                   os.environ.get("CUDA_VISIBLE_DEVICES"), index)

@@ -452,3 +452,17 @@ def test_an_abort_lands_mid_generation_and_the_rest_continues_it(ckpt, processor
         assert not eng.inflight
     finally:
         eng.shutdown()
+
+
+def test_rollout_engine_sglang_without_sglang_stops_before_anything_loads(tmp_path, monkeypatch):
+    import importlib.util
+    import train_grpo
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else find(name, *a))
+    argv = ["--hf-checkpoint", str(tmp_path / "none"), "--prompt-data", "x", "--save", str(tmp_path / "run"),
+            "--rollout-engine", "sglang"]
+    with pytest.raises(SystemExit) as e:
+        train_grpo.main(argv)
+    assert e.value.code == ("--rollout-engine sglang: sglang is not installed in this python (`GPU=1 bash setup.sh` "
+                            "installs it); or --rollout-engine local")
+    assert not (tmp_path / "run").exists()  # stopped at the arguments: no run folder, no model
