@@ -103,7 +103,7 @@ def serialize_on_ranks(buckets, rank, ranks, dtype, group=None, dst=0):
     None: the job; its leader: global rank `dst`): local rank i < `ranks` serialises its own GPU's copy of
     each bucket for server TP rank i; the leader gets Serialized buckets, the others None."""
     for bucket in buckets:
-        bucket = [(k, v.to(dtype)) for k, v in bucket] if rank < ranks else bucket  # the others only wait
+        bucket = [(k, v.to(dtype, copy=True)) for k, v in bucket] if rank < ranks else bucket  # copies: update_weights
         blobs = [None] * dist.get_world_size(group) if rank == 0 else None
         dist.gather_object(serialize_tensors(bucket) if rank < ranks else None, blobs, dst=dst, group=group)
         yield Serialized([k for k, _ in bucket], blobs[:ranks]) if rank == 0 else None
@@ -242,7 +242,12 @@ class SGLangEngine(Engine):
     def update_weights(self, buckets):
         """Load (HF name, full tensor) buckets into the server by self.weight_sync (docs/sglang.md);
         -> number of tensors. A load the server refuses raises RuntimeError with its message."""
-        buckets = (b if isinstance(b, Serialized) else [(k, v.to(self.dtype)) for k, v in b] for b in buckets)
+        # "tensor": a copy each sync. CUDA IPC wraps a storage in one more ref-counted context each time it is shared
+        # (torch/csrc/StorageSharing.cpp THPStorage_shareCuda: set_data_ptr + set_original_ptr), freed with the
+        # storage: a parameter's, shared every sync, grows a chain of contexts, ref counters and IPC events
+        copy = self.weight_sync == "tensor"
+        buckets = (b if isinstance(b, Serialized) else [(k, v.to(self.dtype, copy=copy)) for k, v in b]
+                   for b in buckets)
         if self.weight_sync == "disk":
             return sync_disk(self.server, buckets, self.hf_dir)
         weight_update(self.server, "/begin_weight_update", {})

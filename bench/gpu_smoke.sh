@@ -120,6 +120,34 @@ check offload_moe_bf16_distopt "$PY" bench/offload_check.py "$DIR/tiny_moe" "${B
 # R3: the routers replay the local engine's experts (transformers' routers on the GPU, bf16 trainer)
 check grpo_moe_r3_local "${TR[@]}" train_grpo.py "${MOE[@]/grpo_moe/grpo_moe_r3}" --num-rollout 2 --use-rollout-routing-replay
 check grpo_moe_r3_local_metrics metric "$DIR/grpo_moe_r3"
+# --colocate --no-offload-train, "tensor" sync: a parameter exported without a copy (convert.full's "rep") must
+# not be what CUDA IPC shares: each share wraps its storage in one more ref-counted context that lives as long as
+# the storage (torch/csrc/StorageSharing.cpp THPStorage_shareCuda: set_data_ptr, set_original_ptr), each holding
+# an IPC event until 1,000 are held (CUDA_IPC_MAXIMUM_EVENTS_TO_USE, torch/csrc/CudaIPCTypes.h:62), then a
+# stream sync. SGLangEngine.update_weights 1,100 times, each blob released as SGLang releases it: with a copy
+# per sync every share still gets its event (no server needed)
+check tensor_sync_shares_copies "$PY" - <<'EOF'
+import base64, io, pickle, types, torch
+import sglang_engine as E
+class Peek(pickle.Unpickler):  # a blob's CUDA IPC arguments as rebuild_cuda_tensor would get them, not opened
+    def find_class(self, module, name):
+        return (lambda *a: a) if name == "rebuild_cuda_tensor" else super().find_class(module, name)
+events = []
+def call(path, body):  # the server's side: it releases each tensor's counter once it has copied it
+    for blob in body.get("serialized_named_tensors", []):
+        for _, a in Peek(io.BytesIO(base64.b64decode(blob))).load():
+            torch.UntypedStorage._release_ipc_counter_cuda(a[11], a[12])
+            events.append(a[14])  # event_sync_required
+    return {"success": True}
+eng = E.SGLangEngine.__new__(E.SGLangEngine)
+eng.weight_sync, eng.dtype, eng.server_tp, eng.stale = "tensor", torch.float32, 1, False
+eng.server = types.SimpleNamespace(call=call)
+w = torch.nn.Parameter(torch.randn(16, device="cuda"))
+for _ in range(1100):
+    eng.update_weights([[("w", w.detach())]])
+assert len(events) == 1100 and all(events), f"an IPC event for {sum(events)} of {len(events)} shares: a chain"
+print("1100 tensor syncs of one parameter, each share with its own IPC event")
+EOF
 if "$PY" -c "import sglang" 2>/dev/null; then
   # stock SGLang on the same GPU as training: the memory saver releases it while training; weights
   # go over CUDA IPC (/update_weights_from_tensor, devices named by UUID), then by the disk. --colocate
