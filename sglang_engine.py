@@ -183,9 +183,8 @@ class SGLangEngine(Engine):
         meta, params = r["meta_info"], payload["sampling_params"]
         pairs = meta.get("output_token_logprobs") or []
         ids = [int(p[1]) for p in pairs]
-        # An aborted request runs one more decode step and keeps its token, checking the abort before the stop
-        # and length checks (scheduler.py:5797-5811, schedule_batch.py:2007-2014): its finish says abort,
-        # but a stop token or the cap may have ended the turn (finish_reason)
+        # an aborted request runs one more decode step, keeps its token and checks the abort first (scheduler.py:
+        # 5797-5811, schedule_batch.py:2007-2014): finish "abort", but a stop token or the cap may end the turn
         out = {"ids": ids, "logprobs": [float(p[0]) for p in pairs], "prompt_tokens": meta.get("prompt_tokens"),
                "finish": finish_reason(ids, params["stop_token_ids"], params["max_new_tokens"],
                                        (meta.get("finish_reason") or {}).get("type", "abort"))}
@@ -227,10 +226,9 @@ class SGLangEngine(Engine):
         return payload
 
     def abort(self):
-        """--partial-rollout: every /generate in flight on every server answers now with what it has (finish
-        "abort"), by SGLang's abort_all: an abort by rid that finds its request being tokenized is lost, and
-        later ones of that rid are dropped (tokenizer_manager.py:926, 2246-2253); abort_all is not, so the
-        rollout's repeat cuts what the last one missed. Each server at once, ABORT_TIMEOUT at most (docs/sglang.md)."""
+        """--partial-rollout: every /generate on every server answers now with what it has (finish "abort"). By
+        abort_all: one by rid that finds its request being tokenized is lost and latches that rid against the
+        rollout's repeats (tokenizer_manager.py:926, 2246-2253). Each server at once, for ABORT_TIMEOUT at most."""
         def tell(url):
             with suppress(ServerError, ServerDown):  # a server gone or hung: the rollout's repeat tries again
                 self.server.post("/abort_request", {"abort_all": True}, ABORT_TIMEOUT, url)
@@ -239,9 +237,8 @@ class SGLangEngine(Engine):
     def update_weights(self, buckets):
         """Load (HF name, full tensor) buckets into the server by self.weight_sync (docs/sglang.md);
         -> number of tensors. A load the server refuses raises RuntimeError with its message."""
-        # "tensor": a copy each sync. CUDA IPC wraps a storage in one more ref-counted context each time it is shared
-        # (torch/csrc/StorageSharing.cpp THPStorage_shareCuda: set_data_ptr + set_original_ptr), freed with the
-        # storage: a parameter's, shared every sync, grows a chain of contexts, ref counters and IPC events
+        # "tensor" shares copies: each CUDA IPC share wraps the storage in one more ref-counted context, freed with it
+        # (torch/csrc/StorageSharing.cpp THPStorage_shareCuda): a parameter's would grow a chain every sync
         copy = self.weight_sync == "tensor"
         buckets = (b if isinstance(b, Serialized) else [(k, v.to(self.dtype, copy=copy)) for k, v in b]
                    for b in buckets)
