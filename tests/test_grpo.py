@@ -284,9 +284,9 @@ def test_policy_loss_aggregation_and_tis_by_hand(agg, tis, want):
 def test_placement_of_the_sglang_server():
     """--colocate: the training GPUs, memory saver, default memory share; --rollout-num-gpus: GPUs
     after the training ones, never a training GPU; neither on GPUs: an error naming both flags."""
-    def args(*flags, extra=()):
-        a = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", *flags, *extra])
-        return a
+    def args(*flags, extra=()):  # the SGLang engine: with the local one these flags are refused
+        return G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--rollout-engine", "sglang",
+                             *flags, *extra])
     flags, env = sglang_placement(args("--colocate"), True, 8, 4)
     assert env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
     assert flags == ["--enable-memory-saver", "--mem-fraction-static", str(COLOCATE_MEM_FRACTION), "--tp-size", "4"]

@@ -9,10 +9,10 @@ from pathlib import Path
 
 from PIL import Image
 
-if not __package__:  # run as a script (python tools/blank_crop.py): the core is one folder up
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core modules, however this is run
 import env_geo3k  # noqa: E402
 import train_grpo  # noqa: E402
+import console  # noqa: E402
 
 REAL_CROP = env_geo3k.crop
 
@@ -26,9 +26,10 @@ def blank_crop(env, arguments):
 
 
 def main(argv=None):
+    train_grpo.__doc__ = __doc__  # --help: this file's purpose (train_grpo's parser's description), then its flags
     env_geo3k.TOOLS["crop"] = blank_crop  # the env looks its tools up at each call
     return train_grpo.main(argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console.entry(main)
