@@ -2,7 +2,6 @@
 bar, one line a fact that never splices into it (say), the end-of-run summary, a stop for preemption
 (--exit-signal-handler, --exit-duration-in-mins: Megatron's flags) and Ctrl-C (entry), each with the
 command that resumes. Mechanism: docs/training.md, "The loop's ends"."""
-import argparse
 import os
 import shlex
 import signal
@@ -39,7 +38,7 @@ def steps(run, start, total):
         shown += [k for k, v in run.last.items() if k.startswith("eval_") and isinstance(v, float)]
         if run.stopping:
             say(f"[run] {run.stopping}: stopped after step {step + 1} of {total}, saved {latest}; resume: "
-                f"{resume_command(sys.argv)}")
+                f"{resume_command(sys.argv, run.args)}")
         else:
             say(f"[run] done: steps {start} -> {total} in {(time.time() - t) / 60:.1f} min; last "
                 f"{', '.join(f'{k} {run.last[k]:.3f}' for k in shown)}; checkpoint {latest}")
@@ -83,24 +82,21 @@ def say(line):
     sys.stdout.flush()
 
 
-def resume_command(argv):
-    """The command that resumes the run `argv` (sys.argv) runs: its flags without --overwrite, with --load its --save."""
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    p.add_argument("--save")
-    p.add_argument("--load")
-    p.add_argument("--overwrite", action="store_true")
-    a, rest = p.parse_known_args(argv[1:])
-    world = os.environ.get("LOCAL_WORLD_SIZE", "1")  # torchrun's other flags as this job had them: check them
+def resume_command(argv, args):
+    """The command that resumes the run of `argv` (sys.argv; `args`, its flags): the same without --overwrite,
+    with --load its --save unless it has one (torchrun's own flags: as this node had them, check them)."""
+    world = os.environ.get("LOCAL_WORLD_SIZE", "1")
     launcher = [sys.executable] if world == "1" else ["torchrun", f"--nproc-per-node={world}"]
-    return shlex.join([*launcher, argv[0], *rest, "--save", str(a.save), "--load", str(a.load or a.save)])
+    return shlex.join([*launcher, *[a for a in argv if a != "--overwrite"], *([] if args.load else ["--load", args.save])])
 
 
-def entry(main):
+def entry(main, parse_args):
     """The trainers' __main__: exit with main()'s code; a Ctrl-C ends the job with the command that resumes it,
     not a traceback (exit 130)."""
     try:
         sys.exit(main())
     except KeyboardInterrupt:
         if os.environ.get("RANK", "0") == "0":
-            print(f"\n[run] interrupted; resume from the last checkpoint: {resume_command(sys.argv)}", file=sys.stderr)
+            print(f"\n[run] interrupted; resume from the last checkpoint: "
+                  f"{resume_command(sys.argv, parse_args(sys.argv[1:]))}", file=sys.stderr)
         sys.exit(130)

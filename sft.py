@@ -141,4 +141,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    console.entry(main)
+    console.entry(main, parse_args)

@@ -77,8 +77,8 @@ def test_ctrl_c_ends_with_the_command_that_resumes(ckpt, d, tmp_path):
         p.kill()
     assert p.returncode == 130 and "Traceback" not in err, err[-3000:]
     assert err.rstrip().splitlines()[-1] == (f"[run] interrupted; resume from the last checkpoint: {sys.executable} "
-                                             f"{ROOT / 'sft.py'} --hf-checkpoint {ckpt} --prompt-data {d} "
-                                             f"--global-batch-size 4 --num-epoch 50 --save {save} --load {save}")
+                                             f"{ROOT / 'sft.py'} --hf-checkpoint {ckpt} --prompt-data {d} --save {save} "
+                                             f"--global-batch-size 4 --num-epoch 50 --load {save}")
 
 
 def test_preemption_saves_the_step_in_flight_and_resumes_with_none_lost(ckpt, d, tmp_path):

@@ -517,12 +517,16 @@ def test_a_full_disk_is_told_apart(error, full):
 
 @pytest.mark.parametrize("argv,want", [
     (["sft.py", "--lr", "1", "--save", "r"], "sft.py --lr 1 --save r --load r"),
-    (["train_grpo.py", "--save=r", "--overwrite", "--x", "1"], "train_grpo.py --x 1 --save r --load r"),
+    (["train_grpo.py", "--save=r", "--overwrite", "--rollout-batch-size", "1"],
+     "train_grpo.py --save=r --rollout-batch-size 1 --load r"),
     (["sft.py", "--save", "r", "--load", "other"], "sft.py --save r --load other"),
 ])
 def test_the_resume_command_keeps_the_flags_but_overwrite(argv, want, monkeypatch):
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert console.resume_command(argv) == f"{sys.executable} {want}"
+    import sft
+    import train_grpo
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    args = (sft if argv[0] == "sft.py" else train_grpo).parse_args(argv[1:] + ["--hf-checkpoint", "x", "--prompt-data", "x"])
+    assert console.resume_command(argv, args) == f"{sys.executable} {want}"
 
 
 @pytest.mark.parametrize("metrics,why", [

@@ -32,4 +32,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    console.entry(main)
+    console.entry(main, train_grpo.parse_args)
