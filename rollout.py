@@ -285,7 +285,8 @@ class _Pipeline:
     def run(self, records, buffered=()):
         """-> (the kept groups' samples, the groups still open when it stopped: [(record, prompt, episodes)]).
         `buffered`: such groups of an earlier rollout, continued first (their samples keep their tokens)."""
-        self.records, self.bar = records, tqdm(total=0, desc="rollout", file=sys.stderr, mininterval=1.0, leave=False)
+        self.records, self.bar = records, tqdm(total=0, desc="rollout", unit="sample", file=sys.stderr,
+                                                 mininterval=1.0, delay=2.0, leave=False)  # shown once it has a total
         with self.lock:
             for rec, prompt, eps in buffered:
                 self._open(rec, prompt, eps)

@@ -22,16 +22,15 @@ import dataclasses
 import math
 import pickle
 import random
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from tqdm import tqdm
 from transformers import AutoProcessor
 
 import chat
 import cluster
+import console
 import flags as F
 import loss as L
 import model as M
@@ -45,7 +44,7 @@ import trainer as T
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=F.HelpFormatter,
                                 allow_abbrev=False)  # no --sglang-* flag may pass as an abbreviation
     F.add_train_args(p)
     F.add_rollout_args(p)
@@ -101,8 +100,6 @@ def parse_args(argv=None):
         args.offload_train = args.colocate and torch.cuda.is_available()
     if args.n_samples_per_prompt == 1 and args.num_rollout:
         p.error("--n-samples-per-prompt 1: a group of one has zero advantage, GRPO would learn nothing")
-    if sglang_engine.engine_kind(args) == "local" and args.sglang_args:  # engine_kind: is sglang installed?
-        p.error(f"{' '.join(args.sglang_args)}: SGLang flags, but the rollout engine is local")
     if args.async_rollout and (args.colocate or args.offload_train):
         p.error("--async-rollout: the next rollout runs while this step trains, so the engine needs GPUs of its "
                 "own (--rollout-num-gpus N; not --colocate) and the trainer stays on them (no --offload-train)")
@@ -114,6 +111,11 @@ def parse_args(argv=None):
     if args.colocate and args.weight_sync == "distributed":  # rank 0 and the server's TP rank 0 share GPU 0
         p.error("--colocate --weight-sync distributed: NCCL refuses a communicator that holds one GPU twice; "
                 "colocated weights go by --weight-sync tensor (the default) or disk")
+    placing = [k for k, on in {"--colocate": args.colocate, "--rollout-num-gpus": args.rollout_num_gpus, "--weight-sync":
+               args.weight_sync != "auto", "--rollout-num-gpus-per-engine": args.rollout_num_gpus_per_engine}.items() if on]
+    if sglang_engine.engine_kind(args) == "local" and placing + args.sglang_args:  # in rank 0's process: nothing to place
+        p.error(f"{' '.join(placing + args.sglang_args)}: they place or set up an SGLang server, but the rollout engine "
+                "is local (--rollout-engine sglang, or auto on CUDA with SGLang installed)")
     return args
 
 
@@ -208,17 +210,20 @@ def recompute_old(model, items, args):
 
 
 def evaluate(engine, processor, records, args, step, run):
-    """Greedy pass@1: single-turn, and multi-turn with the calc_score oracle off."""
-    out = {}
-    modes = [("eval", 1)] + ([("eval_multi_turn", args.max_turns)] if args.max_turns > 1 else [])
-    for name, turns in modes:
-        greedy = dataclasses.replace(R.RolloutConfig.from_args(args), n_samples_per_prompt=1, rollout_temperature=0.0,
-                                     max_turns=turns, oracle=False, dynamic_sampling=False)
-        samples = R.generate_group_samples(engine, processor, records, greedy)
-        out[f"{name}_accuracy"] = sum(s.reward for s in samples) / max(1, len(samples))
+    """Greedy pass@1 and pass@K, single- and multi-turn (oracle off); README, "Evaluating a checkpoint"."""
+    out, rows = {}, []
+    for name, turns in [("eval", 1)] + ([("eval_multi_turn", args.max_turns)] if args.max_turns > 1 else []):
+        for n in sorted({1, args.n_samples_per_eval_prompt}):
+            key, temperature = (f"{name}_accuracy", 0.0) if n == 1 else (f"{name}_pass@{n}", args.rollout_temperature)
+            cfg = dataclasses.replace(R.RolloutConfig.from_args(args), n_samples_per_prompt=n, max_turns=turns,
+                                      rollout_temperature=temperature, oracle=False, dynamic_sampling=False)
+            samples = R.generate_group_samples(engine, processor, records, cfg)
+            out[key] = sum(max(s.reward for s in samples if s.group == g) for g in range(len(records))) / len(records)
+            rows += [dict(mode=key, index=s.group, problem=records[s.group]["problem"], answer=s.label,
+                          reward=s.reward, status=s.status, response=s.response_text) for s in samples]
+    path = run.write_rows(f"eval_{step:07d}.jsonl", rows)
     run.log(step, out)
-    print(f"[eval] step {step}: {out}", flush=True)
-    return out
+    console.say(f"[eval] step {step}: {', '.join(f'{k} {v:.3f}' for k, v in out.items())} (each response: {path})")
 
 
 class Sampler:
@@ -277,6 +282,7 @@ class Sampler:
             print(f"[grpo] step {step + 1}: no trainable sample among {len(samples)} "
                   f"({', '.join(reasons[:3]) or 'no response tokens'}): update skipped", flush=True)
         adv = L.advantages([s.reward for s in good], [s.group for s in good], args.advantage_estimator)
+        metrics["zero_adv_frac"] = sum(a == 0 for a in adv) / max(1, len(adv))
         metrics["_ran"] = (t0, time.perf_counter())
         return split_batch(good, adv, random.Random(args.seed + step), args.global_batch_size, self.updates, self.dp), metrics
 
@@ -408,7 +414,8 @@ def grpo_step(step, policy, source, servers, run):
 
 def main(argv=None):
     args = parse_args(argv)
-    par, run = T.start(args, "grpo")
+    par, run = T.start(args, "grpo", fixed=("rollout_batch_size",))  # a step's prompts: step x the batch
+    run.nothing_left(args.num_rollout, "--num-rollout")
     processor = AutoProcessor.from_pretrained(args.hf_checkpoint)
     ckpt, opts = run.ckpt, M.ModelOptions.from_args(args)
     model = M.load_model(ckpt or args.hf_checkpoint, opts, par)
@@ -428,26 +435,24 @@ def main(argv=None):
         reward.init()  # its one-off warm-up here, not in the first rollout
         fit = dict(measure=lambda r: len(chat.prompt(processor, r, args.max_turns > 1)[2]),
                    limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len} with room for a response"))
-        records, eval_records = T.load_data(args, **fit), T.load_data(args, evaluation=True, **fit)
+        records = T.load_data(args, **fit) if args.num_rollout else []  # --num-rollout 0: evaluate only
+        eval_records = T.load_data(args, evaluation=True, **fit)
     servers = cluster.Servers(args, par, model, opt, ref, str(ckpt or args.hf_checkpoint), str(run.save))
     sampler = Sampler(servers.engine, processor, records, args, updates, par.dp) if par.rank == 0 else None
     if sampler is not None and ckpt:
         sampler.load(run.load_rollout(ckpt))
     source = (Ahead(sampler, par, processor, args.num_rollout) if args.async_rollout else Sync(sampler, par, processor))
-    evals = servers.agree(bool(eval_records))
+    evals, quiet = servers.agree(bool(eval_records)), 0  # quiet: steps in a row with nothing to learn (rank 0)
     try:
-        if par.rank == 0 and eval_records and start == 0:
-            evaluate(servers.engine, processor, eval_records, args, 0, run)
-        bar = tqdm(range(start, args.num_rollout), desc="grpo", disable=par.rank != 0,
-                   initial=start, total=args.num_rollout)
-        for step in bar:
+        if par.rank == 0 and eval_records and (start == 0 or not args.num_rollout):
+            evaluate(servers.engine, processor, eval_records, args, start, run)
+        for step in console.steps(run, start, args.num_rollout):
             metrics = grpo_step(step, policy, source, servers, run)
-            bar.set_postfix(reward=f"{metrics.get('reward', 0):.3f}")
+            quiet = console.no_signal(metrics, args, step, quiet) if par.rank == 0 else 0
             # before the trainer is parked; colocated, --offload-train parked the optimizer states at the sync
             run.maybe_save(model, opt, sched, step + 1, args.num_rollout, prepare=servers.for_checkpoint,
                            rollout=sampler and sampler.state(step + 1))
-            last = step + 1 == args.num_rollout
-            if evals and (last or (args.eval_interval and (step + 1) % args.eval_interval == 0)):
+            if evals and run.eval_due(step + 1, args.num_rollout):
                 servers.to_rollout()
                 if par.rank == 0:
                     evaluate(servers.engine, processor, eval_records, args, step + 1, run)
@@ -457,4 +462,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console.entry(main, parse_args)

@@ -111,10 +111,14 @@ def test_blank_crop_returns_a_white_image_of_the_crops_size_and_runs_the_real_tr
     real = env_geo3k.build_env({"answer": "3", "images": [canvas]}, args)
     want, _, _ = real.step(call("crop", {"bbox": [10, 20, 30, 34]}))  # 20x14 -> shown 4x: 80x56
     seen = {}
-    monkeypatch.setattr(blank_crop.train_grpo, "main", lambda argv: seen.update(argv=argv, crop=env_geo3k.TOOLS["crop"].run))
+
+    def trainer(argv):  # what train_grpo.main would build: an env, while blank_crop's crop is in place
+        env = env_geo3k.build_env({"answer": "3", "images": [canvas]}, args)
+        seen.update(argv=argv, env=env, step=env.step(call("crop", {"bbox": [10, 20, 30, 34]})))
+
+    monkeypatch.setattr(blank_crop.train_grpo, "main", trainer)
     blank_crop.main(["--flags"])
-    assert seen == {"argv": ["--flags"], "crop": blank_crop.blank_crop}
-    env = env_geo3k.build_env({"answer": "3", "images": [canvas]}, args)
-    got, _, info = env.step(call("crop", {"bbox": [10, 20, 30, 34]}))
+    assert seen["argv"] == ["--flags"] and env_geo3k.TOOLS["crop"].run is not blank_crop.blank_crop  # restored after
+    env, (got, _, info) = seen["env"], seen["step"]
     assert info["ran"] and got["text"] == want["text"] and got["images"][0].size == want["images"][0].size == (80, 56)
     assert got["images"][0].getcolors() == [(80 * 56, (255, 255, 255))] and env.images[1] is got["images"][0]
