@@ -20,11 +20,9 @@ textbook GRPO: a group of equal rewards gets exactly 0 advantage, the clip is as
 import argparse
 import dataclasses
 import math
-import pickle
 import random
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from tqdm import tqdm
@@ -70,6 +68,13 @@ def build_parser():
     a("--async-rollout", action="store_true",
       help="the rollout of step k+1 runs while step k trains (one step off-policy: the PPO ratio's old logprobs "
            "are the engine's); the engine takes new weights once it is done. Not with --colocate")
+    a("--fully-async", action="store_true",
+      help="the rollout never waits for the trainer (miles'): a step takes the first --rollout-batch-size complete "
+           "groups of up to --over-sampling-batch-size generating; a weight update cuts what generates, which goes on "
+           "with the new weights (each token keeps its version). Not with --colocate")
+    a("--max-weight-staleness", type=F.COUNT, default=None,
+      help="with --fully-async or --partial-rollout: a group whose oldest token is more than K policy versions "
+           "older than the step that would train it is dropped (metric stale_dropped_groups)")
     a("--colocate", action="store_true",
       help="SGLang shares the training GPUs: started with its memory saver, released while training")
     a("--offload-train", action=argparse.BooleanOptionalAction, default=None,
@@ -104,11 +109,17 @@ def parse_args(argv=None):
         p.error("--n-samples-per-prompt 1: a group of one has zero advantage, GRPO would learn nothing")
     if args.sglang_args and args.rollout_engine == "local":
         p.error(f"{' '.join(args.sglang_args)}: SGLang flags, but --rollout-engine local")
-    if args.async_rollout and (args.colocate or args.offload_train):
-        p.error("--async-rollout: the next rollout runs while this step trains, so the engine needs GPUs of its "
-                "own (--rollout-num-gpus N; not --colocate) and the trainer stays on them (no --offload-train)")
-    if not args.partial_rollout and (args.over_sampling_batch_size or args.mask_offpolicy_in_partial_rollout):
-        p.error("--over-sampling-batch-size and --mask-offpolicy-in-partial-rollout need --partial-rollout")
+    overlap = "--fully-async" if args.fully_async else "--async-rollout" if args.async_rollout else None
+    if overlap and (args.colocate or args.offload_train):
+        p.error(f"{overlap}: the rollout runs while the step trains, so the engine needs GPUs of its own "
+                "(--rollout-num-gpus N; not --colocate) and the trainer stays on them (no --offload-train)")
+    if args.fully_async and args.async_rollout:
+        p.error("--fully-async --async-rollout: choose one (--fully-async runs the rollout beside training too, and "
+                "lands each weight update mid-rollout instead of after it)")
+    if not (args.partial_rollout or args.fully_async) and (args.over_sampling_batch_size or args.max_weight_staleness
+                                                           is not None or args.mask_offpolicy_in_partial_rollout):
+        p.error("--over-sampling-batch-size, --max-weight-staleness and --mask-offpolicy-in-partial-rollout need "
+                "--partial-rollout or --fully-async")
     if (args.over_sampling_batch_size or args.rollout_batch_size) < args.rollout_batch_size:
         p.error(f"--over-sampling-batch-size {args.over_sampling_batch_size}: at least --rollout-batch-size "
                 f"{args.rollout_batch_size} (the groups a step trains on come from those it samples)")
@@ -256,52 +267,59 @@ def evaluate(engine, processor, records, args, step, run):
 
 
 class Sampler:
-    """Rank 0's half of a step's rollout: the step's prompts (trainer.draw: a function of seed and step;
-    --partial-rollout: the next ones of the data stream, after the buffer's groups), sampled and scored
-    through the engine, their advantages, each DP rank's share. --partial-rollout keeps the buffer of
-    groups a rollout stopped and the data position, and what both were when a step's rollout began
-    (state): a checkpoint holds the state its resumed run starts from."""
+    """Rank 0's half of the rollout: the engine's runs (rollout.Rollout) over the step's prompts (trainer.draw: a
+    function of seed and step; with --partial-rollout or --fully-async the next ones of the data stream, whose
+    position is `cursor`), scored; B complete groups taken, their advantages, each DP rank's share. A checkpoint
+    holds what the rollout keeps (state: the data position and the groups not trained yet), saved while paused."""
 
     def __init__(self, engine, processor, records, args, updates, dp):
-        self.engine, self.processor, self.records, self.args, self.updates, self.dp = engine, processor, records, args, updates, dp
-        self.partial = R.Partial() if args.partial_rollout else None
-        self.cursor, self.began = 0, None  # prompts the stream gave so far; (step, state) at that rollout's start
+        self.records, self.args, self.updates, self.dp, self.cursor = records, args, updates, dp, 0
+        B, self.stream = args.rollout_batch_size, args.partial_rollout or args.fully_async
+        self.cap = max(args.over_sampling_batch_size or B, B)  # groups open or complete and not taken at once
+        self.rollout = R.Rollout(engine, processor, R.RolloutConfig.from_args(args), None if args.fully_async else B,
+                                 self.cap, args.max_weight_staleness)
 
-    def state(self, step):
-        """What a run resumed at `step` starts from: None without --partial-rollout."""
-        if self.partial is None:
-            return None
-        return pickle.loads(self.began[1]) if self.began and self.began[0] == step else (self.cursor, self.partial.groups)
+    def state(self):
+        """What a resumed run starts from: None when the rollout keeps nothing."""
+        return (self.cursor, self.rollout.groups) if self.stream or self.rollout.groups else None
 
     def load(self, state):
-        if state is not None and self.partial is not None:
-            self.cursor, self.partial.groups = state
+        if state is not None:
+            self.cursor, self.rollout.groups = state
 
-    def __call__(self, step, version):
-        """-> (each DP rank's (sample, advantage) pairs of each update, metrics). `version`: the updates the
-        engine's weights have had; a token of an older version than `step`'s policy is off-policy."""
-        t0, args = time.perf_counter(), self.args
-        if self.partial is None:
-            batch = T.draw(self.records, step, args)
-        else:
-            self.began = (step, pickle.dumps((self.cursor, self.partial.groups)))
+    def resume(self, version, step):
+        """The rollout goes on (a no-op while it runs) with the engine's weights of `version` updates, from step's
+        prompts or the data stream."""
+        args = self.args
+        if self.stream:
             extra = (args.dynamic_sampling_max_prompts or 4 * args.rollout_batch_size) if args.dynamic_sampling else 0
-            batch = T.stream(self.records, self.cursor, self.partial.cap(args) - len(self.partial.groups) + extra, args.seed)
-        samples = R.generate_group_samples(self.engine, self.processor, batch, R.RolloutConfig.from_args(args),
-                                           partial=self.partial, version=version)
+            batch = T.stream(self.records, self.cursor, self.cap + args.rollout_batch_size + extra, args.seed)
+        else:
+            batch = T.draw(self.records, step, args)
+        self.rollout.resume(batch, version)
+
+    def pause(self):
+        """-> the (start, end) of the run it ended, None if none ran."""
+        drawn, ran = self.rollout.pause()
+        self.cursor += drawn
+        return ran
+
+    def take(self, step):
+        """-> (each DP rank's (sample, advantage) pairs of each update, metrics): the first B complete groups. A
+        token of an older version than `step`'s policy is off-policy."""
+        args = self.args
+        samples = self.rollout.take(args.rollout_batch_size)
         metrics = R.rollout_metrics(samples)
-        if self.partial is not None:
-            self.cursor += self.partial.drawn
-            metrics["partial_buffer_groups"] = len(self.partial.groups)
         good = [s for s in samples if s.status not in ("failed", "aborted") and any(s.loss_mask)]
         if args.mask_offpolicy_in_partial_rollout:  # tokens written before the sample's last abort: no loss
             for s in good:
                 s.loss_mask = [m and v >= max(s.versions) for m, v in zip(s.loss_mask, s.versions)]
         trained = [v for s in good for m, v in zip(s.loss_mask, s.versions) if m]
-        metrics.update(tokens=sum(len(s.tokens) for s in good), rollout_policy_version=version,
+        metrics.update(tokens=sum(len(s.tokens) for s in good),
                        offpolicy_token_frac=sum(v < step for v in trained) / max(1, len(trained)))
-        if trained:
-            metrics["oldest_token_version"] = min(trained)
+        if trained:  # the weights of the newest and of the oldest trained token
+            metrics.update(rollout_policy_version=max(trained), oldest_token_version=min(trained),
+                           staleness_max=step - min(trained))
         failed = sorted({s.fail_reason for s in samples if s.status == "failed"})
         if failed and good:  # counted in failed_frac; say why, once a step
             print(f"[grpo] step {step + 1}: {sum(s.status == 'failed' for s in samples)} of {len(samples)} samples "
@@ -311,7 +329,6 @@ class Sampler:
             print(f"[grpo] step {step + 1}: no trainable sample among {len(samples)} "
                   f"({', '.join(reasons[:3]) or 'no response tokens'}): update skipped", flush=True)
         adv = advantages([s.reward for s in good], [s.group for s in good], args.advantage_estimator)
-        metrics["_ran"] = (t0, time.perf_counter())
         return split_batch(good, adv, random.Random(args.seed + step), args.global_batch_size, self.updates, self.dp), metrics
 
 
@@ -323,17 +340,31 @@ class Batch:
     metrics: dict
 
 
-class Sync:
-    """The rollout source of a step: rank 0 samples it (Sampler) with the weights the step trains, then
-    every rank receives its share (deal)."""
+class Source:
+    """The rollout source of a step (grpo_step's next and settle), on every rank: rank 0's Sampler takes the
+    batch, every rank receives its share (deal). The variants differ in where the rollout pauses:
+    - synchronous (the default), --partial-rollout: next() resumes it with the weights the step trains, takes B
+      complete groups and pauses it (--partial-rollout: what still generated waits for the next step);
+    - --async-rollout: next() then resumes it at once on the next step's prompts with the weights before this
+      step's update (one step off-policy), and settle() pauses it once they are complete;
+    - --fully-async: it runs on through next(), and settle() pauses it for the weight update only (a turn cut
+      there goes on with the new weights: every token keeps the version that wrote it).
+    settle() ends with a barrier: no server takes new weights before the rollout has paused."""
 
-    def __init__(self, sampler, par, processor):
-        self.sampler, self.par, self.processor = sampler, par, processor
+    def __init__(self, sampler, par, processor, args):
+        self.sampler, self.par, self.processor, self.steps = sampler, par, processor, args.num_rollout
+        self.ahead, self.fully, self.trained = args.async_rollout, args.fully_async, 0.0
 
     def next(self, step):
-        t = time.perf_counter()
-        shares, metrics = self.sampler(step, step) if self.par.rank == 0 else (None, {})
-        metrics.pop("_ran", None)
+        t, shares, metrics = time.perf_counter(), None, {}
+        if self.par.rank == 0:
+            self.sampler.resume(step, step)  # the engine holds the weights of `step` updates
+            shares, metrics = self.sampler.take(step)
+            if not self.fully:
+                self.sampler.pause()
+            if self.ahead and step + 1 < self.steps:
+                self.sampler.resume(step, step + 1)
+            self.trained = time.perf_counter()
         return self.deal(shares, metrics, t)
 
     def deal(self, shares, metrics, t):
@@ -345,43 +376,14 @@ class Sync:
         return Batch(items, dict(metrics, handoff_s=time.perf_counter() - h, rollout_s=time.perf_counter() - t))
 
     def settle(self):
-        """Before the engine takes the step's new weights; -> metrics."""
-        return {}
-
-
-class Ahead(Sync):
-    """--async-rollout: rank 0 starts step k+1's rollout in a thread once step k's is dealt out, so that it
-    runs while step k trains, with the weights before step k's update (one step off-policy); settle() waits
-    for it to end before the engine takes new weights (every node's server too: a barrier)."""
-
-    def __init__(self, sampler, par, processor, steps):
-        super().__init__(sampler, par, processor)
-        self.steps, self.pool, self.next_rollout = steps, ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead"), None
-
-    def next(self, step):
-        t, version = time.perf_counter(), step
-        if self.par.rank != 0:
-            return self.deal(None, {}, t)
-        if self.next_rollout is not None:  # started while the last step trained
-            (shares, metrics), version = self.next_rollout.result(), step - 1
-        else:
-            shares, metrics = self.sampler(step, step)
-        self.next_rollout = self.pool.submit(self.sampler, step + 1, step) if step + 1 < self.steps else None
-        metrics.pop("_ran")
-        self.trained = time.perf_counter()
-        return self.deal(shares, dict(metrics, rollout_policy_version=version), t)
-
-    def settle(self):
+        """Before the engine takes the step's new weights: the rollout pauses. -> metrics"""
         out = {}
-        if self.next_rollout is not None:  # how long the next rollout ran beside this step's training
-            ran, now = self.next_rollout.result()[1]["_ran"], time.perf_counter()
-            out["rollout_ahead_overlap_s"] = max(0.0, min(ran[1], now) - max(ran[0], self.trained))
+        ran = self.sampler.pause() if self.par.rank == 0 else None
+        if ran:  # how long it ran beside this step's training
+            out["rollout_ahead_overlap_s"] = max(0.0, min(ran[1], time.perf_counter()) - max(ran[0], self.trained))
         if self.par.world > 1:
             torch.distributed.barrier()
         return out
-
-    def close(self):  # a rollout still running is not waited for
-        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def split_batch(good, adv, rng, global_batch_size, updates, dp):
@@ -467,7 +469,7 @@ def main(argv=None):
     sampler = Sampler(servers.engine, processor, records, args, updates, par.dp) if par.rank == 0 else None
     if sampler is not None and ckpt:
         sampler.load(run.load_rollout(ckpt))
-    source = (Ahead(sampler, par, processor, args.num_rollout) if args.async_rollout else Sync(sampler, par, processor))
+    source = Source(sampler, par, processor, args)
     evals = servers.agree(bool(eval_records))
     try:
         if par.rank == 0 and eval_records and start == 0:
@@ -479,14 +481,13 @@ def main(argv=None):
             bar.set_postfix(reward=f"{metrics.get('reward', 0):.3f}")
             # before the trainer is parked; colocated, --offload-train parked the optimizer states at the sync
             run.maybe_save(model, opt, sched, step + 1, args.num_rollout, prepare=servers.for_checkpoint,
-                           rollout=sampler and sampler.state(step + 1))
+                           rollout=sampler and sampler.state())
             last = step + 1 == args.num_rollout
             if evals and (last or (args.eval_interval and (step + 1) % args.eval_interval == 0)):
                 servers.to_rollout()
                 if par.rank == 0:
                     evaluate(servers.engine, processor, eval_records, args, step + 1, run)
     finally:
-        getattr(source, "close", lambda: None)()
         servers.shutdown()
 
 

@@ -359,7 +359,7 @@ def test_dynamic_sampling_tops_up_through_the_trainer(processor, records):
         assert len(drawn) == (12 if cap is None else 4) and len({r["index"] for r in drawn}) == len(drawn)
         assert drawn[:3] == T.draw(recs, 0, G.parse_args(base[:-1]))  # the batch's own prompts come first
         kept = min(3, sum(int(r["answer"]) % 3 == 0 for r in drawn))  # mixed groups there are to keep
-        batch = G.Sync(G.Sampler(Engine(), processor, recs, args, 1, 1), par, processor).next(0)
+        batch = G.Source(G.Sampler(Engine(), processor, recs, args, 1, 1), par, processor, args).next(0)
         (items,), m = batch.items, batch.metrics
         assert len(items) == 2 * kept and m["samples"] == 2 * kept, (cap, kept, len(items))
         assert all(it.adv != 0 for it in items)  # only groups with mixed rewards
@@ -381,7 +381,7 @@ def test_step_where_every_sample_failed(processor, records, capsys):
     args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--rollout-batch-size", "2",
                          "--n-samples-per-prompt", "2"])
     par = types.SimpleNamespace(rank=0, world=1, dp=1)
-    batch = G.Sync(G.Sampler(Failing(), processor, records, args, 1, 1), par, processor).next(0)
+    batch = G.Source(G.Sampler(Failing(), processor, records, args, 1, 1), par, processor, args).next(0)
     assert batch.items == [None] and batch.metrics["failed_frac"] == 1.0 and batch.metrics["samples"] == 4
     assert "step 1: no trainable sample among 4 (SGLang /generate -> HTTP 500: IndexError): update skipped" \
         in capsys.readouterr().out
@@ -469,19 +469,19 @@ def test_each_rank_builds_todays_items_from_only_its_share(processor, records):
 
 def test_partial_rollout_resumes_with_its_buffer(tiny_ckpt, processor, records, tmp_path):
     """--partial-rollout keeps the groups a rollout stopped and the data position in the checkpoint (here a
-    third group, complete: the local engine answers a round at once, and two are kept), as they were when
-    the resumed step's rollout began (with --async-rollout it ran before the checkpoint): a run resumed at
-    step 2 trains step 3 on the samples of the uninterrupted run, none lost or sampled twice."""
+    third group, complete: the local engine answers a round at once, and two are kept), written while the
+    rollout is paused: a run resumed at step 2 trains step 3 on the samples of the uninterrupted run, none lost
+    or sampled twice."""
     from test_rollout import ScriptedEngine
     from tools import synth
     flags = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--partial-rollout", "--over-sampling-batch-size", "3"]
     sampler = G.Sampler(ScriptedEngine(processor, ["\\boxed{4}"]), processor, records, G.parse_args(
         ["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", *flags]), 1, 1)
-    sampler(0, 0)
-    start = sampler.state(1)  # what step 1 starts from: the leftover of step 0, its data position
-    assert start[0] == 3 and len(start[1]) == 1
-    sampler(1, 0)  # step 1's rollout, made ahead: the checkpoint before step 1 still holds step 1's start
-    assert sampler.state(1)[0] == start[0] and len(sampler.state(1)[1]) == 1 and sampler.state(2)[0] == 5
+    sampler.resume(0, 0)
+    sampler.take(0)
+    sampler.pause()
+    cursor, groups = sampler.state()  # what step 1 starts from: the leftover of step 0, its data position
+    assert cursor == 3 and len(groups) == 1
     synth.write_synth(tmp_path / "d", 32, n_test=0, seed=0, kinds=("sides",))
     common = ["--hf-checkpoint", tiny_ckpt("qwen3_vl"), "--prompt-data", tmp_path / "d", "--rollout-engine", "local",
               "--rollout-max-response-len", "12", "--lr", "1e-3", "--entropy-coef", "0.01", "--save-interval", "2",
@@ -490,7 +490,7 @@ def test_partial_rollout_resumes_with_its_buffer(tiny_ckpt, processor, records, 
     grpo(*common, "--save", tmp_path / "part", "--num-rollout", "2")
     grpo(*common, "--save", tmp_path / "part", "--num-rollout", "3", "--load", tmp_path / "part")
     full, part = ([m for m in metrics(tmp_path / run) if "reward" in m] for run in ("full", "part"))
-    assert [m["step"] for m in part] == [1, 2, 3] and all(m["partial_buffer_groups"] == 1 for m in full)
+    assert [m["step"] for m in part] == [1, 2, 3] and all(m["rollout_buffer_groups"] == 1 for m in full)
     assert full[0]["offpolicy_token_frac"] == 0 and all(m["offpolicy_token_frac"] == 0.5 for m in full[1:])
     for a, b in zip(part[2:], full[2:]):
         for k in ("response_len", "offpolicy_token_frac", "oldest_token_version", "loss", "grad_norm", "entropy"):
@@ -500,8 +500,8 @@ def test_partial_rollout_resumes_with_its_buffer(tiny_ckpt, processor, records, 
 def test_async_rollout_overlaps_training_and_resumes_after_sigkill(tiny_ckpt, tmp_path, capsys):
     """--async-rollout: step k+1's rollout runs while step k trains (its samples come from the weights
     before step k's update: rollout_policy_version = step - 1), the engine gets the new weights only
-    after it; a run SIGKILLed after step 2's checkpoint resumes and logs every step once. Refused with
-    --colocate."""
+    after it; a run SIGKILLed after step 2's checkpoint resumes from the batch the checkpoint kept and logs every
+    step once, as the uninterrupted run. Refused with --colocate, as --fully-async is (and the two together)."""
     from tools import synth
     synth.write_synth(tmp_path / "d", 32, n_test=0, seed=0, kinds=("sides",))
     common = ["--hf-checkpoint", tiny_ckpt("qwen3_vl"), "--prompt-data", tmp_path / "d", "--rollout-engine",
@@ -521,8 +521,12 @@ def test_async_rollout_overlaps_training_and_resumes_after_sigkill(tiny_ckpt, tm
     grpo(*common, "--save", crash, "--load", crash)
     resumed = [m for m in metrics(crash) if "reward" in m]
     assert [m["step"] for m in resumed] == [1, 2, 3, 4]  # none lost, none twice
-    # the first resumed step samples with the weights it loaded (the lost rollout ahead is made again)
-    assert resumed[saved]["rollout_policy_version"] == saved
-    with pytest.raises(SystemExit):
-        G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--async-rollout", "--colocate"])
-    assert "--async-rollout" in capsys.readouterr().err
+    # the checkpoint held the batch made ahead: the resumed run trains what the uninterrupted one did
+    assert [m["rollout_policy_version"] for m in resumed] == [0, 0, 1, 2], saved
+    for bad, named in ((["--async-rollout", "--colocate"], "--async-rollout: "), (["--fully-async", "--colocate"], "--fully-async: "),
+                       (["--fully-async", "--offload-train"], "--fully-async: "),
+                       (["--fully-async", "--async-rollout"], "--fully-async --async-rollout: choose one"),
+                       (["--max-weight-staleness", "2"], "need --partial-rollout or --fully-async")):
+        with pytest.raises(SystemExit):
+            G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", *bad])
+        assert named in capsys.readouterr().err, bad

@@ -269,5 +269,5 @@ def test_grpo_learns_with_partial_rollout(tiny_ckpt, tmp_path):
     rises off chance on the right pictures and not on the shuffled ones."""
     real, _ = fast_grpo_check(tiny_ckpt("qwen3_vl"), tmp_path,
                               grpo_flags=["--partial-rollout", "--over-sampling-batch-size", "12"])
-    assert all(m["partial_buffer_groups"] == 4 for m in real)
+    assert all(m["rollout_buffer_groups"] == 4 for m in real)
     assert all(0.4 <= m["offpolicy_token_frac"] <= 0.6 for m in real[1:])
