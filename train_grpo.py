@@ -276,8 +276,8 @@ class Sampler:
         self.records, self.args, self.updates, self.dp, self.cursor = records, args, updates, dp, 0
         B, self.stream = args.rollout_batch_size, args.partial_rollout or args.fully_async
         self.cap = max(args.over_sampling_batch_size or B, B)  # groups open or complete and not taken at once
-        self.rollout = R.Rollout(engine, processor, R.RolloutConfig.from_args(args), None if args.fully_async else B,
-                                 self.cap, args.max_weight_staleness)
+        self.rollout = R.Rollout(engine, processor, R.RolloutConfig.from_args(args), target=None if args.fully_async else B,
+                                 cap=self.cap, max_stale=args.max_weight_staleness, dynamic=args.dynamic_sampling)
 
     def state(self):
         """What a resumed run starts from: None when the rollout keeps nothing."""

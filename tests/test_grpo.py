@@ -497,6 +497,52 @@ def test_partial_rollout_resumes_with_its_buffer(tiny_ckpt, processor, records, 
             assert abs(a[k] - b[k]) <= 1e-6 * max(1.0, abs(b[k])), (k, {x: (a[x], b[x]) for x in a if a[x] != b[x]})
 
 
+def test_fully_async_trains_every_group_once_across_a_checkpoint(processor, records):
+    """--fully-async through the trainer's Source: the rollout goes on through next() (each step takes the first B
+    complete groups) and settle() pauses it; what a checkpoint writes then (the data position, the groups parked)
+    goes on in a fresh Sampler, as a resumed run's does. Whatever the timing, every group drawn is trained once,
+    parked at the end or dropped as too stale: none lost, none twice."""
+    import pickle
+    import random
+    import types
+    from test_rollout import ScriptedEngine
+
+    class Slow(ScriptedEngine):  # a request takes 0-40 ms: groups end out of order, some across an update
+        concurrent = True
+
+        def generate(self, batch, sampling):
+            time.sleep(random.random() * 0.04)
+            return super().generate(batch, sampling)
+    recs = [dict(r, problem=f"{r['problem']} ({i})") for i, r in enumerate(records * 10)]  # 40 distinct prompts
+    args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--fully-async", "--rollout-batch-size",
+                         "2", "--n-samples-per-prompt", "2", "--over-sampling-batch-size", "4", "--max-weight-staleness", "1"])
+    par, trained, stale = types.SimpleNamespace(rank=0, world=1, dp=1), [], 0
+
+    def steps(sampler, first, last):
+        nonlocal stale
+        take = sampler.rollout.take
+
+        def logged(n):
+            out = take(n)
+            trained.extend(s.index for s in out[::2])  # a group's two samples
+            return out
+        sampler.rollout.take, source = logged, G.Source(sampler, par, processor, args)
+        for step in range(first, last):
+            m = source.next(step).metrics
+            stale += m.get("rollout_stale_dropped", 0)
+            assert m["samples"] == 4 and m.get("staleness_max", 0) <= 1, (step, {k: v for k, v in m.items() if "roll" in k or "stale" in k})
+            time.sleep(0.05)  # training: the rollout goes on
+            source.settle()
+        return sampler.state()
+    cursor, groups = pickle.loads(pickle.dumps(steps(G.Sampler(Slow(processor, ["\\boxed{4}"]), processor, recs, args, 1, 1), 0, 3)))
+    resumed = G.Sampler(Slow(processor, ["\\boxed{4}"]), processor, recs, args, 1, 1)
+    resumed.load((cursor, groups))
+    cursor, groups = steps(resumed, 3, 6)
+    assert len(trained) == 12 and len(set(trained)) == 12, trained  # B groups a step, each once
+    left = [r["index"] for r, _, _ in groups.values()]
+    assert len(trained) + len(left) + stale == cursor and not set(trained) & set(left), (trained, left, stale, cursor)
+
+
 def test_async_rollout_overlaps_training_and_resumes_after_sigkill(tiny_ckpt, tmp_path, capsys):
     """--async-rollout: step k+1's rollout runs while step k trains (its samples come from the weights
     before step k's update: rollout_policy_version = step - 1), the engine gets the new weights only
@@ -530,3 +576,26 @@ def test_async_rollout_overlaps_training_and_resumes_after_sigkill(tiny_ckpt, tm
         with pytest.raises(SystemExit):
             G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", *bad])
         assert named in capsys.readouterr().err, bad
+
+
+def test_fully_async_runs_the_local_engine_beside_training_and_resumes_after_sigkill(tiny_ckpt, tmp_path):
+    """--fully-async with the local engine, whose episodes run on threads of their own beside training: each step
+    takes the first B complete groups of three generating, the rest go on through its training, and no trained
+    token is more than --max-weight-staleness 1 versions old. A run SIGKILLed after step 2's checkpoint resumes
+    with what was in flight (its first step trains tokens written before the kill) and logs every step once."""
+    from tools import synth
+    synth.write_synth(tmp_path / "d", 32, n_test=0, seed=0, kinds=("sides",))
+    common = ["--hf-checkpoint", tiny_ckpt("qwen3_vl"), "--prompt-data", tmp_path / "d", "--rollout-engine",
+              "local", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-max-response-len",
+              "12", "--num-rollout", "4", "--lr", "1e-3", "--entropy-coef", "0.01", "--save-interval", "1",
+              "--max-tokens-per-gpu", "512", "--fully-async", "--over-sampling-batch-size", "3",
+              "--max-weight-staleness", "1"]
+    crash = tmp_path / "crash"
+    killed_after_checkpoint(common, crash, "iter_0000002")
+    saved = int((crash / "latest").read_text().strip()[len("iter_"):])  # 2, or 3 if step 3 beat the kill
+    grpo(*common, "--save", crash, "--load", crash)
+    steps = [m for m in metrics(crash) if "reward" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4] and all(m["samples"] == 8 for m in steps), steps  # each once
+    assert all(m["rollout_ahead_overlap_s"] > 0 and m["staleness_max"] <= 1 for m in steps), steps
+    assert any(m["offpolicy_token_frac"] > 0 for m in steps), steps  # written while an earlier step trained
+    assert steps[saved]["oldest_token_version"] < saved, steps[saved]  # the parked groups, from the checkpoint
