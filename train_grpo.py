@@ -427,14 +427,14 @@ class Policy:
 
 def grpo_step(step, policy, source, servers, run):
     """One step in slime's order: generate, the engine steps aside, train, it comes back and takes the new
-    weights (its update flushes its caches), log. The variants (one step ahead, partial rollout, colocated,
-    offload) live in the objects: source (Sync / Ahead, their Sampler), servers (cluster.Servers)."""
+    weights (its update flushes its caches), log. The variants (one step ahead, partial, fully async, colocated,
+    offload) live in the objects: source (Source, its Sampler), servers (cluster.Servers)."""
     t = time.perf_counter()
     servers.to_rollout()                 # --offload-train: the trainer parks; a colocated server takes all back
-    batch = source.next(step)            # rank 0 samples (this step's, or the one made ahead); each rank its share
+    batch = source.next(step)            # rank 0 takes B complete groups from the rollout; each rank its share
     servers.step_aside()                 # colocated: the server frees the GPUs; the trainer returns from host memory
     stats = policy.train(batch)          # every rank: the PPO-clip updates on its share
-    stats.update(source.settle())        # one step ahead: the next rollout ends before the weights change
+    stats.update(source.settle())        # the rollout pauses before the weights change (one step ahead: once made)
     stats.update(servers.step_back())    # colocated: the server takes its memory back
     stats.update(servers.sync(policy.model))  # new weights to every server
     metrics = {**batch.metrics, **stats, "step_s": time.perf_counter() - t}
