@@ -23,12 +23,11 @@ URL_MAX_BYTES, URL_TIMEOUT = 32 << 20, 20  # with allow_urls: one image's body, 
 
 SINGLE_TURN_INSTRUCTION = ("Solve the geometry problem shown in the diagram. Think briefly, then "
                            "give the final answer as \\boxed{<answer>}.")
-# The tools themselves reach the model as chat.chat_prompt decides (the template's `tools=`, or a list here).
+# Names no tool: those a row offers reach the model as chat.chat_prompt decides (the template's `tools=`,
+# or their usage lines appended here).
 MULTI_TURN_SYSTEM = (
-    "You solve geometry problems from diagrams. You may call one of your tools, then stop and "
-    "wait for its result: calc_score checks a candidate answer, crop shows a region of an image "
-    "enlarged so that you can read small labels. When you are done, reply without a tool call "
-    "and give the final answer as \\boxed{<answer>}.")
+    "You solve geometry problems from diagrams. You may call one of your tools, then stop and wait for "
+    "its result. When you are done, reply without a tool call and give the final answer as \\boxed{<answer>}.")
 
 
 class DataError(ValueError):

@@ -3,6 +3,8 @@ out of bounds (at_least, fraction) is the parser's error naming the flag and the
 import argparse
 import dataclasses
 
+import reward
+
 
 class FromArgs:
     """A frozen dataclass of flag values (model.ModelOptions, rollout.RolloutConfig): each field args has."""
@@ -150,7 +152,7 @@ def add_rollout_args(p):
       help="with --partial-rollout or --fully-async: groups generating at once (default --rollout-batch-size)")
     g("--mask-offpolicy-in-partial-rollout", action="store_true",
       help="with --partial-rollout or --fully-async: a sample's tokens from before its last abort get no loss")
-    g("--rm-type", default="math", help="reward.get_reward_fn type")
+    g("--rm-type", default="math", choices=list(reward.REWARDS), help="the reward (reward.REWARDS)")
     g("--sglang-server-timeout", type=at_least(1.0), default=900.0,
       help="seconds to wait for the SGLang server's /health")
     g("--sglang-launch-cmd", default=None,

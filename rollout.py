@@ -314,7 +314,7 @@ class _Episodes:
                     own += time.perf_counter() - t
             with self.cpu:
                 t = time.perf_counter()
-                _close(ep, self.processor, args, self.reward_fn)
+                _close(ep, self.groups[key][0], self.processor, args, self.reward_fn)
                 s.metadata.update(engine_s=s.metadata.get("engine_s", 0.0) + engine_s,
                                   own_s=s.metadata.get("own_s", 0.0) + own + time.perf_counter() - t,
                                   end_s=time.perf_counter() - self.t0)
@@ -468,22 +468,16 @@ def _busy(calls):
     return busy
 
 
-def _close(ep, processor, args, reward_fn):
-    """An ended episode: its env closed, its image placeholders checked, its reward (reward_fn False: none)."""
+def _close(ep, rec, processor, args, reward_fn):
+    """An ended episode of `rec`: its env closed, its image placeholders checked, its reward (reward_fn False: none)."""
     ep.done, s = True, ep.sample
     if ep.env is not None:
         ep.env.close()
     reason = None if s.status == "failed" else chat.check_images(processor, s.tokens, s.images)
     if reason:
         _fail(s, reason)
-    if reward_fn is not False:
-        _score(s, args, reward_fn)
-
-
-def _score(s, args, reward_fn):
-    """reward.py's RM or `reward_fn`: 0 for a failed sample."""
-    if s.status != "failed":
-        s.reward = float((reward_fn or reward.get_reward_fn(args.rm_type))(s.response_text, s.label))
+    if reward_fn is not False and s.status != "failed":  # reward.score under --rm-type, or reward_fn(response, rec)
+        s.reward = float(reward_fn(s.response_text, rec) if reward_fn else reward.score(args.rm_type, s.response_text, rec))
     s.metadata["format_ok"] = bool(reward.format_ok(s.response_text))
 
 

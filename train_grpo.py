@@ -31,6 +31,7 @@ from transformers import AutoProcessor
 import chat
 import cluster
 import flags as F
+import loss as L
 import model as M
 import optim
 import parallel
@@ -48,11 +49,11 @@ def build_parser():
     F.add_rollout_args(p)
     a = p.add_argument_group("GRPO").add_argument
     a("--num-rollout", type=F.COUNT, default=100, help="GRPO steps (rollout + update); 0: evaluate only")
-    a("--advantage-estimator", default="grpo", choices=["grpo", "dr_grpo"], help="dr_grpo: no std division")
+    a("--advantage-estimator", default="grpo", choices=list(L.ESTIMATORS), help="loss.py; README, \"The algorithm\"")
     a("--eps-clip", type=F.at_least(0.0), default=0.2, help="PPO clip below 1")
     a("--eps-clip-high", type=F.at_least(0.0), default=0.28, help="PPO clip above 1")
     a("--kl-loss-coef", type=F.at_least(0.0), default=0.0, help="KL to the initial policy (0: no reference model)")
-    a("--kl-loss-type", default="low_var_kl", choices=["k1", "k2", "k3", "low_var_kl"])
+    a("--kl-loss-type", default="low_var_kl", choices=list(L.KL))
     a("--entropy-coef", type=F.at_least(0.0), default=0.0, help="entropy bonus")
     a("--loss-agg", default="token", choices=["token", "sequence"], help="mean over tokens or over sequences")
     a("--recompute-logprobs", action="store_true", help="old logprobs from the trainer, not the engine")
@@ -103,8 +104,6 @@ def parse_args(argv=None):
     args.global_batch_size = args.global_batch_size or args.rollout_batch_size * args.n_samples_per_prompt
     if args.offload_train is None:
         args.offload_train = args.colocate and torch.cuda.is_available()
-    if args.rm_type not in reward.REWARDS:
-        p.error(f"--rm-type {args.rm_type}: choose one of {', '.join(sorted(reward.REWARDS))}")
     if args.n_samples_per_prompt == 1 and args.num_rollout:
         p.error("--n-samples-per-prompt 1: a group of one has zero advantage, GRPO would learn nothing")
     if args.sglang_args and args.rollout_engine == "local":
@@ -129,35 +128,6 @@ def parse_args(argv=None):
     return args
 
 
-def advantages(rewards, groups, estimator):
-    """Group-normalised advantages; exactly 0.0 for a group whose rewards are all equal."""
-    out = [0.0] * len(rewards)
-    for g in set(groups):
-        idx = [i for i, x in enumerate(groups) if x == g]
-        r = torch.tensor([rewards[i] for i in idx], dtype=torch.float64)
-        if len(idx) < 2 or bool((r == r[0]).all()):
-            continue
-        a = r - r.mean()
-        if estimator == "grpo":
-            a = a / (r.std() + 1e-6)
-        for i, v in zip(idx, a.tolist()):
-            out[i] = v
-    return out
-
-
-def kl_term(logp, ref, kind):
-    """Per-token KL estimate of the policy from the reference (Schulman's k1/k2/k3)."""
-    d = ref - logp
-    if kind == "k1":
-        return -d
-    if kind == "k2":
-        return 0.5 * d * d
-    if kind == "low_var_kl":  # k3, clamped for stability
-        d = d.clamp(-20, 20)
-        return (torch.exp(d) - d - 1).clamp(max=10)
-    return torch.exp(d) - d - 1
-
-
 def to_item(sample, processor, adv, encoded=None):
     """A sample as trainer input. `encoded` caches image encodings by the images' identity: a
     group's samples share their prompt's images, so those are encoded once, and pickled once
@@ -179,8 +149,9 @@ def to_item(sample, processor, adv, encoded=None):
 
 
 def policy_loss(model, ref, par, items, args, measure):
-    """PPO-clip loss over a global batch held as this rank's `items`, through the pipeline schedule
-    (backward per micro-batch; under PP the loss is the last stage's, its stats reach every rank)."""
+    """The --advantage-estimator's policy loss (loss.py) over a global batch held as this rank's `items`, through
+    the pipeline schedule (backward per micro-batch; under PP the loss is the last stage's, its stats reach every
+    rank), with the KL, entropy and TIS terms, each token weighted by --loss-agg."""
     n_tok = T.global_sum(sum(int(it.mask.sum()) for it in items), par)
     n_seq = T.global_sum(len(items), par)
     temp = args.rollout_temperature or 1.0  # logprobs under the distribution the engine sampled from
@@ -192,31 +163,26 @@ def policy_loss(model, ref, par, items, args, measure):
 
     def loss_of(mb, out):
         logp, ent = out
-        dev = logp.device  # everything below on the model's device (CUDA under NCCL)
-        old = torch.cat([it.old for it in mb]).to(dev)
-        adv = torch.cat([torch.full((len(it.old),), float(it.adv)) for it in mb]).to(dev)
+        dev, lens = logp.device, [len(it.old) for it in mb]  # everything below on the model's device (CUDA under NCCL)
+        n = torch.tensor(lens, device=dev)
+
+        def cat(field):  # (N,) the micro-batch's per-token `field` of its items
+            return torch.cat([getattr(it, field) for it in mb]).to(dev)
+        adv = torch.tensor([float(it.adv) for it in mb], device=dev).repeat_interleave(n)
         # token weights: token-level mean over the global batch, or per-sequence mean then mean
-        if args.loss_agg == "token":
-            w = torch.full_like(logp, 1.0 / n_tok)
-        else:
-            w = torch.cat([torch.full((len(it.old),), 1.0 / max(1, len(it.old)) / n_seq) for it in mb]).to(dev)
-        ratio = torch.exp(logp - old)
-        clipped = ratio.clamp(1 - args.eps_clip, 1 + args.eps_clip_high)
-        pg = -torch.minimum(ratio * adv, clipped * adv)
-        if args.tis_cap and mb[0].recomputed_logprobs is not None:  # truncated importance sampling: trainer / rollout
-            roll = torch.cat([it.rollout_logprobs for it in mb]).to(dev)
-            pg = pg * torch.exp(old - roll).clamp(max=args.tis_cap)
+        w = (torch.full_like(logp, 1.0 / n_tok) if args.loss_agg == "token"
+             else (1.0 / n.clamp(min=1) / n_seq).repeat_interleave(n))
+        pg, clipped = L.ESTIMATORS[args.advantage_estimator].policy(logp, cat("old"), adv, lens, args.eps_clip,
+                                                                     args.eps_clip_high)
+        if args.tis_cap and mb[0].recomputed_logprobs is not None:  # truncated importance sampling
+            pg = pg * L.tis(cat("old"), cat("rollout_logprobs"), args.tis_cap)
         loss_tok = pg - args.entropy_coef * ent if args.entropy_coef else pg  # without: no entropy backward
-        s = dict(kl=0.0)
-        if ref is not None:
-            kl = kl_term(logp, torch.cat([it.ref_logprobs for it in mb]).to(dev), args.kl_loss_type)
-            loss_tok = loss_tok + args.kl_loss_coef * kl
-            s["kl"] = (kl.detach() * w).sum().item()
-        loss = (loss_tok * w).sum()
-        s.update(loss=loss.item(), clipfrac=((clipped * adv < ratio * adv).float() * w).sum().item(),  # clip cut the gradient
-                 entropy=(ent.detach() * w).sum().item(), diff_sum=0.0, diff_max=0.0)
+        kl = torch.zeros_like(logp) if ref is None else L.KL[args.kl_loss_type](logp, cat("ref_logprobs"))
+        loss = ((loss_tok + args.kl_loss_coef * kl) * w).sum()
+        s = dict(loss=loss.item(), kl=(kl.detach() * w).sum().item(), clipfrac=(clipped.float() * w).sum().item(),
+                 entropy=(ent.detach() * w).sum().item(), diff_sum=0.0, diff_max=0.0)  # clipfrac: the clip cut it
         if measure:  # weights are still those the engine sampled with: logprobs must agree
-            diff = (logp.detach() - torch.cat([it.rollout_logprobs for it in mb]).to(dev)).abs()
+            diff = (logp.detach() - cat("rollout_logprobs")).abs()
             s.update(diff_sum=diff.sum().item(), diff_max=diff.max().item() if len(diff) else 0.0)
         return loss, s
     per_mb = pipeline.run(model, T.micro_batches(items, args.max_tokens_per_gpu, par, args.use_rollout_routing_replay),
@@ -328,7 +294,7 @@ class Sampler:
             reasons = sorted({s.fail_reason or s.status for s in samples if s.status != "completed"})
             print(f"[grpo] step {step + 1}: no trainable sample among {len(samples)} "
                   f"({', '.join(reasons[:3]) or 'no response tokens'}): update skipped", flush=True)
-        adv = advantages([s.reward for s in good], [s.group for s in good], args.advantage_estimator)
+        adv = L.advantages([s.reward for s in good], [s.group for s in good], args.advantage_estimator)
         return split_batch(good, adv, random.Random(args.seed + step), args.global_batch_size, self.updates, self.dp), metrics
 
 
@@ -461,7 +427,7 @@ def main(argv=None):
     policy = Policy(model, ref, opt, sched, args, updates)
     records = eval_records = None
     if par.rank == 0:  # rank 0 owns the data and the rewards; each node's leader its server (cluster.py)
-        reward.get_reward_fn(args.rm_type)  # its one-off warm-up here, not in the first rollout
+        reward.init()  # its one-off warm-up here, not in the first rollout
         fit = dict(measure=lambda r: len(chat.prompt(processor, r, args.max_turns > 1)[2]),
                    limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len} with room for a response"))
         records, eval_records = T.load_data(args, **fit), T.load_data(args, evaluation=True, **fit)

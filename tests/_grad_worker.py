@@ -1,10 +1,11 @@
 """The GRPO gradient of fixed samples, term by term, for tests/test_layouts.py: run as one process or
 under torchrun (TP, DP, CP, EP, PP). For each term (pg: advantages only; entropy: --entropy-coef alone; kl:
---kl-loss-coef alone against --ref) it runs train_grpo.policy_loss over this rank's share, sums the
-gradients over data-parallel ranks as the optimizer step does, and rank 0 writes every parameter's
-full gradient under its HF name to <out>/<term>.safetensors, with the loss in <out>/<term>.json.
+--kl-loss-coef alone against --ref; gspo, with --gspo: pg under --advantage-estimator gspo) it runs
+train_grpo.policy_loss over this rank's share, sums the gradients over data-parallel ranks as the optimizer step
+does, and rank 0 writes every parameter's full gradient under its HF name to <out>/<term>.safetensors, with the
+loss in <out>/<term>.json.
 
-    python tests/_grad_worker.py CKPT GEO3K_PARQUET --out DIR [--ref CKPT] [--tp N [--sp]] [--cp N] [--ep N] [--pp N [--first-stage-layers K]] [--freeze-vit] [--replay]
+    python tests/_grad_worker.py CKPT GEO3K_PARQUET --out DIR [--ref CKPT] [--tp N [--sp]] [--cp N] [--ep N] [--pp N [--first-stage-layers K]] [--freeze-vit] [--replay] [--gspo]
 """
 import argparse
 import dataclasses
@@ -69,6 +70,8 @@ def main():
     p.add_argument("--freeze-vit", action="store_true")
     p.add_argument("--max-tokens-per-gpu", default="700")
     p.add_argument("--replay", action="store_true", help="R3: the routers replay fixed random experts at half the tokens")
+    p.add_argument("--gspo", action="store_true", help="also the term gspo: --advantage-estimator gspo's policy "
+                   "gradient (one ratio a sequence: under CP its tokens are on two ranks)")
     a = p.parse_args()
     out = Path(a.out)
     args = G.parse_args(["--hf-checkpoint", a.ckpt, "--prompt-data", a.source, "--save", str(out / "run"),
@@ -95,9 +98,11 @@ def main():
     terms = {"pg": {}, "entropy": dict(entropy_coef=1.0)}
     if ref is not None:
         terms["kl"] = dict(kl_loss_coef=1.0)
+    if a.gspo:
+        terms["gspo"] = dict(advantage_estimator="gspo")
     for term, coefs in terms.items():
         targs = argparse.Namespace(**{**vars(args), **coefs})
-        mine = [dataclasses.replace(it, adv=it.adv if term == "pg" else 0.0) for it in T.dp_shard(items, par)]
+        mine = [dataclasses.replace(it, adv=it.adv if term in ("pg", "gspo") else 0.0) for it in T.dp_shard(items, par)]
         model.zero_grad(set_to_none=True)
         stats = G.policy_loss(model, ref if term == "kl" else None, par, mine, targs, measure=False)
         params = [q for q in model.parameters() if q.requires_grad]

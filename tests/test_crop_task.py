@@ -10,12 +10,12 @@ import torch
 from PIL import Image
 
 import data
-import engines
 import env_geo3k
 import chat
 import rollout
 import sft
 from conftest import rollout_args
+from fakes import ScriptedEngine
 from test_data import _sides_from_image
 from tools import blank_crop, synth
 
@@ -47,21 +47,9 @@ def test_a_row_offering_an_unknown_tool_is_refused_by_name():
         env_geo3k.build_env({"answer": "3", "images": [], "tools": ["zoom"]}, rollout_args(max_turns=3))
 
 
-class Planned(engines.Engine):
-    """Plays each episode's plan, chosen by its problem's image (plans: {id(image): turns}): turn k writes turns[k]."""
-
-    def __init__(self, processor, plans):
-        self.tok, self.plans = processor.tokenizer, plans
-        self.im_end, self.header = self.tok.convert_tokens_to_ids("<|im_end|>"), self.tok.encode("<|im_start|>assistant\n")
-
-    def generate(self, batch, sampling):
-        outs = []
-        for item in batch:
-            ids, h = list(item["input_ids"]), self.header
-            turn = sum(ids[i:i + len(h)] == h for i in range(len(ids))) - 1
-            out = self.tok.encode(self.plans[id(item["images"][0])][turn]) + [self.im_end]
-            outs.append({"ids": out, "logprobs": [-0.5] * len(out), "finish": "stop", "prompt_tokens": len(ids)})
-        return outs
+def Planned(processor, plans):
+    """Plays each episode's plan, chosen by its problem's image (plans: {id(image): turns})."""
+    return ScriptedEngine(processor, lambda item: plans[id(item["images"][0])])
 
 
 def call(name, arguments):
@@ -119,11 +107,11 @@ def test_sft_encodes_an_episode_as_the_rollout_of_it_does(processor, rows, tmp_p
 def test_blank_crop_returns_a_white_image_of_the_crops_size_and_runs_the_real_trainer(monkeypatch):
     canvas = Image.new("RGB", (300, 200), "black")
     args = rollout_args(max_turns=3)
-    monkeypatch.setitem(env_geo3k.TOOLS, "crop", env_geo3k.crop)
+    monkeypatch.setitem(env_geo3k.TOOLS, "crop", env_geo3k.TOOLS["crop"])
     real = env_geo3k.build_env({"answer": "3", "images": [canvas]}, args)
     want, _, _ = real.step(call("crop", {"bbox": [10, 20, 30, 34]}))  # 20x14 -> shown 4x: 80x56
     seen = {}
-    monkeypatch.setattr(blank_crop.train_grpo, "main", lambda argv: seen.update(argv=argv, crop=env_geo3k.TOOLS["crop"]))
+    monkeypatch.setattr(blank_crop.train_grpo, "main", lambda argv: seen.update(argv=argv, crop=env_geo3k.TOOLS["crop"].run))
     blank_crop.main(["--flags"])
     assert seen == {"argv": ["--flags"], "crop": blank_crop.blank_crop}
     env = env_geo3k.build_env({"answer": "3", "images": [canvas]}, args)

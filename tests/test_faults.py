@@ -66,7 +66,7 @@ GRPO = ["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x"]
     ("train_grpo", ["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size: 0:"),
     ("train_grpo", ["--max-context-len", "0"], "--max-context-len: 0:"),
     ("train_grpo", ["--rollout-top-p", "1.5"], "--rollout-top-p: 1.5:"),
-    ("train_grpo", ["--rm-type", "gsm8k"], "--rm-type gsm8k: choose one of geo3k, math"),
+    ("train_grpo", ["--rm-type", "gsm8k"], "--rm-type: invalid choice: 'gsm8k' (choose from 'math', 'geo3k')"),
     ("train_grpo", ["--rollout-engine", "local", "--sglang-mem-fraction-statc", "0.5"], "--mem-fraction-statc"),
     ("sft", ["--global-batch-size", "0"], "--global-batch-size: 0:"),
     ("sft", ["--num-epoch", "0"], "--num-epoch: 0:"),

@@ -1,4 +1,4 @@
-"""train_grpo.py: advantages and KL estimators (tables), one update equal at TP=1/TP=2/DP=2,
+"""train_grpo.py: the loss plumbing by hand (loss.py's functions: test_loss.py), one update equal at TP=1/TP=2/DP=2,
 and a short CPU run: metrics, train-vs-rollout logprobs, checkpoints, SIGKILL + --load."""
 import json
 import math
@@ -13,44 +13,11 @@ import cluster
 import launch
 import train_grpo as G
 import trainer as T
+from fakes import FakeModel
 from sglang_engine import COLOCATE_MEM_FRACTION, servers_per_node, sglang_placement
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-
-
-@pytest.mark.parametrize("rewards,groups,est,want", [
-    ([1, 1, 1, 1], [0, 0, 0, 0], "grpo", [0.0, 0.0, 0.0, 0.0]),          # equal rewards: exactly 0
-    ([0.9] * 8, [0] * 8, "grpo", [0.0] * 8),                                # even where fp32 mean is not exact
-    ([0, 0, 0, 0], [0, 0, 1, 1], "dr_grpo", [0.0] * 4),
-    ([1, 0, 1, 0], [0, 0, 1, 1], "dr_grpo", [0.5, -0.5, 0.5, -0.5]),
-    ([1, 0], [0, 0], "grpo", [0.5 / (math.sqrt(0.5) + 1e-6), -0.5 / (math.sqrt(0.5) + 1e-6)]),
-    ([1, 0, 0, 0, 1, 1], [0, 0, 0, 1, 1, 1], "grpo", None),
-    ([1], [3], "grpo", [0.0]),                                              # a group of one learns nothing
-])
-def test_advantages(rewards, groups, est, want):
-    got = G.advantages(rewards, groups, est)
-    if want is None:  # per group: zero mean, unit (sample) std
-        for g in set(groups):
-            a = torch.tensor([x for x, k in zip(got, groups) if k == g], dtype=torch.float64)
-            assert abs(a.mean().item()) < 1e-12 and abs(a.std().item() - 1) < 1e-5
-    else:
-        assert got == pytest.approx(want, abs=1e-12)
-        assert all(x == 0.0 for x, w in zip(got, want) if w == 0.0)  # exact zeros, no residue
-
-
-@pytest.mark.parametrize("kind,fn", [
-    ("k1", lambda lp, ref: lp - ref),
-    ("k2", lambda lp, ref: 0.5 * (ref - lp) ** 2),
-    ("k3", lambda lp, ref: math.exp(ref - lp) - (ref - lp) - 1),
-    ("low_var_kl", lambda lp, ref: min(10.0, math.exp(ref - lp) - (ref - lp) - 1)),
-])
-def test_kl_estimators(kind, fn):
-    lp = torch.tensor([-0.1, -2.0, -5.0, -0.7, -30.0])
-    ref = torch.tensor([-0.3, -1.0, -5.0, -3.0, -0.1])
-    got = G.kl_term(lp, ref, kind)
-    assert got.tolist() == pytest.approx([fn(a, b) for a, b in zip(lp.tolist(), ref.tolist())], rel=1e-5)
-    assert got[2] == 0.0  # identical policies: no KL
 
 
 def worker(ckpt, source, save, nproc=1, tp=1, ref=None, *extra):
@@ -224,20 +191,6 @@ def test_prompts_over_the_context_limit_never_reach_a_step(tiny_ckpt, tmp_path):
     assert not list((tmp_path / "run").glob("iter_*")) and not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-class FakeModel(torch.nn.Module):
-    """Returns fixed token logprobs (a parameter, so the loss has a gradient) and zero entropy."""
-
-    def __init__(self, logp):
-        super().__init__()
-        self.logp = torch.nn.Parameter(torch.tensor(logp))
-
-    def forward(self, seqs, loss_masks, pixel_values=None, image_grid_thw=None, temperature=1.0, with_entropy=False):
-        n = [int(m.sum()) for m in loss_masks]
-        starts = [sum(n[:i]) for i in range(len(n))]  # this micro-batch's tokens, in item order
-        idx = torch.cat([torch.arange(s, s + k) for s, k in zip(starts, n)])
-        return self.logp[self.offset + idx], torch.zeros(len(idx))
-
-
 def loss_items(old, adv, rollout_old=None):
     items = []
     for i, (o, a) in enumerate(zip(old, adv)):
@@ -249,36 +202,39 @@ def loss_items(old, adv, rollout_old=None):
     return items
 
 
-@pytest.mark.parametrize("agg,tis,want", [
+@pytest.mark.parametrize("agg,tis,est,budget,want,clipfrac", [
     # sample A: old [-1.0, -0.5], new [-0.6, -0.7], adv +1; sample B: old [-2.0], new [-2.0], adv -1
     # ratios e^0.4 = 1.4918 (clipped to 1.28: A's first token), e^-0.2 = 0.8187, e^0 = 1
-    ("token", 0, (-1.28 - math.exp(-0.2) + 1.0) / 3),                      # mean over the 3 tokens
-    ("sequence", 0, ((-1.28 - math.exp(-0.2)) / 2 + 1.0) / 2),             # mean per sample, then over 2
+    ("token", 0, "grpo", 1, (-1.28 - math.exp(-0.2) + 1.0) / 3, 1 / 3),     # mean over the 3 tokens
+    ("sequence", 0, "grpo", 1, ((-1.28 - math.exp(-0.2)) / 2 + 1.0) / 2, 0.25),  # mean per sample, then over 2
     # TIS, rollout logprobs A [-1.5, -0.5], B [-1.0]: weights exp(old - rollout) = e^0.5 -> cap 1.2, 1, e^-1
-    ("token", 1.2, (-1.28 * 1.2 - math.exp(-0.2) * 1.0 + 1.0 * math.exp(-1.0)) / 3),
+    ("token", 1.2, "grpo", 1, (-1.28 * 1.2 - math.exp(-0.2) * 1.0 + 1.0 * math.exp(-1.0)) / 3, 1 / 3),
+    # both samples in one micro-batch, split by lens: GSPO's ratio of A is e^((0.4 - 0.2) / 2), B's e^0
+    ("token", 0, "gspo", 64, (-2 * math.exp(0.1) + 1.0) / 3, 0.0),
+    # CISPO: -sg(clip(ratio)) A logp: A's tokens 1.28 * 0.6 and e^-0.2 * 0.7, B's -(1 * -1 * -2.0)
+    ("sequence", 0, "cispo", 64, ((1.28 * 0.6 + math.exp(-0.2) * 0.7) / 2 - 2.0) / 2, 0.25),
 ])
-def test_policy_loss_aggregation_and_tis_by_hand(agg, tis, want):
+def test_policy_loss_aggregation_tis_and_estimators_by_hand(agg, tis, est, budget, want, clipfrac):
     import types
     import parallel
     parallel.init_distributed(1)
     args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--loss-agg", agg,
-                         "--tis-cap", str(tis), "--max-tokens-per-gpu", "1"])  # one sample a micro-batch
+                         "--tis-cap", str(tis), "--max-tokens-per-gpu", str(budget), "--advantage-estimator", est])
     par = types.SimpleNamespace(dp=1, cp=1, ep=1, pp=1, dp_group=None, device=torch.device("cpu"))
     items = loss_items([[-1.0, -0.5], [-2.0]], [1.0, -1.0], [[-1.5, -0.5], [-1.0]] if tis else None)
-    model = FakeModel([-0.6, -0.7, -2.0])
-    model.offset, model.par = 0, par
+    model = FakeModel([-0.6, -0.7, -2.0], par)
     seen = []
 
-    def forward(seqs, loss_masks, **kw):  # micro-batches come in pack order: find each sample's tokens
+    def forward(seqs, loss_masks, **kw):  # micro-batches come in pack order: find each one's first sample
         k = [i for i, it in enumerate(items) if torch.equal(it.mask, loss_masks[0])][0]
         seen.append(k)
         model.offset = [0, 2][k]
         return FakeModel.forward(model, seqs, loss_masks, **kw)
     model.forward = forward
     stats = G.policy_loss(model, None, par, items, args, measure=True)
-    assert sorted(seen) == [0, 1]
+    assert sorted(seen) == ([0, 1] if budget == 1 else [0])  # one sample a micro-batch, or both in one
     assert stats["loss"] == pytest.approx(want, abs=1e-6)
-    assert stats["clipfrac"] == pytest.approx(1 / 3 if agg == "token" else 0.25, abs=1e-6)
+    assert stats["clipfrac"] == pytest.approx(clipfrac, abs=1e-6)
 
 
 def test_placement_of_the_sglang_server():
@@ -438,7 +394,7 @@ def test_each_rank_builds_todays_items_from_only_its_share(processor, records):
     import random
     import types
     import rollout
-    from test_rollout import ANSWER, CROP_CALL, ScriptedEngine
+    from fakes import ANSWER, CROP_CALL, ScriptedEngine
     args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--max-turns", "3",
                          "--n-samples-per-prompt", "4", "--global-batch-size", "6", "--rollout-max-response-len", "400"])
     good = rollout.run_episodes(ScriptedEngine(processor, [CROP_CALL, ANSWER]), processor, records[:3], args)
@@ -472,7 +428,7 @@ def test_partial_rollout_resumes_with_its_buffer(tiny_ckpt, processor, records, 
     third group, complete: the local engine answers a round at once, and two are kept), written while the
     rollout is paused: a run resumed at step 2 trains step 3 on the samples of the uninterrupted run, none lost
     or sampled twice."""
-    from test_rollout import ScriptedEngine
+    from fakes import ScriptedEngine
     from tools import synth
     flags = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--partial-rollout", "--over-sampling-batch-size", "3"]
     sampler = G.Sampler(ScriptedEngine(processor, ["\\boxed{4}"]), processor, records, G.parse_args(
@@ -505,7 +461,7 @@ def test_fully_async_trains_every_group_once_across_a_checkpoint(processor, reco
     import pickle
     import random
     import types
-    from test_rollout import ScriptedEngine
+    from fakes import ScriptedEngine
 
     class Slow(ScriptedEngine):  # a request takes 0-40 ms: groups end out of order, some across an update
         concurrent = True

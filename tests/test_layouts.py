@@ -1,6 +1,6 @@
 """The reference every parallel layout is held to: the same samples give the same GRPO gradient,
 parameter by parameter, in one process and under TP, DP, CP, EP and PP, for each loss term (policy
-gradient, entropy, KL) with the vision tower trained and frozen, dense and MoE.
+gradient, entropy, KL; GSPO's per-sequence ratio) with the vision tower trained and frozen, dense and MoE.
 
 The checkpoints are the tiny ones with their weights redrawn large (2-D weights N(0, 0.08^2), norm
 scales 1 + 0.2 N(0, 1)): the logits are far from uniform there, unlike the default tiny checkpoint's
@@ -94,9 +94,9 @@ def assert_same(got, want, name):
 @pytest.mark.parametrize("freeze", [False, True], ids=["vit_trained", "vit_frozen"])
 def test_dense_gradients_equal_in_one_process_tp2_and_dp2(peaked, tmp_path, freeze):
     ckpt, ref = peaked("qwen3_vl"), peaked("qwen3_vl", seed=99)
-    extra = ["--freeze-vit"] if freeze else []
+    extra = ["--freeze-vit"] if freeze else ["--gspo"]  # GSPO's one ratio a sequence: CP splits its tokens
     one = grads(ckpt, tmp_path / "one", 1, *extra, ref=ref)
-    assert set(one) == {"pg", "entropy", "kl"}
+    assert set(one) == {"pg", "entropy", "kl"} | (set() if freeze else {"gspo"})
     for term, (g, stats) in one.items():  # every term has a gradient, and only trained tensors have one
         assert sum(float(t.norm()) for t in g.values()) > 0, term
         assert any(k.startswith("model.visual.") for k in g) != freeze, term
@@ -104,10 +104,11 @@ def test_dense_gradients_equal_in_one_process_tp2_and_dp2(peaked, tmp_path, free
     assert_same(grads(ckpt, tmp_path / "dp2", 2, *extra, ref=ref), one, "dp2")
     assert_same(grads(ckpt, tmp_path / "tp2", 2, "--tp", "2", *extra, ref=ref), one, "tp2")
     if not freeze:  # CP: each sequence in zigzag chunks over two ranks (the tower's gradient from both)
-        assert_same(grads(ckpt, tmp_path / "cp2", 2, "--cp", "2", ref=ref), one, "cp2")
+        assert_same(grads(ckpt, tmp_path / "cp2", 2, "--cp", "2", *extra, ref=ref), one, "cp2")
         # PP: stages of 3 + 1 layers (deepstack's 3 on the first) through 1F1B, the reference model a
         # pipeline too, the tied embedding's gradient the sum of the first stage's and the head copy's
-        assert_same(grads(ckpt, tmp_path / "pp2", 2, "--pp", "2", "--first-stage-layers", "3", ref=ref), one, "pp2")
+        assert_same(grads(ckpt, tmp_path / "pp2", 2, "--pp", "2", "--first-stage-layers", "3", *extra, ref=ref), one,
+                    "pp2")
 
 
 def test_moe_gradients_equal_in_one_process_and_ep2(peaked, tmp_path):

@@ -14,6 +14,7 @@ import env_geo3k
 import chat
 import rollout
 from conftest import rollout_args
+from fakes import ANSWER, CROP_CALL, ForcedFirstTurnEngine, ScriptedEngine
 
 FAKE = str(Path(__file__).with_name("fake_sglang.py"))
 TOL = 1e-5
@@ -153,35 +154,6 @@ def test_logprobs_exact_when_logits_are_large(engine, processor, ckpt, records):
 
 
 # ---------------------------------------------------------------------------------- multi-turn
-CROP_CALL = '<tool_call>\n{"name": "crop", "arguments": {"bbox": [0, 0, 64, 64]}}\n</tool_call>'
-ANSWER = "The crop shows the polygon. \\boxed{360}"
-
-
-class ScriptedEngine(engines.Engine):
-    """Answers turn k (counted per request by the number of assistant headers) with script[k]."""
-
-    def __init__(self, processor, script, finish="stop"):
-        self.tok, self.script, self.finish, self.seen = processor.tokenizer, script, finish, []
-        self.im_end = self.tok.convert_tokens_to_ids("<|im_end|>")
-        self.header = self.tok.encode("<|im_start|>assistant\n")
-
-    def turn(self, ids):
-        h = self.header
-        return sum(ids[i:i + len(h)] == h for i in range(len(ids))) - 1
-
-    def generate(self, batch, sampling):
-        outs = []
-        for item in batch:
-            self.seen.append((list(item["input_ids"]), list(item["images"])))
-            ids = self.tok.encode(self.script[min(self.turn(item["input_ids"]), len(self.script) - 1)]) + [self.im_end]
-            limit = item.get("max_new_tokens", sampling["max_new_tokens"])
-            finish = "length" if len(ids) > limit else self.finish
-            ids = ids[:limit]
-            outs.append({"ids": ids, "logprobs": [-0.5] * len(ids), "finish": finish,
-                         "prompt_tokens": len(item["input_ids"])})
-        return outs
-
-
 def test_multi_turn_crop_matches_full_render(processor, records):
     """The trainer-side tokens of a crop episode are exactly the processor's tokens for the whole
     conversation rendered at once, with both images, and the crop reaches turn 2's request."""
@@ -201,7 +173,7 @@ def test_multi_turn_crop_matches_full_render(processor, records):
         {"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": observation}]},
         {"role": "assistant", "content": ANSWER}]
     # tools/tiny.py's template renders tools=, so the specs go there, in its format, not in the system text
-    text = processor.apply_chat_template(messages, tools=env_geo3k.TOOL_SPECS, tokenize=False)
+    text = processor.apply_chat_template(messages, tools=env_geo3k.specs(env_geo3k.offered()), tokenize=False)
     assert '"name": "crop"' in text and "<tools>" in text
     full = processor(text=[text.removesuffix("\n")], images=s.images)["input_ids"][0]
     assert s.tokens == list(full)
@@ -235,48 +207,6 @@ def test_tool_calls_counts_calls_that_ran(processor, records):
                                                                       rollout_max_response_len=1000))
     assert s.status == "completed" and s.turns == 3, s.fail_reason
     assert [step["ran"] for step in s.metadata["steps"]] == [False, True, False] and s.tool_calls == 1
-
-
-class ForceTokens:
-    """A logits processor that makes generate emit `script` (then keeps repeating its last id):
-    every other id gets -inf. The engine's logprobs come from the raw logits, so they are the
-    model's own probabilities of the forced ids, computed by the engine's cached decode."""
-
-    def __init__(self, script, prompt_len):
-        self.script, self.prompt_len = script, prompt_len
-
-    def __call__(self, input_ids, scores):                              # (B, L), (B, V)
-        step = min(input_ids.shape[1] - self.prompt_len, len(self.script) - 1)
-        forced = torch.full_like(scores, float("-inf"))
-        forced[:, self.script[step]] = 0.0
-        return forced
-
-
-class ForcedFirstTurnEngine(engines.LocalEngine):
-    """Turn 1 (a prompt with one image): LocalEngine's own generate and logprobs, every step forced
-    to the crop call's tokens; later turns: plain LocalEngine sampling, on a prompt that now holds
-    two images. The reference (teacher_logprobs: one full forward, no cache) shares no code with it."""
-
-    def generate(self, batch, sampling):
-        first = [i for i, item in enumerate(batch) if len(item["images"]) == 1]
-        rest = [i for i in range(len(batch)) if i not in first]
-        out = [None] * len(batch)
-        if first:
-            tok = self.processor.tokenizer
-            script = tok.encode(CROP_CALL) + [tok.convert_tokens_to_ids("<|im_end|>")]
-            prompt_len = max(len(batch[i]["input_ids"]) for i in first)   # generate left-pads to it
-            plain = self.model.generate
-            force = ForceTokens(script, prompt_len)  # after the engine's Sampler, so it has the last word
-            self.model.generate = lambda **kw: plain(**dict(kw, logits_processor=kw["logits_processor"] + [force]))
-            try:
-                for i, o in zip(first, super().generate([batch[i] for i in first], sampling)):
-                    assert o["ids"] == script
-                    out[i] = o
-            finally:
-                del self.model.generate                                   # the class's method again
-        for i, o in zip(rest, super().generate([batch[i] for i in rest], sampling)):
-            out[i] = o
-        return out
 
 
 def test_multi_turn_local_logprobs(ckpt, processor, records):
@@ -344,7 +274,7 @@ def test_group_samples_rewards_and_dynamic_sampling(processor, records):
                 outs.append({"ids": ids, "logprobs": [-0.1] * len(ids), "finish": "stop",
                              "prompt_tokens": len(item["input_ids"])})
             return outs
-    fn = lambda response, label: float(label == "mixed" and int(response) % 2 == 1)  # noqa: E731
+    fn = lambda response, record: float(record["answer"] == "mixed" and int(response) % 2 == 1)  # noqa: E731
     args = rollout_args(n_samples_per_prompt=2)
     plain = rollout.generate_group_samples(Counting(processor, []), processor, recs[:2], args, reward_fn=fn)
     assert [s.group for s in plain] == [0, 0, 1, 1] and [s.reward for s in plain] == [0, 0, 0, 1]

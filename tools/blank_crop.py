@@ -4,6 +4,7 @@ the real crop what it does not gain here, it learnt from what the crop shows, no
 
     python tools/blank_crop.py <train_grpo.py flags>          # one process (the local engine)
 """
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -14,19 +15,17 @@ if not __package__:  # run as a script (python tools/blank_crop.py): the core is
 import env_geo3k  # noqa: E402
 import train_grpo  # noqa: E402
 
-REAL_CROP = env_geo3k.crop
+REAL_CROP = env_geo3k.TOOLS["crop"]
 
 
 def blank_crop(env, arguments):
     """env_geo3k.crop's checks, text and numbering, its image replaced by a white one of the same size."""
-    text, images, score = REAL_CROP(env, arguments)
-    blank = [Image.new("RGB", im.size, "white") for im in images]
-    env.images[len(env.images) - len(images):] = blank  # a later crop of this one sees the blank too
-    return text, blank, score
+    text, images, info = REAL_CROP.run(env, arguments)
+    return text, [Image.new("RGB", im.size, "white") for im in images], info  # the env keeps the blank
 
 
 def main(argv=None):
-    env_geo3k.TOOLS["crop"] = blank_crop  # the env looks its tools up at each call
+    env_geo3k.TOOLS["crop"] = dataclasses.replace(REAL_CROP, run=blank_crop)  # the env reads TOOLS as it starts
     return train_grpo.main(argv)
 
 
