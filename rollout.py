@@ -4,15 +4,14 @@ generation with exact token bookkeeping, group sampling and scoring.
     engine = sglang_engine.make_engine(args, hf_dir, run_dir)   # engines.LocalEngine / SGLangEngine
     samples = generate_group_samples(engine, processor, records, args)
 
-Token-in/token-out: a sample's token list is built once, here (chat.py's prompt and observations,
-the engine's ids); the engine is sent it each turn, the trainer reads it, nothing is re-tokenised.
-Each turn checks that the engine saw exactly the tokens sent (SGLang re-expanding image tokens shows
-as a prompt length mismatch), each sample that its placeholder runs match the images' grids. A sample failing a check is `failed` with its reason
-and an all-zero loss mask; neither it nor an `aborted` one is trained on.
+Token-in/token-out: a sample's token list is built once, here (chat.py's prompt and observations, the
+engine's ids); the engine is sent it each turn, the trainer reads it, nothing is re-tokenised. Each turn
+checks that the engine saw exactly the tokens sent (SGLang re-expanding image tokens shows as a prompt length
+mismatch), each sample that its placeholder runs match the images' grids. A sample failing a check is
+`failed` with its reason and an all-zero loss mask; neither it nor an `aborted` one is trained on.
 """
 import math
 import os
-import statistics
 import sys
 import threading
 import time
@@ -111,8 +110,8 @@ def routed_rows(s):
 
 def _finish_turn(ep, out, processor, args, stops, version=0, ours=False):
     """Append one engine answer to the episode's sample; at the end of a turn run the env and append its
-    observation. -> still active? An abort we asked for (`ours`: --partial-rollout) keeps the turn open:
-    its tokens so far are the sample's, and the next rollout continues it. An exception fails the sample."""
+    observation. -> still active? An abort we asked for (`ours`: the run paused) keeps the turn open:
+    its tokens so far are the sample's, and the next run continues it. An exception fails the sample."""
     try:
         return _turn(ep, out, processor, args, stops, version, ours)
     except Exception as e:  # noqa: BLE001 - one bad episode must not end the rollout
@@ -184,11 +183,9 @@ ABORTED = {"ids": [], "logprobs": [], "finish": "abort"}  # the answer to a requ
 
 
 class _Rounds:
-    """A batch engine (Engine.concurrent False: the local engine, the tests' scripted ones) fed by
-    episodes that each ask on their own: a batch goes once every live episode waits, in episode
-    order. These are a lockstep rollout's rounds, so the samples are the same as a serial loop's. Once
-    the rollout stops (abort), a round is answered ABORTED: it stops between rounds, and so the same way
-    every time."""
+    """A batch engine (Engine.concurrent False: the local engine, the tests' scripted ones) fed by episodes that
+    each ask on their own: a batch goes once every live episode waits, in episode order: a lockstep rollout's
+    rounds, the samples a serial loop gives. Once the run stops, a round is answered ABORTED (`aborted`)."""
 
     def __init__(self, engine):
         self.engine, self.cond, self.live, self.waiting, self.answers = engine, threading.Condition(), 0, {}, {}
@@ -217,9 +214,6 @@ class _Rounds:
             raise out
         return out
 
-    def abort(self):
-        self.aborted = True
-
     def break_(self, error):
         """Episodes waiting for a round that cannot come raise `error`."""
         with self.cond:
@@ -247,9 +241,8 @@ class _Rounds:
 
 
 class _Episodes:
-    """Each episode on its own thread: a turn goes to the engine once its env step is done; CPU work in at most as
-    many threads as cores. SGLang (Engine.concurrent) takes requests as they come, a batch engine gets _Rounds. Once
-    `stopping`, an episode parks before its next request; a turn we cut stays open. Rollout runs them."""
+    """Each episode on its own thread: a turn goes to the engine once its env step is done; CPU work in at most as many
+    threads as cores. SGLang (Engine.concurrent) takes requests as they come, a batch engine gets _Rounds."""
 
     def __init__(self, engine, processor, args, reward_fn):
         self.engine, self.processor, self.args, self.reward_fn = engine, processor, args, reward_fn
@@ -259,8 +252,8 @@ class _Episodes:
                              top_p=args.rollout_top_p, top_k=args.rollout_top_k)
         self.running, self.errors, self.calls = 0, [], []  # episodes on a thread; calls: (start, end) of each request
 
-    def _open(self, rec, prompt, eps):  # under the lock: a group's unfinished episodes go to work (prompt None: a
-        key = len(self.left)  # new record's, its prompt encoded first on a worker thread); key: the run's groups so far
+    def _open(self, rec, prompt, eps):  # under the lock: a group's unfinished episodes go to work (prompt None: new)
+        key = len(self.left)  # the run's groups so far
         self.groups[key] = (rec, prompt, eps)
         todo = [j for j, ep in enumerate(eps) if ep is None or not ep.done]
         self.running, self.left[key] = self.running + len(todo), len(todo)
@@ -344,20 +337,17 @@ class _Episodes:
             self.rounds.break_(e)
 
 
-
-
 class Rollout(_Episodes):
     """Runs of episodes, each from resume() at a policy version (kept with each token written) to pause(): what still
-    generates is cut and parks in `groups` ({key: (record, prompt, episodes)}, open or kept, not taken), which the
-    next run opens first. Up to `cap` groups at once; take(n) hands out the first n kept. With a `target` a run stops
-    itself once that many are kept (synchronous, --partial-rollout, --async-rollout); without, it runs until paused,
-    starting groups behind those taken (--fully-async). A run drops parked groups whose oldest token is more than
-    `max_stale` versions old (--max-weight-staleness), and counts them."""
+    generates is cut and parks in `groups` ({key: (record, prompt, episodes)}, open or kept, not taken), for the next
+    run. Up to `cap` groups at once; take(n) hands out the first n kept. With a `target` a run stops itself once that
+    many are kept (synchronous, --partial-rollout, --async-rollout); without, once paused (--fully-async). A run drops
+    parked groups whose oldest token is over `max_stale` versions old, and counts them; `drawn`: records started."""
 
     def __init__(self, engine, processor, args, reward_fn=None, target=None, cap=None, max_stale=None, dynamic=False):
         super().__init__(engine, processor, args, reward_fn)
         self.target, self.cap, self.max_stale, self.dynamic = target, cap or target, max_stale, dynamic
-        self.groups, self.pool, self.stale, self.since = {}, None, 0, None  # pool None: paused; since the last take
+        self.groups, self.pool, self.stale, self.since, self.drawn = {}, None, 0, None, 0  # pool None: paused
 
     def resume(self, records, version):
         """A run at `version` (none while one runs): the parked groups first, then records'."""
@@ -368,8 +358,9 @@ class Rollout(_Episodes):
             (v for ep in g[2] for v in ep.sample.versions if v >= 0), default=version) <= self.max_stale]
         self.stale += len(parked) - len(fresh)
         self.version, self.records, self.next, self.dropped, self.aborted = version, records, 0, 0, 0
-        self.stopping, self.t0 = False, time.perf_counter()  # stopping: enough kept, or paused: requests cut
-        self.ended, self.since = self.t0, self.since or self.t0  # ended: when the last episode stopped running
+        self.stopping = False  # enough kept, or paused: what generates is cut
+        self.t0 = self.ended = time.perf_counter()  # ended: when the last episode stopped
+        self.since = self.since or self.t0  # the last take
         self.rounds = None if getattr(self.engine, "concurrent", False) else _Rounds(self.engine)
         size = self.cap * (self.args.n_samples_per_prompt + 1)  # a thread an episode (a round waits for all)
         self.pool = ThreadPoolExecutor(size if self.rounds else min(size, 1024), thread_name_prefix="episode")
@@ -380,15 +371,14 @@ class Rollout(_Episodes):
             self._top_up()
 
     def take(self, n):
-        """The first n kept groups' samples (fewer where no more can come); a rollout with a target waits until it
-        has stopped, so that which groups those are does not depend on timing."""
+        """The first n kept groups' samples (fewer where none can come); with a target, once stopped (not by timing)."""
         self._wait(lambda: not self.running or (self.target is None and len(self.kept) >= n))
         with self.cond:
             keys = sorted(self.kept)[:n]
             self.kept = [k for k in self.kept if k not in keys]
             out = [(key, ep.sample) for key in keys for ep in self.groups.pop(key)[2]]
             self._top_up()
-        now, busy = time.perf_counter(), _busy(self.calls)  # since the run began or the last take
+        now, busy = time.perf_counter(), _busy(self.calls, self.since)  # since the last take (or the first run)
         stats = dict(wall_s=now - self.t0, engine_busy_s=busy, engine_idle_frac=1 - busy / max(now - self.since, 1e-9),
                      aborted=self.aborted, stale_dropped=self.stale, buffer_groups=len(self.groups),
                      dropped=self.dropped if self.dynamic else None)
@@ -398,9 +388,9 @@ class Rollout(_Episodes):
         return [s for _, s in out]
 
     def pause(self):
-        """End the run (with a target: once it stopped itself). -> (records it started, its (start, end)) or (0, None)"""
+        """End the run (with a target: once it stopped itself). -> its (start, end), None if none ran."""
         if self.pool is None:
-            return 0, None
+            return None
         with self.cond:
             if self.target is None:
                 self._cut()
@@ -408,7 +398,7 @@ class Rollout(_Episodes):
         self.pool.shutdown(wait=False)
         self.bar.close()
         self.pool = None
-        return self.next, (self.t0, self.ended)
+        return self.t0, self.ended
 
     def run(self, records):
         """One run from start to end -> the first `target` kept groups' samples."""
@@ -427,12 +417,11 @@ class Rollout(_Episodes):
             if not woke and self.stopping:
                 getattr(self.engine, "abort", lambda: None)()
         if self.errors:
-            self.pool.shutdown(wait=False)
             raise self.errors[0]
 
     def _top_up(self):  # under the lock: new records' groups while fewer than cap are open or kept
         while not self.stopping and len(self.groups) < self.cap and self.next < len(self.records):
-            self.next += 1
+            self.next, self.drawn = self.next + 1, self.drawn + 1
             self._open(self.records[self.next - 1], None, [None] * self.args.n_samples_per_prompt)
 
     def _complete(self, key):  # under the lock: a group whose every episode is done
@@ -442,7 +431,6 @@ class Rollout(_Episodes):
             self._top_up()  # the moment a group is known all-equal, another is drawn
         else:
             self.kept.append(key)
-            self.cond.notify_all()
         if self.target and len(self.kept) >= self.target and not self.stopping:
             self._cut()
 
@@ -450,19 +438,18 @@ class Rollout(_Episodes):
         self.stopping = True
         if self.running:
             if self.rounds:
-                self.rounds.abort()
+                self.rounds.aborted = True  # the rounds still to come answer ABORTED
             getattr(self.engine, "abort", lambda: None)()
 
 
 def run_episodes(engine, processor, records, args, reward_fn=False):
-    """n_samples_per_prompt episodes per record (group = record position), each on its own
-    (Rollout); scored when reward_fn is None (--rm-type's) or a function."""
+    """n_samples_per_prompt episodes per record (group = record position); scored when reward_fn is not False."""
     return Rollout(engine, processor, args, reward_fn, len(records)).run(records)
 
 
-def _busy(calls):
-    """Seconds the engine had a request: the union of the requests' (start, end)."""
-    busy, end = 0.0, 0.0
+def _busy(calls, since=0.0):
+    """Seconds the engine had a request after `since`: the union of the requests' (start, end)."""
+    busy, end = 0.0, since
     for a, b in sorted(calls):
         busy, end = busy + max(0.0, b - max(a, end)), max(end, b)
     return busy
@@ -488,30 +475,3 @@ def generate_group_samples(engine, processor, records, args, reward_fn=None):
     that: the over-sample). The rollout's own numbers: samples' metadata["rollout"]."""
     target = (args.rollout_batch_size or len(records)) if args.dynamic_sampling else len(records)
     return Rollout(engine, processor, args, reward_fn, target, dynamic=args.dynamic_sampling).run(records)
-
-
-def rollout_metrics(samples):
-    """Means over samples; reward and accuracy over the ones not failed; multi-turn, the env's tool metrics."""
-    n = max(len(samples), 1)
-    ok = [s for s in samples if s.status != "failed"] or [Sample(prompt_ids=[])]
-    m = {"reward": sum(s.reward for s in ok) / len(ok),
-         "accuracy": sum(s.reward > 0 for s in ok) / len(ok),
-         "response_len": sum(sum(s.loss_mask) for s in ok) / len(ok),
-         "truncated_frac": sum(s.status == "truncated" for s in samples) / n,
-         "aborted_frac": sum(s.status == "aborted" for s in samples) / n,
-         "failed_frac": sum(s.status == "failed" for s in samples) / n,
-         "turns": sum(s.turns for s in samples) / n,
-         "tool_calls": sum(s.tool_calls for s in samples) / n,
-         "format_ok_frac": sum(bool(s.metadata.get("format_ok")) for s in samples) / n,
-         "samples": len(samples)}
-    m.update(env_geo3k.tool_metrics([s.metadata.get("steps", []) for s in samples],  # multi-turn: tool use
-                                    [None if s.status == "failed" else s.reward for s in samples]))
-    if samples and "rollout" in samples[0].metadata:  # where the rollout's time went, what it cut and dropped
-        ends, stats = [s.metadata["end_s"] for s in samples], samples[0].metadata["rollout"]
-        if stats["dropped"] is not None:  # --dynamic-sampling: the share of complete groups kept
-            m["ds_keep_frac"] = len({s.group for s in samples}) / (len({s.group for s in samples}) + stats["dropped"])
-        m.update({f"rollout_{k}": v for k, v in stats.items() if k != "dropped"},
-                 rollout_critical_path_s=max(s.metadata["engine_s"] for s in samples),
-                 rollout_own_s_per_sample=sum(s.metadata["own_s"] for s in samples) / n,
-                 rollout_tail_s=max(ends) - statistics.median(ends))
-    return m

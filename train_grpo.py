@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import math
 import random
+import statistics
 import sys
 import time
 
@@ -30,6 +31,7 @@ from transformers import AutoProcessor
 
 import chat
 import cluster
+import env_geo3k
 import flags as F
 import loss as L
 import model as M
@@ -108,10 +110,10 @@ def parse_args(argv=None):
         p.error("--n-samples-per-prompt 1: a group of one has zero advantage, GRPO would learn nothing")
     if args.sglang_args and args.rollout_engine == "local":
         p.error(f"{' '.join(args.sglang_args)}: SGLang flags, but --rollout-engine local")
-    overlap = "--fully-async" if args.fully_async else "--async-rollout" if args.async_rollout else None
-    if overlap and (args.colocate or args.offload_train):
-        p.error(f"{overlap}: the rollout runs while the step trains, so the engine needs GPUs of its own "
-                "(--rollout-num-gpus N; not --colocate) and the trainer stays on them (no --offload-train)")
+    if (args.fully_async or args.async_rollout) and (args.colocate or args.offload_train):
+        p.error(f"{'--fully-async' if args.fully_async else '--async-rollout'}: the rollout runs while the step "
+                "trains, so the engine needs GPUs of its own (--rollout-num-gpus N; not --colocate) and the trainer "
+                "stays on them (no --offload-train)")
     if args.fully_async and args.async_rollout:
         p.error("--fully-async --async-rollout: choose one (--fully-async runs the rollout beside training too, and "
                 "lands each weight update mid-rollout instead of after it)")
@@ -232,26 +234,69 @@ def evaluate(engine, processor, records, args, step, run):
     return out
 
 
-class Sampler:
-    """Rank 0's half of the rollout: the engine's runs (rollout.Rollout) over the step's prompts (trainer.draw: a
-    function of seed and step; with --partial-rollout or --fully-async the next ones of the data stream, whose
-    position is `cursor`), scored; B complete groups taken, their advantages, each DP rank's share. A checkpoint
-    holds what the rollout keeps (state: the data position and the groups not trained yet), saved while paused."""
+@dataclasses.dataclass
+class Batch:
+    """A step's rollout on one rank: its items of each update (None: an update with no sample) and
+    metrics (rank 0's)."""
+    items: list
+    metrics: dict
 
-    def __init__(self, engine, processor, records, args, updates, dp):
-        self.records, self.args, self.updates, self.dp, self.cursor = records, args, updates, dp, 0
+
+class Source:
+    """The rollout source of a step (grpo_step's next and settle), on every rank. Rank 0 holds the rollout
+    (rollout.Rollout) over the step's prompts (trainer.draw: a function of seed and step; with --partial-rollout or
+    --fully-async the next ones of the data stream, from the records it started), takes B complete groups, their
+    advantages, and hands each DP rank its share. The variants differ in where the rollout pauses:
+    - synchronous (the default), --partial-rollout: next() resumes it with the weights the step trains, takes B
+      complete groups and pauses it (--partial-rollout: what still generated waits for the next step);
+    - --async-rollout: next() then resumes it at once on the next step's prompts with the weights before this
+      step's update (one step off-policy), and settle() pauses it once they are complete;
+    - --fully-async: it runs on through next(), and settle() pauses it for the weight update only (a turn cut
+      there goes on with the new weights: every token keeps the version that wrote it).
+    settle() ends with a barrier: no server takes new weights before the rollout has paused. A checkpoint holds
+    what it keeps (state: the data position, the groups not trained yet), written while it is paused."""
+
+    def __init__(self, engine, processor, records, args, updates, par, state=None):
+        self.processor, self.records, self.args, self.updates, self.par = processor, records, args, updates, par
+        self.ahead, self.fully, self.trained = args.async_rollout, args.fully_async, 0.0
         B, self.stream = args.rollout_batch_size, args.partial_rollout or args.fully_async
-        self.cap = max(args.over_sampling_batch_size or B, B)  # groups open or complete and not taken at once
-        self.rollout = R.Rollout(engine, processor, R.RolloutConfig.from_args(args), target=None if args.fully_async else B,
-                                 cap=self.cap, max_stale=args.max_weight_staleness, dynamic=args.dynamic_sampling)
+        self.cap, self.rollout = max(args.over_sampling_batch_size or B, B), None  # groups open or kept at once
+        if par.rank == 0:
+            self.rollout = R.Rollout(engine, processor, R.RolloutConfig.from_args(args), None, None if args.fully_async
+                                     else B, self.cap, args.max_weight_staleness, args.dynamic_sampling)
+            self.rollout.drawn, self.rollout.groups = state or (0, {})
 
     def state(self):
-        """What a resumed run starts from: None when the rollout keeps nothing."""
-        return (self.cursor, self.rollout.groups) if self.stream or self.rollout.groups else None
+        """What a resumed run starts from (rank 0): None when the rollout keeps nothing."""
+        keep = self.rollout is not None and (self.stream or self.rollout.groups)
+        return (self.rollout.drawn, self.rollout.groups) if keep else None
 
-    def load(self, state):
-        if state is not None:
-            self.cursor, self.rollout.groups = state
+    def next(self, step):
+        """-> this rank's Batch: its DP rank's share of the groups rank 0 took (a group's images, shared in the
+        payload, encoded once on each rank)."""
+        t, shares, metrics = time.perf_counter(), None, {}
+        if self.par.rank == 0:
+            self.resume(step, step)  # the engine holds the weights of `step` updates
+            shares, metrics = self.take(step)
+            if not self.fully:
+                self.rollout.pause()
+            if self.ahead and step + 1 < self.args.num_rollout:
+                self.resume(step, step + 1)
+            self.trained = time.perf_counter()
+        h, encoded = time.perf_counter(), {}
+        items = [None if part is None else [to_item(s, self.processor, a, encoded) for s, a in part]
+                 for part in T.hand_out(shares, self.par)]
+        return Batch(items, dict(metrics, handoff_s=time.perf_counter() - h, rollout_s=time.perf_counter() - t))
+
+    def settle(self):
+        """Before the engine takes the step's new weights: the rollout pauses. -> metrics"""
+        out = {}
+        ran = self.rollout.pause() if self.par.rank == 0 else None
+        if ran:  # how long it ran beside this step's training
+            out["rollout_ahead_overlap_s"] = max(0.0, min(ran[1], time.perf_counter()) - max(ran[0], self.trained))
+        if self.par.world > 1:
+            torch.distributed.barrier()
+        return out
 
     def resume(self, version, step):
         """The rollout goes on (a no-op while it runs) with the engine's weights of `version` updates, from step's
@@ -259,23 +304,17 @@ class Sampler:
         args = self.args
         if self.stream:
             extra = (args.dynamic_sampling_max_prompts or 4 * args.rollout_batch_size) if args.dynamic_sampling else 0
-            batch = T.stream(self.records, self.cursor, self.cap + args.rollout_batch_size + extra, args.seed)
+            batch = T.stream(self.records, self.rollout.drawn, self.cap + args.rollout_batch_size + extra, args.seed)
         else:
             batch = T.draw(self.records, step, args)
         self.rollout.resume(batch, version)
-
-    def pause(self):
-        """-> the (start, end) of the run it ended, None if none ran."""
-        drawn, ran = self.rollout.pause()
-        self.cursor += drawn
-        return ran
 
     def take(self, step):
         """-> (each DP rank's (sample, advantage) pairs of each update, metrics): the first B complete groups. A
         token of an older version than `step`'s policy is off-policy."""
         args = self.args
         samples = self.rollout.take(args.rollout_batch_size)
-        metrics = R.rollout_metrics(samples)
+        metrics = rollout_metrics(samples)
         good = [s for s in samples if s.status not in ("failed", "aborted") and any(s.loss_mask)]
         if args.mask_offpolicy_in_partial_rollout:  # tokens written before the sample's last abort: no loss
             for s in good:
@@ -295,61 +334,35 @@ class Sampler:
             print(f"[grpo] step {step + 1}: no trainable sample among {len(samples)} "
                   f"({', '.join(reasons[:3]) or 'no response tokens'}): update skipped", flush=True)
         adv = L.advantages([s.reward for s in good], [s.group for s in good], args.advantage_estimator)
-        return split_batch(good, adv, random.Random(args.seed + step), args.global_batch_size, self.updates, self.dp), metrics
+        rng = random.Random(args.seed + step)
+        return split_batch(good, adv, rng, args.global_batch_size, self.updates, self.par.dp), metrics
 
 
-@dataclasses.dataclass
-class Batch:
-    """A step's rollout on one rank: its items of each update (None: an update with no sample) and
-    metrics (rank 0's)."""
-    items: list
-    metrics: dict
-
-
-class Source:
-    """The rollout source of a step (grpo_step's next and settle), on every rank: rank 0's Sampler takes the
-    batch, every rank receives its share (deal). The variants differ in where the rollout pauses:
-    - synchronous (the default), --partial-rollout: next() resumes it with the weights the step trains, takes B
-      complete groups and pauses it (--partial-rollout: what still generated waits for the next step);
-    - --async-rollout: next() then resumes it at once on the next step's prompts with the weights before this
-      step's update (one step off-policy), and settle() pauses it once they are complete;
-    - --fully-async: it runs on through next(), and settle() pauses it for the weight update only (a turn cut
-      there goes on with the new weights: every token keeps the version that wrote it).
-    settle() ends with a barrier: no server takes new weights before the rollout has paused."""
-
-    def __init__(self, sampler, par, processor, args):
-        self.sampler, self.par, self.processor, self.steps = sampler, par, processor, args.num_rollout
-        self.ahead, self.fully, self.trained = args.async_rollout, args.fully_async, 0.0
-
-    def next(self, step):
-        t, shares, metrics = time.perf_counter(), None, {}
-        if self.par.rank == 0:
-            self.sampler.resume(step, step)  # the engine holds the weights of `step` updates
-            shares, metrics = self.sampler.take(step)
-            if not self.fully:
-                self.sampler.pause()
-            if self.ahead and step + 1 < self.steps:
-                self.sampler.resume(step, step + 1)
-            self.trained = time.perf_counter()
-        return self.deal(shares, metrics, t)
-
-    def deal(self, shares, metrics, t):
-        """Every rank: its DP rank's share of rank 0's `shares` -> Batch (a group's images, shared in the
-        payload, encoded once on each rank)."""
-        h, encoded = time.perf_counter(), {}
-        items = [None if part is None else [to_item(s, self.processor, a, encoded) for s, a in part]
-                 for part in T.hand_out(shares, self.par)]
-        return Batch(items, dict(metrics, handoff_s=time.perf_counter() - h, rollout_s=time.perf_counter() - t))
-
-    def settle(self):
-        """Before the engine takes the step's new weights: the rollout pauses. -> metrics"""
-        out = {}
-        ran = self.sampler.pause() if self.par.rank == 0 else None
-        if ran:  # how long it ran beside this step's training
-            out["rollout_ahead_overlap_s"] = max(0.0, min(ran[1], time.perf_counter()) - max(ran[0], self.trained))
-        if self.par.world > 1:
-            torch.distributed.barrier()
-        return out
+def rollout_metrics(samples):
+    """Means over samples; reward and accuracy over the ones not failed; multi-turn, the env's tool metrics."""
+    n = max(len(samples), 1)
+    ok = [s for s in samples if s.status != "failed"] or [R.Sample(prompt_ids=[])]
+    m = {"reward": sum(s.reward for s in ok) / len(ok),
+         "accuracy": sum(s.reward > 0 for s in ok) / len(ok),
+         "response_len": sum(sum(s.loss_mask) for s in ok) / len(ok),
+         "truncated_frac": sum(s.status == "truncated" for s in samples) / n,
+         "aborted_frac": sum(s.status == "aborted" for s in samples) / n,
+         "failed_frac": sum(s.status == "failed" for s in samples) / n,
+         "turns": sum(s.turns for s in samples) / n,
+         "tool_calls": sum(s.tool_calls for s in samples) / n,
+         "format_ok_frac": sum(bool(s.metadata.get("format_ok")) for s in samples) / n,
+         "samples": len(samples)}
+    m.update(env_geo3k.tool_metrics([s.metadata.get("steps", []) for s in samples],  # multi-turn: tool use
+                                    [None if s.status == "failed" else s.reward for s in samples]))
+    if samples and "rollout" in samples[0].metadata:  # where the rollout's time went, what it cut and dropped
+        ends, stats = [s.metadata["end_s"] for s in samples], samples[0].metadata["rollout"]
+        if stats["dropped"] is not None:  # --dynamic-sampling: the share of complete groups kept
+            m["ds_keep_frac"] = len({s.group for s in samples}) / (len({s.group for s in samples}) + stats["dropped"])
+        m.update({f"rollout_{k}": v for k, v in stats.items() if k != "dropped"},
+                 rollout_critical_path_s=max(s.metadata["engine_s"] for s in samples),
+                 rollout_own_s_per_sample=sum(s.metadata["own_s"] for s in samples) / n,
+                 rollout_tail_s=max(ends) - statistics.median(ends))
+    return m
 
 
 def split_batch(good, adv, rng, global_batch_size, updates, dp):
@@ -394,7 +407,7 @@ class Policy:
 def grpo_step(step, policy, source, servers, run):
     """One step in slime's order: generate, the engine steps aside, train, it comes back and takes the new
     weights (its update flushes its caches), log. The variants (one step ahead, partial, fully async, colocated,
-    offload) live in the objects: source (Source, its Sampler), servers (cluster.Servers)."""
+    offload) live in the objects: source (Source), servers (cluster.Servers)."""
     t = time.perf_counter()
     servers.to_rollout()                 # --offload-train: the trainer parks; a colocated server takes all back
     batch = source.next(step)            # rank 0 takes B complete groups from the rollout; each rank its share
@@ -432,10 +445,8 @@ def main(argv=None):
                    limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len} with room for a response"))
         records, eval_records = T.load_data(args, **fit), T.load_data(args, evaluation=True, **fit)
     servers = cluster.Servers(args, par, model, opt, ref, str(ckpt or args.hf_checkpoint), str(run.save))
-    sampler = Sampler(servers.engine, processor, records, args, updates, par.dp) if par.rank == 0 else None
-    if sampler is not None and ckpt:
-        sampler.load(run.load_rollout(ckpt))
-    source = Source(sampler, par, processor, args)
+    source = Source(servers.engine, processor, records, args, updates, par,
+                    run.load_rollout(ckpt) if ckpt and par.rank == 0 else None)
     evals = servers.agree(bool(eval_records))
     try:
         if par.rank == 0 and eval_records and start == 0:
@@ -447,7 +458,7 @@ def main(argv=None):
             bar.set_postfix(reward=f"{metrics.get('reward', 0):.3f}")
             # before the trainer is parked; colocated, --offload-train parked the optimizer states at the sync
             run.maybe_save(model, opt, sched, step + 1, args.num_rollout, prepare=servers.for_checkpoint,
-                           rollout=sampler and sampler.state())
+                           rollout=source.state())
             last = step + 1 == args.num_rollout
             if evals and (last or (args.eval_interval and (step + 1) % args.eval_interval == 0)):
                 servers.to_rollout()

@@ -315,7 +315,7 @@ def test_dynamic_sampling_tops_up_through_the_trainer(processor, records):
         assert len(drawn) == (12 if cap is None else 4) and len({r["index"] for r in drawn}) == len(drawn)
         assert drawn[:3] == T.draw(recs, 0, G.parse_args(base[:-1]))  # the batch's own prompts come first
         kept = min(3, sum(int(r["answer"]) % 3 == 0 for r in drawn))  # mixed groups there are to keep
-        batch = G.Source(G.Sampler(Engine(), processor, recs, args, 1, 1), par, processor, args).next(0)
+        batch = G.Source(Engine(), processor, recs, args, 1, par).next(0)
         (items,), m = batch.items, batch.metrics
         assert len(items) == 2 * kept and m["samples"] == 2 * kept, (cap, kept, len(items))
         assert all(it.adv != 0 for it in items)  # only groups with mixed rewards
@@ -337,7 +337,7 @@ def test_step_where_every_sample_failed(processor, records, capsys):
     args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--rollout-batch-size", "2",
                          "--n-samples-per-prompt", "2"])
     par = types.SimpleNamespace(rank=0, world=1, dp=1)
-    batch = G.Source(G.Sampler(Failing(), processor, records, args, 1, 1), par, processor, args).next(0)
+    batch = G.Source(Failing(), processor, records, args, 1, par).next(0)
     assert batch.items == [None] and batch.metrics["failed_frac"] == 1.0 and batch.metrics["samples"] == 4
     assert "step 1: no trainable sample among 4 (SGLang /generate -> HTTP 500: IndexError): update skipped" \
         in capsys.readouterr().out
@@ -428,15 +428,14 @@ def test_partial_rollout_resumes_with_its_buffer(tiny_ckpt, processor, records, 
     third group, complete: the local engine answers a round at once, and two are kept), written while the
     rollout is paused: a run resumed at step 2 trains step 3 on the samples of the uninterrupted run, none lost
     or sampled twice."""
+    import types
     from fakes import ScriptedEngine
     from tools import synth
     flags = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--partial-rollout", "--over-sampling-batch-size", "3"]
-    sampler = G.Sampler(ScriptedEngine(processor, ["\\boxed{4}"]), processor, records, G.parse_args(
-        ["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", *flags]), 1, 1)
-    sampler.resume(0, 0)
-    sampler.take(0)
-    sampler.pause()
-    cursor, groups = sampler.state()  # what step 1 starts from: the leftover of step 0, its data position
+    source = G.Source(ScriptedEngine(processor, ["\\boxed{4}"]), processor, records, G.parse_args(
+        ["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", *flags]), 1, types.SimpleNamespace(rank=0, world=1, dp=1))
+    source.next(0)
+    cursor, groups = source.state()  # what step 1 starts from: the leftover of step 0, its data position
     assert cursor == 3 and len(groups) == 1
     synth.write_synth(tmp_path / "d", 32, n_test=0, seed=0, kinds=("sides",))
     common = ["--hf-checkpoint", tiny_ckpt("qwen3_vl"), "--prompt-data", tmp_path / "d", "--rollout-engine", "local",
@@ -456,7 +455,7 @@ def test_partial_rollout_resumes_with_its_buffer(tiny_ckpt, processor, records, 
 def test_fully_async_trains_every_group_once_across_a_checkpoint(processor, records):
     """--fully-async through the trainer's Source: the rollout goes on through next() (each step takes the first B
     complete groups) and settle() pauses it; what a checkpoint writes then (the data position, the groups parked)
-    goes on in a fresh Sampler, as a resumed run's does. Whatever the timing, every group drawn is trained once,
+    goes on in a fresh Source, as a resumed run's does. Whatever the timing, every group drawn is trained once,
     parked at the end or dropped as too stale: none lost, none twice."""
     import pickle
     import random
@@ -474,26 +473,24 @@ def test_fully_async_trains_every_group_once_across_a_checkpoint(processor, reco
                          "2", "--n-samples-per-prompt", "2", "--over-sampling-batch-size", "4", "--max-weight-staleness", "1"])
     par, trained, stale = types.SimpleNamespace(rank=0, world=1, dp=1), [], 0
 
-    def steps(sampler, first, last):
+    def steps(state, first, last):
         nonlocal stale
-        take = sampler.rollout.take
+        source = G.Source(Slow(processor, ["\\boxed{4}"]), processor, recs, args, 1, par, state)
+        take = source.rollout.take
 
         def logged(n):
             out = take(n)
             trained.extend(s.index for s in out[::2])  # a group's two samples
             return out
-        sampler.rollout.take, source = logged, G.Source(sampler, par, processor, args)
+        source.rollout.take = logged
         for step in range(first, last):
             m = source.next(step).metrics
             stale += m.get("rollout_stale_dropped", 0)
-            assert m["samples"] == 4 and m.get("staleness_max", 0) <= 1, (step, {k: v for k, v in m.items() if "roll" in k or "stale" in k})
+            assert m["samples"] == 4 and m.get("staleness_max", 0) <= 1, (step, m)
             time.sleep(0.05)  # training: the rollout goes on
             source.settle()
-        return sampler.state()
-    cursor, groups = pickle.loads(pickle.dumps(steps(G.Sampler(Slow(processor, ["\\boxed{4}"]), processor, recs, args, 1, 1), 0, 3)))
-    resumed = G.Sampler(Slow(processor, ["\\boxed{4}"]), processor, recs, args, 1, 1)
-    resumed.load((cursor, groups))
-    cursor, groups = steps(resumed, 3, 6)
+        return source.state()
+    cursor, groups = steps(pickle.loads(pickle.dumps(steps(None, 0, 3))), 3, 6)
     assert len(trained) == 12 and len(set(trained)) == 12, trained  # B groups a step, each once
     left = [r["index"] for r, _, _ in groups.values()]
     assert len(trained) + len(left) + stale == cursor and not set(trained) & set(left), (trained, left, stale, cursor)

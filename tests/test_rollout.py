@@ -13,6 +13,7 @@ import engines
 import env_geo3k
 import chat
 import rollout
+import train_grpo
 from conftest import rollout_args
 from fakes import ANSWER, CROP_CALL, ForcedFirstTurnEngine, ScriptedEngine
 
@@ -248,7 +249,7 @@ def test_truncation_and_failures(processor, records):
     samples = rollout.run_episodes(DoubleExpander(processor, ["hi"]), processor, records[:1], rollout_args())
     assert all(s.status == "failed" and "expanded twice" in s.fail_reason for s in samples)
     assert all(set(s.loss_mask) <= {0} for s in samples)
-    m = rollout.rollout_metrics(samples)
+    m = train_grpo.rollout_metrics(samples)
     assert m["failed_frac"] == 1.0 and m["samples"] == 2
 
     tokens = list(samples[0].prompt_ids)
@@ -281,7 +282,7 @@ def test_group_samples_rewards_and_dynamic_sampling(processor, records):
     args = rollout_args(n_samples_per_prompt=2, dynamic_sampling=True, rollout_batch_size=2)
     kept = rollout.generate_group_samples(Counting(processor, []), processor, recs, args, reward_fn=fn)
     assert sorted({s.group for s in kept}) == [1, 3] and len(kept) == 4
-    m = rollout.rollout_metrics(kept)
+    m = train_grpo.rollout_metrics(kept)
     assert m["reward"] == 0.5 and m["accuracy"] == 0.5 and m["ds_keep_frac"] == 0.5
     assert {"truncated_frac", "aborted_frac", "turns", "tool_calls", "format_ok_frac", "response_len"} <= set(m)
 
@@ -407,7 +408,8 @@ def test_partial_rollout_parks_what_still_generates_and_continues_it_as_if_unint
     ro = rollout.Rollout(eng, processor, args, target=1, cap=3)
     ro.resume(recs, 0)
     first = ro.take(1)
-    assert ro.pause()[0] == 3  # the records it started
+    ro.pause()
+    assert ro.drawn == 3  # the records it started
     assert [s.index for s in first] == [0, 0] and eng.aborts >= 1
     assert first[0].metadata["rollout"]["aborted"] == 4 and first[0].metadata["rollout"]["buffer_groups"] == 2
     assert [r["problem"] for r, _, _ in ro.groups.values()] == [recs[1]["problem"], recs[2]["problem"]]
@@ -475,7 +477,8 @@ def test_fully_async_update_lands_within_a_turn_and_between_turns(processor, rec
     ro.resume(recs, 0)
     assert [s.index for s in ro.take(1)] == [0, 0]
     assert all(held.acquire(timeout=30) for _ in range(4))  # records 1 and 2 generate
-    assert ro.pause()[0] == 3 and sorted(r["index"] for r, _, _ in ro.groups.values()) == [1, 2]
+    ro.pause()
+    assert ro.drawn == 3 and sorted(r["index"] for r, _, _ in ro.groups.values()) == [1, 2]
     parked = {r["index"]: eps for r, _, eps in ro.groups.values()}
     assert all(ep.sample.turns == 1 and ep.sample.versions[-1] == 0 for ep in parked[1])  # 3 tokens of turn 2
     assert all(ep.sample.turns == 1 and ep.sample.versions[-1] == -1 for ep in parked[2])  # its observation
