@@ -488,7 +488,7 @@ def test_fully_async_trains_every_group_once_across_a_checkpoint(processor, reco
             stale += m.get("rollout_stale_dropped", 0)
             assert m["samples"] == 4 and m.get("staleness_max", 0) <= 1, (step, m)
             time.sleep(0.05)  # training: the rollout goes on
-            source.settle()
+            assert source.settle()["rollout_ahead_overlap_s"] > 0
         return source.state()
     cursor, groups = steps(pickle.loads(pickle.dumps(steps(None, 0, 3))), 3, 6)
     assert len(trained) == 12 and len(set(trained)) == 12, trained  # B groups a step, each once
