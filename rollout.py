@@ -348,6 +348,7 @@ class Rollout(_Episodes):
         super().__init__(engine, processor, args, reward_fn)
         self.target, self.cap, self.max_stale, self.dynamic = target, cap or target, max_stale, dynamic
         self.groups, self.pool, self.stale, self.since, self.drawn = {}, None, 0, None, 0  # pool None: paused
+        self.aborted = 0  # requests cut since the last take (a pause's too)
 
     def resume(self, records, version):
         """A run at `version` (none while one runs): the parked groups first, then records'."""
@@ -357,7 +358,7 @@ class Rollout(_Episodes):
         fresh = [g for g in parked if self.max_stale is None or version - min(
             (v for ep in g[2] for v in ep.sample.versions if v >= 0), default=version) <= self.max_stale]
         self.stale += len(parked) - len(fresh)
-        self.version, self.records, self.next, self.dropped, self.aborted = version, records, 0, 0, 0
+        self.version, self.records, self.next, self.dropped = version, records, 0, 0
         self.stopping = False  # enough kept, or paused: what generates is cut
         self.t0 = self.ended = time.perf_counter()  # ended: when the last episode stopped
         self.since = self.since or self.t0  # the last take
@@ -384,7 +385,7 @@ class Rollout(_Episodes):
                      dropped=self.dropped if self.dynamic else None)
         for key, s in out:
             s.group, s.metadata["rollout"] = key, stats
-        self.calls, self.stale, self.since = [], 0, now
+        self.calls, self.stale, self.aborted, self.since = [], 0, 0, now
         return [s for _, s in out]
 
     def pause(self):

@@ -131,6 +131,32 @@ def test_every_server_serves_and_takes_every_steps_weights(tiny_ckpt, tmp_path, 
     assert "--host 127.0.0.1" in (save / f"sglang_{names[1]}.log").read_text()  # 2 nodes: the route to MASTER_ADDR
 
 
+def test_fully_async_cuts_on_every_server_and_each_takes_every_steps_weights(tiny_ckpt, tmp_path):
+    """--fully-async across two nodes (a fake server each, 0.5 s a token: requests are in flight when a step
+    ends): the pause before each weight update cuts the requests on both servers (the router does not say which
+    holds one), both take every step's weights, and the cut turns go on after it: every step trains B complete
+    groups, some of whose tokens an earlier version wrote."""
+    from tools import synth
+    synth.write_synth(tmp_path / "d", 32, n_test=0, seed=0, kinds=("sides",))
+    save, rec = tmp_path / "run", tmp_path / "requests.jsonl"
+    args = ["--hf-checkpoint", str(tiny_ckpt("qwen3_vl")), "--prompt-data", str(tmp_path / "d"), "--save", str(save),
+            "--rollout-engine", "sglang", "--sglang-launch-cmd", f"{sys.executable} {FAKE}", "--sglang-fake-record",
+            str(rec), "--sglang-fake-token-delay", "0.5", "--num-rollout", "2", "--rollout-batch-size", "2",
+            "--n-samples-per-prompt", "2", "--rollout-max-response-len", "12", "--max-tokens-per-gpu", "512",
+            "--fully-async", "--over-sampling-batch-size", "4", "--max-weight-staleness", "2",
+            "--sglang-router-args", "--balance-abs-threshold 0 --balance-rel-threshold 1.0"]
+    runs = launch.torchrun_nodes(2, 1, [ROOT / "train_grpo.py", *args], timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    outs = [r.stdout + r.stderr for r in runs]
+    assert [r.returncode for r in runs] == [0, 0], "".join(o[-3000:] for o in outs)
+    steps = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1, 2] and all(m["samples"] == 4 and m["failed_frac"] == 0 for m in steps)
+    assert sum(m["rollout_aborted"] for m in steps) > 0 and max(m["offpolicy_token_frac"] for m in steps) > 0, steps
+    calls = [json.loads(line) for line in rec.read_text().splitlines()]
+    updates = [c["pid"] for c in calls if c["path"] == "/update_weights_from_disk"]
+    assert len(set(updates)) == 2 and len(updates) == 4  # each server, each step
+    assert len({c["pid"] for c in calls if c["path"] == "/abort_request"}) == 2  # both servers were told
+
+
 FAILING = """
 import sys, types
 sys.path.insert(0, sys.argv[1])
