@@ -409,14 +409,17 @@ class Rollout(_Episodes):
         return out
 
     def _wait(self, ready):
-        """Until ready() (under the lock); a stopping run cuts again every 2 s what reached a server after its abort."""
+        """Until ready() (read under the lock). A stopping run's abort goes from here, never under the lock: within
+        0.05 s of the stop, then every 2 s for a request that reached a server after it."""
+        told = -math.inf
         while True:
             with self.cond:
                 if ready() or self.errors:
                     break
-                woke = self.cond.wait(2.0)
-            if not woke and self.stopping:
+                self.cond.wait(0.05)
+            if self.stopping and time.perf_counter() - told >= 2.0:
                 getattr(self.engine, "abort", lambda: None)()
+                told = time.perf_counter()
         if self.errors:
             raise self.errors[0]
 
@@ -435,12 +438,10 @@ class Rollout(_Episodes):
         if self.target and len(self.kept) >= self.target and not self.stopping:
             self._cut()
 
-    def _cut(self):  # under the lock: what still generates is cut; its episodes park
+    def _cut(self):  # under the lock: what still generates is cut (the engine's abort: _wait); its episodes park
         self.stopping = True
-        if self.running:
-            if self.rounds:
-                self.rounds.aborted = True  # the rounds still to come answer ABORTED
-            getattr(self.engine, "abort", lambda: None)()
+        if self.running and self.rounds:
+            self.rounds.aborted = True  # the rounds still to come answer ABORTED
 
 
 def run_episodes(engine, processor, records, args, reward_fn=False):
