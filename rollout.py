@@ -358,8 +358,7 @@ class Rollout(_Episodes):
         fresh = [g for g in parked if self.max_stale is None or version - min(
             (v for ep in g[2] for v in ep.sample.versions if v >= 0), default=version) <= self.max_stale]
         self.stale += len(parked) - len(fresh)
-        self.version, self.records, self.next, self.dropped = version, records, 0, 0
-        self.stopping = False  # enough kept, or paused: what generates is cut
+        self.version, self.records, self.next, self.dropped, self.stopping = version, records, 0, 0, False
         self.t0 = self.ended = time.perf_counter()  # ended: when the last episode stopped
         self.since = self.since or self.t0  # the last take
         self.rounds = None if getattr(self.engine, "concurrent", False) else _Rounds(self.engine)

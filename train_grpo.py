@@ -71,13 +71,10 @@ def build_parser():
     a("--async-rollout", action="store_true",
       help="the rollout of step k+1 runs while step k trains (one step off-policy: the PPO ratio's old logprobs "
            "are the engine's); the engine takes new weights once it is done. Not with --colocate")
-    a("--fully-async", action="store_true",
-      help="the rollout never waits for the trainer (miles'): a step takes the first --rollout-batch-size complete "
-           "groups of up to --over-sampling-batch-size generating; a weight update cuts what generates, which goes on "
-           "with the new weights (each token keeps its version). Not with --colocate")
-    a("--max-weight-staleness", type=F.COUNT, default=None,
-      help="with --fully-async or --partial-rollout: a group whose oldest token is more than K policy versions "
-           "older than the step that would train it is dropped (metric stale_dropped_groups)")
+    a("--fully-async", action="store_true", help="the rollout never waits for training (miles'): a step takes the "
+      "first B complete groups; an update cuts what generates, which goes on with the new weights. Not with --colocate")
+    a("--max-weight-staleness", type=F.COUNT, default=None, help="with --fully-async or --partial-rollout: drop a "
+      "group whose oldest token is more than K versions older than the step (metric rollout_stale_dropped)")
     a("--colocate", action="store_true",
       help="SGLang shares the training GPUs: started with its memory saver, released while training")
     a("--offload-train", action=argparse.BooleanOptionalAction, default=None,
@@ -244,17 +241,12 @@ class Batch:
 
 class Source:
     """The rollout source of a step (grpo_step's next and settle), on every rank. Rank 0 holds the rollout
-    (rollout.Rollout) over the step's prompts (trainer.draw: a function of seed and step; with --partial-rollout or
-    --fully-async the next ones of the data stream, from the records it started), takes B complete groups, their
-    advantages, and hands each DP rank its share. The variants differ in where the rollout pauses:
-    - synchronous (the default), --partial-rollout: next() resumes it with the weights the step trains, takes B
-      complete groups and pauses it (--partial-rollout: what still generated waits for the next step);
-    - --async-rollout: next() then resumes it at once on the next step's prompts with the weights before this
-      step's update (one step off-policy), and settle() pauses it once they are complete;
-    - --fully-async: it runs on through next(), and settle() pauses it for the weight update only (a turn cut
-      there goes on with the new weights: every token keeps the version that wrote it).
-    settle() ends with a barrier: no server takes new weights before the rollout has paused. A checkpoint holds
-    what it keeps (state: the data position, the groups not trained yet), written while it is paused."""
+    (rollout.Rollout) over the step's prompts (trainer.draw, a function of seed and step; with --partial-rollout or
+    --fully-async the data stream's next), takes B complete groups, their advantages, and hands each DP rank its
+    share. The sources differ in where the rollout pauses (docs/rollout.md): synchronous and --partial-rollout in
+    next(), after the take; --async-rollout resumes it there on the next step's prompts and settle() pauses it once
+    they are complete; --fully-async pauses only in settle(), for the update. settle() ends with a barrier: no server
+    takes new weights before the rollout has paused. A checkpoint holds what it keeps (state), written paused."""
 
     def __init__(self, engine, processor, records, args, updates, par, state=None):
         self.processor, self.records, self.args, self.updates, self.par = processor, records, args, updates, par
