@@ -416,7 +416,8 @@ class Rollout(_Episodes):
                 if ready() or self.errors:
                     break
                 self.cond.wait(0.05)
-            if self.stopping and time.perf_counter() - told >= 2.0:
+                cut = self.stopping and self.running  # read under the lock: the stop may have ended the run
+            if cut and time.perf_counter() - told >= 2.0:
                 getattr(self.engine, "abort", lambda: None)()
                 told = time.perf_counter()
         if self.errors:
