@@ -13,7 +13,7 @@ whole context again (a weight update flushed SGLang's cache). Lengths: each turn
 sigma --sigma), an episode's response capped at --max-tokens; multi-turn: a turn but the last calls a tool
 with probability --tool-p, the env then takes --env-ms and adds --obs-tokens.
 Each step trains --prompts groups of --samples. Without partial rollout it starts them and waits for all.
-With it (rollout.Partial's policy, which tests/test_rollout.py holds rollout.py to) it keeps --over x
+With it (rollout.Rollout's policy with a target, which tests/test_rollout.py holds rollout.py to) it keeps --over x
 --prompts groups generating, buffered ones first, stops once --prompts groups are complete (the first in
 their order: buffered ones first), and keeps what the others wrote for the next step.
 Prints each step's rollout seconds, samples trained, and share of trained tokens written in an earlier step;

@@ -160,7 +160,7 @@ class TestRealServer:
 
     def test_an_abort_ends_a_request_at_every_stage(self, real, processor, records):
         """--partial-rollout's abort as the rollout sends it (engine.abort() at the stop, again every 2 s while
-        requests are out: rollout._Pipeline.run) ends each request promptly, whatever it is doing at the first:
+        requests are out: rollout.Rollout._wait) ends each request promptly, whatever it is doing at the first:
         decoding (sent 3 s before); registered by the tokenizer manager but not at the scheduler yet, the state
         of one being tokenized (tokenizer_manager.py:926 registers it, the scheduler gets it after tokenizing):
         held there by /pause_generation until just after that abort; not arrived yet (sent after it), then
