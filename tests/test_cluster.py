@@ -148,7 +148,8 @@ def test_fully_async_cuts_on_every_server_and_each_takes_every_steps_weights(tin
     save, rec, args = fake_servers_run(tiny_ckpt("qwen3_vl"), tmp_path, "--sglang-fake-token-delay", "3",
                                        "--rollout-batch-size", "2", "--fully-async", "--over-sampling-batch-size", "4",
                                        "--max-weight-staleness", "2")
-    runs = launch.torchrun_nodes(2, 1, [ROOT / "train_grpo.py", *args], timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    runs = launch.torchrun_nodes(2, 1, [ROOT / "train_grpo.py", *args], timeout=600,
+                                 env=dict(os.environ, OMP_NUM_THREADS="1"))
     outs = [r.stdout + r.stderr for r in runs]
     assert [r.returncode for r in runs] == [0, 0], "".join(o[-3000:] for o in outs)
     steps = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
