@@ -164,9 +164,9 @@ def add_rollout_args(p):
     g("--partial-rollout", action="store_true", help="once --rollout-batch-size groups are complete, abort the "
       "rest and continue them first in the next rollout (slime's; README, \"The algorithm\")")
     g("--over-sampling-batch-size", type=POSITIVE, default=None,
-      help="with --partial-rollout: prompts' groups generating at once (default --rollout-batch-size)")
+      help="with --partial-rollout or --fully-async: groups generating at once (default --rollout-batch-size)")
     g("--mask-offpolicy-in-partial-rollout", action="store_true",
-      help="with --partial-rollout: a continued sample's tokens from before its abort get no loss")
+      help="with --partial-rollout or --fully-async: a sample's tokens from before its last abort get no loss")
     g("--rm-type", default="math", choices=list(reward.REWARDS), help="the reward (reward.REWARDS)")
     g("--sglang-server-timeout", type=at_least(1.0), default=900.0,
       help="seconds to wait for the SGLang server's /health")

@@ -14,6 +14,7 @@ import env_geo3k
 import chat
 import rollout
 import sft
+import train_grpo
 from conftest import rollout_args
 from fakes import ScriptedEngine
 from test_data import _sides_from_image
@@ -70,12 +71,12 @@ def test_rollout_metrics_count_calls_by_tool_score_crops_against_the_box_and_spl
     samples = rollout.run_episodes(Planned(processor, plans), processor, recs, args, reward_fn=None)
     assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 0.0]
     assert "unknown tool 'calc_score'; tools are crop" in samples[3].metadata["steps"][0]["observation"]
-    m = rollout.rollout_metrics(samples)
+    m = train_grpo.rollout_metrics(samples)
     assert m["tool_calls_crop"] == 0.5 and m["tool_calls_calc_score"] == 0.0 and m["tool_calls"] == 0.5
     assert m["crop_iou"] == pytest.approx((1 + 1 / 3) / 2) and m["crop_hit_frac"] == 0.25
     assert m["accuracy_with_crop"] == 0.5 and m["accuracy_without_crop"] == 0.5
     single = rollout.run_episodes(Planned(processor, plans), processor, recs[2:3], rollout_args(n_samples_per_prompt=1))
-    assert not {k for k in rollout.rollout_metrics(single) if k.startswith(("tool_calls_", "crop_", "accuracy_"))}
+    assert not {k for k in train_grpo.rollout_metrics(single) if k.startswith(("tool_calls_", "crop_", "accuracy_"))}
 
 
 def test_sft_encodes_an_episode_as_the_rollout_of_it_does(processor, rows, tmp_path):
