@@ -65,6 +65,15 @@ DEFECTS = {
     "parked_not_saved": ("checkpoint: the rollout's parked groups are not saved (in-flight work lost on resume)",
                          "train_grpo.py", "return (self.rollout.drawn, self.rollout.groups) if keep else None",
                          "return (self.rollout.drawn, {}) if keep else None", ["tests/test_grpo.py"]),
+    "stale_off_by_one": ("buffer: a parked group exactly K versions old dropped (--max-weight-staleness off by one)",
+                         "rollout.py", "default=version) <= self.max_stale]", "default=version) < self.max_stale]",
+                         ["tests/test_rollout.py"]),
+    "crop_hit_worst": ("crop metrics: an episode's hit judged by its worst crop, not its best", "env_geo3k.py",
+                       'sum(max(x, default=0) >= 0.5 for x in ious)', 'sum(min(x, default=0) >= 0.5 for x in ious)',
+                       ["tests/test_crop_task.py", "tests/test_env.py"]),
+    "expert_local_id": ("per-expert names: the EP rank's offset dropped (every rank's experts named 0..L-1)",
+                        "convert.py", "return model.names.ep_rank * model.names.local_experts + int(m[1] or m[4])",
+                        "return int(m[1] or m[4])", ["tests/test_qwen3_5.py", "tests/test_layouts.py"]),
 }
 
 
