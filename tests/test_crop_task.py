@@ -64,7 +64,8 @@ def test_rollout_metrics_count_calls_by_tool_score_crops_against_the_box_and_spl
     (a, b, _, _), right = [r["box"] for r in recs], [f"\\boxed{{{r['answer']}}}" for r in recs]
     plans = dict(zip([id(r["images"][0]) for r in recs], [
         [call("crop", {"bbox": a}), right[0]],                                 # the right box, the right answer
-        [call("crop", {"bbox": [b[0] + 32, b[1], b[2] + 32, b[3]]}), "\\boxed{9}"],  # IoU 1/3, wrong
+        [call("crop", {"bbox": [b[0] + 32, b[1], b[2] + 32, b[3]]}), call("crop", {"bbox": b}),  # IoU 1/3, then 1:
+         "\\boxed{9}"],                                                        # a hit (its best crop), wrong
         [right[2]],                                                             # no call, right
         [call("calc_score", {"answer": "4"}), "\\boxed{9}"]]))                  # a tool not offered, wrong
     args = rollout_args(max_turns=3, n_samples_per_prompt=1, rollout_max_response_len=400)
@@ -72,8 +73,8 @@ def test_rollout_metrics_count_calls_by_tool_score_crops_against_the_box_and_spl
     assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 0.0]
     assert "unknown tool 'calc_score'; tools are crop" in samples[3].metadata["steps"][0]["observation"]
     m = train_grpo.rollout_metrics(samples)
-    assert m["tool_calls_crop"] == 0.5 and m["tool_calls_calc_score"] == 0.0 and m["tool_calls"] == 0.5
-    assert m["crop_iou"] == pytest.approx((1 + 1 / 3) / 2) and m["crop_hit_frac"] == 0.25
+    assert m["tool_calls_crop"] == 0.75 and m["tool_calls_calc_score"] == 0.0 and m["tool_calls"] == 0.75
+    assert m["crop_iou"] == pytest.approx((1 + 1 / 3 + 1) / 3) and m["crop_hit_frac"] == 0.5
     assert m["accuracy_with_crop"] == 0.5 and m["accuracy_without_crop"] == 0.5
     single = rollout.run_episodes(Planned(processor, plans), processor, recs[2:3], rollout_args(n_samples_per_prompt=1))
     assert not {k for k in train_grpo.rollout_metrics(single) if k.startswith(("tool_calls_", "crop_", "accuracy_"))}
