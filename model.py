@@ -315,8 +315,11 @@ class MegatronVLM(torch.nn.Module):
         return routing.take_mismatch(self.replays)
 
     def expert_load(self):
-        """(decoder layers, experts) tokens this rank routed since the last call, padding included; None: dense."""
-        return self.routes.take()
+        """(decoder layers, experts) tokens routed here since the last call, padding included, or zeros; None: dense."""
+        cfg, load = self.language_model.config, self.routes.take()
+        if load is None and cfg.num_moe_experts:
+            return torch.zeros(cfg.num_layers, cfg.num_moe_experts, dtype=torch.float64, device=self.par.device)
+        return load
 
     def head_weight(self):  # (V_local, H): this rank's rows of the (padded) vocabulary; tied: the embedding
         lm = self.language_model

@@ -101,8 +101,8 @@ def parse_args(argv=None):
         args.offload_train = args.colocate and torch.cuda.is_available()
     if args.n_samples_per_prompt == 1 and args.num_rollout:
         p.error("--n-samples-per-prompt 1: a group of one has zero advantage, GRPO would learn nothing")
-    if args.sglang_args and args.rollout_engine == "local":
-        p.error(f"{' '.join(args.sglang_args)}: SGLang flags, but --rollout-engine local")
+    if sglang_engine.engine_kind(args) == "local" and args.sglang_args:  # engine_kind: is sglang installed?
+        p.error(f"{' '.join(args.sglang_args)}: SGLang flags, but the rollout engine is local")
     if args.async_rollout and (args.colocate or args.offload_train):
         p.error("--async-rollout: the next rollout runs while this step trains, so the engine needs GPUs of its "
                 "own (--rollout-num-gpus N; not --colocate) and the trainer stays on them (no --offload-train)")

@@ -362,6 +362,8 @@ def expert_load(model):
         return {}
     load = parallel.all_reduce(load, None)  # (layers, experts) on every rank: each stage adds its layers' rows
     load = load[load.sum(1) > 0]  # the MoE layers
+    if not len(load):  # no rank ran a forward
+        return {}
     share = load / load.sum(1, keepdim=True)
     return {"expert_load": [round(x, 4) for x in share.mean(0).tolist()],
             "expert_load_max": round(float(share.max(1).values.mean() * share.shape[1]), 3)}

@@ -240,7 +240,8 @@ def test_routing_replay_with_several_servers_is_refused_before_any_starts(monkey
     import cluster
     import train_grpo as G
     args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--rollout-engine", "sglang",
-                         "--rollout-num-gpus-per-engine", "1", "--use-rollout-routing-replay"])
+                         "--rollout-num-gpus-per-engine", "1", "--use-rollout-routing-replay",
+                         "--sglang-launch-cmd", "x"])  # sglang need not be installed here
     monkeypatch.setattr(cluster.sglang_engine, "make_engine", lambda *a, **k: pytest.fail("a server started"))
     with pytest.raises(SystemExit, match="--use-rollout-routing-replay with several SGLang servers"):
         cluster.Servers(args, types.SimpleNamespace(rank=0, world=2, local_rank=0, local_world=2, node=0),

@@ -240,8 +240,9 @@ def test_policy_loss_aggregation_tis_and_estimators_by_hand(agg, tis, est, budge
 def test_placement_of_the_sglang_server():
     """--colocate: the training GPUs, memory saver, default memory share; --rollout-num-gpus: GPUs
     after the training ones, never a training GPU; neither on GPUs: an error naming both flags."""
-    def args(*flags, extra=()):
-        a = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", *flags, *extra])
+    def args(*flags, extra=()):  # the SGLang engine (not auto: a CPU machine's is local) started by some command
+        a = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--rollout-engine", "sglang",
+                          "--sglang-launch-cmd", "x", *flags, *extra])
         return a
     flags, env = sglang_placement(args("--colocate"), True, 8, 4)
     assert env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
