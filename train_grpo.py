@@ -415,10 +415,8 @@ def main(argv=None):
     if args.use_rollout_routing_replay and not getattr(model.hf_config.text_config, "num_experts", None):
         raise SystemExit(f"--use-rollout-routing-replay: {args.hf_checkpoint} is not a MoE model "
                          "(its text_config has no num_experts): there is no routing to replay")
-    ref = None
-    if args.kl_loss_coef:
-        ref = M.load_model(args.hf_checkpoint, dataclasses.replace(opts, freeze_vit=True), par).eval()
-        ref.requires_grad_(False)
+    ref = (M.load_model(args.hf_checkpoint, dataclasses.replace(opts, freeze_vit=True), par).eval().requires_grad_(False)
+           if args.kl_loss_coef else None)
     updates = math.ceil(args.rollout_batch_size * args.n_samples_per_prompt / args.global_batch_size)
     opt, sched = optim.build_optimizer(model, args, args.num_rollout * updates)
     start = run.load_state(ckpt, opt, sched)["step"] if ckpt else 0
@@ -429,7 +427,7 @@ def main(argv=None):
         fit = dict(measure=lambda r: len(chat.prompt(processor, r, args.max_turns > 1)[2]),
                    limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len} with room for a response"))
         records, eval_records = T.load_data(args, **fit), T.load_data(args, evaluation=True, **fit)
-    servers = cluster.Servers(args, par, model, opt, ref, str(ckpt or args.hf_checkpoint), str(run.save))
+    servers = cluster.Servers(args, par, model, opt, ref, str(ckpt or args.hf_checkpoint), str(run.save), processor)
     sampler = Sampler(servers.engine, processor, records, args, updates, par.dp) if par.rank == 0 else None
     if sampler is not None and ckpt:
         sampler.load(run.load_rollout(ckpt))
