@@ -170,7 +170,7 @@ class SGLangEngine(Engine):
         self.server.stop()
 
     def generate(self, batch, sampling):
-        if len(batch) == 1:  # an episode's own thread (rollout._Pipeline): no hop through the pool
+        if len(batch) == 1:  # an episode's own thread (rollout._Episodes): no hop through the pool
             return [self._generate_one(batch[0], sampling)]
         return list(self.front.pool.map(lambda item: self._generate_one(item, sampling), batch))
 
