@@ -434,12 +434,13 @@ def engine_kind(args):
     return "sglang" if found and torch.cuda.is_available() else "local"
 
 
-def make_engine(args, hf_dir, run_dir, index=0, local_world=1, **where):
-    """The engine --rollout-engine names. index: which of the node's servers (servers_per_node); local_world:
-    the node's trainer ranks (Parallel.local_world); where: its host, api_key and name (cluster.py)."""
+def make_engine(args, hf_dir, run_dir, index=0, local_world=1, processor=None, **where):
+    """The engine --rollout-engine names (the local one with the trainer's processor). index: which of the node's
+    servers (servers_per_node); local_world: its trainer ranks (Parallel.local_world); where: host, api_key, name."""
     cuda = torch.cuda.is_available()
-    if engine_kind(args) == "local":  # SGLang's flags with it: refused at parse time (train_grpo.parse_args)
-        return LocalEngine(hf_dir, "cuda" if cuda else "cpu", routed_experts=args.use_rollout_routing_replay)
+    if engine_kind(args) == "local":  # SGLang flags with it: refused by parse_args
+        return LocalEngine(hf_dir, "cuda" if cuda else "cpu", processor=processor,
+                           routed_experts=args.use_rollout_routing_replay)
     flags, env = sglang_placement(args, cuda, torch.cuda.device_count() if cuda else 0, local_world,
                                   os.environ.get("CUDA_VISIBLE_DEVICES"), index)
     if cuda and torch.cuda.get_device_capability()[0] >= 10 and "--mm-attention-backend" not in flags:

@@ -430,10 +430,8 @@ def main(argv=None):
     if args.use_rollout_routing_replay and not getattr(model.hf_config.text_config, "num_experts", None):
         raise SystemExit(f"--use-rollout-routing-replay: {args.hf_checkpoint} is not a MoE model "
                          "(its text_config has no num_experts): there is no routing to replay")
-    ref = None
-    if args.kl_loss_coef:
-        ref = M.load_model(args.hf_checkpoint, dataclasses.replace(opts, freeze_vit=True), par).eval()
-        ref.requires_grad_(False)
+    ref = (M.load_model(args.hf_checkpoint, dataclasses.replace(opts, freeze_vit=True), par).eval().requires_grad_(False)
+           if args.kl_loss_coef else None)
     updates = math.ceil(args.rollout_batch_size * args.n_samples_per_prompt / args.global_batch_size)
     opt, sched = optim.build_optimizer(model, args, args.num_rollout * updates)
     start = run.load_state(ckpt, opt, sched)["step"] if ckpt else 0
@@ -445,7 +443,7 @@ def main(argv=None):
                    limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len} with room for a response"))
         records = T.load_data(args, **fit) if args.num_rollout else []  # --num-rollout 0: evaluate only
         eval_records = T.load_data(args, evaluation=True, **fit)
-    servers = cluster.Servers(args, par, model, opt, ref, str(ckpt or args.hf_checkpoint), str(run.save))
+    servers = cluster.Servers(args, par, model, opt, ref, str(ckpt or args.hf_checkpoint), str(run.save), processor)
     source = Source(servers.engine, processor, records, args, updates, par,
                     run.load_rollout(ckpt) if ckpt and par.rank == 0 else None)
     evals, quiet = servers.agree(bool(eval_records)), 0  # quiet: steps in a row with nothing to learn (rank 0)

@@ -152,8 +152,8 @@ def image_token_counts(state, uris):
     """Pads each image expands to: its grid from the checkpoint's own image processor / merge^2."""
     with state["lock"]:
         if state["image_processor"] is None:  # loaded on first use: a fast start for the tests
-            from transformers import AutoProcessor
-            state["image_processor"] = AutoProcessor.from_pretrained(state["model_path"]).image_processor
+            from transformers import AutoImageProcessor  # alone: the tokenizer would take seconds more
+            state["image_processor"] = AutoImageProcessor.from_pretrained(state["model_path"])
     ip = state["image_processor"]
     grid = ip(images=[decode_image(u) for u in uris], return_tensors="pt")["image_grid_thw"]
     return [int(g.prod()) // ip.merge_size ** 2 for g in grid]

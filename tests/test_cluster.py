@@ -112,12 +112,13 @@ def test_every_server_serves_and_takes_every_steps_weights(tiny_ckpt, tmp_path, 
     save, rec, args = fake_servers_run(tiny_ckpt("qwen3_vl"), tmp_path, "--rollout-batch-size", "4", "--entropy-coef",
                                        "0.01")
     names = ["node00", "node01"] if nodes == 2 else ["node00_0", "node00_1"]
-    if nodes == 1:
-        args += ["--rollout-num-gpus-per-engine", "1"]
-    runs = launch.torchrun_nodes(nodes, 3 - nodes, [ROOT / "train_grpo.py", *args], timeout=600,
-                                 env=dict(os.environ, OMP_NUM_THREADS="1"))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if nodes == 2:  # torchrun itself: its multi-node rendezvous and agents
+        runs = launch.torchrun_nodes(2, 1, [ROOT / "train_grpo.py", *args], timeout=600, env=env)
+    else:  # one node: two ranks as `torchrun --standalone` starts them, from the tests' forkserver
+        runs = [launch.python(ROOT / "train_grpo.py", *args, "--rollout-num-gpus-per-engine", "1", nproc=2, env=env)]
     outs = [r.stdout + r.stderr for r in runs]
-    assert [r.returncode for r in runs] == [0] * nodes, "".join(o[-3000:] for o in outs)
+    assert [r.returncode for r in runs] == [0] * len(runs), "".join(o[-3000:] for o in outs)
     assert "2 SGLang servers behind SGLang's router" in outs[0]
     steps = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2] and all(m["failed_frac"] == 0 for m in steps), steps
@@ -177,19 +178,20 @@ try:
 except SystemExit as e:
     print(f"rank {par.rank}: {e}", flush=True)
 # gloo's threads left to interpreter exit sometimes abort it (SIGABRT, "terminate called without an
-# active exception"); that node's torchrun then fails while the other waits 300 s in its exit barrier
+# active exception"), and that rank fails
 dist.destroy_process_group()
 """
 
 
 def test_a_node_whose_update_fails_stops_the_step_on_every_rank(tmp_path):
+    """Two ranks, each its own node to cluster.on_leaders (the script says so: the nodes need no torchrun here)."""
     script = tmp_path / "failing.py"
     script.write_text(FAILING)
-    runs = launch.torchrun_nodes(2, 1, [script, ROOT], timeout=120)
-    assert [run.returncode for run in runs] == [0, 0], [run.stdout + run.stderr[-3000:] for run in runs]
-    for r, out in enumerate(run.stdout + run.stderr for run in runs):
-        assert (f"rank {r}: [cluster] the weight update on node 1 (http://10.0.0.1:30000): RuntimeError: "
-                "SGLang /update_weights_from_disk failed (HTTP 400): out of disk") in out, out[-2000:]
+    r = launch.python(script, ROOT, nproc=2, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    for rank in (0, 1):
+        assert (f"rank {rank}: [cluster] the weight update on node 1 (http://10.0.0.1:30000): RuntimeError: "
+                "SGLang /update_weights_from_disk failed (HTTP 400): out of disk") in r.stdout, r.stdout[-2000:]
 
 
 def test_a_server_killed_mid_rollout_is_restarted_and_no_sample_is_lost(ckpt, processor, records, tmp_path):
@@ -276,3 +278,16 @@ def test_routing_replay_with_several_servers_is_refused_before_any_starts(monkey
     with pytest.raises(SystemExit, match="--use-rollout-routing-replay with several SGLang servers"):
         cluster.Servers(args, types.SimpleNamespace(rank=0, world=2, local_rank=0, local_world=2, node=0),
                         None, None, None, "x", "x")
+
+
+def test_the_local_engine_takes_the_trainers_processor(ckpt, processor, tmp_path):
+    """One processor a GRPO run: the local engine uses the trainer's (another load costs ~2 s of CPU a run)."""
+    import types
+    import cluster
+    args = rollout_args(rollout_engine="local")
+    servers = cluster.Servers(args, types.SimpleNamespace(rank=0, world=1, local_rank=0, local_world=1, node=0),
+                              None, None, None, ckpt, tmp_path, processor)
+    try:
+        assert servers.engine.processor is processor
+    finally:
+        servers.shutdown()

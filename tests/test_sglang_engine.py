@@ -270,21 +270,28 @@ time.sleep(120)
 
 
 def test_sglang_server_dies_with_its_parent(ckpt, tmp_path):
-    """Normal exit, an exception, Ctrl-C and SIGTERM in the trainer all end the server's group."""
-    import subprocess
+    """Normal exit, an exception, Ctrl-C and SIGTERM in the trainer all end the server's group. The trainers
+    are forked from the tests' forkserver (tests/launch.py): they start without importing torch again."""
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(root=str(Path(rollout.__file__).parent), ckpt=str(ckpt), fake=FAKE))
     modes = {"exit": None, "error": None, "sigint": signal.SIGINT, "sigterm": signal.SIGTERM,
              "sigkill": signal.SIGKILL}  # SIGKILL (OOM): no handler runs; PR_SET_PDEATHSIG does it
-    procs = {m: subprocess.Popen([sys.executable, str(script), m, str(tmp_path / m)], stdout=subprocess.PIPE,
-                                 text=True) for m in modes}
-    for mode, proc in procs.items():
-        pgid = int(proc.stdout.readline())
-        if modes[mode] is not None:
-            assert group_members(pgid, wait=0)  # the server is up until we signal its parent
-            proc.send_signal(modes[mode])
-        proc.wait(timeout=60)
-        assert group_members(pgid) == [], (mode, group_members(pgid))
+    jobs = {m: launch.start(script, m, tmp_path / m) for m in modes}
+    try:
+        for mode, job in jobs.items():
+            deadline = time.time() + 60
+            while not job.printed().endswith("\n"):  # the server's group, once it is up
+                assert job.poll() is None and time.time() < deadline, (mode, job.wait(5).stderr[-2000:])
+                time.sleep(0.1)
+            pgid = int(job.printed())
+            if modes[mode] is not None:
+                assert group_members(pgid, wait=0)  # the server is up until we signal its parent
+                os.kill(job.pid, modes[mode])
+            job.wait(60)
+            assert group_members(pgid) == [], (mode, group_members(pgid))
+    finally:
+        for job in jobs.values():
+            job.kill()
 
 
 def test_proc_launcher_dies_with_its_parent(tmp_path):
