@@ -28,23 +28,23 @@ def render(processor, messages, tools=None, add_generation_prompt=False):
 
 
 def template_tools(processor, record):
-    """The record's offered tools (its `tools`, default all) as the template's `tools=` list, or None where
-    the template renders none (Qwen2.5-VL ignores it)."""
+    """The specs of the tools the record offers (env_geo3k.offered) as the template's `tools=` list, or None
+    where the template renders none (Qwen2.5-VL ignores it)."""
     probe = [{"role": "user", "content": "?"}]
-    renders = render(processor, probe, env_geo3k.TOOL_SPECS) != render(processor, probe)
-    return env_geo3k.specs(record.get("tools")) if renders else None
+    if render(processor, probe, env_geo3k.specs(list(env_geo3k.TOOLS))) == render(processor, probe):
+        return None
+    return env_geo3k.specs(env_geo3k.offered(record.get("tools")))
 
 
 def chat_prompt(processor, record, multi_turn=False):
-    """-> (messages, tools) of a record's prompt. Multi-turn: the tools go in the model's own
-    trained format where its template renders a `tools=` list (Qwen3-VL, Qwen3.5, tools/tiny.py's),
-    else as env_geo3k's hand-written list in the system prompt."""
+    """-> (messages, tools) of a record's prompt. Multi-turn: the tools the record offers go in the model's
+    own trained format where its template renders a `tools=` list (Qwen3-VL, Qwen3.5, tools/tiny.py's),
+    else as env_geo3k's usage lines in the system prompt."""
     if not multi_turn:
         return data.prompt_messages(record), None
     tools = template_tools(processor, record)
-    if tools is not None:
-        return data.prompt_messages(record, multi_turn=True), tools
-    return data.prompt_messages(record, multi_turn=True, tool_list=env_geo3k.usage(names=record.get("tools"))), None
+    listed = None if tools is not None else env_geo3k.usage(env_geo3k.offered(record.get("tools")))
+    return data.prompt_messages(record, multi_turn=True, tool_list=listed), tools
 
 
 def encode_prompt(processor, messages, images, tools=None):

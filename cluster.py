@@ -49,7 +49,7 @@ class Servers:
     server's holder updates it; None elsewhere), --offload-train's Offload, and each step's moves around
     training (grpo_step): to_rollout, step_aside, step_back, sync."""
 
-    def __init__(self, args, par, model, opt, ref, hf_dir, run_dir):
+    def __init__(self, args, par, model, opt, ref, hf_dir, run_dir, processor=None):
         self.par, self.colocate, self.off = par, args.colocate, None
         if args.offload_train:  # parked before the server starts: its --mem-fraction-static counts what is free
             self.off = offload.Offload(model, opt, ref)
@@ -58,11 +58,11 @@ class Servers:
                 print(f"[offload] --offload-train: {self.off.host_bytes() / 2**30:.2f} GiB of host memory per rank "
                       "for the trainer's parameters, more once the optimizer states exist (offload_host_gib)", flush=True)
         self.per_node, self.group = 1, None  # servers a node; the process group of the ranks one server holds
-        self.engine = self.start(args, hf_dir, run_dir)
+        self.engine = self.start(args, hf_dir, run_dir, processor)
         # every rank takes part in a sync that serialises on several ranks (sync_plan): rank 0's engine says
         self.plan = self.agree(self.engine.sync_plan() if self.engine is not None else None)
 
-    def start(self, args, hf_dir, run_dir):
+    def start(self, args, hf_dir, run_dir, processor=None):
         """-> this rank's engine, started on every rank together: rank 0's generates (through the router
         when there are several servers); each other server's holder (a node's local rank 0, or the first
         rank of its j-th slice with --rollout-num-gpus-per-engine) keeps it to update, release and resume."""
@@ -72,7 +72,8 @@ class Servers:
             self.per_node = sglang_engine.servers_per_node(args, torch.cuda.is_available(), par.local_world)
         many = par.world // par.local_world > 1
         if local or (not many and self.per_node == 1):
-            return sglang_engine.make_engine(args, hf_dir, run_dir, local_world=par.local_world) if par.rank == 0 else None
+            return sglang_engine.make_engine(args, hf_dir, run_dir, local_world=par.local_world,
+                                             processor=processor) if par.rank == 0 else None
         if args.use_rollout_routing_replay:  # every rank alike, before any server starts
             raise SystemExit("--use-rollout-routing-replay with several SGLang servers: SGLang's router (sglang-router "
                              "0.3.2) drops return_routed_experts from the requests it forwards; train R3 with one server")

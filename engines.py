@@ -50,6 +50,12 @@ class Engine:
         return 1, None
 
 
+def finish_reason(ids, stops, limit, reported):
+    """Why a generation of `ids` ended: its last id a stop token ("stop"), at the token limit ("length"), else
+    what the engine `reported`; an aborted one may have written its turn's last token (SGLangEngine)."""
+    return "stop" if ids and ids[-1] in stops else "length" if len(ids) >= limit else reported
+
+
 class LocalEngine(Engine):
     """A transformers model in process (fp32 by default): `generate` with KV cache on left-padded
     batches; HF computes the MRoPE positions."""
@@ -123,7 +129,7 @@ class LocalEngine(Engine):
             row = new[i, :limits[i]].tolist()
             end = next((k for k, t in enumerate(row) if t in stop), None)
             n = len(row) if end is None else end + 1
-            finish = "stop" if end is not None else "length" if n == limits[i] or not cut.fired else "abort"
+            finish = finish_reason(row[:n], stop, limits[i], "abort" if cut.fired else "length")
             outs.append({"ids": row[:n], "logprobs": lp[i, :n].tolist(), "finish": finish, "prompt_tokens": lens[i]})
             if routes is not None:  # row i's positions sit at L - lens[i] .. in the left-padded batch
                 first = L - lens[i] + batch[i].get("routed_experts_start", 0)

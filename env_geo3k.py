@@ -6,16 +6,16 @@
     message = env.format_observation(obs)   # {"role": "tool", "content": [image..., text]}
 
 A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in strict JSON, as Qwen2.5-VL
-and Qwen3-VL write it, or Qwen3.5's XML form (parse_xml). A tool is a function (README, "Adding a
-tool") with a TOOLS entry and a TOOL_SPECS entry (the JSON-schema spec templates render as
-`tools=`). Nothing the model writes is evaluated or executed: arguments are checked as data.
+and Qwen3-VL write it, or Qwen3.5's XML form (parse_xml). A tool is a function and its Tool
+declaration in TOOLS; offered() says which tools a row gets (its `tools`, else the default ones).
+Nothing the model writes is evaluated or executed: arguments are checked as data.
 Options read from args: max_turns (required), oracle (default True; False makes calc_score only
 record the answer, as evaluation must: an oracle tool inflates multi-turn accuracy), rm_type
-("math"), min_pixels (crop area floor, default 56*56), max_payload (4096 chars). Read from the
-sample: `tools`, the names it offers (default all: a task without the oracle leaves calc_score out),
-and `box`, a region the task names, which each crop of image 0 is scored against in its step info
-(`iou`, for metrics; the model never sees it).
+("math"), min_pixels (crop area floor, default 56*56), max_payload (4096 chars). The row's other
+columns are the tools' and the reward's to read (crop: `box`, the region a task names, which each
+crop of image 0 is scored against in its step info `iou`, for metrics; the model never sees it).
 """
+import dataclasses
 import json
 import math
 import re
@@ -32,11 +32,12 @@ class ToolError(Exception):
     """Bad tool arguments; the message is shown to the model."""
 
 
-def _check_args(arguments, required, optional=()):
-    missing = [k for k in required if k not in arguments]
+def _check_args(arguments, tool):
+    """The arguments a tool's declaration names: its example's (required), and no others than its parameters."""
+    missing = [k for k in tool.example if k not in arguments]
     if missing:
         raise ToolError(f"missing argument {missing[0][:80]!r}")
-    extra = [k for k in arguments if k not in required and k not in optional]
+    extra = [k for k in arguments if k not in tool.parameters]
     if extra:
         raise ToolError(f"unexpected argument {extra[0][:80]!r}")
 
@@ -46,8 +47,7 @@ def _is_number(x):
 
 
 def calc_score(env, arguments):
-    """calc_score {"answer": "<your answer>"}: check an answer (scored or just recorded)."""
-    _check_args(arguments, ["answer"])
+    """Check an answer against the row's (the --rm-type reward), or only record it (oracle off)."""
     answer = arguments["answer"]
     if _is_number(answer):
         answer = str(answer)
@@ -55,19 +55,18 @@ def calc_score(env, arguments):
         raise ToolError('"answer" must be a non-empty string such as "5\\\\sqrt{3}" or a number')
     answer = re.sub(r"[\b\f\n\r\t](?=[A-Za-z])", lambda m: _LATEX_ESCAPES[m.group()], answer).strip()
     env.answers.append(answer)
-    if not env.oracle or env.label is None:
+    if not env.oracle or env.record.get("answer") is None:
         text, score = f"Answer recorded: {answer}.", None
     else:
-        score = float(env.reward_fn(f"\\boxed{{{answer}}}", env.label))
+        score = reward.score(env.rm_type, f"\\boxed{{{answer}}}", env.record)
         env.last_score = score
         text = (f"Correct: {answer} is the right answer." if score > 0
                 else f"Incorrect: {answer} is not the right answer.")
-    return text, [], score
+    return text, [], {"score": score}
 
 
 def crop(env, arguments):
-    """crop {"bbox": [x1, y1, x2, y2], "image": 0}: zoom into a pixel region of image i (default 0)."""
-    _check_args(arguments, ["bbox"], ["image"])
+    """The pixel region `bbox` of image `image` (default 0), enlarged, as a new image."""
     if not env.images:
         raise ToolError("this problem has no image to crop")
     i, n = arguments.get("image", 0), len(env.images)
@@ -90,28 +89,10 @@ def crop(env, arguments):
     region = image.convert("RGB").crop((x1, y1, x2, y2))
     if k > 1:
         region = region.resize((cw * k, ch * k), resample=0)  # 0 = Image.NEAREST
-    env.images.append(region)
     text = (f"Crop of image {i} at [{x1}, {y1}, {x2}, {y2}] ({cw}x{ch} px, shown at "
-            f"{cw * k}x{ch * k}); it is now image {len(env.images) - 1}.")
-    return text, [region], None
-
-
-TOOLS = {"calc_score": calc_score, "calc_geo3k_reward": calc_score, "crop": crop}
-
-
-def offered(names):
-    """The tool names a row offers (`tools`; None: every tool), checked."""
-    if names is None:
-        return list(TOOLS)
-    if isinstance(names, str) or not all(n in TOOLS for n in names):
-        raise ValueError(f"tools {names!r}: a list of tool names from {', '.join(TOOLS)}")
-    return list(names)
-
-
-def specs(names=None):
-    """TOOL_SPECS of the tools offered."""
-    names = offered(names)
-    return [s for s in TOOL_SPECS if s["function"]["name"] in names]
+            f"{cw * k}x{ch * k}); it is now image {len(env.images)}.")
+    box = env.record.get("box")  # the region a task names (the crop task's): a crop of image 0 is scored against it
+    return text, [region], {"iou": iou(bbox, box)} if box is not None and i == 0 else {}
 
 
 def iou(a, b):
@@ -121,20 +102,13 @@ def iou(a, b):
     return inter / ((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter)
 
 
-def tool_metrics(steps, rewards):
-    """A multi-turn rollout's tool use, from each episode's step infos and reward (None: failed): per
-    episode, tool_calls_<tool> (calls that ran); crop_iou, the mean IoU of crops of image 0 with the row's
-    box, and crop_hit_frac, the share of episodes with one at IoU >= 0.5; accuracy_with_crop and
-    accuracy_without_crop over the episodes that did or did not crop. {} for single-turn ones."""
-    if not any(steps):
-        return {}
-    ran, n = [[i for i in st if i.get("ran")] for st in steps], len(steps)
-    names = [t["function"]["name"] for t in TOOL_SPECS]
-    m = {f"tool_calls_{t}": sum(i["tool"] == t for st in ran for i in st) / n for t in names}
-    ious = [[i["iou"] for i in st if "iou" in i] for st in ran]
+def crop_metrics(ran, rewards):
+    """crop_iou (mean over crops of image 0), crop_hit_frac (episodes with one at IoU >= 0.5), and accuracy_with_crop
+    and accuracy_without_crop over the episodes that did or did not crop."""
+    m, ious = {}, [[i["iou"] for i in st if "iou" in i] for st in ran]
     if any(ious):
         m["crop_iou"] = sum(map(sum, ious)) / sum(map(len, ious))
-        m["crop_hit_frac"] = sum(max(x, default=0) >= 0.5 for x in ious) / n
+        m["crop_hit_frac"] = sum(max(x, default=0) >= 0.5 for x in ious) / len(ran)
     cropped = [any(i["tool"] == "crop" for i in st) for st in ran]
     for key, want in (("accuracy_with_crop", True), ("accuracy_without_crop", False)):
         part = [r for r, c in zip(rewards, cropped) if c == want and r is not None]
@@ -143,61 +117,89 @@ def tool_metrics(steps, rewards):
     return m
 
 
-def _spec(name, description, properties, required):
-    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
-        "type": "object", "properties": properties, "required": required}}}
+@dataclasses.dataclass(frozen=True)
+class Tool:
+    """A tool's declaration: what varies with the tool is read from here (docs/extending.md, "A tool")."""
+    run: object          # (env, arguments) -> (text, new images, {key: value} the step info gains); ToolError: bad ones
+    usage: str           # its line in the call-format help (system prompt, error feedback)
+    description: str     # with parameters: the JSON-schema spec a chat template renders (`tools=`)
+    parameters: dict     # JSON-schema properties; the env refuses arguments not named here
+    example: dict        # a call's required arguments (the spec's `required`), shown in the call-format help
+    default: bool = True  # offered to a row that names no `tools`
+    metrics: object = None  # (ran: each episode's step infos that ran, rewards) -> its rollout metrics
+
+    def spec(self, name):
+        return {"type": "function", "function": {"name": name, "description": self.description, "parameters": {
+            "type": "object", "properties": self.parameters, "required": list(self.example)}}}
 
 
-# What `apply_chat_template(..., tools=TOOL_SPECS)` shows the model, in its trained format
-# (Qwen3-VL, Qwen3.5). The alias calc_geo3k_reward still runs but is not advertised.
-TOOL_SPECS = [
-    _spec("calc_score", "Check a candidate answer to the problem and say whether it is right.",
-          {"answer": {"type": "string", "description": "the answer, such as 5\\sqrt{3} or 42"}},
-          ["answer"]),
-    _spec("crop", "Zoom into a pixel region of an image seen so far; the region comes back enlarged "
-          "so that small labels can be read, as a new image.",
-          {"bbox": {"type": "array", "items": {"type": "number"}, "minItems": 4, "maxItems": 4,
-                    "description": "[x1, y1, x2, y2] in pixels of that image"},
-           "image": {"type": "integer", "description": "0 is the problem's diagram (the default); "
-                     "crops are numbered after it in the order they were made"}},
-          ["bbox"]),
-]
-JSON_EXAMPLE = '<tool_call>\n{"name": "calc_score", "arguments": {"answer": "42"}}\n</tool_call>'
-XML_EXAMPLE = "<tool_call>\n<function=calc_score>\n<parameter=answer>\n42\n</parameter>\n</function>\n</tool_call>"
+TOOLS = {
+    "calc_score": Tool(
+        calc_score, 'calc_score {"answer": "<your answer>"}: check an answer (scored or just recorded).',
+        "Check a candidate answer to the problem and say whether it is right.",
+        {"answer": {"type": "string", "description": "the answer, such as 5\\sqrt{3} or 42"}}, {"answer": "42"}),
+    "crop": Tool(
+        crop, 'crop {"bbox": [x1, y1, x2, y2], "image": 0}: zoom into a pixel region of image i (default 0).',
+        "Zoom into a pixel region of an image seen so far; the region comes back enlarged so that small labels "
+        "can be read, as a new image.",
+        {"bbox": {"type": "array", "items": {"type": "number"}, "minItems": 4, "maxItems": 4,
+                  "description": "[x1, y1, x2, y2] in pixels of that image"},
+         "image": {"type": "integer", "description": "0 is the problem's diagram (the default); "
+                   "crops are numbered after it in the order they were made"}},
+        {"bbox": [0, 0, 100, 100]}, metrics=crop_metrics),
+}
+ALIASES = {"calc_geo3k_reward": "calc_score"}  # old names that still run, not advertised
 
 
-def usage(xml=False, names=None):
-    """The exact call format (Qwen3.5's XML form if the model used it) and each offered tool's usage
-    line (aliases listed once)."""
-    tools = [TOOLS[n] for n in offered(names)]
-    lines = ["- " + fn.__doc__.strip().splitlines()[0] for fn in dict.fromkeys(tools)]
-    example = XML_EXAMPLE if xml else JSON_EXAMPLE
-    return f"Call one tool exactly like this:\n{example}\nTools:\n" + "\n".join(lines)
+def offered(names=None):
+    """The names of the tools a row gets: its `tools` (None: TOOLS' default ones), checked; the one place that decides
+    (the env runs those, the prompt shows those: specs, usage; names alone travel in a checkpoint's episodes)."""
+    if names is None:
+        return [n for n, t in TOOLS.items() if t.default]
+    if isinstance(names, str) or not names or not all(n in TOOLS for n in names):
+        raise ValueError(f"tools {names!r}: a list of tool names from {', '.join(TOOLS)}")
+    return list(names)
 
 
-def _param_type(tool, key):
-    """The JSON-schema type TOOL_SPECS gives parameter `key` of `tool`, or None if unknown."""
-    for spec in TOOL_SPECS:
-        if spec["function"]["name"] == tool:
-            return spec["function"]["parameters"]["properties"].get(key, {}).get("type")
-    return None
+def specs(names):
+    """The JSON-schema specs of the tools `names`, as chat templates take them (`tools=`)."""
+    return [TOOLS[n].spec(n) for n in names]
+
+
+def usage(names, xml=False):
+    """The exact call format on the first tool's example (Qwen3.5's XML form if the model used it) and each tool's
+    usage line."""
+    name, example = names[0], TOOLS[names[0]].example
+    call = json.dumps({"name": name, "arguments": example})
+    if xml:  # as Qwen3.5's template writes it: strings raw, the rest as JSON
+        call = f"<function={name}>\n" + "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n"
+                                                "</parameter>\n" for k, v in example.items()) + "</function>"
+    lines = "\n".join("- " + TOOLS[n].usage for n in names)
+    return f"Call one tool exactly like this:\n<tool_call>\n{call}\n</tool_call>\nTools:\n{lines}"
+
+
+def tool_metrics(steps, rewards):
+    """A multi-turn rollout's tool use, from each episode's step infos and reward (None: failed): per
+    episode, tool_calls_<tool> (calls that ran), and each tool's own metrics. {} for single-turn ones."""
+    if not any(steps):
+        return {}
+    ran, n = [[i for i in st if i.get("ran")] for st in steps], len(steps)
+    m = {f"tool_calls_{t}": sum(i["tool"] == t for st in ran for i in st) / n for t in TOOLS}
+    for tool in TOOLS.values():
+        m.update(tool.metrics(ran, rewards) if tool.metrics else {})
+    return m
 
 
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]*)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
 
-def _field(sample, name):  # sample: a dict, an object or None
-    return sample.get(name) if isinstance(sample, dict) else getattr(sample, name, None)
-
-
 class Geo3kEnv:
-    def __init__(self, label, images, max_turns, oracle=True, rm_type="math", min_pixels=MIN_SIDE * MIN_SIDE,
-                 max_payload=4096, tools=None, box=None):  # the options the module docstring names
-        self.label = None if label is None else str(label)
-        self.tools, self.box = offered(tools), box
-        self.problem_images = list(images or [])
+    def __init__(self, record, max_turns, oracle=True, rm_type="math", min_pixels=MIN_SIDE * MIN_SIDE,
+                 max_payload=4096):  # record: the row (its answer, images, tools...); options: the module docstring's
+        self.record, self.tools = record, offered(record.get("tools"))
+        self.problem_images = list(record.get("images") or [])
         self.max_turns, self.oracle, self.min_pixels, self.max_payload = max_turns, oracle, min_pixels, max_payload
-        self.reward_fn = reward.get_reward_fn(rm_type or "math")
+        self.rm_type = rm_type or "math"
         self.reset()
 
     def reset(self):
@@ -218,10 +220,9 @@ class Geo3kEnv:
         if payload.startswith("<function="):
             return self.parse_xml(payload, info)
         try:
-            call = json.loads(payload, parse_constant=reward.reject_constant)
-        except (ValueError, RecursionError) as e:
-            reason = str(e) if isinstance(e, ValueError) else "nested too deeply"
-            raise ToolError(f"invalid JSON in tool call ({reason}); use double quotes, no trailing "
+            call = reward.strict_json(payload)
+        except ValueError as e:
+            raise ToolError(f"invalid JSON in tool call ({e}); use double quotes, no trailing "
                             "commas, and write \\\\ for a backslash") from None
         if not isinstance(call, dict):
             raise ToolError(f"tool call must be a JSON object, got {type(call).__name__}")
@@ -239,7 +240,7 @@ class Geo3kEnv:
 
     def parse_xml(self, payload, info):
         """Qwen3.5's form, `<function=NAME>` and `<parameter=K>\\nV\\n</parameter>` blocks, as its chat
-        template writes it: V is taken as text where TOOL_SPECS says the parameter is a string,
+        template writes it: V is taken as text where the tool's spec says the parameter is a string,
         else as JSON (the template writes lists with tojson); V that is not JSON stays text, and
         the tool's own checks say what is wrong with it."""
         m = re.fullmatch(r"<function=([^>\n]*)>(.*)</function>", payload, re.DOTALL)
@@ -253,16 +254,17 @@ class Geo3kEnv:
         if stray:
             raise ToolError(f"unexpected text {stray[:80]!r} in tool call; each argument goes "
                             "in <parameter=NAME>...</parameter>")
-        arguments = {}
+        tool, arguments = TOOLS.get(ALIASES.get(name, name)), {}
+        strings = {k for k, p in tool.parameters.items() if p.get("type") == "string"} if tool else set()
         for p in _XML_PARAMETER.finditer(body):
             key, raw = p.group(1).strip(), p.group(2)
             if key in arguments:
                 raise ToolError(f"parameter {key[:80]!r} given twice")
             arguments[key] = raw
-            if _param_type(name, key) != "string":
+            if key not in strings:
                 try:
-                    arguments[key] = json.loads(raw, parse_constant=reward.reject_constant)
-                except (ValueError, RecursionError):
+                    arguments[key] = reward.strict_json(raw)
+                except ValueError:
                     pass
         if not arguments:
             raise ToolError("tool call needs at least one <parameter=NAME> argument")
@@ -280,16 +282,17 @@ class Geo3kEnv:
         images = []
         try:
             name, arguments = self.parse(response_text, info)
-            if name not in self.tools:
+            if ALIASES.get(name, name) not in self.tools:
                 raise ToolError(f"unknown tool {name[:80]!r}; tools are {', '.join(self.tools)}")
-            text, images, info["score"] = TOOLS[name](self, arguments)
-            info["ran"] = True
-            if name == "crop" and self.box is not None and arguments.get("image", 0) == 0:
-                info["iou"] = iou(arguments["bbox"], self.box)
+            tool = TOOLS[ALIASES.get(name, name)]
+            _check_args(arguments, tool)
+            text, images, gained = tool.run(self, arguments)
+            self.images += images  # what a tool shows, later calls can refer to
+            info.update(gained, ran=True)
         except ToolError as e:
             info["error"] = str(e)
             xml = "<function=" in response_text[response_text.rfind("<tool_call>"):]
-            text = f"Error: {e}.\n{usage(xml, self.tools)}"
+            text = f"Error: {e}.\n{usage(self.tools, xml)}"
         if self.turn == self.max_turns - 1:  # every tool's feedback warns, not only calc_score's
             text += "\nThis is your last turn: give your final answer now as \\boxed{...}."
         return {"text": text, "images": images}, self.turn >= self.max_turns, info
@@ -304,16 +307,17 @@ class Geo3kEnv:
 
 
 def build_env(sample=None, args=None, **_):
-    """The published recipe's entry point. `sample`: a rollout.Sample or a dict with answer/images."""
+    """The published recipe's entry point. `sample`: a data row (dict), or a rollout.Sample-like object with
+    label / answer, images or multimodal_inputs, and tools / box."""
     max_turns = getattr(args, "max_turns", None)
     if not isinstance(max_turns, int) or max_turns < 1:
         raise ValueError(f"build_env needs args.max_turns (a positive int), got {max_turns!r}")
-    label = _field(sample, "answer")
-    label = label if label is not None else _field(sample, "label")
-    images = _field(sample, "images")
-    if images is None:
-        images = (_field(sample, "multimodal_inputs") or {}).get("images")
+    record = dict(sample if isinstance(sample, dict) else vars(sample) if sample is not None else {})
+    if record.get("answer") is None:
+        record["answer"] = record.get("label")
+    if record.get("images") is None:
+        record["images"] = (record.get("multimodal_inputs") or {}).get("images")
     # the recipe's args namespace may hold any of the options, or none but max_turns
     options = {k: getattr(args, k) for k in ("oracle", "rm_type", "min_pixels", "max_payload")
                if getattr(args, k, None) is not None}
-    return Geo3kEnv(label, images, max_turns, tools=_field(sample, "tools"), box=_field(sample, "box"), **options)
+    return Geo3kEnv(record, max_turns, **options)

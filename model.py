@@ -3,18 +3,23 @@ loop of ours (MRoPE, deepstack, packed rows: docs/model.md), built from ModelOpt
 """
 import dataclasses
 import functools
+import logging
 import math
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-# without Transformer Engine and Apex megatron-core warns that it falls back; true, so we let it (docs/model.md)
-from megatron.core import tensor_parallel
-from megatron.core.enums import ModelType
-from megatron.core.models.gpt import GPTModel, gpt_layer_specs as specs
-from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.transformer import TransformerConfig
+with warnings.catch_warnings():  # megatron-core's import, without TE and Apex (CPU): ~10 lines of true notes that
+    warnings.filterwarnings("ignore", "(Transformer Engine and )?Apex (is|are) not installed")  # help no one
+    logging.disable(logging.WARNING)  # and torch's "No CUDA runtime is found"; both as they were after (docs/model.md)
+    from megatron.core import tensor_parallel
+    from megatron.core.enums import ModelType
+    from megatron.core.models.gpt import GPTModel, gpt_layer_specs as specs
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer import TransformerConfig
+    logging.disable(logging.NOTSET)
 from transformers import AutoConfig, AutoModel
 
 import attention
@@ -315,8 +320,11 @@ class MegatronVLM(torch.nn.Module):
         return routing.take_mismatch(self.replays)
 
     def expert_load(self):
-        """(decoder layers, experts) tokens this rank routed since the last call, padding included; None: dense."""
-        return self.routes.take()
+        """(decoder layers, experts) tokens routed here since the last call, padding included, or zeros; None: dense."""
+        cfg, load = self.language_model.config, self.routes.take()
+        if load is None and cfg.num_moe_experts:
+            return torch.zeros(cfg.num_layers, cfg.num_moe_experts, dtype=torch.float64, device=self.par.device)
+        return load
 
     def head_weight(self):  # (V_local, H): this rank's rows of the (padded) vocabulary; tied: the embedding
         lm = self.language_model

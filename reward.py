@@ -1,12 +1,12 @@
-"""Pure reward functions for geo3k GRPO: binary math reward, geo3k tolerance reward, format check.
+"""Pure reward functions for geo3k GRPO (--rm-type: REWARDS), the one scoring call, format check.
 
-    from reward import get_reward_fn, format_ok
-    r = get_reward_fn("geo3k")(response, "5 \\sqrt { 3 }")       # 1.0 or 0.0, never raises; thread-safe
+    import reward
+    r = reward.score("geo3k", response, {"answer": "5 \\sqrt { 3 }"})   # 1.0 or 0.0, never raises; thread-safe
 
-Rewards are exactly 0.0 or 1.0, so a group of equal rewards gets an advantage of exactly 0;
-format_ok is a metric and is deliberately not mixed into the reward. Importing changes nothing in
-the process; the first get_reward_fn or scoring call runs init() by itself. How a call's time is
-bounded on any thread: docs/reward.md.
+A reward in REWARDS is (response, record) -> true or false, record the data row (its label in "answer", its
+other columns); score(), which the rollout and env_geo3k's calc_score call, makes it exactly 0.0 or 1.0 (equal
+rewards: A = 0) and bounds its time on any thread (docs/reward.md). format_ok is a metric, not in the reward.
+Importing changes nothing in the process; the first scoring call runs init() by itself.
 """
 import ctypes
 import functools
@@ -30,11 +30,13 @@ MAX_BITS = 20000      # biggest exact integer we let sympy build (C bigint math 
 CPU_LIMIT_S = 0.4     # per-call budget of the thread's own CPU time: warm real answers need
                       # < 0.25 s (most ~5 ms), and it does not shrink when the machine is busy
 WALL_LIMIT_S = 0.8    # the 1 s spec, with room to unwind; binds only under > 2x CPU contention
+MAX_JSON_DEPTH = 64   # a tool call nests 3 deep
 _BOX_START = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _TEXT_CMD = re.compile(r"\\(?:text|textrm|textbf|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
 _UNIT = re.compile(r"\\(?:text|textrm|mathrm|mbox)\s*\{\s*[A-Za-z][A-Za-z .]+\}(?:\s*\^\s*\{?\s*[23]\s*\}?)?")
 _LETTER = re.compile(r"\(?([A-Za-z])\)?\.?")
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')  # a JSON string literal, escapes included
 _PARSE_CFG = [LatexExtractionConfig(), ExprExtractionConfig()]
 
 
@@ -242,26 +244,38 @@ def _judge(response, label, tol):
     return a == 0 if b == 0 else abs(a - b) <= tol * abs(b)
 
 
-def _score(response, label, tol):
+def math_reward(response, record):
+    """The last \\boxed{} of response equals the row's answer mathematically."""
+    return _judge(response, record.get("answer"), None)
+
+
+def geo3k_reward(response, record, tol=0.05):
+    """math_reward, or both sides are real numbers within relative tol (answer 0: exact)."""
+    return _judge(response, record.get("answer"), tol)
+
+
+def score(rm_type, response, record):
+    """The reward of `response` to the data row `record` under --rm-type: 1.0 or 0.0, within the time bound."""
+    if rm_type not in REWARDS:
+        raise ValueError(f"unknown --rm-type {rm_type!r}; choose one of {sorted(REWARDS)}")
     try:
         with _deadline(CPU_LIMIT_S, WALL_LIMIT_S):
-            return 1.0 if _judge(response, label, tol) else 0.0
+            return 1.0 if REWARDS[rm_type](response, record) else 0.0
     except (Exception, _Timeout):  # a reward must never crash a training step
         return 0.0
 
 
-def math_reward(response, label):
-    """1.0 if the last \\boxed{} of response equals label mathematically, else 0.0."""
-    return _score(response, label, None)
-
-
-def geo3k_reward(response, label, tol=0.05):
-    """math_reward, or 1.0 when both sides are real numbers within relative tol (label 0: exact)."""
-    return _score(response, label, tol)
-
-
-def reject_constant(name):  # json's parse_constant: NaN / Infinity are not JSON
+def _reject_constant(name):  # json's parse_constant: NaN / Infinity are not JSON
     raise ValueError(f"{name} is not valid JSON")
+
+
+def strict_json(text):
+    """json.loads without NaN / Infinity, nested at most MAX_JSON_DEPTH deep: counted here, as json's own
+    guard is the interpreter's recursion limit, which torch inductor raises (issue 49, item 10)."""
+    depth = itertools.accumulate((c in "[{") - (c in "]}") for c in _JSON_STRING.sub('""', text))
+    if max(depth, default=0) > MAX_JSON_DEPTH:
+        raise ValueError("nested too deeply")
+    return json.loads(text, parse_constant=_reject_constant)
 
 
 def format_ok(response):
@@ -272,7 +286,7 @@ def format_ok(response):
         if response.count("<tool_call>") != len(calls) or response.count("</tool_call>") != len(calls):
             return False  # an unclosed or stray tag is broken syntax
         for body in calls:
-            call = json.loads(body, parse_constant=reject_constant)  # strict: no NaN/Infinity
+            call = strict_json(body)
             if not (isinstance(call, dict) and isinstance(call.get("name"), str)
                     and isinstance(call.get("arguments"), dict)):
                 return False
@@ -281,15 +295,7 @@ def format_ok(response):
         return False
 
 
-REWARDS = {"math": math_reward, "geo3k": geo3k_reward}
+REWARDS = {"math": math_reward, "geo3k": geo3k_reward}  # --rm-type's choices
 # init's warm-up: (answer, label) pairs that reach sympy's lazily imported parts
 WARM_UP = [("x = 13", "13"), ("8.66", "5\\sqrt{3}"), ("(1,2]", "\\{1,2\\}"), ("x<3", "3>x"),
            ("\\sqrt{-9}", "\\frac{5\\pi}{3}")]
-
-
-def get_reward_fn(rm_type):
-    """The reward function for --rm-type (math | geo3k); runs init(), so set-up pays the warm-up, not a rollout."""
-    if rm_type not in REWARDS:
-        raise ValueError(f"unknown --rm-type {rm_type!r}; choose one of {sorted(REWARDS)}")
-    init()
-    return REWARDS[rm_type]

@@ -16,9 +16,7 @@ import io
 import json
 import os
 import shlex
-import threading
 import time
-import uuid
 from contextlib import suppress
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
@@ -31,7 +29,7 @@ import torch.multiprocessing
 
 import convert
 import data
-from engines import Engine, LocalEngine
+from engines import Engine, LocalEngine, finish_reason
 from sglang_server import Router, Server, ServerDown, ServerError, free_port
 
 WEIGHT_SYNC = ("disk", "tensor", "distributed")
@@ -39,6 +37,7 @@ GROUP = "geo3k_weight_sync"  # the process-group name for "distributed"
 COLOCATE_MEM_FRACTION = 0.4  # SGLang's share of each GPU when it shares them with training (README)
 OFFLOAD_MEM_FRACTION = 0.7  # the same with --offload-train: the recipe's (the trainer waits in host memory)
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's memory regions
+ABORT_TIMEOUT = 5.0  # seconds an /abort_request may take: the rollout repeats it while requests are out
 
 
 def read_config(hf_dir):
@@ -103,7 +102,7 @@ def serialize_on_ranks(buckets, rank, ranks, dtype, group=None, dst=0):
     None: the job; its leader: global rank `dst`): local rank i < `ranks` serialises its own GPU's copy of
     each bucket for server TP rank i; the leader gets Serialized buckets, the others None."""
     for bucket in buckets:
-        bucket = [(k, v.to(dtype)) for k, v in bucket] if rank < ranks else bucket  # the others only wait
+        bucket = [(k, v.to(dtype, copy=True)) for k, v in bucket] if rank < ranks else bucket  # copies: update_weights
         blobs = [None] * dist.get_world_size(group) if rank == 0 else None
         dist.gather_object(serialize_tensors(bucket) if rank < ranks else None, blobs, dst=dst, group=group)
         yield Serialized([k for k, _ in bucket], blobs[:ranks]) if rank == 0 else None
@@ -152,7 +151,6 @@ class SGLangEngine(Engine):
         self.server = Server(hf_dir, run_dir, server_args, env, launch_cmd, timeout, request_timeout,
                              max_restarts, on_restart=self._restarted, host=host, api_key=api_key, name=name)
         self.front = self.server  # where generate goes: this server, or the router in front of every node's
-        self.inflight, self.lock = set(), threading.Lock()  # the request ids (rid) of /generates not yet answered
 
     def attach_router(self, workers, args=(), launch_cmd=None):
         """Generate through SGLang's router in front of `workers` (every server's URL, this one's too);
@@ -172,33 +170,31 @@ class SGLangEngine(Engine):
         self.server.stop()
 
     def generate(self, batch, sampling):
-        if len(batch) == 1:  # an episode's own thread (rollout._Pipeline): no hop through the pool
+        if len(batch) == 1:  # an episode's own thread (rollout._Episodes): no hop through the pool
             return [self._generate_one(batch[0], sampling)]
         return list(self.front.pool.map(lambda item: self._generate_one(item, sampling), batch))
 
     def _generate_one(self, item, sp):
         payload = self.generate_payload(item, sp)
-        with self.lock:
-            self.inflight.add(payload["rid"])
         try:
             r = self.front.call("/generate", payload)
         except ServerError as e:  # e.g. an image the server refuses: this sample fails, not the run
             return {"ids": [], "logprobs": [], "finish": "abort", "error": str(e)}
-        finally:
-            with self.lock:
-                self.inflight.discard(payload["rid"])
-        meta = r["meta_info"]
+        meta, params = r["meta_info"], payload["sampling_params"]
         pairs = meta.get("output_token_logprobs") or []
-        out = {"ids": [int(p[1]) for p in pairs], "logprobs": [float(p[0]) for p in pairs],
-               "finish": (meta.get("finish_reason") or {}).get("type", "abort"),
-               "prompt_tokens": meta.get("prompt_tokens")}
+        ids = [int(p[1]) for p in pairs]
+        # an aborted request runs one more decode step, keeps its token and checks the abort first (scheduler.py:
+        # 5797-5811, schedule_batch.py:2007-2014): finish "abort", but a stop token or the cap may end the turn
+        out = {"ids": ids, "logprobs": [float(p[0]) for p in pairs], "prompt_tokens": meta.get("prompt_tokens"),
+               "finish": finish_reason(ids, params["stop_token_ids"], params["max_new_tokens"],
+                                       (meta.get("finish_reason") or {}).get("type", "abort"))}
         if self.stale:  # restarted since the last sync: not the policy being trained
             out.update(finish="abort", error="the SGLang server restarted with its launch weights; "
                                              "its answers until the next weight sync are dropped")
         elif "output_ids" in r and list(r["output_ids"]) != out["ids"]:
             out["error"] = "output_ids differ from the ids in output_token_logprobs"
-        elif self.route_shape:
-            out.update(self.routes(meta))
+        elif self.route_shape and (ids or out["finish"] != "abort"):  # an abort before any token has no routes
+            out.update(self.routes(meta))  # (one cut queued or mid-prefill: scheduler.py:5685-5702, 3807-3827)
         return out
 
     def routes(self, meta):
@@ -222,7 +218,7 @@ class SGLangEngine(Engine):
         ids = list(item["input_ids"])
         if self.image_pad is not None:
             ids = collapse_image_pads(ids, self.image_pad)  # the server expands each pad itself
-        payload = {"input_ids": ids, "sampling_params": params, "return_logprob": True, "rid": uuid.uuid4().hex}
+        payload = {"input_ids": ids, "sampling_params": params, "return_logprob": True}
         if self.route_shape:  # R3: positions counted in the server's expanded ids, as ours
             payload.update(return_routed_experts=True, routed_experts_start_len=int(item.get("routed_experts_start", 0)))
         if item.get("images"):
@@ -230,19 +226,22 @@ class SGLangEngine(Engine):
         return payload
 
     def abort(self):
-        """--partial-rollout: every /generate in flight answers now with what it has (finish "abort")."""
-        with self.lock:
-            rids = list(self.inflight)
-        def tell(url, rid):
-            with suppress(ServerError, ServerDown):  # a server that is gone has nothing left to cut
-                self.server.post("/abort_request", {"rid": rid}, url=url)
-        urls = getattr(self.front, "workers", [self.server.url])
-        list(self.server.pool.map(lambda a: tell(*a), [(u, r) for u in urls for r in rids]))
+        """--partial-rollout: every /generate on every server answers now with what it has (finish "abort"). By
+        abort_all: one by rid that finds its request being tokenized is lost and latches that rid against the
+        rollout's repeats (tokenizer_manager.py:926, 2246-2253). Each server at once, for ABORT_TIMEOUT at most."""
+        def tell(url):
+            with suppress(ServerError, ServerDown):  # a server gone or hung: the rollout's repeat tries again
+                self.server.post("/abort_request", {"abort_all": True}, ABORT_TIMEOUT, url)
+        list(self.server.pool.map(tell, getattr(self.front, "workers", [self.server.url])))
 
     def update_weights(self, buckets):
         """Load (HF name, full tensor) buckets into the server by self.weight_sync (docs/sglang.md);
         -> number of tensors. A load the server refuses raises RuntimeError with its message."""
-        buckets = (b if isinstance(b, Serialized) else [(k, v.to(self.dtype)) for k, v in b] for b in buckets)
+        # "tensor" shares copies: each CUDA IPC share wraps the storage in one more ref-counted context, freed with it
+        # (torch/csrc/StorageSharing.cpp THPStorage_shareCuda): a parameter's would grow a chain every sync
+        copy = self.weight_sync == "tensor"
+        buckets = (b if isinstance(b, Serialized) else [(k, v.to(self.dtype, copy=copy)) for k, v in b]
+                   for b in buckets)
         if self.weight_sync == "disk":
             return sync_disk(self.server, buckets, self.hf_dir)
         weight_update(self.server, "/begin_weight_update", {})
@@ -424,21 +423,24 @@ def sglang_placement(args, cuda, n_gpus, local_world, visible=None, index=0):
 
 
 def engine_kind(args):
-    """--rollout-engine: local or sglang; auto = SGLang if importable and CUDA is present."""
+    """--rollout-engine: local or sglang; auto = SGLang if importable and CUDA is present. Called by parse_args:
+    sglang not installed (and no --sglang-launch-cmd to start it) stops the run there, before any model loads."""
+    found = importlib.util.find_spec("sglang")
+    if args.rollout_engine == "sglang" and not (found or args.sglang_launch_cmd):
+        raise SystemExit("--rollout-engine sglang: sglang is not installed in this python (`GPU=1 bash setup.sh` "
+                         "installs it); or --rollout-engine local")
     if args.rollout_engine != "auto":
         return args.rollout_engine
-    return "sglang" if importlib.util.find_spec("sglang") and torch.cuda.is_available() else "local"
+    return "sglang" if found and torch.cuda.is_available() else "local"
 
 
-def make_engine(args, hf_dir, run_dir, index=0, local_world=1, **where):
-    """The engine --rollout-engine names. index: which of the node's servers (servers_per_node); local_world:
-    the node's trainer ranks (Parallel.local_world); where: its host, api_key and name (cluster.py)."""
+def make_engine(args, hf_dir, run_dir, index=0, local_world=1, processor=None, **where):
+    """The engine --rollout-engine names (the local one with the trainer's processor). index: which of the node's
+    servers (servers_per_node); local_world: its trainer ranks (Parallel.local_world); where: host, api_key, name."""
     cuda = torch.cuda.is_available()
-    if engine_kind(args) == "local":
-        if args.sglang_args:
-            raise SystemExit(f"{' '.join(args.sglang_args)}: SGLang flags, but the rollout engine is local "
-                             "(--rollout-engine sglang to use them)")
-        return LocalEngine(hf_dir, "cuda" if cuda else "cpu", routed_experts=args.use_rollout_routing_replay)
+    if engine_kind(args) == "local":  # SGLang flags with it: refused by parse_args
+        return LocalEngine(hf_dir, "cuda" if cuda else "cpu", processor=processor,
+                           routed_experts=args.use_rollout_routing_replay)
     flags, env = sglang_placement(args, cuda, torch.cuda.device_count() if cuda else 0, local_world,
                                   os.environ.get("CUDA_VISIBLE_DEVICES"), index)
     if cuda and torch.cuda.get_device_capability()[0] >= 10 and "--mm-attention-backend" not in flags:

@@ -58,10 +58,15 @@ check check_te_qwen3_vl "$PY" tools/check.py --hf-checkpoint "$DIR/tiny" --trans
 check check_te_qwen2_5_vl "$PY" tools/check.py --hf-checkpoint "$DIR/tiny25" --transformer-impl transformer_engine
 check check_local_spec "$PY" tools/check.py --hf-checkpoint "$DIR/tiny" --transformer-impl local
 # Qwen3.5: Gated DeltaNet through FLA's varlen kernel and causal-conv1d (check_kernels stops the build if
-# FLA is missing), then with causal-conv1d taken away: FLA's delta rule after the torch conv
+# FLA is missing), then with causal-conv1d taken away: FLA's delta rule after the torch conv. fp32 at 1e-4
+# needs fp32 products: FLA 0.6.0's kernels call tl.dot without a precision (fla/ops/common/chunk_o.py:128-154,
+# chunk_delta_h.py:214-295; only fla/ops/utils/solve_tril.py:19 has a switch, FLA_TRIL_PRECISION, default ieee),
+# which Triton 3.8 computes in TF32 on NVIDIA unless TRITON_F32_DEFAULT says otherwise (language/core.py:2385-2388,
+# knobs.py:496; the variable is part of its kernel cache key)
+F32=(env TRITON_F32_DEFAULT=ieee "$PY")
 check tiny_qwen3_5 bash -c "$PY tools/tiny.py --arch qwen3_5 --out $DIR/tiny35 && echo made"
-check check_te_qwen3_5 "$PY" tools/check.py --hf-checkpoint "$DIR/tiny35"
-check check_qwen3_5_torch_conv "$PY" -c "import runpy, sys, qwen3_5; qwen3_5.causal_conv1d_fn = None
+check check_te_qwen3_5 "${F32[@]}" tools/check.py --hf-checkpoint "$DIR/tiny35"
+check check_qwen3_5_torch_conv "${F32[@]}" -c "import runpy, sys, qwen3_5; qwen3_5.causal_conv1d_fn = None
 sys.argv = ['tools/check.py', '--hf-checkpoint', '$DIR/tiny35']; runpy.run_path('tools/check.py', run_name='__main__')"
 # in a bf16 model FLA's delta rule takes q, k and v in bf16 (not promoted to fp32)
 check qwen3_5_fla_bf16 "$PY" -c "
@@ -120,40 +125,73 @@ check offload_moe_bf16_distopt "$PY" bench/offload_check.py "$DIR/tiny_moe" "${B
 # R3: the routers replay the local engine's experts (transformers' routers on the GPU, bf16 trainer)
 check grpo_moe_r3_local "${TR[@]}" train_grpo.py "${MOE[@]/grpo_moe/grpo_moe_r3}" --num-rollout 2 --use-rollout-routing-replay
 check grpo_moe_r3_local_metrics metric "$DIR/grpo_moe_r3"
+# --colocate --no-offload-train, "tensor" sync: a parameter exported without a copy (convert.full's "rep") must
+# not be what CUDA IPC shares: each share wraps its storage in one more ref-counted context that lives as long as
+# the storage (torch/csrc/StorageSharing.cpp THPStorage_shareCuda: set_data_ptr, set_original_ptr), each holding
+# an IPC event until 1,000 are held (CUDA_IPC_MAXIMUM_EVENTS_TO_USE, torch/csrc/CudaIPCTypes.h:62), then a
+# stream sync. SGLangEngine.update_weights 1,100 times, each blob released as SGLang releases it: with a copy
+# per sync every share still gets its event (no server needed)
+check tensor_sync_shares_copies "$PY" - <<'EOF'
+import base64, io, pickle, types, torch
+import sglang_engine as E
+class Peek(pickle.Unpickler):  # a blob's CUDA IPC arguments as rebuild_cuda_tensor would get them, not opened
+    def find_class(self, module, name):
+        return (lambda *a: a) if name == "rebuild_cuda_tensor" else super().find_class(module, name)
+events = []
+def call(path, body):  # the server's side: it releases each tensor's counter once it has copied it
+    for blob in body.get("serialized_named_tensors", []):
+        for _, a in Peek(io.BytesIO(base64.b64decode(blob))).load():
+            torch.UntypedStorage._release_ipc_counter_cuda(a[11], a[12])
+            events.append(a[14])  # event_sync_required
+    return {"success": True}
+eng = E.SGLangEngine.__new__(E.SGLangEngine)
+eng.weight_sync, eng.dtype, eng.server_tp, eng.stale = "tensor", torch.float32, 1, False
+eng.server = types.SimpleNamespace(call=call)
+w = torch.nn.Parameter(torch.randn(16, device="cuda"))
+for _ in range(1100):
+    eng.update_weights([[("w", w.detach())]])
+assert len(events) == 1100 and all(events), f"an IPC event for {sum(events)} of {len(events)} shares: a chain"
+print("1100 tensor syncs of one parameter, each share with its own IPC event")
+EOF
 if "$PY" -c "import sglang" 2>/dev/null; then
+  # Hopper: SGLang picks fa3 for text and vision attention (srt/arg_groups/model_override_base.py:303-311,
+  # layers/attention/vision.py:1304-1307), which takes fp16, bf16 and fp8 only (sgl_kernel: "FlashAttention only
+  # supports fp16, bf16, and fp8_e4m3"); these checkpoints are fp32 and served in fp32, so the trainer-vs-server
+  # logprob gap stays at fp32's level: Triton attention and torch's SDPA for the vision tower instead
+  SGL=(--rollout-engine sglang --sglang-attention-backend triton --sglang-mm-attention-backend sdpa)
   # stock SGLang on the same GPU as training: the memory saver releases it while training; weights
   # go over CUDA IPC (/update_weights_from_tensor, devices named by UUID), then by the disk. --colocate
   # turns --offload-train on: the trainer parks in host memory during rollouts and the server resumes
   # in two parts (weights for the sync, then KV cache and CUDA graphs); the _resident run turns it off
-  check grpo_sglang_colocated "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine sglang --colocate \
+  check grpo_sglang_colocated "${TR[@]}" train_grpo.py "${GRPO[@]}" "${SGL[@]}" --colocate \
     --weight-sync tensor --sglang-mem-fraction-static 0.3 --save "$DIR/grpo_sglang"
   # the release -> train -> resume cycle: metrics carry the training peak and what PyTorch still held at the resume
   check grpo_sglang_colocated_metrics metric "$DIR/grpo_sglang"
-  check grpo_sglang_colocated_resident "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine sglang --colocate \
+  check grpo_sglang_colocated_resident "${TR[@]}" train_grpo.py "${GRPO[@]}" "${SGL[@]}" --colocate \
     --no-offload-train --weight-sync tensor --sglang-mem-fraction-static 0.3 --save "$DIR/grpo_sglang_resident"
   check grpo_sglang_colocated_resident_metrics metric "$DIR/grpo_sglang_resident"
   # the same image before and after a vision-only weight update: the answer must change (SGLang's
   # vision-feature cache would keep the old features; the engine starts it with SGLANG_VLM_CACHE_SIZE_MB=0)
   check sglang_vision_update_reaches_seen_image "$PY" bench/vision_cache_check.py --hf-checkpoint "$DIR/tiny" \
-    --weight-sync tensor --mem-fraction-static 0.3
+    --weight-sync tensor --mem-fraction-static 0.3 --attention-backend triton --mm-attention-backend sdpa
   # a float32 checkpoint is served in float32 (the engine passes --dtype; SGLang's auto would pick float16)
   check sglang_dtype_of_fp32_checkpoint grep -m1 -o -- "--dtype float32" "$DIR/grpo_sglang/sglang.log"
-  check grpo_sglang_disk_sync "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine sglang --colocate \
+  check grpo_sglang_disk_sync "${TR[@]}" train_grpo.py "${GRPO[@]}" "${SGL[@]}" --colocate \
     --weight-sync disk --sglang-mem-fraction-static 0.3 --save "$DIR/grpo_sglang_disk"
   check grpo_sglang_disk_sync_metrics metric "$DIR/grpo_sglang_disk"
-  check grpo_sglang_multi_turn "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine sglang --colocate \
+  check grpo_sglang_multi_turn "${TR[@]}" train_grpo.py "${GRPO[@]}" "${SGL[@]}" --colocate \
     --sglang-mem-fraction-static 0.3 --max-turns 3 --save "$DIR/grpo_sglang_multi"
   check grpo_sglang_multi_turn_metrics metric "$DIR/grpo_sglang_multi"
   # R3 against the real server: --enable-return-routed-experts, each turn's routes from where the last
   # stopped (a sample whose routes do not cover it fails: failed_frac 0 says they did); routing_mismatch printed
-  check grpo_sglang_moe_r3 "${TR[@]}" train_grpo.py "${MOE[@]/grpo_moe/grpo_sglang_moe_r3}" --rollout-engine sglang \
+  check grpo_sglang_moe_r3 "${TR[@]}" train_grpo.py "${MOE[@]/grpo_moe/grpo_sglang_moe_r3}" "${SGL[@]}" \
     --colocate --sglang-mem-fraction-static 0.3 --max-turns 2 --num-rollout 2 --use-rollout-routing-replay
   check grpo_sglang_moe_r3_metrics metric "$DIR/grpo_sglang_moe_r3"
   # NEXTN speculative decoding from the checkpoint's own MTP head (tools/tiny.py --mtp): the draft loads
   # mtp.*, every sync reaches target and draft; logprob_diff_mean says whether the logprobs are the target's
   check tiny_moe_mtp bash -c "$PY tools/tiny.py --arch qwen3_5_moe --mtp --out $DIR/tiny_moe_mtp && echo made"
   check grpo_sglang_nextn "${TR[@]}" train_grpo.py "${MOE[@]/grpo_moe/grpo_sglang_nextn}" --hf-checkpoint "$DIR/tiny_moe_mtp" \
-    --rollout-engine sglang --colocate --sglang-mem-fraction-static 0.3 --num-rollout 2 \
+    "${SGL[@]}" --colocate --sglang-mem-fraction-static 0.3 --num-rollout 2 \
     --sglang-speculative-algorithm NEXTN --sglang-speculative-num-steps 1 --sglang-speculative-eagle-topk 1 \
     --sglang-speculative-num-draft-tokens 2
   check grpo_sglang_nextn_metrics metric "$DIR/grpo_sglang_nextn"
@@ -179,7 +217,8 @@ if [ "$GPUS" -ge 2 ]; then
   check tiny_pp bash -c "$PY tools/tiny.py --arch qwen3_vl --layers 4 --tie --out $DIR/tiny_pp && \
 $PY tools/tiny.py --arch qwen3_5_moe --layers 4 --mtp --out $DIR/tiny_moe_pp && echo made"
   check check_pp2_qwen3_vl "${TR2[@]}" tools/check.py --hf-checkpoint "$DIR/tiny_pp" --pipeline-model-parallel-size 2
-  check check_pp2_qwen3_5_moe "${TR2[@]}" tools/check.py --hf-checkpoint "$DIR/tiny_moe_pp" --pipeline-model-parallel-size 2
+  check check_pp2_qwen3_5_moe env TRITON_F32_DEFAULT=ieee "${TR2[@]}" tools/check.py \
+    --hf-checkpoint "$DIR/tiny_moe_pp" --pipeline-model-parallel-size 2  # fp32 through FLA: see check_te_qwen3_5
   check sft_pp2 "${TR2[@]}" sft.py --hf-checkpoint "$DIR/tiny_pp" --prompt-data "$DIR/data" --save "$DIR/sft_pp2" \
     --global-batch-size 8 --lr 1e-3 --pipeline-model-parallel-size 2 --bf16 --accumulate-allreduce-grads-in-fp32
   check sft_pp2_moe_3_1 "${TR2[@]}" sft.py --hf-checkpoint "$DIR/tiny_moe_pp" --prompt-data "$DIR/data" \
@@ -195,7 +234,7 @@ print(rows[-1]['expert_load'])"
   if "$PY" -c "import sglang" 2>/dev/null; then
     # --rollout-num-gpus-per-engine 1 on 2 colocated GPUs: two servers (CUDA_VISIBLE_DEVICES 0 and 1)
     # behind SGLang's router, each taking its CUDA IPC sync from the rank on its own GPU
-    check grpo_sglang_two_servers "${TR2[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine sglang --colocate \
+    check grpo_sglang_two_servers "${TR2[@]}" train_grpo.py "${GRPO[@]}" "${SGL[@]}" --colocate \
       --rollout-num-gpus-per-engine 1 --sglang-mem-fraction-static 0.3 --save "$DIR/grpo_sglang_two"
     check grpo_sglang_two_servers_metrics metric "$DIR/grpo_sglang_two"
   fi

@@ -1,5 +1,5 @@
 """Time reward scoring: 4,096 responses of about 1 KB each, scored as the rollout scores them (each
-episode in its own thread as it ends, as many at once as there are cores: rollout._Pipeline).
+episode in its own thread as it ends, as many at once as there are cores: rollout._Episodes).
 
     .venv/bin/python bench/reward_bench.py                  # math RM, threads = cores
     .venv/bin/python bench/reward_bench.py --rm-type geo3k --threads 8 --n 4096
@@ -56,7 +56,10 @@ def main():
     args = ap.parse_args()
     print(vars(args), f"mean response {sum(map(len, make_batch(64)[0])) / 64:.0f} chars")
     responses, labels = make_batch(args.n)
-    fn = reward.get_reward_fn(args.rm_type)
+    reward.init()  # its warm-up before the clock starts
+
+    def fn(response, label):
+        return reward.score(args.rm_type, response, {"answer": label})
     serial = timed("one thread", lambda: [fn(r, lab) for r, lab in zip(responses, labels)], args.n)
     with ThreadPoolExecutor(args.threads) as pool:
         threaded = timed(f"{args.threads} threads", lambda: list(pool.map(fn, responses, labels)), args.n)

@@ -1,10 +1,15 @@
-"""The GRPO gradient of fixed samples, term by term, for tests/test_layouts.py: run as one process or
-under torchrun (TP, DP, CP, EP, PP). For each term (pg: advantages only; entropy: --entropy-coef alone; kl:
---kl-loss-coef alone against --ref) it runs train_grpo.policy_loss over this rank's share, sums the
-gradients over data-parallel ranks as the optimizer step does, and rank 0 writes every parameter's
-full gradient under its HF name to <out>/<term>.safetensors, with the loss in <out>/<term>.json.
+"""The GRPO gradient of fixed samples, term by term, for tests/test_layouts.py, at several layouts in one launch: run
+as one process or under torchrun (TP, DP, CP, EP, PP). Each LAYOUT is NAME or NAME=FLAGS (FLAGS: its parallel sizes
+and options, below); for each, in turn, the worker sets up Megatron's parallel state anew, loads the model (and the
+--ref model) on it, and for each term (pg: advantages only; entropy: --entropy-coef alone; kl: --kl-loss-coef alone
+against --ref; gspo, with --gspo: pg under --advantage-estimator gspo) runs train_grpo.policy_loss over this rank's
+share, sums the gradients over data-parallel ranks as the optimizer step does, and rank 0 writes every parameter's
+full gradient under its HF name to <out>/NAME/<term>.safetensors, with the loss in <out>/NAME/<term>.json, and the
+layout it ran (each parallel size) in <out>/NAME/layout.json. The samples come made (SAMPLES: torch.save of samples()'s
+list, which tests/test_layouts.py makes once for every launch).
 
-    python tests/_grad_worker.py CKPT GEO3K_PARQUET --out DIR [--ref CKPT] [--tp N [--sp]] [--cp N] [--ep N] [--pp N [--first-stage-layers K]] [--freeze-vit] [--replay]
+    python tests/_grad_worker.py CKPT SAMPLES --out DIR [--ref CKPT] LAYOUT...
+    LAYOUT flags: [--tp N [--sp]] [--cp N] [--ep N] [--pp N [--first-stage-layers K]] [--freeze-vit] [--replay] [--gspo]
 """
 import argparse
 import dataclasses
@@ -13,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
+from megatron.core import parallel_state as ps
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -20,6 +26,7 @@ import convert  # noqa: E402
 import data  # noqa: E402
 import model as M  # noqa: E402
 import optim  # noqa: E402
+import parallel  # noqa: E402
 import pipeline  # noqa: E402
 import chat  # noqa: E402
 import rollout as R  # noqa: E402
@@ -54,12 +61,8 @@ def routes(items, tc, seed=2):
         it.routed_experts = r.to(torch.int16)
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("ckpt")
-    p.add_argument("source")
-    p.add_argument("--out", required=True)
-    p.add_argument("--ref", default=None, help="reference checkpoint of the KL term (default: no KL term)")
+def layout_flags():
+    p = argparse.ArgumentParser(prog="LAYOUT")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--cp", type=int, default=1)
@@ -69,23 +72,30 @@ def main():
     p.add_argument("--freeze-vit", action="store_true")
     p.add_argument("--max-tokens-per-gpu", default="700")
     p.add_argument("--replay", action="store_true", help="R3: the routers replay fixed random experts at half the tokens")
-    a = p.parse_args()
-    out = Path(a.out)
-    args = G.parse_args(["--hf-checkpoint", a.ckpt, "--prompt-data", a.source, "--save", str(out / "run"),
-                         "--tensor-model-parallel-size", str(a.tp), "--expert-model-parallel-size", str(a.ep),
-                         "--context-parallel-size", str(a.cp), "--pipeline-model-parallel-size", str(a.pp),
-                         "--max-tokens-per-gpu", a.max_tokens_per_gpu, "--overwrite"]
-                        + (["--sequence-parallel"] if a.sp else [])
-                        + (["--decoder-first-pipeline-num-layers", a.first_stage_layers] if a.first_stage_layers else [])
-                        + (["--moe-token-dispatcher-type", "alltoall"] if a.pp > 1 else [])  # PP's (model.py)
-                        + (["--use-rollout-routing-replay"] if a.replay else []))
-    par, _ = T.start(args, "test")
+    p.add_argument("--gspo", action="store_true", help="also the term gspo: --advantage-estimator gspo's policy "
+                   "gradient (one ratio a sequence: under CP its tokens are on two ranks)")
+    return p
+
+
+def gradients(a, lay, base, out):
+    """One layout `lay`: its parallel state, models and terms -> <out>/<term>.safetensors (rank 0)."""
+    args = G.parse_args(["--hf-checkpoint", a.ckpt, "--prompt-data", a.samples, "--save", str(out / "run"),
+                         "--tensor-model-parallel-size", str(lay.tp), "--expert-model-parallel-size", str(lay.ep),
+                         "--context-parallel-size", str(lay.cp), "--pipeline-model-parallel-size", str(lay.pp),
+                         "--max-tokens-per-gpu", lay.max_tokens_per_gpu]
+                        + (["--sequence-parallel"] if lay.sp else [])
+                        + (["--decoder-first-pipeline-num-layers", lay.first_stage_layers] if lay.first_stage_layers else [])
+                        + (["--moe-token-dispatcher-type", "alltoall"] if lay.pp > 1 else [])  # PP's (model.py)
+                        + (["--use-rollout-routing-replay"] if lay.replay else []))
+    if ps.model_parallel_is_initialized():  # the last layout's groups go; this one's are made as a fresh run's
+        ps.destroy_model_parallel()
+    par = parallel.init_distributed(lay.tp, args.seed, ep=lay.ep, cp=lay.cp, pp=lay.pp)
+    torch.manual_seed(args.seed)
     opts = M.ModelOptions.from_args(args)
-    model = M.load_model(a.ckpt, dataclasses.replace(opts, freeze_vit=a.freeze_vit), par)
+    model = M.load_model(a.ckpt, dataclasses.replace(opts, freeze_vit=lay.freeze_vit), par)
     ref = M.load_model(a.ref, dataclasses.replace(opts, freeze_vit=True), par).eval() if a.ref else None
-    from transformers import AutoProcessor
-    items = samples(AutoProcessor.from_pretrained(a.ckpt), a.source)
-    if a.replay:
+    items = [dataclasses.replace(it) for it in base]  # each layout sets their logprobs (and routes) anew
+    if lay.replay:
         routes(items, model.hf_config.text_config)
     G.recompute_old(model, items, args)
     g = torch.Generator().manual_seed(1)
@@ -95,9 +105,15 @@ def main():
     terms = {"pg": {}, "entropy": dict(entropy_coef=1.0)}
     if ref is not None:
         terms["kl"] = dict(kl_loss_coef=1.0)
+    if lay.gspo:
+        terms["gspo"] = dict(advantage_estimator="gspo")
+    if par.rank == 0:
+        out.mkdir(parents=True)
+        sizes = {k: getattr(par, k) for k in ("tp", "cp", "pp", "ep", "dp")}
+        (out / "layout.json").write_text(json.dumps(dict(sizes, sp=args.sequence_parallel)))
     for term, coefs in terms.items():
         targs = argparse.Namespace(**{**vars(args), **coefs})
-        mine = [dataclasses.replace(it, adv=it.adv if term == "pg" else 0.0) for it in T.dp_shard(items, par)]
+        mine = [dataclasses.replace(it, adv=it.adv if term in ("pg", "gspo") else 0.0) for it in T.dp_shard(items, par)]
         model.zero_grad(set_to_none=True)
         stats = G.policy_loss(model, ref if term == "kl" else None, par, mine, targs, measure=False)
         params = [q for q in model.parameters() if q.requires_grad]
@@ -108,9 +124,23 @@ def main():
         optim.allreduce_grads([(q, q.grad) for q in params], par)
         grads = {n: t.detach().cpu().contiguous() for n, t in convert.hf_tensors(model, grad=True)}
         if par.rank == 0:
-            frozen = {n for n in grads if a.freeze_vit and n.startswith(model.names.vis_prefix)}
+            frozen = {n for n in grads if lay.freeze_vit and n.startswith(model.names.vis_prefix)}
             save_file({n: t for n, t in grads.items() if n not in frozen}, str(out / f"{term}.safetensors"))
             (out / f"{term}.json").write_text(json.dumps({k: stats[k] for k in ("loss", "entropy", "kl", "clipfrac")}))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("ckpt")
+    p.add_argument("samples")
+    p.add_argument("--out", required=True)
+    p.add_argument("--ref", default=None, help="reference checkpoint of the KL term (default: no KL term)")
+    p.add_argument("layouts", nargs="+", help="NAME or NAME=FLAGS (layout_flags)")
+    a = p.parse_args()
+    items = torch.load(a.samples, weights_only=False)
+    for spec in a.layouts:
+        name, _, flags = spec.partition("=")
+        gradients(a, layout_flags().parse_args(flags.split()), items, Path(a.out) / name)
 
 
 if __name__ == "__main__":

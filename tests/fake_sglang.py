@@ -1,7 +1,8 @@
 """A small local HTTP server that speaks the part of SGLang's protocol the trainer uses.
 
     python tests/fake_sglang.py --model-path DIR --host 127.0.0.1 --port P [--fake-record F.jsonl]
-        [--fake-delay S] [--fake-startup S] [any --real-sglang-flag value ...]
+        [--fake-delay S] [--fake-token-delay S] [--fake-stop-delay S] [--fake-abort-delay S] [--fake-startup S]
+        [any --real-sglang-flag value ...]
 
 Started by SGLangEngine through its `launch_cmd` in place of `python -m sglang.launch_server`.
 Every request is appended to the --fake-record file as {"path", "json", "pid"}; a request
@@ -16,6 +17,10 @@ the real 0.5.23 server (tests/test_sglang_real.py, ../shared/sglang_cpu):
   (multimodal/processors/base_processor.py:586). More images than pads: stock answers 200 and
   ignores the extra images, and so does this.
 - a failed /update_weights_from_disk answers HTTP 400 {"success": false, "message": ...}.
+- /abort_request by rid or abort_all (every request then generating); a request aborted while it waits
+  (--fake-delay: SGLang's queue) answers no tokens, no routes and no prompt_tokens; one aborted while it
+  decodes still writes one more token, whatever it is (a stop token, the max_new_tokens-th), and answers
+  finish "abort" (scheduler.py:5797-5811, schedule_batch.py:2007-2014).
 /generate answers with deterministic tokens: a function of the expanded input ids and of the
 weights the server loaded (`fake_output`), so a test can predict each answer and see weight
 updates take effect. Unknown flags (the pass-through `--mem-fraction-static 0.7` etc.) are
@@ -77,18 +82,18 @@ def fake_output(input_ids, max_new_tokens, digest, length=6, cut=None):
     """-> (ids, logprobs, finish): `length` tokens from FAKE_IDS, then <|im_end|>, cut at max_new_tokens. Each
     token and logprob is a function of the weights and of every id before it, and the tokens of a turn
     already given (FAKE_IDS at the end of input_ids) count towards `length`: an answer cut short and
-    continued is the uninterrupted answer, as greedy decoding gives. cut(): checked before each token; True
-    ends the answer there (an abort: finish "abort")."""
+    continued is the uninterrupted answer, as greedy decoding gives. cut(stop): called before each token
+    (stop: it is <|im_end|>); True: an abort came, and as stock's the answer ends after that token, finish "abort"."""
     ids, lps = [], []
     done = len(input_ids) - next((i + 1 for i in range(len(input_ids) - 1, -1, -1) if input_ids[i] not in FAKE_IDS), 0)
     while len(ids) < max_new_tokens:
-        if cut is not None and cut():
-            return ids, lps, "abort"
+        stop = done + len(ids) >= length
+        aborted = cut is not None and cut(stop)
         seed = int(hashlib.sha1(f"{digest}:{input_ids + ids}".encode()).hexdigest(), 16)
-        ids.append(STOP if done + len(ids) >= length else FAKE_IDS.start + seed % len(FAKE_IDS))
+        ids.append(STOP if stop else FAKE_IDS.start + seed % len(FAKE_IDS))
         lps.append(-0.05 - (seed >> 16) % 100 / 50.0)
-        if ids[-1] == STOP:
-            return ids, lps, "stop"
+        if aborted or stop:
+            return ids, lps, "abort" if aborted else "stop"
     return ids, lps, "length"
 
 
@@ -147,8 +152,8 @@ def image_token_counts(state, uris):
     """Pads each image expands to: its grid from the checkpoint's own image processor / merge^2."""
     with state["lock"]:
         if state["image_processor"] is None:  # loaded on first use: a fast start for the tests
-            from transformers import AutoProcessor
-            state["image_processor"] = AutoProcessor.from_pretrained(state["model_path"]).image_processor
+            from transformers import AutoImageProcessor  # alone: the tokenizer would take seconds more
+            state["image_processor"] = AutoImageProcessor.from_pretrained(state["model_path"])
     ip = state["image_processor"]
     grid = ip(images=[decode_image(u) for u in uris], return_tensors="pt")["image_grid_thw"]
     return [int(g.prod()) // ip.merge_size ** 2 for g in grid]
@@ -220,19 +225,32 @@ class Handler(BaseHTTPRequestHandler):
                 except (IndexError, AssertionError) as e:  # stock: a traceback in its log, a bare 500
                     print(f"Exception in /generate: {type(e).__name__}: {e}", flush=True)
                     return self._reply(500, "Internal Server Error")
-            time.sleep(st["delay"])
-            sp, rid = body["sampling_params"], body.get("rid")
+            sp, rid = body["sampling_params"], body.get("rid") or os.urandom(8).hex()
 
-            def cut():  # --fake-token-delay: a token at a time, until an /abort_request names this rid
-                time.sleep(st["token_delay"])
+            def wait(seconds):  # -> aborted? (an abort ends the wait at once)
+                end = time.time() + seconds
+                while rid not in st["aborted"] and time.time() < end:
+                    time.sleep(0.005)
                 return rid in st["aborted"]
-            ids, lps, finish = fake_output(prompt, sp["max_new_tokens"], st["digest"], cut=cut if st["token_delay"] else None)
+
+            def cut(stop):  # --fake-token-delay a token at a time, --fake-stop-delay more before <|im_end|>
+                return wait(st["token_delay"] + stop * st["stop_delay"])
+            st["running"].add(rid)
+            try:
+                queued = wait(st["delay"])  # --fake-delay: SGLang's queue
+                ids, lps, finish = ([], [], "abort") if queued else fake_output(prompt, sp["max_new_tokens"],
+                                                                                st["digest"], cut=cut)
+            finally:
+                st["running"].discard(rid)
             reason = {"type": finish, "matched": STOP} if finish == "stop" else {"type": finish, "length": len(ids)}
             if finish == "abort":
                 reason = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
             meta = {"id": "fake", "prompt_tokens": len(prompt), "completion_tokens": len(ids),
                     "finish_reason": reason, "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)]}
-            if body.get("return_routed_experts") and st["routes"]:  # stock without the flag: no field
+            if queued:  # stock's answer to a request aborted in its queue (tokenizer_manager.py:3577-3634)
+                meta = {"id": "fake", "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+                        "completion_tokens": 0, "output_token_logprobs": []}
+            elif body.get("return_routed_experts") and st["routes"]:  # stock without the flag: no field
                 meta["routed_experts"] = fake_routes(body.get("routed_experts_start_len", 0),
                                                      len(prompt) + len(ids) - 1, *st["routes"])
             return self._reply(200, {"text": "", "output_ids": ids, "meta_info": meta})
@@ -250,7 +268,8 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/abort_request":
             if set(body) - ABORT_FIELDS:
                 return self._reply(400, {"error": f"bad fields {sorted(body)}"})
-            st["aborted"].add(body.get("rid"))
+            time.sleep(st["abort_delay"])  # a server slow to answer it
+            st["aborted"].update(set(st["running"]) if body.get("abort_all") else {body.get("rid")})
             return self._reply(200, "")
         if self.path in WEIGHT_ROUTES:
             fields, handler = WEIGHT_ROUTES[self.path]
@@ -353,8 +372,10 @@ def main():
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--fake-record", default=None, help="JSONL file to append every request to")
     p.add_argument("--fake-dump", default=None, help="folder for the tensors of tensor/distributed updates")
-    p.add_argument("--fake-delay", type=float, default=0.0, help="seconds per /generate")
+    p.add_argument("--fake-delay", type=float, default=0.0, help="seconds per /generate, queued (abortable)")
     p.add_argument("--fake-token-delay", type=float, default=0.0, help="seconds per generated token (abortable)")
+    p.add_argument("--fake-stop-delay", type=float, default=0.0, help="seconds before an <|im_end|> (abortable)")
+    p.add_argument("--fake-abort-delay", type=float, default=0.0, help="seconds before an /abort_request acts")
     p.add_argument("--fake-startup", type=float, default=0.0, help="seconds before listening")
     p.add_argument("--fake-children", type=int, default=0,
                    help="idle child processes to start, as SGLang's scheduler/detokenizer")
@@ -376,7 +397,8 @@ def main():
                     "digest": weights_digest(a.model_path), "model_path": a.model_path,
                     "image_pad": config.get("image_token_id"), "image_processor": None, "dump": a.fake_dump,
                     "api_key": a.api_key, "info_delay": a.fake_info_delay, "released": set(),
-                    "token_delay": a.fake_token_delay, "aborted": set()}
+                    "token_delay": a.fake_token_delay, "stop_delay": a.fake_stop_delay, "aborted": set(),
+                    "running": set(), "abort_delay": a.fake_abort_delay}
     tc = config.get("text_config") or config  # R3: a dense checkpoint's routes are made up (2 of 8 experts)
     server.state["routes"] = ((tc["num_hidden_layers"], tc.get("num_experts_per_tok", 2), tc.get("num_experts", 8))
                               if "--enable-return-routed-experts" in passthrough else None)

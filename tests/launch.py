@@ -4,7 +4,7 @@
     rs = launch.run_all([cmd0, cmd1], timeout=600)               # one CompletedProcess a command
     rs = launch.torchrun_nodes(2, 1, [script, *args], timeout=600)   # `torchrun --nnodes 2` on 127.0.0.1
     r = launch.python(script, *args, nproc=2, timeout=600)      # `torchrun --standalone ...`, from a forkserver
-    job = launch.start(script, *args); ...; job.kill(); job.wait()
+    job = launch.start(script, *args); job.printed(); ...; job.kill(); job.wait()
 
 python() and start() run a project script as `python script` or `torchrun --standalone --nproc_per_node N
 script` would, each rank forked from multiprocessing's forkserver, which imported torch, megatron-core,
@@ -233,6 +233,11 @@ class Job:
         if failed:
             return failed[0] if failed[0] > 0 else 128 - failed[0]  # -N: killed by signal N
         return None if any(p.exitcode is None for p in self.procs) else 0
+
+    def printed(self, rank=0):
+        """What rank `rank` has written to stdout so far."""
+        f = Path(f"{self.dir}/{rank}.out")
+        return f.read_text(errors="replace") if f.exists() else ""
 
     def kill(self, sig=signal.SIGKILL):
         for p in self.procs:

@@ -10,12 +10,13 @@ import torch
 from PIL import Image
 
 import data
-import engines
 import env_geo3k
 import chat
 import rollout
 import sft
+import train_grpo
 from conftest import rollout_args
+from fakes import ScriptedEngine
 from test_data import _sides_from_image
 from tools import blank_crop, report, synth
 
@@ -47,21 +48,9 @@ def test_a_row_offering_an_unknown_tool_is_refused_by_name():
         env_geo3k.build_env({"answer": "3", "images": [], "tools": ["zoom"]}, rollout_args(max_turns=3))
 
 
-class Planned(engines.Engine):
-    """Plays each episode's plan, chosen by its problem's image (plans: {id(image): turns}): turn k writes turns[k]."""
-
-    def __init__(self, processor, plans):
-        self.tok, self.plans = processor.tokenizer, plans
-        self.im_end, self.header = self.tok.convert_tokens_to_ids("<|im_end|>"), self.tok.encode("<|im_start|>assistant\n")
-
-    def generate(self, batch, sampling):
-        outs = []
-        for item in batch:
-            ids, h = list(item["input_ids"]), self.header
-            turn = sum(ids[i:i + len(h)] == h for i in range(len(ids))) - 1
-            out = self.tok.encode(self.plans[id(item["images"][0])][turn]) + [self.im_end]
-            outs.append({"ids": out, "logprobs": [-0.5] * len(out), "finish": "stop", "prompt_tokens": len(ids)})
-        return outs
+def Planned(processor, plans):
+    """Plays each episode's plan, chosen by its problem's image (plans: {id(image): turns})."""
+    return ScriptedEngine(processor, lambda item: plans[id(item["images"][0])])
 
 
 def call(name, arguments):
@@ -75,19 +64,20 @@ def test_rollout_metrics_count_calls_by_tool_score_crops_against_the_box_and_spl
     (a, b, _, _), right = [r["box"] for r in recs], [f"\\boxed{{{r['answer']}}}" for r in recs]
     plans = dict(zip([id(r["images"][0]) for r in recs], [
         [call("crop", {"bbox": a}), right[0]],                                 # the right box, the right answer
-        [call("crop", {"bbox": [b[0] + 32, b[1], b[2] + 32, b[3]]}), "\\boxed{9}"],  # IoU 1/3, wrong
+        [call("crop", {"bbox": [b[0] + 32, b[1], b[2] + 32, b[3]]}), call("crop", {"bbox": b}),  # IoU 1/3, then 1:
+         "\\boxed{9}"],                                                        # a hit (its best crop), wrong
         [right[2]],                                                             # no call, right
         [call("calc_score", {"answer": "4"}), "\\boxed{9}"]]))                  # a tool not offered, wrong
     args = rollout_args(max_turns=3, n_samples_per_prompt=1, rollout_max_response_len=400)
     samples = rollout.run_episodes(Planned(processor, plans), processor, recs, args, reward_fn=None)
     assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 0.0]
     assert "unknown tool 'calc_score'; tools are crop" in samples[3].metadata["steps"][0]["observation"]
-    m = rollout.rollout_metrics(samples)
-    assert m["tool_calls_crop"] == 0.5 and m["tool_calls_calc_score"] == 0.0 and m["tool_calls"] == 0.5
-    assert m["crop_iou"] == pytest.approx((1 + 1 / 3) / 2) and m["crop_hit_frac"] == 0.25
+    m = train_grpo.rollout_metrics(samples)
+    assert m["tool_calls_crop"] == 0.75 and m["tool_calls_calc_score"] == 0.0 and m["tool_calls"] == 0.75
+    assert m["crop_iou"] == pytest.approx((1 + 1 / 3 + 1) / 3) and m["crop_hit_frac"] == 0.5
     assert m["accuracy_with_crop"] == 0.5 and m["accuracy_without_crop"] == 0.5
     single = rollout.run_episodes(Planned(processor, plans), processor, recs[2:3], rollout_args(n_samples_per_prompt=1))
-    assert not {k for k in rollout.rollout_metrics(single) if k.startswith(("tool_calls_", "crop_", "accuracy_"))}
+    assert not {k for k in train_grpo.rollout_metrics(single) if k.startswith(("tool_calls_", "crop_", "accuracy_"))}
 
 
 def test_sft_encodes_an_episode_as_the_rollout_of_it_does(processor, rows, tmp_path):
@@ -119,44 +109,47 @@ def test_sft_encodes_an_episode_as_the_rollout_of_it_does(processor, rows, tmp_p
 def test_blank_crop_returns_a_white_image_of_the_crops_size_and_runs_the_real_trainer(monkeypatch):
     canvas = Image.new("RGB", (300, 200), "black")
     args = rollout_args(max_turns=3)
-    monkeypatch.setitem(env_geo3k.TOOLS, "crop", env_geo3k.crop)
+    monkeypatch.setitem(env_geo3k.TOOLS, "crop", env_geo3k.TOOLS["crop"])
     real = env_geo3k.build_env({"answer": "3", "images": [canvas]}, args)
     want, _, _ = real.step(call("crop", {"bbox": [10, 20, 30, 34]}))  # 20x14 -> shown 4x: 80x56
     seen = {}
-    monkeypatch.setattr(blank_crop.train_grpo, "main", lambda argv: seen.update(argv=argv, crop=env_geo3k.TOOLS["crop"]))
+
+    def trainer(argv):  # what train_grpo.main would build: an env, while blank_crop's crop is in place
+        env = env_geo3k.build_env({"answer": "3", "images": [canvas]}, args)
+        seen.update(argv=argv, env=env, step=env.step(call("crop", {"bbox": [10, 20, 30, 34]})))
+
+    monkeypatch.setattr(blank_crop.train_grpo, "main", trainer)
     blank_crop.main(["--flags"])
-    assert seen == {"argv": ["--flags"], "crop": blank_crop.blank_crop}
-    env = env_geo3k.build_env({"answer": "3", "images": [canvas]}, args)
-    got, _, info = env.step(call("crop", {"bbox": [10, 20, 30, 34]}))
+    assert seen["argv"] == ["--flags"] and env_geo3k.TOOLS["crop"].run is not blank_crop.blank_crop  # restored after
+    env, (got, _, info) = seen["env"], seen["step"]
     assert info["ran"] and got["text"] == want["text"] and got["images"][0].size == want["images"][0].size == (80, 56)
     assert got["images"][0].getcolors() == [(80 * 56, (255, 255, 255))] and env.images[1] is got["images"][0]
 
 
-def test_the_demo_report_keeps_each_stage_on_its_eval_set_and_shows_crop_calls_and_hits(tmp_path):
-    """tools/report.py on a run.sh folder: a stage's before/after are on its own eval set (the warm start's SFT,
-    with none, does not borrow the sides set's 1.0 nor the crop set's start), and the multi-turn stage's crop
-    calls and box hits per 10 steps reach summary.md and the curve."""
-    def stage(name, eval_data, rows):
+def test_the_demo_report_shows_each_stage_on_its_own_evals_and_the_crop_calls_and_hits(tmp_path):
+    """tools/report.py on a run.sh folder: a stage's before/after are its own evals' (the crop SFT, with none, does
+    not borrow the sides set's 1.0 before nor the crop set's start after), and the crop stage's calls and box hits
+    per 10 steps reach summary.md and the curve."""
+    def stage(name, rows):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "config_x.json").write_text(json.dumps({"eval_prompt_data": eval_data}))
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    stage("base_eval", "run/data", [{"step": 0, "eval_accuracy": 0.0}])
-    stage("sft", "run/data", [{"step": 1, "loss": 1.0}])
-    stage("grpo", "run/data", [{"step": 0, "eval_accuracy": 0.3}, {"step": 1, "reward": 0.4},
-                               {"step": 1, "eval_accuracy": 1.0, "eval_multi_turn_accuracy": 0.9}])
-    stage("sft_crop", None, [{"step": 1, "loss": 1.0}])
+    stage("base_eval", [{"step": 0, "eval_accuracy": 0.0}])
+    stage("sft", [{"step": 1, "loss": 1.0}, {"step": 1, "eval_accuracy": 0.3}])
+    stage("grpo", [{"step": 0, "eval_accuracy": 0.3}, {"step": 1, "reward": 0.4},
+                   {"step": 1, "eval_accuracy": 1.0, "eval_multi_turn_accuracy": 0.9}])
+    stage("sft_crop", [{"step": 1, "loss": 1.0}])
     steps = [{"step": i + 1, "reward": 0.5, "tool_calls_crop": 0.2 if i < 10 else 0.9, "crop_hit_frac": 0.1 if i < 10
               else 0.5} for i in range(20)]
-    stage("grpo_mt", "run/crop", [{"step": 0, "eval_accuracy": 0.25, "eval_multi_turn_accuracy": 0.22}, *steps,
-                                  {"step": 20, "eval_accuracy": 0.25, "eval_multi_turn_accuracy": 0.6}])
-    report.main(tmp_path)
-    rows, curves = report.stage_rows(tmp_path)
-    assert [(t, w, acc) for t, w, _, _, acc in rows] == [
-        ("SFT", "data", {"eval_accuracy": [0.0, 0.3], "eval_multi_turn_accuracy": [None, None]}),
-        ("GRPO single-turn", "data", {"eval_accuracy": [0.3, 1.0], "eval_multi_turn_accuracy": [None, 0.9]}),
-        ("SFT tool calls", "-", {"eval_accuracy": [None, None], "eval_multi_turn_accuracy": [None, None]}),
-        ("GRPO multi-turn", "crop", {"eval_accuracy": [0.25, 0.25], "eval_multi_turn_accuracy": [0.22, 0.6]})]
+    stage("grpo_mt", [{"step": 0, "eval_accuracy": 0.25, "eval_multi_turn_accuracy": 0.22}, *steps,
+                      {"step": 20, "eval_accuracy": 0.25, "eval_multi_turn_accuracy": 0.6}])
+    report.main([str(tmp_path)])
+    rows, _ = report.stage_rows(tmp_path)
+    assert [(t, acc) for t, _, _, acc in rows] == [
+        ("SFT", {"eval_accuracy": [0.0, 0.3], "eval_multi_turn_accuracy": [None, None]}),
+        ("GRPO single-turn", {"eval_accuracy": [0.3, 1.0], "eval_multi_turn_accuracy": [None, 0.9]}),
+        ("SFT crop calls", {"eval_accuracy": [None, None], "eval_multi_turn_accuracy": [None, None]}),
+        ("GRPO crop task", {"eval_accuracy": [0.25, 0.25], "eval_multi_turn_accuracy": [0.22, 0.6]})]
     summary = (tmp_path / "summary.md").read_text()
-    assert ("GRPO multi-turn, per 10 steps: crop calls / episode 0.20, 0.90; share whose crop hit the box 0.10, 0.50"
+    assert ("GRPO crop task, per 10 steps: crop calls / episode 0.20, 0.90; share whose crop hit the box 0.10, 0.50"
             in summary), summary
     assert summary.count("per 10 steps") == 1 and (tmp_path / "reward_curve.png").stat().st_size > 0

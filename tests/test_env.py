@@ -4,6 +4,7 @@ rules, crop pixels against PIL, and a crop + calc_score episode through the chat
     .venv/bin/pytest tests/test_env.py -q
 """
 import json
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 from PIL import Image
 
 import env_geo3k
+from fakes import make_env, picture
 
 ANY = object()  # the info field is not checked
 FORMAT = '<tool_call>\n{"name": "calc_score", "arguments": {"answer": "42"}}\n</tool_call>'
@@ -32,18 +34,6 @@ def xml(name, **params):
 
 
 XML_FORMAT = "<tool_call>\n<function=calc_score>\n<parameter=answer>\n42\n</parameter>\n</function>\n</tool_call>"
-
-
-def picture(w=200, h=100):
-    """Every pixel distinct, so a crop at the wrong offset cannot pass."""
-    y, x = np.mgrid[0:h, 0:w]
-    rgb = np.stack([x % 256, y % 256, (x * 7 + y * 13) % 256], -1).astype(np.uint8)
-    return Image.fromarray(rgb)
-
-
-def make_env(max_turns=5, **opts):
-    sample = {"answer": "80", "images": [picture()]}
-    return env_geo3k.build_env(sample, SimpleNamespace(max_turns=max_turns, **opts))
 
 
 OK = dict(done=False, ran=True, error=None)
@@ -207,9 +197,24 @@ CASES = [
 ]
 
 
+@pytest.fixture
+def high_recursion_limit():
+    """The table runs at the recursion limit a process has once torch inductor compiled (2,000+; here 20,000):
+    no guard may lean on the interpreter's state (issue 49, item 10)."""
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)
+    yield
+    sys.setrecursionlimit(old)
+
+
+def every_tool():
+    """The table's env: a row offering every tool in TOOLS (a fork's default=False one too)."""
+    return make_env(row={"answer": "80", "images": [picture()], "tools": list(env_geo3k.TOOLS)})
+
+
 @pytest.mark.parametrize("response,text,expect", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_step_table(response, text, expect):
-    env = make_env()
+def test_step_table(response, text, expect, high_recursion_limit):
+    env = every_tool()
     env.reset()
     obs, done, info = env.step(response)
     assert set(info) == {"turn", "tool", "arguments", "ran", "error", "score", "n_calls", "note"}
@@ -231,8 +236,7 @@ def test_step_table(response, text, expect):
         used_xml = "<function=" in response.rsplit("<tool_call>", 1)[-1]
         assert obs["text"].startswith("Error: ") and (XML_FORMAT if used_xml else FORMAT) in obs["text"]
         assert "- crop {" in obs["text"] and obs["images"] == [] and info["score"] is None
-    if info["ran"] and info["tool"] != "crop":
-        assert obs["images"] == []
+    assert obs["images"] == env.images[1:]  # what a step shows is what it added to the images seen
     assert len(obs["text"]) < 2000  # feedback stays short, whatever the model sent
 
 
@@ -240,22 +244,33 @@ def test_table_runs_every_tool_in_both_call_formats():
     """A tool (or call format) added without table cases that run it fails here."""
     ran = set()
     for _, response, _, _ in CASES:
-        env = make_env()
+        env = every_tool()
         _, _, info = env.step(response)
         if info["ran"]:
             ran.add((info["tool"], "xml" if "<function=" in response.rsplit("<tool_call>", 1)[-1] else "json"))
-    assert ran == {(name, form) for name in env_geo3k.TOOLS for form in ("json", "xml")}
+    assert ran == {(name, form) for name in [*env_geo3k.TOOLS, *env_geo3k.ALIASES] for form in ("json", "xml")}
 
 
-def test_tool_specs_match_the_tools():
-    """Every advertised spec names a tool, and every tool function is advertised once."""
-    names = [spec["function"]["name"] for spec in env_geo3k.TOOL_SPECS]
-    assert set(names) <= set(env_geo3k.TOOLS) and len(names) == len(set(names))
-    assert {env_geo3k.TOOLS[n] for n in names} == set(env_geo3k.TOOLS.values())
-    for spec in env_geo3k.TOOL_SPECS:
+def test_tool_declarations_make_the_prompt_and_the_offer():
+    """Each declaration's spec is a template's JSON schema; the alias runs but is not advertised; a row's
+    `tools` (or the default ones) is what the env runs and the prompt lists, nothing else."""
+    for name, tool in env_geo3k.TOOLS.items():
+        spec = tool.spec(name)
         params = spec["function"]["parameters"]
-        assert spec["type"] == "function" and params["type"] == "object"
-        assert set(params["required"]) <= set(params["properties"])
+        assert spec["type"] == "function" and params["type"] == "object" and spec["function"]["name"] == name
+        assert set(params["required"]) <= set(params["properties"]) and tool.usage.startswith(name + " {")
+    everything = env_geo3k.offered()
+    assert [s["function"]["name"] for s in env_geo3k.specs(everything)] == ["calc_score", "crop"]
+    assert env_geo3k.ALIASES == {"calc_geo3k_reward": "calc_score"} and everything == ["calc_score", "crop"]
+    listed = env_geo3k.usage(everything)
+    assert "- calc_score {" in listed and "- crop {" in listed and "calc_geo3k_reward" not in listed
+    crop_only = env_geo3k.offered(["crop"])
+    assert "calc_score" not in env_geo3k.usage(crop_only) + env_geo3k.usage(crop_only, xml=True)
+    assert '{"name": "crop", "arguments": {"bbox": [0, 0, 100, 100]}}' in env_geo3k.usage(crop_only)
+    assert "<function=crop>\n<parameter=bbox>\n[0, 0, 100, 100]\n</parameter>" in env_geo3k.usage(crop_only, xml=True)
+    assert len(env_geo3k.specs(crop_only)) == 1
+    env = env_geo3k.build_env({"answer": "80", "images": [picture()], "tools": ["crop"]}, SimpleNamespace(max_turns=3))
+    assert "unknown tool 'calc_score'; tools are crop" in env.step(calc("80"))[2]["error"]
 
 
 def test_answers_and_scores_recorded_and_reset():
@@ -314,14 +329,19 @@ def test_build_env_args_and_samples():
     assert "no image" in info["error"] and not done
 
 
-def test_forks_add_a_tool_with_one_function(monkeypatch):
+def test_forks_add_a_tool_with_one_declaration(monkeypatch):
     def echo(env, arguments):
-        """echo {"text": "..."}: repeat the text."""
-        return arguments["text"][::-1], [], None
-    monkeypatch.setitem(env_geo3k.TOOLS, "echo", echo)
-    env = make_env()
+        return arguments["text"][::-1], [], {}
+    tool = env_geo3k.Tool(echo, 'echo {"text": "..."}: repeat the text backwards.', "Reverse a text.",
+                          {"text": {"type": "string"}}, {"text": "abc"}, default=False)
+    monkeypatch.setitem(env_geo3k.TOOLS, "echo", tool)
+    assert "echo" not in env_geo3k.offered() and "echo" not in env_geo3k.usage(env_geo3k.offered())
+    env = env_geo3k.build_env({"answer": "80", "images": [], "tools": ["echo", "calc_score"]},
+                              SimpleNamespace(max_turns=5))
     assert env.step(call("echo", {"text": "abc"}))[0]["text"] == "cba"
+    assert env.step(xml("echo", text="[1]"))[0]["text"] == "]1["  # its spec's string type keeps XML text
     assert '- echo {"text": "..."}' in env.step(call("nope", {"a": 1}))[0]["text"]
+    assert env_geo3k.tool_metrics([[{"tool": "echo", "ran": True}]], [1.0])["tool_calls_echo"] == 1.0
 
 
 def test_crop_pixels_match_pil():

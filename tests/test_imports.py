@@ -144,13 +144,13 @@ def recording_judge(*args):
             imported.extend(sorted(set(sys.modules) - before))
 reward._judge = recording_judge
 cases = [("x = 13", "13"), ("8.66", "5\\sqrt{3}"), ("x<3", "3>x"), ("(1,2]", "\\{1,2\\}")]
-out = {"scores": [reward.geo3k_reward("\\boxed{%s}" % a, label) for a, label in cases],
+out = {"scores": [reward.score("geo3k", "\\boxed{%s}" % a, {"answer": label}) for a, label in cases],
        "imported under a time limit": imported, "unraisablehook": sys.unraisablehook.__qualname__,
        "math_verify level": logging.getLogger("math_verify").level}
 read, write = os.pipe()
 if os.fork() == 0:
     t, watchdog = time.perf_counter(), reward._WATCHDOG[0]
-    slow = reward.math_reward("\\boxed{%s}" % ("x^" * 400 + "2"), "13")  # cut by the time limit
+    slow = reward.score("math", "\\boxed{%s}" % ("x^" * 400 + "2"), {"answer": "13"})  # cut by the time limit
     os.write(write, json.dumps([watchdog, slow, time.perf_counter() - t]).encode())
     os._exit(0)
 os.close(write)

@@ -1,6 +1,6 @@
 """The reference every parallel layout is held to: the same samples give the same GRPO gradient,
 parameter by parameter, in one process and under TP, DP, CP, EP and PP, for each loss term (policy
-gradient, entropy, KL) with the vision tower trained and frozen, dense and MoE.
+gradient, entropy, KL; GSPO's per-sequence ratio) with the vision tower trained and frozen, dense and MoE.
 
 The checkpoints are the tiny ones with their weights redrawn large (2-D weights N(0, 0.08^2), norm
 scales 1 + 0.2 N(0, 1)): the logits are far from uniform there, unlike the default tiny checkpoint's
@@ -13,7 +13,9 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoProcessor
 
+import _grad_worker
 import launch
 from conftest import GEO3K_REAL, ROOT
 
@@ -64,17 +66,53 @@ def peaked(tiny_ckpt, tmp_path_factory):
     return get
 
 
-def grads(ckpt, out, nproc=1, *flags, ref=None):
-    """{term: (HF name -> gradient, stats)} from tests/_grad_worker.py, one process or torchrun."""
+def samples_file(ckpt, out):
+    """tests/_grad_worker.py's samples (real geo3k prompts and images, random responses) through `ckpt`'s processor,
+    made here once for every launch -> the file they are saved in."""
+    torch.save(_grad_worker.samples(AutoProcessor.from_pretrained(ckpt), GEO3K_REAL / "test.parquet"), out)
+    return out
+
+
+def launch_layouts(ckpt, samples, out, nproc, layouts, ref=None):
+    """Start tests/_grad_worker.py (one process or torchrun) on `layouts` {name: its flags}, all in the one launch."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    r = launch.python(ROOT / "tests" / "_grad_worker.py", ckpt, GEO3K_REAL / "test.parquet", "--out", out, *flags,
-                      *(["--ref", ref] if ref else []), nproc=nproc, timeout=600, env=env)
+    return launch.start(ROOT / "tests" / "_grad_worker.py", ckpt, samples, "--out", out,
+                        *(["--ref", ref] if ref else []), *(f"{name}={flags}" for name, flags in layouts.items()),
+                        nproc=nproc, env=env)
+
+
+def computed(job, out, nproc, layouts):
+    """Wait for `job` (launch_layouts) -> {name: its folder}, each layout checked to have run at the sizes its
+    flags ask for: a layout left on the last one's parallel state would equal the reference without testing."""
+    r = job.wait(600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    return {f.stem: (load_file(f), json.loads(f.with_suffix(".json").read_text())) for f in out.glob("*.safetensors")}
+    for name, flags in layouts.items():
+        lay = _grad_worker.layout_flags().parse_args(flags.split())
+        want = dict(tp=lay.tp, cp=lay.cp, pp=lay.pp, ep=lay.ep, dp=nproc // (lay.tp * lay.cp * lay.pp), sp=lay.sp)
+        assert json.loads((out / name / "layout.json").read_text()) == want, (name, flags)
+    return {name: out / name for name in layouts}
+
+
+def grads(folder):
+    """{term: (HF name -> gradient, stats)} of one layout's folder."""
+    return {f.stem: (load_file(f), json.loads(f.with_suffix(".json").read_text())) for f in folder.glob("*.safetensors")}
+
+
+def both(ckpt, samples, tmp_path, one, layouts, ref=None):
+    """The one-process reference layouts `one` and the two-rank `layouts`, the two launches side by side ->
+    ({name: gradients} of `one`, {name: folder} of `layouts`)."""
+    jobs = [launch_layouts(ckpt, samples, tmp_path / "one", 1, one, ref),
+            launch_layouts(ckpt, samples, tmp_path / "many", 2, layouts, ref)]
+    try:
+        ref_dirs = computed(jobs[0], tmp_path / "one", 1, one)
+        return {name: grads(d) for name, d in ref_dirs.items()}, computed(jobs[1], tmp_path / "many", 2, layouts)
+    finally:
+        for job in jobs:
+            job.kill()
 
 
 def norm(grads):
-    return sum(float(t.double().pow(2).sum()) for t in grads.values()) ** 0.5
+    return sum(float(torch.linalg.vector_norm(t, dim=-1).double().square().sum()) for t in grads.values()) ** 0.5
 
 
 def assert_same(got, want, name):
@@ -91,23 +129,27 @@ def assert_same(got, want, name):
             assert abs(stats[k] - wstats[k]) <= 1e-6 * max(1.0, abs(wstats[k])), (name, term, k, stats, wstats)
 
 
-@pytest.mark.parametrize("freeze", [False, True], ids=["vit_trained", "vit_frozen"])
-def test_dense_gradients_equal_in_one_process_tp2_and_dp2(peaked, tmp_path, freeze):
+# GSPO's one ratio a sequence: CP splits its tokens. PP: stages of 3 + 1 layers (deepstack's 3 on the first)
+# through 1F1B, the reference model a pipeline too, the tied embedding's gradient the sum of the first stage's
+# and the head copy's. CP: each sequence in zigzag chunks over two ranks (the tower's gradient from both).
+DENSE = {"dp2": "--gspo", "tp2": "--tp 2 --gspo", "cp2": "--cp 2 --gspo", "pp2": "--pp 2 --first-stage-layers 3 --gspo",
+         "dp2_frozen": "--freeze-vit", "tp2_frozen": "--tp 2 --freeze-vit"}
+
+
+def test_dense_gradients_equal_in_one_process_tp2_dp2_cp2_and_pp2(peaked, tmp_path):
+    """Every term's gradient with the vision tower trained (and GSPO's) and frozen, at TP2, DP2, CP2 and PP2 (frozen:
+    TP2 and DP2), equals one process's."""
     ckpt, ref = peaked("qwen3_vl"), peaked("qwen3_vl", seed=99)
-    extra = ["--freeze-vit"] if freeze else []
-    one = grads(ckpt, tmp_path / "one", 1, *extra, ref=ref)
-    assert set(one) == {"pg", "entropy", "kl"}
-    for term, (g, stats) in one.items():  # every term has a gradient, and only trained tensors have one
-        assert sum(float(t.norm()) for t in g.values()) > 0, term
-        assert any(k.startswith("model.visual.") for k in g) != freeze, term
-    assert 0 < one["pg"][1]["clipfrac"] < 1 and one["kl"][1]["kl"] > 0
-    assert_same(grads(ckpt, tmp_path / "dp2", 2, *extra, ref=ref), one, "dp2")
-    assert_same(grads(ckpt, tmp_path / "tp2", 2, "--tp", "2", *extra, ref=ref), one, "tp2")
-    if not freeze:  # CP: each sequence in zigzag chunks over two ranks (the tower's gradient from both)
-        assert_same(grads(ckpt, tmp_path / "cp2", 2, "--cp", "2", ref=ref), one, "cp2")
-        # PP: stages of 3 + 1 layers (deepstack's 3 on the first) through 1F1B, the reference model a
-        # pipeline too, the tied embedding's gradient the sum of the first stage's and the head copy's
-        assert_same(grads(ckpt, tmp_path / "pp2", 2, "--pp", "2", "--first-stage-layers", "3", ref=ref), one, "pp2")
+    samples = samples_file(ckpt, tmp_path / "samples.pt")
+    one, many = both(ckpt, samples, tmp_path, {"trained": "--gspo", "frozen": "--freeze-vit"}, DENSE, ref=ref)
+    for name, freeze in (("trained", False), ("frozen", True)):
+        assert set(one[name]) == {"pg", "entropy", "kl"} | (set() if freeze else {"gspo"})
+        for term, (g, stats) in one[name].items():  # every term has a gradient, and only trained tensors have one
+            assert sum(float(t.norm()) for t in g.values()) > 0, (name, term)
+            assert any(k.startswith("model.visual.") for k in g) != freeze, (name, term)
+        assert 0 < one[name]["pg"][1]["clipfrac"] < 1 and one[name]["kl"][1]["kl"] > 0
+    for name, folder in many.items():
+        assert_same(grads(folder), one["frozen" if name.endswith("_frozen") else "trained"], name)
 
 
 def test_moe_gradients_equal_in_one_process_and_ep2(peaked, tmp_path):
@@ -118,16 +160,21 @@ def test_moe_gradients_equal_in_one_process_and_ep2(peaked, tmp_path):
     routes (R3) at half the tokens and lets the routers choose at the rest: each layout must cut the
     routes as it cuts the tokens (CP's chunks, SP's shards, PP's layers)."""
     ckpt = peaked("qwen3_5_moe")
-    one = grads(ckpt, tmp_path / "one", 1, "--replay")
-    assert any(".experts." in k for k in one["pg"][0])
-    own = grads(ckpt, tmp_path / "own", 1)["pg"][0]  # the replay changes the gradient: it is not a no-op
-    assert norm({k: own[k] - one["pg"][0][k] for k in own}) > 0.05 * norm(own)
-    assert_same(grads(ckpt, tmp_path / "ep2", 2, "--ep", "2", "--replay"), one, "ep2")
-    assert_same(grads(ckpt, tmp_path / "tp2sp", 2, "--tp", "2", "--sp", "--replay"), one, "tp2+sp")
-    assert_same(grads(ckpt, tmp_path / "cp2ep2", 2, "--cp", "2", "--ep", "2", "--replay"), one, "cp2+ep2")
     # 540 tokens a micro-batch: DP rank 0 packs its samples in 3, rank 1 in 2 and one idle
-    assert_same(grads(ckpt, tmp_path / "pp2ep2", 4, "--pp", "2", "--ep", "2", "--max-tokens-per-gpu", "540",
-                      "--replay"), one, "pp2+ep2")
+    four = {"pp2ep2": "--pp 2 --ep 2 --max-tokens-per-gpu 540 --replay"}
+    samples = samples_file(ckpt, tmp_path / "samples.pt")
+    job = launch_layouts(ckpt, samples, tmp_path / "four", 4, four)
+    try:
+        ref, many = both(ckpt, samples, tmp_path, {"replay": "--replay", "own": ""},
+                         {"ep2": "--ep 2 --replay", "tp2sp": "--tp 2 --sp --replay", "cp2ep2": "--cp 2 --ep 2 --replay"})
+        many.update(computed(job, tmp_path / "four", 4, four))
+    finally:
+        job.kill()
+    one, own = ref["replay"], ref["own"]["pg"][0]
+    assert any(".experts." in k for k in one["pg"][0])
+    assert norm({k: own[k] - one["pg"][0][k] for k in own}) > 0.05 * norm(own)  # the replay is not a no-op
+    for name, folder in many.items():
+        assert_same(grads(folder), one, name)
 
 
 DDP_WORKER = """

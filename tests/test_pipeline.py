@@ -81,3 +81,25 @@ def test_expert_load_adds_each_layers_counts_to_its_own(monkeypatch):
     got = T.expert_load(types.SimpleNamespace(expert_load=lambda: loads[0]))
     share = sum((L + 1) / (L + 2) for L in range(4)) / 4  # expert 0's, mean over the layers
     assert got["expert_load"] == [round(share, 4), round(1 - share, 4)]
+
+
+def test_a_moe_rank_that_ran_no_forward_still_joins_the_expert_load_reduce(monkeypatch):
+    """MoE, DP > 1: a rank with no items (a short last SFT batch, fewer GRPO samples than ranks) ran no forward,
+    so its routers counted nothing; its table is zeros of the one shape, and it joins the all-reduce the other
+    ranks run (skipping it would hang them). A dense model has no table on any rank."""
+    import types
+    import torch
+    import model as M
+    import trainer as T
+    calls = []
+
+    def all_reduce(t, group):  # the other rank's counts: layer 1 sent 3 tokens to expert 0, 1 to expert 2
+        calls.append(tuple(t.shape))
+        return t + torch.tensor([[0.0] * 4, [3, 0, 1, 0]], dtype=t.dtype)
+    monkeypatch.setattr(T.parallel, "all_reduce", all_reduce)
+    for experts, want in ((4, {"expert_load": [0.75, 0, 0.25, 0], "expert_load_max": 3.0}), (None, {})):
+        config = types.SimpleNamespace(num_layers=2, num_moe_experts=experts)
+        idle = types.SimpleNamespace(language_model=types.SimpleNamespace(config=config), par=types.SimpleNamespace(
+            device="cpu"), routes=types.SimpleNamespace(take=lambda: None))  # take: nothing counted
+        assert T.expert_load(types.SimpleNamespace(expert_load=lambda: M.MegatronVLM.expert_load(idle))) == want
+    assert calls == [(2, 4)]

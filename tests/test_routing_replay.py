@@ -21,7 +21,7 @@ import train_grpo as G
 import trainer as T
 from conftest import ROOT, rollout_args
 from fake_sglang import fake_routes
-from test_rollout import ForcedFirstTurnEngine
+from fakes import ForcedFirstTurnEngine
 from test_sglang_engine import read_record, sglang
 
 

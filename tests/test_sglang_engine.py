@@ -90,7 +90,7 @@ def test_sglang_protocol_and_weight_sync(ckpt, processor, records, tmp_path):
         for r in gens:
             body = r["json"]
             assert body["input_ids"].count(pad) == 1
-            assert set(body) == {"input_ids", "image_data", "sampling_params", "return_logprob", "rid"}
+            assert set(body) == {"input_ids", "image_data", "sampling_params", "return_logprob"}
             assert len(body["image_data"]) == 1 and body["image_data"][0].startswith("data:image/png;base64,")
             assert body["sampling_params"] == {"temperature": 0.8, "top_p": 1.0, "top_k": -1, "max_new_tokens": 64,
                                                "stop_token_ids": [151645, 151643], "skip_special_tokens": False,
@@ -270,21 +270,28 @@ time.sleep(120)
 
 
 def test_sglang_server_dies_with_its_parent(ckpt, tmp_path):
-    """Normal exit, an exception, Ctrl-C and SIGTERM in the trainer all end the server's group."""
-    import subprocess
+    """Normal exit, an exception, Ctrl-C and SIGTERM in the trainer all end the server's group. The trainers
+    are forked from the tests' forkserver (tests/launch.py): they start without importing torch again."""
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(root=str(Path(rollout.__file__).parent), ckpt=str(ckpt), fake=FAKE))
     modes = {"exit": None, "error": None, "sigint": signal.SIGINT, "sigterm": signal.SIGTERM,
              "sigkill": signal.SIGKILL}  # SIGKILL (OOM): no handler runs; PR_SET_PDEATHSIG does it
-    procs = {m: subprocess.Popen([sys.executable, str(script), m, str(tmp_path / m)], stdout=subprocess.PIPE,
-                                 text=True) for m in modes}
-    for mode, proc in procs.items():
-        pgid = int(proc.stdout.readline())
-        if modes[mode] is not None:
-            assert group_members(pgid, wait=0)  # the server is up until we signal its parent
-            proc.send_signal(modes[mode])
-        proc.wait(timeout=60)
-        assert group_members(pgid) == [], (mode, group_members(pgid))
+    jobs = {m: launch.start(script, m, tmp_path / m) for m in modes}
+    try:
+        for mode, job in jobs.items():
+            deadline = time.time() + 60
+            while not job.printed().endswith("\n"):  # the server's group, once it is up
+                assert job.poll() is None and time.time() < deadline, (mode, job.wait(5).stderr[-2000:])
+                time.sleep(0.1)
+            pgid = int(job.printed())
+            if modes[mode] is not None:
+                assert group_members(pgid, wait=0)  # the server is up until we signal its parent
+                os.kill(job.pid, modes[mode])
+            job.wait(60)
+            assert group_members(pgid) == [], (mode, group_members(pgid))
+    finally:
+        for job in jobs.values():
+            job.kill()
 
 
 def test_proc_launcher_dies_with_its_parent(tmp_path):
@@ -426,9 +433,9 @@ def test_tensor_sync_to_a_tp2_server_sends_each_ranks_own_copy(ckpt, tmp_path, w
 
 
 def test_an_abort_lands_mid_generation_and_the_rest_continues_it(ckpt, processor, records, tmp_path):
-    """--partial-rollout's abort names each /generate in flight by its rid (AbortReq); the server answers
-    each with what it had (finish "abort"), and a request for the rest continues it into the answer the
-    server gives uninterrupted (the fake's, like greedy decoding's, a function of the ids before each token)."""
+    """--partial-rollout's abort is SGLang's abort_all (AbortReq); the server answers each /generate in flight
+    with what it had (finish "abort"), and a request for the rest continues it into the answer the server
+    gives uninterrupted (the fake's, like greedy decoding's, a function of the ids before each token)."""
     eng, rec = sglang(ckpt, tmp_path, "--fake-token-delay", "0.2")
     try:
         messages, _ = chat.chat_prompt(processor, records[0])
@@ -447,8 +454,121 @@ def test_an_abort_lands_mid_generation_and_the_rest_continues_it(ckpt, processor
         rest = eng.generate([dict(item, input_ids=prompt + cut["ids"])], sp)[0]
         ids, lps, finish = fake_output(prompt, 16, weights_digest(ckpt))
         assert (cut["ids"] + rest["ids"], cut["logprobs"] + rest["logprobs"], rest["finish"]) == (ids, lps, finish)
-        rids = {r["json"]["rid"] for r in read_record(rec) if r["path"] == "/generate"}
-        assert len(rids) == 4 and {r["json"]["rid"] for r in read_record(rec) if r["path"] == "/abort_request"} < rids
-        assert not eng.inflight
+        assert [r["json"] for r in read_record(rec) if r["path"] == "/abort_request"] == [{"abort_all": True}]
     finally:
         eng.shutdown()
+
+
+def aborted_answer(eng, rec, item, sp):
+    """The engine's answer to `item` once the server holds it and an abort comes, repeated as the rollout does."""
+    box = []
+    t = threading.Thread(target=lambda: box.append(eng.generate([item], sp)[0]))
+    t.start()
+    while not [r for r in read_record(rec) if r["path"] == "/generate"]:
+        time.sleep(0.05)
+    while t.is_alive():
+        eng.abort()
+        t.join(1.0)
+    return box[0]
+
+
+def parked(processor, rec, args, n):
+    """(record, prompt, [episode]): a --partial-rollout group parked with n tokens of a turn (not FAKE_IDS)."""
+    prompt = chat.prompt(processor, rec, args.max_turns > 1)
+    ep = rollout.new_episode(processor, rec, args, prompt)
+    s = ep.sample
+    s.response_ids, s.loss_mask, s.rollout_logprobs, s.versions = [100] * n, [1] * n, [-1.0] * n, [0] * n
+    return rec, prompt, [ep]
+
+
+def test_an_abort_that_lands_on_a_turns_last_token_ends_the_turn(ckpt, processor, records, tmp_path):
+    """SGLang answers finish "abort" for a request its abort caught one decode step before its end: that step's
+    token is kept, and the abort is checked before the stop and length checks (schedule_batch.py:2007-2014).
+    The engine reports what ended the turn. Here --partial-rollout stops (a parked group needs one token) while
+    record 1's sample waits before its <|im_end|> (--fake-stop-delay): its turn ends there, decoded and scored,
+    every token trained, and the next rollout sends nothing more for it. At the length cap: "length"."""
+    args = rollout_args(n_samples_per_prompt=1, rollout_batch_size=1, partial_rollout=True, over_sampling_batch_size=2,
+                        rollout_max_response_len=11)
+    recs = [dict(r, index=i, images=[]) for i, r in enumerate(records[:2])]  # text: no image processor to load
+    eng, rec = sglang(ckpt, tmp_path / "stop", "--fake-stop-delay", "60")
+    try:
+        ro = rollout.Rollout(eng, processor, args, lambda text, label: float(len(text)), target=1, cap=2)
+        ro.groups = {0: parked(processor, recs[0], args, 10)}
+        ro.resume(recs[1:], 0)
+        first = ro.take(1)
+        ro.pause()
+        assert [(s.index, s.status) for s in first] == [(0, "truncated")]  # its one token: the length cap
+        [(_, _, [ep])] = ro.groups.values()  # complete too, beyond the batch: it waits for the next step
+        s, (ids, lps, _) = ep.sample, fake_output(ep.sample.prompt_ids, 11, weights_digest(ckpt))
+        text = processor.tokenizer.decode(ids[:-1], skip_special_tokens=False)
+        assert ep.done and ids[-1] == 151645 and (s.status, s.turns, s.response_ids, s.rollout_logprobs) == (
+            "completed", 1, ids, lps)
+        assert s.loss_mask == [1] * 7 and s.response_text == text and s.reward == len(text)
+        n = len(read_record(rec))
+        ro.resume([], 1)
+        assert [x.index for x in ro.take(1)] == [1]
+        ro.pause()
+        assert len(read_record(rec)) == n and ro.groups == {}  # nothing generated after its <|im_end|>
+    finally:
+        eng.shutdown()
+    eng, rec = sglang(ckpt, tmp_path / "length", "--fake-token-delay", "60")
+    try:
+        item = {"input_ids": [151644, 100, 151645], "images": []}
+        out = aborted_answer(eng, rec, item, dict(max_new_tokens=1))
+        assert (len(out["ids"]), out["finish"]) == (1, "length")
+    finally:
+        eng.shutdown()
+
+
+def test_an_abort_before_any_token_leaves_an_r3_sample_open(ckpt, processor, records, tmp_path):
+    """R3 + --partial-rollout: a request aborted in SGLang's queue (or mid chunked prefill) answers no tokens and no
+    routed_experts (scheduler.py:5685-5702, 3807-3827): nothing generated yet, not an error; the sample stays
+    open and its continuation asks routes from where they end (routed_rows)."""
+    eng, rec = sglang(ckpt, tmp_path, "--fake-delay", "60", "--enable-return-routed-experts")
+    try:
+        eng.route_shape = (json.loads((Path(ckpt) / "config.json").read_text())["text_config"]["num_hidden_layers"], 2)
+        out = aborted_answer(eng, rec, {"input_ids": [151644, 100, 151645], "images": []}, dict(max_new_tokens=8))
+        assert out == {"ids": [], "logprobs": [], "finish": "abort", "prompt_tokens": None}
+        args = rollout_args()
+        _, _, [ep] = parked(processor, records[0], args, 0)
+        assert rollout._finish_turn(ep, out, processor, args, [151645, 151643], ours=True)
+        assert ep.sample.status == "completed" and rollout.routed_rows(ep.sample) == 0
+    finally:
+        eng.shutdown()
+
+
+def test_a_hung_abort_holds_no_lock_of_the_rollout(ckpt, processor, records, tmp_path):
+    """--partial-rollout's abort goes to each server with a short timeout and never under the rollout's lock:
+    here the server takes 60 s to answer it (--fake-abort-delay), the abort never lands, and the request it
+    meant to cut ends on its own; the rollout ends once it has, after one ABORT_TIMEOUT, not after 60 s."""
+    args = rollout_args(n_samples_per_prompt=1, rollout_batch_size=1, partial_rollout=True, over_sampling_batch_size=2,
+                        rollout_max_response_len=11)
+    recs = [dict(r, index=i, images=[]) for i, r in enumerate(records[:2])]  # text: no image processor to load
+    eng, rec = sglang(ckpt, tmp_path, "--fake-abort-delay", "60", "--fake-token-delay", "0.5")
+    try:  # the parked group needs 3 tokens, record 1's group 7: the abort comes while it generates
+        ro, t = rollout.Rollout(eng, processor, args, target=1, cap=2), time.time()
+        ro.groups = {0: parked(processor, recs[0], args, 8)}
+        ro.resume(recs[1:], 0)
+        first = ro.take(1)
+        ro.pause()
+        took = time.time() - t
+        assert [s.index for s in first] == [0] and [r["path"] for r in read_record(rec)].count("/abort_request") >= 1
+        [(_, _, [ep])] = ro.groups.values()
+        assert ep.done and ep.sample.status == "completed" and len(ep.sample.response_ids) == 7  # it ended on its own
+        assert took < 30, f"the rollout waited {took:.0f} s for an abort the server took 60 s to answer"
+    finally:
+        eng.shutdown()
+
+
+def test_rollout_engine_sglang_without_sglang_stops_before_anything_loads(tmp_path, monkeypatch):
+    import importlib.util
+    import train_grpo
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else find(name, *a))
+    argv = ["--hf-checkpoint", str(tmp_path / "none"), "--prompt-data", "x", "--save", str(tmp_path / "run"),
+            "--rollout-engine", "sglang"]
+    with pytest.raises(SystemExit) as e:
+        train_grpo.main(argv)
+    assert e.value.code == ("--rollout-engine sglang: sglang is not installed in this python (`GPU=1 bash setup.sh` "
+                            "installs it); or --rollout-engine local")
+    assert not (tmp_path / "run").exists()  # stopped at the arguments: no run folder, no model

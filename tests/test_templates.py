@@ -15,12 +15,12 @@ import pytest
 from jinja2 import TemplateError
 
 import data
-import engines
 import env_geo3k
 import chat
 import rollout
 from tools import tiny
 from conftest import ROOT, rollout_args
+from fakes import ANSWER, CROP_CALL, ScriptedEngine
 
 REAL = ROOT.parent / "shared" / "real_models"
 QWEN3_VL, QWEN2_5_VL, QWEN3_5_SMALL, QWEN3_5_MOE = ("Qwen3-VL-2B-Instruct", "Qwen2.5-VL-3B-Instruct",
@@ -100,9 +100,8 @@ def test_special_token_ids_come_from_the_tokenizer(name):
 
 
 # ---------------------------------------------------------------------------------- multi-turn episodes
-CROP_JSON = '<tool_call>\n{"name": "crop", "arguments": {"bbox": [0, 0, 64, 64]}}\n</tool_call>'
+CROP_JSON = CROP_CALL
 CROP_XML = "<tool_call>\n<function=crop>\n<parameter=bbox>\n[0, 0, 64, 64]\n</parameter>\n</function>\n</tool_call>"
-ANSWER = "The crop shows the polygon. \\boxed{360}"
 THOUGHT_1, THOUGHT_2 = "The labels are small, so I zoom in.", "The crop settles it."
 CROP = {"type": "function", "function": {"name": "crop", "arguments": {"bbox": [0, 0, 64, 64]}}}
 # name -> (model turns as the engine writes them after the generation prompt, the same turns as a
@@ -120,21 +119,6 @@ EPISODES = {
 }
 
 
-class Script(engines.Engine):
-    """Answers the k-th request with turns[k] (one episode), logging what it was sent."""
-
-    def __init__(self, tokenizer, turns):
-        self.tok, self.turns, self.seen = tokenizer, turns, []
-        self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-
-    def generate(self, batch, sampling):
-        (item,) = batch
-        ids = self.tok.encode(self.turns[len(self.seen)], add_special_tokens=False) + [self.im_end]
-        self.seen.append(list(item["input_ids"]))
-        return [{"ids": ids, "logprobs": [-0.5] * len(ids), "finish": "stop",
-                 "prompt_tokens": len(item["input_ids"])}]
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_multi_turn_tokens_equal_the_full_render(name, records):
     """A crop episode's tokens (prompt, model turns as the engine returned them, observations
@@ -142,15 +126,16 @@ def test_multi_turn_tokens_equal_the_full_render(name, records):
     at once, written the way a chat-API user writes it (structured tool calls, reasoning)."""
     proc, (turns, assistant, native) = real_processor(name), EPISODES[name]
     rec, tok = records[0], proc.tokenizer
-    eng = Script(tok, turns)
+    eng = ScriptedEngine(proc, turns)
     args = rollout_args(max_turns=3, n_samples_per_prompt=1, rollout_max_response_len=2000)
     (s,) = rollout.run_episodes(eng, proc, [rec], args)
     assert s.status == "completed" and s.fail_reason is None, s.fail_reason
     assert s.turns == 2 and s.tool_calls == 1 and s.metadata["steps"][0]["tool"] == "crop"
-    assert len(s.images) == 2 and s.image_turns == [0, 1] and eng.seen[1] == s.tokens[:len(eng.seen[1])]
+    assert len(s.images) == 2 and s.image_turns == [0, 1] and eng.seen[1][0] == s.tokens[:len(eng.seen[1][0])]
     observation = s.metadata["steps"][0]["observation"]
-    tools = env_geo3k.TOOL_SPECS if native else None
-    prompt = data.prompt_messages(rec, multi_turn=True, tool_list=None if native else env_geo3k.usage())
+    everything = env_geo3k.offered()
+    tools = env_geo3k.specs(everything) if native else None
+    prompt = data.prompt_messages(rec, multi_turn=True, tool_list=None if native else env_geo3k.usage(everything))
     messages = prompt + [dict(assistant[0], role="assistant"),
                          {"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": observation}]},
                          dict(assistant[1], role="assistant")]
@@ -185,7 +170,7 @@ def test_template_that_rerenders_history_fails_the_sample(records):
     original = proc.chat_template
     proc.chat_template = counting
     try:
-        (s,) = rollout.run_episodes(Script(proc.tokenizer, [CROP_JSON, ANSWER]), proc, records[:1],
+        (s,) = rollout.run_episodes(ScriptedEngine(proc, [CROP_JSON, ANSWER]), proc, records[:1],
                                     rollout_args(max_turns=3, n_samples_per_prompt=1, rollout_max_response_len=2000))
     finally:
         proc.chat_template = original
@@ -212,7 +197,7 @@ def test_sft_of_an_episode_is_the_rollout_of_it(name, records):
     targets = [proc.tokenizer.decode([t for t, m in zip(ids[a:b], mask[a:b]) if m]) for a, b in zip(starts, starts[1:])]
     prefix = "\n</think>\n\n" if name == QWEN3_5_MOE else ""
     assert targets == [prefix + call + "<|im_end|>", prefix + ANSWER + "<|im_end|>"]
-    eng = Script(proc.tokenizer, [t.removesuffix("<|im_end|>") for t in targets])
+    eng = ScriptedEngine(proc, [t.removesuffix("<|im_end|>") for t in targets])
     (s,) = rollout.run_episodes(eng, proc, [crop_only], rollout_args(max_turns=3, n_samples_per_prompt=1,
                                                                      rollout_max_response_len=2000))
     assert s.status == "completed" and s.turns == 2, s.fail_reason

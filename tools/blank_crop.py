@@ -4,31 +4,34 @@ the real crop what it does not gain here, it learnt from what the crop shows, no
 
     python tools/blank_crop.py <train_grpo.py flags>          # one process (the local engine)
 """
+import dataclasses
 import sys
 from pathlib import Path
 
 from PIL import Image
 
-if not __package__:  # run as a script (python tools/blank_crop.py): the core is one folder up
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core modules, however this is run
 import env_geo3k  # noqa: E402
 import train_grpo  # noqa: E402
+import console  # noqa: E402
 
-REAL_CROP = env_geo3k.crop
+REAL_CROP = env_geo3k.TOOLS["crop"]
 
 
 def blank_crop(env, arguments):
     """env_geo3k.crop's checks, text and numbering, its image replaced by a white one of the same size."""
-    text, images, score = REAL_CROP(env, arguments)
-    blank = [Image.new("RGB", im.size, "white") for im in images]
-    env.images[len(env.images) - len(images):] = blank  # a later crop of this one sees the blank too
-    return text, blank, score
+    text, images, info = REAL_CROP.run(env, arguments)
+    return text, [Image.new("RGB", im.size, "white") for im in images], info  # the env keeps the blank
 
 
 def main(argv=None):
-    env_geo3k.TOOLS["crop"] = blank_crop  # the env looks its tools up at each call
-    return train_grpo.main(argv)
+    train_grpo.__doc__ = __doc__  # --help: this file's purpose (train_grpo's parser's description), then its flags
+    env_geo3k.TOOLS["crop"] = dataclasses.replace(REAL_CROP, run=blank_crop)  # the env reads TOOLS as it starts
+    try:
+        return train_grpo.main(argv)
+    finally:  # a caller in this process (a test, --help) keeps the real crop
+        env_geo3k.TOOLS["crop"] = REAL_CROP
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console.entry(main, train_grpo.parse_args)

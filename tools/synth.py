@@ -118,7 +118,7 @@ def crop_view(rows):
     always crops sees (the whole-image vs crop measurement)."""
     out = []
     for r in rows:
-        env = env_geo3k.Geo3kEnv(r["answer"], [data.decode_image(r["images"][0]["bytes"])], max_turns=2)
+        env = env_geo3k.Geo3kEnv({"answer": r["answer"], "images": [data.decode_image(r["images"][0]["bytes"])]}, 2)
         _, images, _ = env_geo3k.crop(env, {"bbox": r["box"]})
         out.append(dict(r, images=[_png(images[0])]))
     return out

@@ -1,0 +1,73 @@
+"""The GRPO step's maths as pure tensor functions, each picked by name from a registry whose keys are its flag's
+choices: advantage estimators with their policy losses (ESTIMATORS, --advantage-estimator), KL estimators (KL,
+--kl-loss-type), TIS; no model, no process group. A policy loss takes a micro-batch's scored tokens, concatenated
+(logp with gradient, old, adv: each (N,)) and its sequences' token counts `lens`, and gives each token's loss and
+whether the clip changed it. Per-sequence values (GSPO's ratio) hold under every layout: docs/extending.md, "A loss".
+"""
+import collections
+
+import torch
+
+
+def grpo_advantages(r):  # a group's rewards (G,) float64 -> advantages (G,)
+    return (r - r.mean()) / (r.std() + 1e-6)
+
+
+def _clip(ratio, adv, eps_low, eps_high):
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+    return -torch.minimum(ratio * adv, clipped * adv), clipped * adv < ratio * adv
+
+
+def ppo_clip(logp, old, adv, lens, eps_low, eps_high):
+    """PPO-clip per token: ratio = exp(logp - old), loss -min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A)."""
+    return _clip(torch.exp(logp - old), adv, eps_low, eps_high)
+
+
+def gspo(logp, old, adv, lens, eps_low, eps_high):
+    """GSPO (Qwen, arXiv 2507.18071): one ratio a sequence, exp(mean over its tokens of logp - old), clipped per
+    sequence; each of its tokens carries it."""
+    per_seq = torch.stack([d.sum() / max(1, len(d)) for d in (logp - old).split(lens)])
+    ratio = per_seq.exp().repeat_interleave(torch.tensor(lens, device=logp.device))
+    return _clip(ratio, adv, eps_low, eps_high)
+
+
+def cispo(logp, old, adv, lens, eps_low, eps_high):
+    """CISPO (MiniMax-M1, arXiv 2506.13585): -sg(clip(ratio, 1 - eps_low, 1 + eps_high)) A logp per token: the
+    clipped IS weight takes no gradient, so a clipped token still learns (canonically --eps-clip 1: no lower bound)."""
+    ratio = torch.exp(logp - old).detach()
+    weight = ratio.clamp(1 - eps_low, 1 + eps_high)
+    return -weight * adv * logp, weight != ratio
+
+
+Estimator = collections.namedtuple("Estimator", ["advantage", "policy"])  # (group rewards -> advantages, policy loss)
+ESTIMATORS = {"grpo": Estimator(grpo_advantages, ppo_clip),
+              "dr_grpo": Estimator(lambda r: r - r.mean(), ppo_clip),  # Dr. GRPO: no division by the std
+              "gspo": Estimator(grpo_advantages, gspo), "cispo": Estimator(grpo_advantages, cispo)}
+
+
+def advantages(rewards, groups, estimator):
+    """Each sample's advantage within its group (`groups[i]`: sample i's) by ESTIMATORS[estimator]; exactly
+    0.0 for a group of one or of equal rewards."""
+    out = [0.0] * len(rewards)
+    for g in set(groups):
+        idx = [i for i, x in enumerate(groups) if x == g]
+        r = torch.tensor([rewards[i] for i in idx], dtype=torch.float64)
+        if len(idx) > 1 and not bool((r == r[0]).all()):
+            for i, v in zip(idx, ESTIMATORS[estimator].advantage(r).tolist()):
+                out[i] = v
+    return out
+
+
+def _k3(d):  # d = ref - logp
+    return torch.exp(d) - d - 1
+
+
+# Per-token estimates of KL(policy || ref) (Schulman's k1, k2, k3); low_var_kl: k3 clamped, for stability.
+KL = {"k1": lambda logp, ref: logp - ref, "k2": lambda logp, ref: 0.5 * (ref - logp) ** 2,
+      "k3": lambda logp, ref: _k3(ref - logp),
+      "low_var_kl": lambda logp, ref: _k3((ref - logp).clamp(-20, 20)).clamp(max=10)}
+
+
+def tis(old, rollout, cap):
+    """Truncated importance sampling's per-token weight: the trainer's old policy over the engine's, capped."""
+    return torch.exp(old - rollout).clamp(max=cap)
