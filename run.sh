@@ -65,13 +65,13 @@ if [[ "$NUM_GPUS" == 0 ]]; then
       "${EVAL[@]}" --num-rollout 0 --rollout-engine local --rollout-max-response-len 48  # the random model
   # SFT warm-up, 24 steps: the format. A random tiny model wants a fast embedding/output layer and
   # a slow body (README, "Known limits"); it reads the picture only after ~60 steps of SFT.
-  SFT=(--lr 1e-4 --decoupled-lr 1e-2 --lr-warmup-iters 3 --num-epoch 1 --seed $((1234 + DATA_SEED)))
+  SFT=(--decoupled-lr 1e-2 --seed $((1234 + DATA_SEED)))
   $PY sft.py --hf-checkpoint "$RUN/base" --prompt-data "$RUN/warmup" --save "$RUN/sft" "${EVAL[@]}" "${SFT[@]}" \
-      --lr-decay-style constant --global-batch-size 16 --max-tokens-per-gpu 1024
+      --lr 1e-4 --lr-warmup-iters 3 --lr-decay-style constant --global-batch-size 16 --num-epoch 1 --max-tokens-per-gpu 1024
   GRPO=(--rollout-engine local --rollout-batch-size 8 --n-samples-per-prompt 8 --rollout-temperature 1.0
         --lr 1e-4 --decoupled-lr 3e-3 --seed "$SEED")
   $PY train_grpo.py --hf-checkpoint "$RUN/sft/$(cat "$RUN/sft/latest")" --save "$RUN/grpo" --prompt-data "$RUN/data" \
-      "${EVAL[@]}" "${GRPO[@]}" --rollout-max-response-len 48 --max-tokens-per-gpu 1024 --num-rollout ${ST_STEPS:-100} \
+      "${EVAL[@]}" "${GRPO[@]}" --rollout-max-response-len 48 --max-tokens-per-gpu 1024 --num-rollout 100 \
       --eval-interval 20 --save-interval 20 --dynamic-sampling   # all-equal groups replaced: bench/RESULTS.md, "CPU demo"
   # the tool call's format: SFT on crop episodes, half of which crop the named box (tools/synth.py --warm-start)
   $PY sft.py --hf-checkpoint "$RUN/grpo/$(cat "$RUN/grpo/latest")" --prompt-data "$RUN/crop_warm" --save "$RUN/sft_crop" \
@@ -79,7 +79,7 @@ if [[ "$NUM_GPUS" == 0 ]]; then
   # multi-turn GRPO on the crop task, lr warmed up (bench/RESULTS.md, "CPU demo"): it learns to call crop
   $PY train_grpo.py --hf-checkpoint "$RUN/sft_crop/$(cat "$RUN/sft_crop/latest")" --save "$RUN/grpo_mt" \
       --prompt-data "$RUN/crop" --eval-prompt-data "$RUN/crop" --eval-split test --eval-samples 64 "${GRPO[@]}" \
-      --max-turns 3 --rollout-max-response-len 192 --max-tokens-per-gpu 4096 --num-rollout ${MT_STEPS:-30} \
+      --max-turns 3 --rollout-max-response-len 192 --max-tokens-per-gpu 4096 --num-rollout 30 \
       --lr-warmup-iters 10 --eval-interval 30 --save-interval 30
   $PY tools/report.py "$RUN"
   echo "final Hugging Face checkpoint: $RUN/grpo_mt/$(cat "$RUN/grpo_mt/latest")"
