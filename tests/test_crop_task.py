@@ -127,14 +127,14 @@ def test_blank_crop_returns_a_white_image_of_the_crops_size_and_runs_the_real_tr
 
 
 def test_the_demo_report_shows_each_stage_on_its_own_evals_and_the_crop_calls_and_hits(tmp_path):
-    """tools/report.py on a run.sh folder: a stage's before/after are its own evals' (the crop SFT, with none, does
-    not borrow the sides set's 1.0 before nor the crop set's start after), and the crop stage's calls and box hits
-    per 10 steps reach summary.md and the curve."""
+    """tools/report.py on a run.sh folder: an SFT stage ends where the next stage's eval begins, and begins where
+    the last ended if it evaluated on that set (the first, eval_loss), else nowhere (the crop SFT does not borrow the
+    sides set's 1.0); the crop stage's calls and box hits per 10 steps reach summary.md and the curve."""
     def stage(name, rows):
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     stage("base_eval", [{"step": 0, "eval_accuracy": 0.0}])
-    stage("sft", [{"step": 1, "loss": 1.0}, {"step": 1, "eval_accuracy": 0.3}])
+    stage("sft", [{"step": 1, "loss": 1.0}, {"step": 1, "eval_loss": 0.5}])
     stage("grpo", [{"step": 0, "eval_accuracy": 0.3}, {"step": 1, "reward": 0.4},
                    {"step": 1, "eval_accuracy": 1.0, "eval_multi_turn_accuracy": 0.9}])
     stage("sft_crop", [{"step": 1, "loss": 1.0}])
@@ -147,7 +147,7 @@ def test_the_demo_report_shows_each_stage_on_its_own_evals_and_the_crop_calls_an
     assert [(t, acc) for t, _, _, acc in rows] == [
         ("SFT", {"eval_accuracy": [0.0, 0.3], "eval_multi_turn_accuracy": [None, None]}),
         ("GRPO single-turn", {"eval_accuracy": [0.3, 1.0], "eval_multi_turn_accuracy": [None, 0.9]}),
-        ("SFT crop calls", {"eval_accuracy": [None, None], "eval_multi_turn_accuracy": [None, None]}),
+        ("SFT crop calls", {"eval_accuracy": [None, 0.25], "eval_multi_turn_accuracy": [None, 0.22]}),
         ("GRPO crop task", {"eval_accuracy": [0.25, 0.25], "eval_multi_turn_accuracy": [0.22, 0.6]})]
     summary = (tmp_path / "summary.md").read_text()
     assert ("GRPO crop task, per 10 steps: crop calls / episode 0.20, 0.90; share whose crop hit the box 0.10, 0.50"

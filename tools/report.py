@@ -1,12 +1,12 @@
-"""report.py: the summary of a run folder (run.sh's stages after base_eval, or one run of train_grpo.py or sft.py):
-each stage's training reward (SFT: loss), greedy accuracy before and after (single-turn; multi-turn, oracle off), and
-a multi-turn stage's crop calls and share whose crop hit the box per 10 steps, as summary.md and a reward-curve PNG.
+"""report.py: the summary of a run folder (run.sh's stages, or one run of train_grpo.py or sft.py) as summary.md and a
+PNG: training reward (SFT: loss), greedy accuracy before and after (single-turn; multi-turn, oracle off), crop calls.
 
     python tools/report.py runs/cpu-demo            # or any run's folder (its metrics.jsonl)
 """
 import argparse
 import json
 from pathlib import Path
+from statistics import fmean
 
 from matplotlib.figure import Figure
 
@@ -28,23 +28,22 @@ def stage_rows(run):
         m = read(run / name / "metrics.jsonl")
         if not m:
             continue
-        key = "reward" if any("reward" in x for x in m) else "loss"  # GRPO's, or SFT's
-        rewards = [(x["step"], x[key]) for x in m if key in x]
-        acc = {k: [None, None] for k, _ in EVALS}
+        key = "reward" if any("reward" in x for x in m) else "loss"  # the curve: GRPO's reward, or SFT's loss
+        curve = [(x["step"], x[key]) for x in m if key in x]
+        if not any(k.startswith("eval_") for x in m for k in x):
+            last = {}  # a stage with no eval set (the crop SFT) has no before; it ends where the next begins
+        acc = {}
         for k, _ in EVALS:
             seen = [x for x in m if k in x]
-            if seen:  # a stage whose eval ran but not at step 0 (SFT) begins where the eval last stood
-                acc[k] = [seen[0][k] if seen[0]["step"] == 0 else last.get(k), seen[-1][k]]
-                last[k] = seen[-1][k]
-        tail = [r for _, r in rewards[-5:]]
-        rows.append((title, rewards[0][1] if rewards else None, sum(tail) / len(tail) if tail else None, acc))
-        if rewards and key == "reward":  # with a multi-turn stage's tool curves
-            curves.append((title, rewards, {k: [(x["step"], x[k]) for x in m if k in x] for k in TOOL_CURVES}))
+            before = seen[0][k] if seen and seen[0]["step"] == 0 else last.get(k)
+            acc[k] = [before, seen[-1][k] if seen else None]
+            if rows and rows[-1][3][k][1] is None and seen and seen[0]["step"] == 0:
+                rows[-1][3][k][1] = before  # a stage without this eval (SFT) ends where the next begins
+            last[k] = acc[k][1] if acc[k][1] is not None else before
+        rows.append((title, curve[0][1] if curve else None, fmean(r for _, r in curve[-5:]) if curve else None, acc))
+        if curve and key == "reward":  # with a multi-turn stage's tool curves
+            curves.append((title, curve, {k: [(x["step"], x[k]) for x in m if k in x] for k in TOOL_CURVES}))
     return rows, curves
-
-
-def per10(pts):  # a curve's means over each 10 steps, as text
-    return ", ".join(f"{sum(y for _, y in pts[i:i + 10]) / len(pts[i:i + 10]):.2f}" for i in range(0, len(pts), 10))
 
 
 def main(argv=None):
@@ -55,6 +54,7 @@ def main(argv=None):
     if not rows:
         p.error(f"no metrics.jsonl in {run}, nor in its stage folders ({', '.join(n for n, _ in STAGES)})")
     fmt = lambda v: "  -  " if v is None else f"{v:5.3f}"  # noqa: E731
+    per10 = lambda pts: ", ".join(f"{fmean(y for _, y in pts[i:i + 10]):.2f}" for i in range(0, len(pts), 10))  # noqa
     lines = ["| stage | train reward (SFT: loss) first step | last 5 steps | greedy single-turn before | after "
              "| greedy multi-turn before | after |", "| --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {t} | {fmt(a)} | {fmt(b)} | " + " | ".join(fmt(v) for k, _ in EVALS for v in acc[k]) + " |"
