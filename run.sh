@@ -4,12 +4,13 @@
 #   bash run.sh --help     this text
 #
 #   bash run.sh
-#       CPU demo (no GPU, no network): a tiny random Qwen3-VL goes through the whole pipeline on the
-#       synthetic geometry set: SFT warm-up -> GRPO single-turn -> GRPO multi-turn (calc_score + crop
-#       tools) -> eval. The warm-up (24 steps) teaches only the answer format: accuracy stays at
-#       chance (1 in 4). GRPO then learns from the reward alone to read the number of sides from the
-#       picture (greedy accuracy 0.27-0.30 -> 1.0 at five seeds), then the multi-turn prompt (greedy
-#       multi-turn 0.30-0.89 -> 1.0). 7.5 min on a quiet 2-core machine; the range and why: bench/RESULTS.md, "CPU demo".
+#       CPU demo (no GPU, no network): a tiny random Qwen3-VL goes through the whole pipeline on
+#       synthetic polygons: SFT warm-up (the answer format only: chance, 1 in 4) -> GRPO single-turn
+#       (reads the number of sides from the picture, from the reward alone: greedy 0.27-0.30 -> 1.0)
+#       -> SFT on crop-tool episodes (the call's format) -> GRPO multi-turn on the crop task (two
+#       polygons on a 1,024-px canvas, the question names one's box): it learns to call crop (0.43-0.52
+#       -> 0.74-0.87 calls an episode), greedy multi-turn 0.22-0.52 -> 0.58-0.59 (it crops the left box).
+#       36-40 min with one thread on shared cores; the ranges, the misses: bench/RESULTS.md, "CPU demo".
 #       SEED (GRPO), DATA_SEED (data and SFT); RUN=<folder> instead of runs/$NAME. No arguments, no MODE.
 #       Writes runs/cpu-demo/: each stage's metrics.jsonl and checkpoints, summary.md, reward_curve.png;
 #       a folder that holds a run is kept: NAME=<other> writes runs/<other>, OVERWRITE=1 deletes it first.

@@ -238,11 +238,11 @@ def test_grpo_reward_rises_from_a_picture_blind_start_and_the_shuffled_control_d
 @pytest.mark.slow
 @pytest.mark.parametrize("data_seed", ["0", "1"])
 def test_demo_stages_keep_what_the_last_taught_and_the_multi_turn_stage_learns_to_crop(data_seed, tmp_path):
-    """`bash run.sh` (the CPU demo, ~15 min a seed): each stage ends no worse than it began on both greedy evals
-    of its set (tolerance one problem in 64); the single-turn stage ends >= 0.8; the multi-turn stage (the crop
-    task) calls crop more, >= 0.8 an episode over its last 10 steps and >= 0.3 more than over its first 10, and
-    its greedy multi-turn accuracy rises >= 0.2. Measured over GRPO seeds 1234, 1, 2, 3 and data seed 1:
-    bench/RESULTS.md, "CPU demo"."""
+    """`bash run.sh` (the CPU demo, 36-40 min a run with one thread on shared cores; issue 52's bounds): each stage
+    ends no worse than it began on both greedy evals (tolerance one problem in 64); the single-turn stage ends
+    >= 0.8; the crop stage calls crop >= 0.8 an episode over its last 10 steps and >= 0.3 more than over its first
+    10, and its greedy multi-turn accuracy rises >= 0.2. Measured (bench/RESULTS.md, "CPU demo"): met at data
+    seed 0; at data seed 1 the calls rose 0.298 and greedy multi-turn 0.52 -> 0.59, so [1] fails as it stands."""
     r = subprocess.run(["bash", ROOT / "run.sh"], cwd=ROOT, capture_output=True, text=True, timeout=3600,
                        env=dict(os.environ, DATA_SEED=data_seed, RUN=str(tmp_path / "demo")))
     assert r.returncode == 0, r.stdout[-1500:] + r.stderr[-3000:]
