@@ -6,14 +6,11 @@
     message = env.format_observation(obs)   # {"role": "tool", "content": [image..., text]}
 
 A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in strict JSON, as Qwen2.5-VL
-and Qwen3-VL write it, or Qwen3.5's XML form (parse_xml). A tool is a function and its Tool
-declaration in TOOLS; offered() says which tools a row gets (its `tools`, else the default ones).
-Nothing the model writes is evaluated or executed: arguments are checked as data.
+and Qwen3-VL write it, or Qwen3.5's XML form (parse_xml). Nothing the model writes is evaluated or
+executed: arguments are checked as data. A tool: a function and its Tool in TOOLS (docs/extending.md).
 Options read from args: max_turns (required), oracle (default True; False makes calc_score only
 record the answer, as evaluation must: an oracle tool inflates multi-turn accuracy), rm_type
-("math"), min_pixels (crop area floor, default 56*56), max_payload (4096 chars). The row's other
-columns are the tools' and the reward's to read (crop: `box`, the region a task names, which each
-crop of image 0 is scored against in its step info `iou`, for metrics; the model never sees it).
+("math"), min_pixels (crop area floor, default 56*56), max_payload (4096 chars).
 """
 import dataclasses
 import json
@@ -91,7 +88,7 @@ def crop(env, arguments):
         region = region.resize((cw * k, ch * k), resample=0)  # 0 = Image.NEAREST
     text = (f"Crop of image {i} at [{x1}, {y1}, {x2}, {y2}] ({cw}x{ch} px, shown at "
             f"{cw * k}x{ch * k}); it is now image {len(env.images)}.")
-    box = env.record.get("box")  # the region a task names (the crop task's): a crop of image 0 is scored against it
+    box = env.record.get("box")  # the region a task names (never shown to the model): a crop of image 0 is scored
     return text, [region], {"iou": iou(bbox, box)} if box is not None and i == 0 else {}
 
 
@@ -152,8 +149,7 @@ ALIASES = {"calc_geo3k_reward": "calc_score"}  # old names that still run, not a
 
 
 def offered(names=None):
-    """The names of the tools a row gets: its `tools` (None: TOOLS' default ones), checked; the one place that decides
-    (the env runs those, the prompt shows those: specs, usage; names alone travel in a checkpoint's episodes)."""
+    """The names of the tools a row gets: its `tools` (None: TOOLS' default ones), checked (docs/extending.md)."""
     if names is None:
         return [n for n, t in TOOLS.items() if t.default]
     if isinstance(names, str) or not names or not all(n in TOOLS for n in names):
@@ -167,8 +163,7 @@ def specs(names):
 
 
 def usage(names, xml=False):
-    """The exact call format on the first tool's example (Qwen3.5's XML form if the model used it) and each tool's
-    usage line."""
+    """The call format on the first tool's example (Qwen3.5's XML if the model wrote XML), then each tool's usage."""
     name, example = names[0], TOOLS[names[0]].example
     call = json.dumps({"name": name, "arguments": example})
     if xml:  # as Qwen3.5's template writes it: strings raw, the rest as JSON
@@ -239,10 +234,9 @@ class Geo3kEnv:
         return name, arguments
 
     def parse_xml(self, payload, info):
-        """Qwen3.5's form, `<function=NAME>` and `<parameter=K>\\nV\\n</parameter>` blocks, as its chat
-        template writes it: V is taken as text where the tool's spec says the parameter is a string,
-        else as JSON (the template writes lists with tojson); V that is not JSON stays text, and
-        the tool's own checks say what is wrong with it."""
+        """Qwen3.5's form, `<function=NAME>` and `<parameter=K>\\nV\\n</parameter>` blocks, as its chat template
+        writes it: V is text where the tool's spec says string, else JSON (the template writes lists with tojson);
+        V that is not JSON stays text, and the tool's own checks say what is wrong with it."""
         m = re.fullmatch(r"<function=([^>\n]*)>(.*)</function>", payload, re.DOTALL)
         if m is None:
             raise ToolError("unclosed <function=...> (no </function> at the end of the tool call)")
