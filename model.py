@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-# without Transformer Engine and Apex megatron-core warns that it falls back; true, so we let it (docs/model.md)
 from megatron.core import tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel, gpt_layer_specs as specs
@@ -26,7 +25,6 @@ import parallel
 import pipeline
 import qwen3_5
 import routing
-from parallel import all_reduce as _all_reduce
 
 
 def rope_positions(hf_config, input_ids, image_grid_thw=None):
@@ -95,8 +93,6 @@ def layer_impl(impl=None):
     """--transformer-impl: transformer_engine (the CUDA default) or local; TE that cannot load is an error."""
     if impl is None:
         impl = "transformer_engine" if torch.cuda.is_available() else "local"
-    if impl not in ("transformer_engine", "local"):
-        raise SystemExit(f"--transformer-impl {impl!r}: choose transformer_engine or local")
     if impl == "local":
         return impl
     if not torch.cuda.is_available():
@@ -199,7 +195,7 @@ def sum_shared_grads_over_tp(language_model, par):
     for name, p in language_model.named_parameters():
         shared = any(k in name for k in ("q_layernorm", "k_layernorm", "self_attention.norm."))
         if par.tp > 1 and (shared or getattr(p, "sequence_parallel", False)):
-            p.register_hook(lambda g: _all_reduce(g.clone(), par.tp_group))
+            p.register_hook(lambda g: parallel.all_reduce(g.clone(), par.tp_group))
 
 
 def packed_row(hf_config, seqs, per_seq, par, sp):
@@ -212,7 +208,7 @@ def packed_row(hf_config, seqs, per_seq, par, sp):
     m = math.lcm(par.tp if sp else 1, 2 if par.cp > 1 else 1)
     share = -(-sum(lens) // par.cp // m) * m
     if par.ep > 1:
-        share = int(_all_reduce(torch.tensor(share, device=par.device), par.ep_group, dist.ReduceOp.MAX))
+        share = int(parallel.all_reduce(torch.tensor(share, device=par.device), par.ep_group, dist.ReduceOp.MAX))
     extra = share * par.cp - sum(lens)
     if extra:
         lens, ids, pos = lens + [extra], ids + [torch.zeros(extra, dtype=torch.long)], pos + [torch.arange(extra).expand(3, -1)]
