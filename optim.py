@@ -2,7 +2,6 @@
 AdamW; --bf16 / --use-distributed-optimizer: MasterAdamW on CPU, megatron-core's DDP and optimizer on CUDA.
 Parameters with `allreduce == False` (MoE experts, Megatron's mark) are never sharded. docs/optimizer.md.
 """
-import copy
 import math
 
 import torch
@@ -99,11 +98,10 @@ def megatron_optimizer(model, args):
 
 def megatron_ddp(model, args):
     """megatron-core's DDP around the model, SUMMING gradients over DP ranks as allreduce_grads does (our
-    loss is already divided by the global batch's token count), with no overlapped reduce."""
-    config = copy.copy(model.language_model.config)  # not the model's own: the MoE aux loss would rescale
-    config.calculate_per_token_loss = True
+    loss is already divided by the global batch's token count: model.config's calculate_per_token_loss),
+    with no overlapped reduce."""
     with parallel.megatron_on_cpu():  # on CPU only for the test that holds the two paths together
-        return DistributedDataParallel(config, DistributedDataParallelConfig(
+        return DistributedDataParallel(model.config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32, overlap_grad_reduce=False,
             use_distributed_optimizer=args.use_distributed_optimizer), model)
 
