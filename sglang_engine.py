@@ -32,7 +32,6 @@ import data
 from engines import Engine, LocalEngine, finish_reason
 from sglang_server import Router, Server, ServerDown, ServerError, free_port
 
-WEIGHT_SYNC = ("disk", "tensor", "distributed")
 GROUP = "geo3k_weight_sync"  # the process-group name for "distributed"
 COLOCATE_MEM_FRACTION = 0.4  # SGLang's share of each GPU when it shares them with training (README)
 OFFLOAD_MEM_FRACTION = 0.7  # the same with --offload-train: the recipe's (the trainer waits in host memory)
@@ -131,8 +130,6 @@ class SGLangEngine(Engine):
         # config and tokenizer files come from (a resumed run's checkpoint may be pruned by --save-keep)
         self.hf_dir = str(config_dir or hf_dir)
         self.image_pad = read_image_token_id(hf_dir)
-        if weight_sync not in WEIGHT_SYNC:
-            raise ValueError(f"weight_sync {weight_sync!r}: choose one of {', '.join(WEIGHT_SYNC)}")
         self.weight_sync, self.group, self.stale = weight_sync, None, False
         self.released = set()  # the server's memory regions freed by release(), not yet resumed
         self.server_tp = int(flag_value(server_args, ("--tp-size", "--tp"), 1))
