@@ -308,11 +308,8 @@ def sync_disk(server, buckets, config_dir):
 def sync_tensor(server, buckets, tp):
     n = 0
     for bucket in buckets:
-        if isinstance(bucket, Serialized):
+        if isinstance(bucket, Serialized):  # each TP rank its own copy (cluster.Servers.sync, TP > 1)
             blobs, names = bucket.blobs, bucket.names
-        elif tp > 1 and any(v.is_cuda for _, v in bucket):
-            raise ValueError("tensor sync into a server of TP > 1 takes each rank's own copy: "
-                             "pass sglang_engine.serialize_on_ranks buckets")
         else:  # the tensors stay alive until the server answers
             blobs, names = [serialize_tensors(bucket)] * tp, bucket
         weight_update(server, "/update_weights_from_tensor", {"serialized_named_tensors": blobs, "flush_cache": False})
