@@ -235,8 +235,7 @@ def load_weights(model):
     if bad:
         raise SystemExit(f"{files[bad[0]]}: tensor {bad[0]} holds NaN or inf"
                          + (f" ({len(bad) - 1} more tensors too)" if len(bad) > 1 else ""))
-    # Every tensor but mtp.* must reach a parameter: export sends only those, and SGLang keeps no CPU copy
-    # of its weights when it releases them, so any other would be garbage after the first release.
+    # every tensor but mtp.* must reach a parameter: export sends only those (why: docs/convert.md)
     everyone = [None] * model.par.world
     dist.all_gather_object(everyone, read)
     left = sorted(n for n in files if not n.startswith("mtp.") and not any(n in r for r in everyone))

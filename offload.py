@@ -1,7 +1,5 @@
-"""--offload-train: while SGLang generates, the trainer's GPU state waits in host memory, so that a
-colocated server can take the GPU (the recipe's --mem-fraction-static 0.7 instead of 0.4). Each storage
-is copied to pinned host memory and resized to zero bytes, so every tensor that views it stays the same
-object (docs/offload.md).
+"""--offload-train: while SGLang generates, the trainer's GPU state waits in host memory, each storage
+resized to zero bytes, so that a colocated server can take the GPU (how and why: docs/offload.md).
 
     off = Offload(model, opt, ref)
     off.release()                       # before the rollout: everything

@@ -1,13 +1,12 @@
 """Parallel state: torchrun's environment -> one frozen `Parallel` context (rank, world, device, the
 node, and the size, rank and group of every parallelism), megatron-core's parallel state underneath.
 The model, optimizer, conversion and trainers take this object; nothing else reaches for a group.
+How Megatron runs on CPU, sockets and the torchrun watch: docs/parallel.md.
 
     par = parallel.init_distributed(tp=2)   # under torchrun, or a plain process (a world of one)
     par.rank, par.world, par.device, par.node, par.tp_group, par.dp_rank, par.ep, ...
     with parallel.megatron_on_cpu():          # only where Megatron code runs
         ...
-
-How Megatron runs on CPU, sockets and the torchrun watch: docs/parallel.md.
 """
 import atexit
 import contextlib

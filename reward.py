@@ -27,8 +27,7 @@ from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, veri
 MAX_BOX_CHARS = 1000  # a real answer is < 100 chars; longer boxes are junk and slow to parse
 MAX_DEPTH = 8         # geo3k answers nest <= 3 deep; sympy's set/evalf code is exponential in depth
 MAX_BITS = 20000      # biggest exact integer we let sympy build (C bigint math ignores timeouts)
-CPU_LIMIT_S = 0.4     # per-call budget of the thread's own CPU time: warm real answers need
-                      # < 0.25 s (most ~5 ms), and it does not shrink when the machine is busy
+CPU_LIMIT_S = 0.4     # per-call budget of the thread's own CPU time: warm real answers need < 0.25 s (most ~5 ms)
 WALL_LIMIT_S = 0.8    # the 1 s spec, with room to unwind; binds only under > 2x CPU contention
 MAX_JSON_DEPTH = 64   # a tool call nests 3 deep
 _BOX_START = re.compile(r"\\(?:boxed|fbox)\s*\{")
