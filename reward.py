@@ -3,10 +3,9 @@
     import reward
     r = reward.score("geo3k", response, {"answer": "5 \\sqrt { 3 }"})   # 1.0 or 0.0, never raises; thread-safe
 
-A reward in REWARDS is (response, record) -> true or false, record the data row (its label in "answer", its
-other columns); score(), which the rollout and env_geo3k's calc_score call, makes it exactly 0.0 or 1.0 (equal
-rewards: A = 0) and bounds its time on any thread (docs/reward.md). format_ok is a metric, not in the reward.
-Importing changes nothing in the process; the first scoring call runs init() by itself.
+A reward in REWARDS is (response, record) -> true or false, record the data row (docs/extending.md, "A reward");
+score() makes it exactly 0.0 or 1.0 and bounds its time on any thread (docs/reward.md). format_ok is a metric,
+not in the reward. Importing changes nothing in the process; the first scoring call runs init() by itself.
 """
 import ctypes
 import functools
