@@ -20,7 +20,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-# GPU kernels, used on CUDA when importable, each imported on its own; check_kernels says what is missing (docs/qwen3_5.md)
+# GPU kernels, used on CUDA when importable, each imported alone; check_kernels says what is missing (docs/qwen3_5.md)
 MISSING = {}  # package -> the ImportError it raised
 try:  # causal-conv1d 1.7.0: x (B, C, T), weight (C, K), seq_idx (B, T)
     from causal_conv1d import causal_conv1d_fn
