@@ -144,8 +144,7 @@ class MasterAdamW:
     distributed optimizer shards its gradient buffer; each step gathers the updated ranges into the parameters."""
 
     def __init__(self, groups, args, par):
-        self.sharded = bool(args.use_distributed_optimizer)
-        self.dp_rank, self.dp = (par.dp_rank, par.dp) if self.sharded else (0, 1)
+        self.dp_rank, self.dp = (par.dp_rank, par.dp) if args.use_distributed_optimizer else (0, 1)
         self.group = par.dp_group
         self.params = [p for _, _, ps in groups for p in ps]
         n = sum(p.numel() for p in self.params if getattr(p, "allreduce", True))
