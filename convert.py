@@ -263,8 +263,7 @@ def _experts(model, name, kind, hf, t, fused):
 
 def hf_tensors(model, grad=False):
     """(HF name, full tensor) for every tensor of the source checkpoint, `mtp.*` passed through as it is;
-    grad=True: their gradients (None as zeros; no `mtp.*`). Collective over TP, EP and PP: every rank gets
-    every full tensor, each PP stage's in turn (broadcast from its rank of this rank's pipeline)."""
+    grad=True: their gradients (None as zeros; no `mtp.*`). Collective over TP, EP and PP: every rank gets all."""
     par = model.par
     if par.pp == 1:
         yield from _stage_tensors(model, grad)

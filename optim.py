@@ -97,9 +97,8 @@ def megatron_optimizer(model, args):
 
 
 def megatron_ddp(model, args):
-    """megatron-core's DDP around the model, SUMMING gradients over DP ranks as allreduce_grads does (our
-    loss is already divided by the global batch's token count: model.config's calculate_per_token_loss),
-    with no overlapped reduce."""
+    """megatron-core's DDP around the model, SUMMING gradients over DP ranks as allreduce_grads does (model.config:
+    calculate_per_token_loss, as our loss is already divided by the global token count), no overlapped reduce."""
     with parallel.megatron_on_cpu():  # on CPU only for the test that holds the two paths together
         return DistributedDataParallel(model.config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32, overlap_grad_reduce=False,
