@@ -29,16 +29,6 @@ class ToolError(Exception):
     """Bad tool arguments; the message is shown to the model."""
 
 
-def _check_args(arguments, tool):
-    """The arguments a tool's declaration names: its example's (required), and no others than its parameters."""
-    missing = [k for k in tool.example if k not in arguments]
-    if missing:
-        raise ToolError(f"missing argument {missing[0][:80]!r}")
-    extra = [k for k in arguments if k not in tool.parameters]
-    if extra:
-        raise ToolError(f"unexpected argument {extra[0][:80]!r}")
-
-
 def _is_number(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -279,7 +269,12 @@ class Geo3kEnv:
             if ALIASES.get(name, name) not in self.tools:
                 raise ToolError(f"unknown tool {name[:80]!r}; tools are {', '.join(self.tools)}")
             tool = TOOLS[ALIASES.get(name, name)]
-            _check_args(arguments, tool)
+            missing = [k for k in tool.example if k not in arguments]  # its example's arguments are required
+            if missing:
+                raise ToolError(f"missing argument {missing[0][:80]!r}")
+            extra = [k for k in arguments if k not in tool.parameters]
+            if extra:
+                raise ToolError(f"unexpected argument {extra[0][:80]!r}")
             text, images, gained = tool.run(self, arguments)
             self.images += images  # what a tool shows, later calls can refer to
             info.update(gained, ran=True)
