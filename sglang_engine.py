@@ -270,7 +270,6 @@ class SGLangEngine(Engine):
             self.released -= set(tags)
 
 
-# ------------------------------------------------------------------ weight sync: the modes (docs/sglang.md)
 def weight_update(server, path, body):
     try:
         r = server.call(path, body)
@@ -293,8 +292,7 @@ def flush_cache(server):
 
 
 def sync_disk(server, buckets, config_dir):
-    # Two folders in turn: the one the server runs (and a restart would load) is never the one
-    # being rewritten, so a refused or interrupted sync leaves the last good weights loadable.
+    # two folders in turn: a refused or interrupted sync leaves the last good weights loadable (docs/sglang.md)
     folder = server.run_dir / "weights" / server.name  # a node's own: the run folder may be shared
     out = folder / "a"
     if server.model_path == str(out):
@@ -349,7 +347,6 @@ def join_group(server, tp):
     return pg, device, store
 
 
-# ------------------------------------------------------------------ placement: the engine, its GPUs and flags
 def sglang_server_args(argv):
     """Unknown trainer flags -> SGLang server flags: `--sglang-<name> [values]` -> `--<name> [values]`.
     Anything else is an error (a typo must not pass silently)."""
