@@ -46,8 +46,7 @@ def on_leaders(par, engine, fn, what):
 
 class Servers:
     """The trainer's side of the rollout engines, on every rank: this rank's engine (rank 0's generates; a
-    server's holder updates it; None elsewhere), --offload-train's Offload, and each step's moves around
-    training (grpo_step): to_rollout, step_aside, step_back, sync."""
+    server's holder updates it; None elsewhere), --offload-train's Offload, and each step's moves (grpo_step)."""
 
     def __init__(self, args, par, model, opt, ref, hf_dir, run_dir):
         self.par, self.colocate, self.off = par, args.colocate, None
