@@ -34,8 +34,7 @@ class Offload:
 
     def storages(self):
         """{kind: [storage]}: every distinct storage on the trainer's device, each under one kind."""
-        models = [self.model] + ([self.ref] if self.ref is not None else [])
-        params = [p for m in models for p in m.parameters()]
+        params = [p for m in (self.model, self.ref) if m is not None for p in m.parameters()]
         named = {"params": params,
                  "grads": [t for p in params for t in (p.grad, getattr(p, "main_grad", None)) if t is not None],
                  "optimizer": list(optimizer_tensors(self.opt))}
