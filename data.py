@@ -4,7 +4,7 @@
 
 `load_geo3k(source, split=None)` returns a list of {"problem", "answer", "images"} records
 (images as RGB PIL images; other columns as they are) from a hub id (`hiyouga/geometry3k`), a parquet or jsonl file, or a
-folder holding `<split>.parquet` / `<split>.jsonl`; how bad rows are handled: README, "Reliability".
+folder holding `<split>.parquet` / `<split>.jsonl`. The columns and how bad rows are handled: docs/data.md.
 """
 import argparse
 import base64
@@ -138,10 +138,7 @@ def _read_rows(source, split):
 def _record(row, base_dir, input_key, label_key, max_pixels, allow_urls, allow_outside):
     if "__error__" in row:
         raise ValueError(row["__error__"])
-    for key in (input_key, label_key):
-        if key not in row:
-            raise ValueError(f"missing column {key!r}")
-    problem, answer = row[input_key], row[label_key]
+    problem, answer = row.get(input_key), row.get(label_key)  # a column no row has: load_geo3k names it
     if not isinstance(problem, str) or not problem.strip():
         raise ValueError(f"empty {input_key!r}")
     answer = "" if answer is None else str(answer).strip()
@@ -168,6 +165,12 @@ def load_geo3k(source, split=None, input_key="problem", label_key="answer", max_
     named by row and reason). `check(record)` raises ValueError for a bad row, TooLong for one to
     skip and count."""
     rows, base_dir, name = _read_rows(str(source), split)
+    columns = sorted({k for row in rows for k in row} - {"__error__"})
+    for need, flag in ((input_key, "--input-key"), (label_key, "--label-key"), ("images", None)):
+        if columns and need not in columns and not (need == "images" and "image" in columns):
+            raise DataError(f"{name}: no column {need!r}; its columns: {', '.join(columns)}. "
+                            + (f"Name yours with {flag}" if flag else "Images go in 'images' (or 'image')")
+                            + " (docs/data.md)")
     records, bad, long = [], [], []
     for i, row in enumerate(rows):
         try:

@@ -38,6 +38,15 @@ fraction.__name__ = "float"
 POSITIVE, COUNT = at_least(1), at_least(0)  # steps, sizes / intervals where 0 means "off" or "only at the end"
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help: the entry's docstring as written, each flag with its default (unless unset, off, or already said:
+    argparse's ArgumentDefaultsHelpFormatter would add "(default: None)" after "default: --lr")."""
+
+    def _get_help_string(self, action):
+        said = action.default in (None, argparse.SUPPRESS) or action.default is False or "default" in (action.help or "")
+        return action.help if said else f"{action.help or ''} (default: %(default)s)"
+
+
 def add_train_args(p):
     """The groups both trainers share; train_grpo.py adds add_rollout_args and its own."""
     for add in (add_data_args, add_model_args, add_precision_args, add_optimizer_args, add_run_args):
@@ -58,7 +67,7 @@ def add_data_args(p):
     g("--eval-prompt-data", default=None, help="evaluation data (same forms as --prompt-data)")
     g("--eval-split", default="test", help="split of --eval-prompt-data when it is a hub id or folder")
     g("--eval-interval", type=COUNT, default=0, help="evaluate every N steps (0: only at the end)")
-    g("--eval-samples", type=COUNT, default=64, help="evaluate on the first N eval problems")
+    g("--eval-samples", type=COUNT, default=64, help="evaluate on the first N eval problems (0: all)")
 
 
 def add_model_args(p):
@@ -70,7 +79,7 @@ def add_model_args(p):
       "(Megatron's; required for MoE with TP > 1)")
     g("--context-parallel-size", type=POSITIVE, default=1, help="CP: each sequence split over this many ranks (zigzag)")
     g("--pipeline-model-parallel-size", type=POSITIVE, default=1,
-      help="PP: decoder layers split over this many stages (SFT; GRPO not yet)")
+      help="PP: decoder layers split over this many stages")
     g("--decoder-first-pipeline-num-layers", type=POSITIVE, default=None, help="PP: layers of the first stage")
     g("--decoder-last-pipeline-num-layers", type=POSITIVE, default=None, help="PP: layers of the last stage")
     g("--expert-model-parallel-size", type=POSITIVE, default=1, help="EP: MoE experts split over this many ranks "
@@ -114,10 +123,10 @@ def add_optimizer_args(p):
     g("--lr-warmup-iters", type=COUNT, default=0, help="linear warmup steps")
     g("--lr-decay-style", default="constant", choices=["constant", "cosine"], help="after warmup")
     g("--weight-decay", type=at_least(0.0), default=0.0, help="AdamW weight decay (not on norms/biases)")
-    g("--adam-beta1", type=fraction, default=0.9)
-    g("--adam-beta2", type=fraction, default=0.98)
+    g("--adam-beta1", type=fraction, default=0.9, help="Adam's decay of the gradient's running mean")
+    g("--adam-beta2", type=fraction, default=0.98, help="Adam's decay of the squared gradient's running mean")
     g("--clip-grad", type=at_least(0.0), default=1.0, help="clip the global grad norm to this (0: off)")
-    g("--seed", type=int, default=1234)
+    g("--seed", type=int, default=1234, help="the data order, initial RNG state and sampling: a run is a function of it")
 
 
 def add_run_args(p):
@@ -129,6 +138,10 @@ def add_run_args(p):
     g("--save-interval", type=COUNT, default=50, help="checkpoint every N steps (0: only at the end)")
     g("--save-keep", type=COUNT, default=3, help="keep the newest N checkpoints in --save (0: keep all)")
     g("--wandb-project", default=None, help="log to wandb too, when it is installed")
+    g("--exit-signal-handler", action="store_true", help="on SIGTERM (a cluster's preemption), finish the step, "
+      "save a checkpoint and exit 0 on every rank (Megatron's flag)")
+    g("--exit-duration-in-mins", type=at_least(0.0), default=None,
+      help="save a checkpoint and exit 0 after the first step that ends past N minutes (Megatron's flag)")
 
 
 def add_rollout_args(p):
@@ -143,15 +156,17 @@ def add_rollout_args(p):
     g("--rollout-top-p", type=fraction, default=1.0, help="nucleus sampling")
     g("--rollout-top-k", type=int, default=-1, help="-1 = off")
     g("--max-turns", type=POSITIVE, default=1, help="1 = single-turn; >1 drives env_geo3k")
+    g("--n-samples-per-eval-prompt", type=POSITIVE, default=1, help="K > 1: each evaluation also samples K "
+      "responses a problem at --rollout-temperature and reports pass@K (slime's flag)")
     g("--max-context-len", type=at_least(2), default=8192, help="prompt + response token cap")
     g("--dynamic-sampling", action="store_true",
       help="drop groups whose rewards are all equal; top up from the extra prompts given")
     g("--partial-rollout", action="store_true", help="once --rollout-batch-size groups are complete, abort the "
       "rest and continue them first in the next rollout (slime's; README, \"The algorithm\")")
     g("--over-sampling-batch-size", type=POSITIVE, default=None,
-      help="with --partial-rollout: prompts' groups generating at once (default --rollout-batch-size)")
+      help="with --partial-rollout or --fully-async: groups generating at once (default --rollout-batch-size)")
     g("--mask-offpolicy-in-partial-rollout", action="store_true",
-      help="with --partial-rollout: a continued sample's tokens from before its abort get no loss")
+      help="with --partial-rollout or --fully-async: a sample's tokens from before its last abort get no loss")
     g("--rm-type", default="math", choices=list(reward.REWARDS), help="the reward (reward.REWARDS)")
     g("--sglang-server-timeout", type=at_least(1.0), default=900.0,
       help="seconds to wait for the SGLang server's /health")

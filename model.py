@@ -3,17 +3,23 @@ loop of ours (MRoPE, deepstack, packed rows: docs/model.md), built from ModelOpt
 """
 import dataclasses
 import functools
+import logging
 import math
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
-from megatron.core.enums import ModelType
-from megatron.core.models.gpt import GPTModel, gpt_layer_specs as specs
-from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.transformer import TransformerConfig
+with warnings.catch_warnings():  # megatron-core's import, without TE and Apex (CPU): ~10 lines of true notes that
+    warnings.filterwarnings("ignore", "(Transformer Engine and )?Apex (is|are) not installed")  # help no one
+    logging.disable(logging.WARNING)  # and torch's "No CUDA runtime is found"; both as they were after (docs/model.md)
+    from megatron.core import tensor_parallel
+    from megatron.core.enums import ModelType
+    from megatron.core.models.gpt import GPTModel, gpt_layer_specs as specs
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer import TransformerConfig
+    logging.disable(logging.NOTSET)
 from transformers import AutoConfig, AutoModel
 
 import attention

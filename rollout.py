@@ -4,15 +4,14 @@ generation with exact token bookkeeping, group sampling and scoring.
     engine = sglang_engine.make_engine(args, hf_dir, run_dir)   # engines.LocalEngine / SGLangEngine
     samples = generate_group_samples(engine, processor, records, args)
 
-Token-in/token-out: a sample's token list is built once, here (chat.py's prompt and observations,
-the engine's ids); the engine is sent it each turn, the trainer reads it, nothing is re-tokenised.
-Each turn checks that the engine saw exactly the tokens sent (SGLang re-expanding image tokens shows
-as a prompt length mismatch), each sample that its placeholder runs match the images' grids. A sample failing a check is `failed` with its reason
-and an all-zero loss mask; neither it nor an `aborted` one is trained on.
+Token-in/token-out: a sample's token list is built once, here (chat.py's prompt and observations, the
+engine's ids); the engine is sent it each turn, the trainer reads it, nothing is re-tokenised. Each turn
+checks that the engine saw exactly the tokens sent (SGLang re-expanding image tokens shows as a prompt length
+mismatch), each sample that its placeholder runs match the images' grids. A sample failing a check is
+`failed` with its reason and an all-zero loss mask; neither it nor an `aborted` one is trained on.
 """
 import math
 import os
-import statistics
 import sys
 import threading
 import time
@@ -26,7 +25,6 @@ import chat
 import env_geo3k
 import flags
 import reward
-
 
 
 @dataclass
@@ -69,7 +67,6 @@ class RolloutConfig(flags.FromArgs):
     max_turns: int = 1
     max_context_len: int = 8192
     dynamic_sampling: bool = False
-    over_sampling_batch_size: int = None
     rm_type: str = "math"
     oracle: bool = True
 
@@ -113,8 +110,8 @@ def routed_rows(s):
 
 def _finish_turn(ep, out, processor, args, stops, version=0, ours=False):
     """Append one engine answer to the episode's sample; at the end of a turn run the env and append its
-    observation. -> still active? An abort we asked for (`ours`: --partial-rollout) keeps the turn open:
-    its tokens so far are the sample's, and the next rollout continues it. An exception fails the sample."""
+    observation. -> still active? An abort we asked for (`ours`: the run paused) keeps the turn open:
+    its tokens so far are the sample's, and the next run continues it. An exception fails the sample."""
     try:
         return _turn(ep, out, processor, args, stops, version, ours)
     except Exception as e:  # noqa: BLE001 - one bad episode must not end the rollout
@@ -185,28 +182,10 @@ def _turn(ep, out, processor, args, stops, version, ours):
 ABORTED = {"ids": [], "logprobs": [], "finish": "abort"}  # the answer to a request never sent: the rollout stopped
 
 
-@dataclass
-class Partial:
-    """--partial-rollout's buffer (rank 0): the groups a rollout stopped before they were complete, each
-    (record, prompt, [Episode]), which the next continues first; and how many records that rollout drew.
-    At most cap - rollout_batch_size groups: a rollout starts no more than cap, and ends once
-    rollout_batch_size are complete. A buffered group goes first, so its samples end within as many
-    steps as their --rollout-max-response-len takes; none is dropped."""
-    groups: list = field(default_factory=list)
-    drawn: int = 0
-
-    @staticmethod
-    def cap(args):
-        """Groups generating at once: --over-sampling-batch-size, at least --rollout-batch-size."""
-        return max(args.over_sampling_batch_size or 0, args.rollout_batch_size)
-
-
 class _Rounds:
-    """A batch engine (Engine.concurrent False: the local engine, the tests' scripted ones) fed by
-    episodes that each ask on their own: a batch goes once every live episode waits, in episode
-    order. These are a lockstep rollout's rounds, so the samples are the same as a serial loop's. Once
-    the rollout stops (abort), a round is answered ABORTED: it stops between rounds, and so the same way
-    every time."""
+    """A batch engine (Engine.concurrent False: the local engine, the tests' scripted ones) fed by episodes that
+    each ask on their own: a batch goes once every live episode waits, in episode order: a lockstep rollout's
+    rounds, the samples a serial loop gives. Once the run stops, a round is answered ABORTED (`aborted`)."""
 
     def __init__(self, engine):
         self.engine, self.cond, self.live, self.waiting, self.answers = engine, threading.Condition(), 0, {}, {}
@@ -235,9 +214,6 @@ class _Rounds:
             raise out
         return out
 
-    def abort(self):
-        self.aborted = True
-
     def break_(self, error):
         """Episodes waiting for a round that cannot come raise `error`."""
         with self.cond:
@@ -264,73 +240,33 @@ class _Rounds:
             self.cond.notify_all()
 
 
-class _Pipeline:
-    """Each episode on its own thread: a turn goes to the engine once its env step is done; CPU work in at most
-    as many threads as cores. SGLang (Engine.concurrent) takes requests as they come, a batch engine gets
-    _Rounds. Up to `cap` groups run; it ends once `target` are kept (--partial-rollout: the rest parked)."""
+class _Episodes:
+    """Each episode on its own thread: a turn goes to the engine once its env step is done; CPU work in at most as many
+    threads as cores. SGLang (Engine.concurrent) takes requests as they come, a batch engine gets _Rounds."""
 
-    def __init__(self, engine, processor, args, reward_fn, target, dynamic=False, cap=None, version=0):
-        self.engine, self.processor, self.args, self.dynamic, self.target = engine, processor, args, dynamic, target
-        self.reward_fn, self.version, self.cap = reward_fn, version, cap
-        self.rounds, self.records, self.next = None if getattr(engine, "concurrent", False) else _Rounds(engine), [], 0
-        self.cpu, self.lock, self.done = threading.Semaphore(len(os.sched_getaffinity(0))), threading.Lock(), threading.Event()
+    def __init__(self, engine, processor, args, reward_fn):
+        self.engine, self.processor, self.args, self.reward_fn = engine, processor, args, reward_fn
+        self.cpu, self.cond = threading.Semaphore(len(os.sched_getaffinity(0))), threading.Condition()
         self.stops = processor.tokenizer.convert_tokens_to_ids([chat.IM_END, chat.ENDOFTEXT])
         self.sampling = dict(temperature=args.rollout_temperature, stop_token_ids=self.stops,
                              top_p=args.rollout_top_p, top_k=args.rollout_top_k)
-        size = (cap or target) * (args.n_samples_per_prompt + 1)  # a thread an episode (a round waits for all)
-        self.pool = ThreadPoolExecutor(size if self.rounds else min(size, 1024), thread_name_prefix="episode")
-        self.groups, self.left, self.kept, self.dropped, self.running, self.errors, self.calls = {}, {}, [], set(), 0, [], []
-        self.stopping, self.aborted, self.t0 = False, 0, time.perf_counter()  # partial: enough kept; requests cut
+        self.running, self.errors, self.calls = 0, [], []  # episodes on a thread; calls: (start, end) of each request
 
-    def run(self, records, buffered=()):
-        """-> (the kept groups' samples, the groups still open when it stopped: [(record, prompt, episodes)]).
-        `buffered`: such groups of an earlier rollout, continued first (their samples keep their tokens)."""
-        self.records, self.bar = records, tqdm(total=0, desc="rollout", file=sys.stderr, mininterval=1.0, leave=False)
-        with self.lock:
-            for rec, prompt, eps in buffered:
-                self._open(rec, prompt, eps)
-            while len(self.groups) < (self.cap or self.target) and self.next < len(records):
-                self._start_group()
-            if not self.running:
-                self.done.set()
-        while not self.done.wait(2.0 if self.stopping else 0.05):  # the abort goes from here, not under the lock:
-            if self.stopping:  # within 0.05 s of the stop, then every 2 s for a request that reached a server after
-                getattr(self.engine, "abort", lambda: None)()
-        self.pool.shutdown(wait=False)
-        self.bar.close()
-        if self.errors:
-            raise self.errors[0]
-        stats = dict(wall_s=time.perf_counter() - self.t0, engine_busy_s=_busy(self.calls), aborted=self.aborted,
-                     drawn=self.next, dropped=len(self.dropped) if self.dynamic else None)
-        # the first complete groups (buffered ones first); the others stay for the next rollout
-        out = [(key, ep.sample) for key in sorted(self.kept)[:self.target] for ep in self.groups.pop(key)[2]]
-        for key, s in out:
-            s.group, s.metadata["rollout"] = key, stats
-        return [s for _, s in out], [g for k, g in sorted(self.groups.items()) if k not in self.dropped]
-
-    def _open(self, rec, prompt, eps):  # under self.lock: a group's unfinished episodes go to work
-        key = len(self.groups)
+    def _open(self, rec, prompt, eps):  # under the lock: a group's unfinished episodes go to work (prompt None: new)
+        key = len(self.left)  # the run's groups so far
         self.groups[key] = (rec, prompt, eps)
-        todo = [j for j, ep in enumerate(eps) if not ep.done]
+        todo = [j for j, ep in enumerate(eps) if ep is None or not ep.done]
         self.running, self.left[key] = self.running + len(todo), len(todo)
         self.bar.total += len(eps)
         self.bar.update(len(eps) - len(todo))
         if self.rounds:
             self.rounds.join(len(todo))  # before any round that must wait for them can go
-        for j in todo:
+        if prompt is None:
+            self.pool.submit(self._group, key)
+        for j in todo if prompt is not None else ():
             self.pool.submit(self._episode, key, j, eps[j])
         if not todo:
             self._complete(key)
-
-    def _start_group(self):  # under self.lock: a new record's group (its prompt encoded on a worker thread)
-        pos, self.next = self.next, self.next + 1
-        n, key = self.args.n_samples_per_prompt, len(self.groups)
-        self.groups[key] = (self.records[pos], None, [None] * n)
-        self.running, self.left[key] = self.running + n, n
-        self.bar.total += n
-        if self.rounds:
-            self.rounds.join(n)
-        self.pool.submit(self._group, key)
 
     def _group(self, key):
         rec = self.groups[key][0]
@@ -338,7 +274,7 @@ class _Pipeline:
             with self.cpu:  # the chat template and the processor once per prompt, not per sample
                 prompt = chat.prompt(self.processor, rec, self.args.max_turns > 1)
                 eps = [new_episode(self.processor, rec, self.args, prompt) for _ in range(self.args.n_samples_per_prompt)]
-            with self.lock:
+            with self.cond:
                 self.groups[key] = (rec, prompt, eps)
             for j, ep in enumerate(eps):
                 self.pool.submit(self._episode, key, j, ep)
@@ -354,7 +290,7 @@ class _Pipeline:
                     s.status = "truncated"
                     break
                 if self.stopping:
-                    return self._finished(None)  # --partial-rollout: it waits in its group for the next rollout
+                    return self._finished(None)  # parked: the next run goes on with it
                 t = time.perf_counter()
                 item = {"input_ids": s.tokens, "images": s.images, "max_new_tokens": room,
                         "routed_experts_start": routed_rows(s)}
@@ -380,7 +316,7 @@ class _Pipeline:
             self._stop(e)
 
     def _finished(self, key):  # an episode of group `key` ended (None: parked, not ended)
-        with self.lock:
+        with self.cond:
             self.running -= 1
             if key is not None:
                 self.left[key] -= 1
@@ -388,41 +324,135 @@ class _Pipeline:
                 if not self.left[key]:
                     self._complete(key)
             if not self.running:
-                self.done.set()
+                self.ended = time.perf_counter()
+            self.cond.notify_all()
         if self.rounds:
             self.rounds.leave()
 
-    def _complete(self, key):  # under self.lock: a group whose every episode is done
-        eps = self.groups[key][2]
-        if not self.dynamic or len({ep.sample.reward for ep in eps}) > 1:
-            self.kept.append(key)
-        else:
-            self.dropped.add(key)
-            still_open = len(self.groups) - len(self.kept) - len(self.dropped)
-            if len(self.kept) + still_open < (self.cap or self.target) and self.next < len(self.records):
-                self._start_group()  # the moment a group is known all-equal, another is drawn
-        if self.cap and len(self.kept) >= self.target and not self.stopping:
-            self.stopping = True  # --partial-rollout: enough; cut what still generates
-            if self.rounds:
-                self.rounds.abort()  # the engine's requests: run() aborts them
-
     def _stop(self, e):
-        with self.lock:
+        with self.cond:
             self.errors.append(e)
-            self.done.set()
+            self.cond.notify_all()
         if self.rounds:
             self.rounds.break_(e)
 
 
+class Rollout(_Episodes):
+    """Runs of episodes, each from resume() at a policy version (kept with each token written) to pause(): what still
+    generates is cut and parks in `groups` ({key: (record, prompt, episodes)}, open or kept, not taken), for the next
+    run. Up to `cap` groups at once; take(n) hands out the first n kept. With a `target` a run stops itself once that
+    many are kept (synchronous, --partial-rollout, --async-rollout); without, once paused (--fully-async). A run drops
+    parked groups whose oldest token is over `max_stale` versions old, and counts them; `drawn`: records started."""
+
+    def __init__(self, engine, processor, args, reward_fn=None, target=None, cap=None, max_stale=None, dynamic=False):
+        super().__init__(engine, processor, args, reward_fn)
+        self.target, self.cap, self.max_stale, self.dynamic = target, cap or target, max_stale, dynamic
+        self.groups, self.pool, self.stale, self.since, self.drawn = {}, None, 0, None, 0  # pool None: paused
+        self.aborted = 0  # requests cut since the last take (a pause's too)
+
+    def resume(self, records, version):
+        """A run at `version` (none while one runs): the parked groups first, then records'."""
+        if self.pool is not None:
+            return
+        parked, self.groups, self.left, self.kept = [g for _, g in sorted(self.groups.items())], {}, {}, []
+        fresh = [g for g in parked if self.max_stale is None or version - min(
+            (v for ep in g[2] for v in ep.sample.versions if v >= 0), default=version) <= self.max_stale]
+        self.stale += len(parked) - len(fresh)
+        self.version, self.records, self.next, self.dropped, self.stopping = version, records, 0, 0, False
+        self.t0 = self.ended = time.perf_counter()  # ended: when the last episode stopped
+        self.since = self.since or self.t0  # the last take
+        self.rounds = None if getattr(self.engine, "concurrent", False) else _Rounds(self.engine)
+        size = self.cap * (self.args.n_samples_per_prompt + 1)  # a thread an episode (a round waits for all)
+        self.pool = ThreadPoolExecutor(size if self.rounds else min(size, 1024), thread_name_prefix="episode")
+        self.bar = tqdm(total=0, desc="rollout", unit="sample", file=sys.stderr, mininterval=1.0, delay=2.0,
+                        leave=False)  # shown once it has a total
+        with self.cond:
+            for rec, prompt, eps in fresh:
+                self._open(rec, prompt, eps)
+            self._top_up()
+
+    def take(self, n):
+        """The first n kept groups' samples (fewer where none can come); with a target, once stopped (not by timing)."""
+        self._wait(lambda: not self.running or (self.target is None and len(self.kept) >= n))
+        with self.cond:
+            keys = sorted(self.kept)[:n]
+            self.kept = [k for k in self.kept if k not in keys]
+            out = [(key, ep.sample) for key in keys for ep in self.groups.pop(key)[2]]
+            self._top_up()
+        now, busy = time.perf_counter(), _busy(self.calls, self.since)  # since the last take (or the first run)
+        stats = dict(wall_s=now - self.t0, engine_busy_s=busy, engine_idle_frac=1 - busy / max(now - self.since, 1e-9),
+                     aborted=self.aborted, stale_dropped=self.stale, buffer_groups=len(self.groups),
+                     dropped=self.dropped if self.dynamic else None)
+        for key, s in out:
+            s.group, s.metadata["rollout"] = key, stats
+        self.calls, self.stale, self.aborted, self.since = [], 0, 0, now
+        return [s for _, s in out]
+
+    def pause(self):
+        """End the run (with a target: once it stopped itself). -> its (start, end), None if none ran."""
+        if self.pool is None:
+            return None
+        with self.cond:
+            if self.target is None:
+                self._cut()
+        self._wait(lambda: not self.running)
+        self.pool.shutdown(wait=False)
+        self.bar.close()
+        self.pool = None
+        return self.t0, self.ended
+
+    def run(self, records):
+        """One run from start to end -> the first `target` kept groups' samples."""
+        self.resume(records, 0)
+        out = self.take(self.target)
+        self.pause()
+        return out
+
+    def _wait(self, ready):
+        """Until ready() (read under the lock). A stopping run's abort goes from here, never under the lock: within
+        0.05 s of the stop, then every 2 s for a request that reached a server after it."""
+        told = -math.inf
+        while True:
+            with self.cond:
+                if ready() or self.errors:
+                    break
+                self.cond.wait(0.05)
+                cut = self.stopping and self.running  # read under the lock: the stop may have ended the run
+            if cut and time.perf_counter() - told >= 2.0:
+                getattr(self.engine, "abort", lambda: None)()
+                told = time.perf_counter()
+        if self.errors:
+            raise self.errors[0]
+
+    def _top_up(self):  # under the lock: new records' groups while fewer than cap are open or kept
+        while not self.stopping and len(self.groups) < self.cap and self.next < len(self.records):
+            self.next, self.drawn = self.next + 1, self.drawn + 1
+            self._open(self.records[self.next - 1], None, [None] * self.args.n_samples_per_prompt)
+
+    def _complete(self, key):  # under the lock: a group whose every episode is done
+        if self.dynamic and len({ep.sample.reward for ep in self.groups[key][2]}) == 1:
+            del self.groups[key]
+            self.dropped += 1
+            self._top_up()  # the moment a group is known all-equal, another is drawn
+        else:
+            self.kept.append(key)
+        if self.target and len(self.kept) >= self.target and not self.stopping:
+            self._cut()
+
+    def _cut(self):  # under the lock: what still generates is cut (the engine's abort: _wait); its episodes park
+        self.stopping = True
+        if self.running and self.rounds:
+            self.rounds.aborted = True  # the rounds still to come answer ABORTED
+
+
 def run_episodes(engine, processor, records, args, reward_fn=False):
-    """n_samples_per_prompt episodes per record (group = record position), each on its own
-    (_Pipeline); scored when reward_fn is None (--rm-type's) or a function."""
-    return _Pipeline(engine, processor, args, reward_fn, len(records)).run(records)[0]
+    """n_samples_per_prompt episodes per record (group = record position); scored when reward_fn is not False."""
+    return Rollout(engine, processor, args, reward_fn, len(records)).run(records)
 
 
-def _busy(calls):
-    """Seconds the engine had a request: the union of the requests' (start, end)."""
-    busy, end = 0.0, 0.0
+def _busy(calls, since=0.0):
+    """Seconds the engine had a request after `since`: the union of the requests' (start, end)."""
+    busy, end = 0.0, since
     for a, b in sorted(calls):
         busy, end = busy + max(0.0, b - max(a, end)), max(end, b)
     return busy
@@ -441,45 +471,10 @@ def _close(ep, rec, processor, args, reward_fn):
     s.metadata["format_ok"] = bool(reward.format_ok(s.response_text))
 
 
-def generate_group_samples(engine, processor, records, args, reward_fn=None, partial=None, version=0):
+def generate_group_samples(engine, processor, records, args, reward_fn=None):
     """records x n_samples_per_prompt scored samples (group = its place in this rollout). With
     args.dynamic_sampling, a group whose rewards are all equal is dropped and another record started as
     soon as that is known, until rollout_batch_size groups are kept (the caller passes more records than
-    that: the over-sample). `partial` (--partial-rollout: a Partial): its buffered groups go first, up to
-    args.over_sampling_batch_size groups generate at once, and once rollout_batch_size are kept the rest
-    are aborted into it (at most over-sampling - batch groups). `version`: the engine's policy version,
-    kept with each token it writes (Sample.versions). The rollout's own numbers: samples' metadata["rollout"]."""
-    target = (args.rollout_batch_size or len(records)) if partial or args.dynamic_sampling else len(records)
-    pipe = _Pipeline(engine, processor, args, reward_fn, target, args.dynamic_sampling,
-                     partial and Partial.cap(args), version)
-    out, left = pipe.run(records, partial.groups if partial else ())
-    if partial:
-        partial.groups, partial.drawn = left, pipe.next
-    return out
-
-
-def rollout_metrics(samples):
-    """Means over samples; reward and accuracy over the ones not failed; multi-turn, the env's tool metrics."""
-    n = max(len(samples), 1)
-    ok = [s for s in samples if s.status != "failed"] or [Sample(prompt_ids=[])]
-    m = {"reward": sum(s.reward for s in ok) / len(ok),
-         "accuracy": sum(s.reward > 0 for s in ok) / len(ok),
-         "response_len": sum(sum(s.loss_mask) for s in ok) / len(ok),
-         "truncated_frac": sum(s.status == "truncated" for s in samples) / n,
-         "aborted_frac": sum(s.status == "aborted" for s in samples) / n,
-         "failed_frac": sum(s.status == "failed" for s in samples) / n,
-         "turns": sum(s.turns for s in samples) / n,
-         "tool_calls": sum(s.tool_calls for s in samples) / n,
-         "format_ok_frac": sum(bool(s.metadata.get("format_ok")) for s in samples) / n,
-         "samples": len(samples)}
-    m.update(env_geo3k.tool_metrics([s.metadata.get("steps", []) for s in samples],  # multi-turn: tool use
-                                    [None if s.status == "failed" else s.reward for s in samples]))
-    if samples and "rollout" in samples[0].metadata:  # where the rollout's time went, what it cut and dropped
-        ends, stats = [s.metadata["end_s"] for s in samples], samples[0].metadata["rollout"]
-        if stats["dropped"] is not None:  # --dynamic-sampling: the share of complete groups kept
-            m["ds_keep_frac"] = len({s.group for s in samples}) / (len({s.group for s in samples}) + stats["dropped"])
-        m.update({f"rollout_{k}": v for k, v in stats.items() if k.endswith("_s") or k == "aborted"},
-                 rollout_critical_path_s=max(s.metadata["engine_s"] for s in samples),
-                 rollout_own_s_per_sample=sum(s.metadata["own_s"] for s in samples) / n,
-                 rollout_tail_s=max(ends) - statistics.median(ends))
-    return m
+    that: the over-sample). The rollout's own numbers: samples' metadata["rollout"]."""
+    target = (args.rollout_batch_size or len(records)) if args.dynamic_sampling else len(records)
+    return Rollout(engine, processor, args, reward_fn, target, dynamic=args.dynamic_sampling).run(records)

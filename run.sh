@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # run.sh: the whole recipe, top to bottom.
 #
+#   bash run.sh --help     this text
+#
 #   bash run.sh
 #       CPU demo (no GPU, no network): a tiny random Qwen3-VL goes through the whole pipeline on the
 #       synthetic geometry set: SFT warm-up -> GRPO single-turn -> GRPO multi-turn (calc_score + crop
@@ -8,8 +10,9 @@
 #       chance (1 in 4). GRPO then learns from the reward alone to read the number of sides from the
 #       picture (greedy accuracy 0.27-0.30 -> 1.0 at five seeds), then the multi-turn prompt (greedy
 #       multi-turn 0.30-0.89 -> 1.0). 7.5 min on a quiet 2-core machine; the range and why: bench/RESULTS.md, "CPU demo".
-#       SEED (GRPO), DATA_SEED (data and SFT); RUN=<folder> instead of runs/$NAME.
-#       Writes runs/cpu-demo/: each stage's metrics.jsonl and checkpoints, summary.md, reward_curve.png.
+#       SEED (GRPO), DATA_SEED (data and SFT); RUN=<folder> instead of runs/$NAME. No arguments, no MODE.
+#       Writes runs/cpu-demo/: each stage's metrics.jsonl and checkpoints, summary.md, reward_curve.png;
+#       a folder that holds a run is kept: NAME=<other> writes runs/<other>, OVERWRITE=1 deletes it first.
 #
 #   MODEL=Qwen/Qwen3-VL-2B-Instruct DATA=hiyouga/geometry3k NUM_GPUS=4 MODE=multi_turn bash run.sh
 #       The published geo3k recipe on GPUs: SGLang rollouts on rank 0, Megatron on every rank.
@@ -27,19 +30,28 @@
 #       On GPUs under 100 GiB, Adam runs on the CPU (--optimizer-cpu-offload; CPU_ADAM=0|1 forces it).
 #       Dense Qwen3.5 (0.8B-27B) takes TP as the other families (sequence parallel when TP > 1).
 #       Extra arguments go to train_grpo.py as they are (e.g. --sglang-mem-fraction-static 0.5).
-source "$(dirname "$0")/setup.sh"
+cd "$(dirname "$0")"
+die() { echo "run.sh: $*" >&2; exit 2; }
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then sed -n '2,/^[^#]/s/^# \{0,1\}//p' run.sh; exit 0; fi
 MODEL=${MODEL:-tiny}
 DATA=${DATA:-synth}
 NUM_GPUS=${NUM_GPUS:-0}
-MODE=${MODE:-demo}
-die() { echo "run.sh: $*" >&2; exit 2; }
 
 if [[ "$NUM_GPUS" == 0 ]]; then
   # ---------------------------------------------------------------- the CPU demo
   [[ "$MODEL" == tiny && "$DATA" == synth ]] || die "MODEL=$MODEL DATA=$DATA needs GPUs: set NUM_GPUS (the CPU demo uses MODEL=tiny DATA=synth)"
-  export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+  for v in MODE TP EP DISPATCHER CPU_ADAM ROLLOUT_GPUS GPUS_PER_ENGINE NUM_ROLLOUT MAX_TOKENS; do
+    [[ -z "${!v:-}" ]] || die "$v=${!v} is for the GPU recipe (NUM_GPUS > 0); the CPU demo runs as it is (bash run.sh --help)"
+  done
+  (( $# == 0 )) || die "$*: arguments go to train_grpo.py in the GPU recipe only; the CPU demo takes none (bash run.sh --help)"
   RUN=${RUN:-runs/${NAME:-cpu-demo}}   # RUN: any folder (tests/test_learning.py)
-  rm -rf "$RUN"; mkdir -p "$RUN"
+  if [[ -n "$(ls -A "$RUN" 2>/dev/null)" ]]; then
+    [[ "${OVERWRITE:-0}" == 1 ]] || die "$RUN holds a run; NAME=<other> writes runs/<other>, OVERWRITE=1 deletes it first"
+    rm -rf "$RUN"
+  fi
+  source setup.sh
+  export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+  mkdir -p "$RUN"
   PY=.venv/bin/python
   SEED=${SEED:-1234} DATA_SEED=${DATA_SEED:-0}   # GRPO's seed; the data's and SFT's (bench/RESULTS.md: both varied)
   $PY tools/synth.py --n 1024 --n-test 64 --seed "$DATA_SEED" --out "$RUN/data" --kinds sides   # regular 3-6-gons: how many sides?
@@ -66,6 +78,8 @@ if [[ "$NUM_GPUS" == 0 ]]; then
 fi
 
 # -------------------------------------------------------------------- the GPU recipe
+source setup.sh
+MODE=${MODE:-}
 command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 || die "NUM_GPUS=$NUM_GPUS but no NVIDIA GPU is visible (nvidia-smi failed)"
 have=$(nvidia-smi -L | wc -l)
 (( have >= NUM_GPUS )) || die "NUM_GPUS=$NUM_GPUS but this node has $have GPU(s)"

@@ -16,9 +16,9 @@ import json
 import math
 
 import torch
-from tqdm import tqdm
 from transformers import AutoProcessor
 
+import console
 import data
 import flags as F
 import model as M
@@ -29,7 +29,7 @@ import trainer as T
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=F.HelpFormatter)
     F.add_train_args(p)
     p.add_argument_group("SFT").add_argument("--num-epoch", type=F.POSITIVE, default=1, help="passes over the training data")
     p.set_defaults(lr=1e-5, lr_decay_style="cosine")
@@ -104,31 +104,22 @@ def batch_loss(model, par, items, max_tokens, backward):
 
 def main(argv=None):
     args = parse_args(argv)
-    par, run = T.start(args, "sft")
+    par, run = T.start(args, "sft", fixed=("global_batch_size",))  # a step's data: step x the batch
     processor = AutoProcessor.from_pretrained(args.hf_checkpoint)
     fit = dict(verbose=par.rank == 0, measure=lambda r: len(encode(processor, r).ids),
                limit=(args.max_tokens_per_gpu, f"--max-tokens-per-gpu {args.max_tokens_per_gpu}"))
     train = [encode(processor, r) for r in T.load_data(args, **fit)]
     evals = [encode(processor, r) for r in T.load_data(args, evaluation=True, **fit)]
+    per_epoch = math.ceil(len(train) / args.global_batch_size)
+    total = per_epoch * args.num_epoch
+    run.nothing_left(total, "--num-epoch")
 
     ckpt = run.ckpt
     model = M.load_model(ckpt or args.hf_checkpoint, M.ModelOptions.from_args(args), par)
-    per_epoch = math.ceil(len(train) / args.global_batch_size)
-    total = per_epoch * args.num_epoch
     opt, sched = optim.build_optimizer(model, args, total)
     start = run.load_state(ckpt, opt, sched)["step"] if ckpt else 0
-
-    def evaluate(step):
-        if evals:
-            model.eval()
-            with torch.no_grad():
-                loss, _ = batch_loss(model, par, T.dp_shard(evals, par), args.max_tokens_per_gpu, False)
-            model.train()
-            run.log(step, {"eval_loss": loss})
-
-    bar = tqdm(range(start, total), desc="sft", disable=par.rank != 0, initial=start, total=total)
     model.train()
-    for step in bar:
+    for step in console.steps(run, start, total):
         epoch, pos = divmod(step, per_epoch)
         order = T.epoch_order(len(train), args.seed, epoch)
         batch = [train[i] for i in order[pos * args.global_batch_size:(pos + 1) * args.global_batch_size]]
@@ -138,11 +129,16 @@ def main(argv=None):
             stats = optim.optimizer_step(model, opt, sched, par, args)
         run.log(step + 1, {"loss": loss, **stats, **T.expert_load(model), "epoch": epoch, "tokens": n_tokens,
                            "tokens_per_s": n_tokens / secs["train"], "step_s": secs["train"]})
-        bar.set_postfix(loss=f"{loss:.4f}")
-        if (args.eval_interval and (step + 1) % args.eval_interval == 0) or step + 1 == total:
-            evaluate(step + 1)
         run.maybe_save(model, opt, sched, step + 1, total)
+        if evals and run.eval_due(step + 1, total):
+            model.eval()
+            with torch.no_grad():
+                loss, _ = batch_loss(model, par, T.dp_shard(evals, par), args.max_tokens_per_gpu, False)
+            model.train()
+            run.log(step + 1, {"eval_loss": loss})
+            if par.rank == 0:
+                console.say(f"[eval] step {step + 1}: eval_loss {loss:.4f}")
 
 
 if __name__ == "__main__":
-    main()
+    console.entry(main, parse_args)

@@ -167,7 +167,7 @@ class SGLangEngine(Engine):
         self.server.stop()
 
     def generate(self, batch, sampling):
-        if len(batch) == 1:  # an episode's own thread (rollout._Pipeline): no hop through the pool
+        if len(batch) == 1:  # an episode's own thread (rollout._Episodes): no hop through the pool
             return [self._generate_one(batch[0], sampling)]
         return list(self.front.pool.map(lambda item: self._generate_one(item, sampling), batch))
 
@@ -429,7 +429,7 @@ def make_engine(args, hf_dir, run_dir, index=0, local_world=1, **where):
     """The engine --rollout-engine names. index: which of the node's servers (servers_per_node); local_world:
     the node's trainer ranks (Parallel.local_world); where: its host, api_key and name (cluster.py)."""
     cuda = torch.cuda.is_available()
-    if engine_kind(args) == "local":  # SGLang flags with it: refused by parse_args
+    if engine_kind(args) == "local":  # SGLang's flags with it: refused at parse time (train_grpo.parse_args)
         return LocalEngine(hf_dir, "cuda" if cuda else "cpu", routed_experts=args.use_rollout_routing_replay)
     flags, env = sglang_placement(args, cuda, torch.cuda.device_count() if cuda else 0, local_world,
                                   os.environ.get("CUDA_VISIBLE_DEVICES"), index)

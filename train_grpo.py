@@ -20,18 +20,17 @@ textbook GRPO: a group of equal rewards gets exactly 0 advantage, the clip is as
 import argparse
 import dataclasses
 import math
-import pickle
 import random
-import sys
+import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from tqdm import tqdm
 from transformers import AutoProcessor
 
 import chat
 import cluster
+import console
+import env_geo3k
 import flags as F
 import loss as L
 import model as M
@@ -45,7 +44,7 @@ import trainer as T
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=F.HelpFormatter,
                                 allow_abbrev=False)  # no --sglang-* flag may pass as an abbreviation
     F.add_train_args(p)
     F.add_rollout_args(p)
@@ -71,6 +70,10 @@ def build_parser():
     a("--async-rollout", action="store_true",
       help="the rollout of step k+1 runs while step k trains (one step off-policy: the PPO ratio's old logprobs "
            "are the engine's); the engine takes new weights once it is done. Not with --colocate")
+    a("--fully-async", action="store_true", help="the rollout never waits for training (miles'): a step takes the "
+      "first B complete groups; an update cuts what generates, which goes on with the new weights. Not with --colocate")
+    a("--max-weight-staleness", type=F.COUNT, default=None, help="with --fully-async or --partial-rollout: drop a "
+      "group whose oldest token is more than K versions older than the step (metric rollout_stale_dropped)")
     a("--colocate", action="store_true",
       help="SGLang shares the training GPUs: started with its memory saver, released while training")
     a("--offload-train", action=argparse.BooleanOptionalAction, default=None,
@@ -101,19 +104,28 @@ def parse_args(argv=None):
         args.offload_train = args.colocate and torch.cuda.is_available()
     if args.n_samples_per_prompt == 1 and args.num_rollout:
         p.error("--n-samples-per-prompt 1: a group of one has zero advantage, GRPO would learn nothing")
-    if sglang_engine.engine_kind(args) == "local" and args.sglang_args:  # engine_kind: is sglang installed?
-        p.error(f"{' '.join(args.sglang_args)}: SGLang flags, but the rollout engine is local")
-    if args.async_rollout and (args.colocate or args.offload_train):
-        p.error("--async-rollout: the next rollout runs while this step trains, so the engine needs GPUs of its "
-                "own (--rollout-num-gpus N; not --colocate) and the trainer stays on them (no --offload-train)")
-    if not args.partial_rollout and (args.over_sampling_batch_size or args.mask_offpolicy_in_partial_rollout):
-        p.error("--over-sampling-batch-size and --mask-offpolicy-in-partial-rollout need --partial-rollout")
+    if (args.fully_async or args.async_rollout) and (args.colocate or args.offload_train):
+        p.error(f"{'--fully-async' if args.fully_async else '--async-rollout'}: the rollout runs while the step "
+                "trains, so the engine needs GPUs of its own (--rollout-num-gpus N; not --colocate) and the trainer "
+                "stays on them (no --offload-train)")
+    if args.fully_async and args.async_rollout:
+        p.error("--fully-async --async-rollout: choose one (--fully-async runs the rollout beside training too, and "
+                "lands each weight update mid-rollout instead of after it)")
+    if not (args.partial_rollout or args.fully_async) and (args.over_sampling_batch_size or args.max_weight_staleness
+                                                           is not None or args.mask_offpolicy_in_partial_rollout):
+        p.error("--over-sampling-batch-size, --max-weight-staleness and --mask-offpolicy-in-partial-rollout need "
+                "--partial-rollout or --fully-async")
     if (args.over_sampling_batch_size or args.rollout_batch_size) < args.rollout_batch_size:
         p.error(f"--over-sampling-batch-size {args.over_sampling_batch_size}: at least --rollout-batch-size "
                 f"{args.rollout_batch_size} (the groups a step trains on come from those it samples)")
     if args.colocate and args.weight_sync == "distributed":  # rank 0 and the server's TP rank 0 share GPU 0
         p.error("--colocate --weight-sync distributed: NCCL refuses a communicator that holds one GPU twice; "
                 "colocated weights go by --weight-sync tensor (the default) or disk")
+    placing = [k for k, on in {"--colocate": args.colocate, "--rollout-num-gpus": args.rollout_num_gpus, "--weight-sync":
+               args.weight_sync != "auto", "--rollout-num-gpus-per-engine": args.rollout_num_gpus_per_engine}.items() if on]
+    if sglang_engine.engine_kind(args) == "local" and placing + args.sglang_args:  # in rank 0's process: nothing to place
+        p.error(f"{' '.join(placing + args.sglang_args)}: they place or set up an SGLang server, but the rollout engine "
+                "is local (--rollout-engine sglang, or auto on CUDA with SGLang installed)")
     return args
 
 
@@ -208,77 +220,20 @@ def recompute_old(model, items, args):
 
 
 def evaluate(engine, processor, records, args, step, run):
-    """Greedy pass@1: single-turn, and multi-turn with the calc_score oracle off."""
-    out = {}
-    modes = [("eval", 1)] + ([("eval_multi_turn", args.max_turns)] if args.max_turns > 1 else [])
-    for name, turns in modes:
-        greedy = dataclasses.replace(R.RolloutConfig.from_args(args), n_samples_per_prompt=1, rollout_temperature=0.0,
-                                     max_turns=turns, oracle=False, dynamic_sampling=False)
-        samples = R.generate_group_samples(engine, processor, records, greedy)
-        out[f"{name}_accuracy"] = sum(s.reward for s in samples) / max(1, len(samples))
+    """Greedy pass@1 and pass@K, single- and multi-turn (oracle off); README, "Evaluating a checkpoint"."""
+    out, rows = {}, []
+    for name, turns in [("eval", 1)] + ([("eval_multi_turn", args.max_turns)] if args.max_turns > 1 else []):
+        for n in sorted({1, args.n_samples_per_eval_prompt}):
+            key, temperature = (f"{name}_accuracy", 0.0) if n == 1 else (f"{name}_pass@{n}", args.rollout_temperature)
+            cfg = dataclasses.replace(R.RolloutConfig.from_args(args), n_samples_per_prompt=n, max_turns=turns,
+                                      rollout_temperature=temperature, oracle=False, dynamic_sampling=False)
+            samples = R.generate_group_samples(engine, processor, records, cfg)
+            out[key] = sum(max(s.reward for s in samples if s.group == g) for g in range(len(records))) / len(records)
+            rows += [dict(mode=key, index=s.group, problem=records[s.group]["problem"], answer=s.label,
+                          reward=s.reward, status=s.status, response=s.response_text) for s in samples]
+    path = run.write_rows(f"eval_{step:07d}.jsonl", rows)
     run.log(step, out)
-    print(f"[eval] step {step}: {out}", flush=True)
-    return out
-
-
-class Sampler:
-    """Rank 0's half of a step's rollout: the step's prompts (trainer.draw: a function of seed and step;
-    --partial-rollout: the next ones of the data stream, after the buffer's groups), sampled and scored
-    through the engine, their advantages, each DP rank's share. --partial-rollout keeps the buffer of
-    groups a rollout stopped and the data position, and what both were when a step's rollout began
-    (state): a checkpoint holds the state its resumed run starts from."""
-
-    def __init__(self, engine, processor, records, args, updates, dp):
-        self.engine, self.processor, self.records, self.args, self.updates, self.dp = engine, processor, records, args, updates, dp
-        self.partial = R.Partial() if args.partial_rollout else None
-        self.cursor, self.began = 0, None  # prompts the stream gave so far; (step, state) at that rollout's start
-
-    def state(self, step):
-        """What a run resumed at `step` starts from: None without --partial-rollout."""
-        if self.partial is None:
-            return None
-        return pickle.loads(self.began[1]) if self.began and self.began[0] == step else (self.cursor, self.partial.groups)
-
-    def load(self, state):
-        if state is not None and self.partial is not None:
-            self.cursor, self.partial.groups = state
-
-    def __call__(self, step, version):
-        """-> (each DP rank's (sample, advantage) pairs of each update, metrics). `version`: the updates the
-        engine's weights have had; a token of an older version than `step`'s policy is off-policy."""
-        t0, args = time.perf_counter(), self.args
-        if self.partial is None:
-            batch = T.draw(self.records, step, args)
-        else:
-            self.began = (step, pickle.dumps((self.cursor, self.partial.groups)))
-            extra = (args.dynamic_sampling_max_prompts or 4 * args.rollout_batch_size) if args.dynamic_sampling else 0
-            batch = T.stream(self.records, self.cursor, self.partial.cap(args) - len(self.partial.groups) + extra, args.seed)
-        samples = R.generate_group_samples(self.engine, self.processor, batch, R.RolloutConfig.from_args(args),
-                                           partial=self.partial, version=version)
-        metrics = R.rollout_metrics(samples)
-        if self.partial is not None:
-            self.cursor += self.partial.drawn
-            metrics["partial_buffer_groups"] = len(self.partial.groups)
-        good = [s for s in samples if s.status not in ("failed", "aborted") and any(s.loss_mask)]
-        if args.mask_offpolicy_in_partial_rollout:  # tokens written before the sample's last abort: no loss
-            for s in good:
-                s.loss_mask = [m and v >= max(s.versions) for m, v in zip(s.loss_mask, s.versions)]
-        trained = [v for s in good for m, v in zip(s.loss_mask, s.versions) if m]
-        metrics.update(tokens=sum(len(s.tokens) for s in good), rollout_policy_version=version,
-                       offpolicy_token_frac=sum(v < step for v in trained) / max(1, len(trained)))
-        if trained:
-            metrics["oldest_token_version"] = min(trained)
-        failed = sorted({s.fail_reason for s in samples if s.status == "failed"})
-        if failed and good:  # counted in failed_frac; say why, once a step
-            print(f"[grpo] step {step + 1}: {sum(s.status == 'failed' for s in samples)} of {len(samples)} samples "
-                  f"failed: {'; '.join(r[:200] for r in failed[:3])}", flush=True)
-        if not good:
-            reasons = sorted({s.fail_reason or s.status for s in samples if s.status != "completed"})
-            print(f"[grpo] step {step + 1}: no trainable sample among {len(samples)} "
-                  f"({', '.join(reasons[:3]) or 'no response tokens'}): update skipped", flush=True)
-        adv = L.advantages([s.reward for s in good], [s.group for s in good], args.advantage_estimator)
-        metrics["_ran"] = (t0, time.perf_counter())
-        return split_batch(good, adv, random.Random(args.seed + step), args.global_batch_size, self.updates, self.dp), metrics
+    console.say(f"[eval] step {step}: {', '.join(f'{k} {v:.3f}' for k, v in out.items())} (each response: {path})")
 
 
 @dataclasses.dataclass
@@ -289,65 +244,123 @@ class Batch:
     metrics: dict
 
 
-class Sync:
-    """The rollout source of a step: rank 0 samples it (Sampler) with the weights the step trains, then
-    every rank receives its share (deal)."""
+class Source:
+    """The rollout source of a step (grpo_step's next and settle), on every rank. Rank 0 holds the rollout
+    (rollout.Rollout) over the step's prompts (trainer.draw, a function of seed and step; with --partial-rollout or
+    --fully-async the data stream's next), takes B complete groups, their advantages, and hands each DP rank its
+    share. The sources differ in where the rollout pauses (docs/rollout.md): synchronous and --partial-rollout in
+    next(), after the take; --async-rollout resumes it there on the next step's prompts and settle() pauses it once
+    they are complete; --fully-async pauses only in settle(), for the update. settle() ends with a barrier: no server
+    takes new weights before the rollout has paused. A checkpoint holds what it keeps (state), written paused."""
 
-    def __init__(self, sampler, par, processor):
-        self.sampler, self.par, self.processor = sampler, par, processor
+    def __init__(self, engine, processor, records, args, updates, par, state=None):
+        self.processor, self.records, self.args, self.updates, self.par = processor, records, args, updates, par
+        self.ahead, self.fully, self.trained = args.async_rollout, args.fully_async, 0.0
+        B, self.stream = args.rollout_batch_size, args.partial_rollout or args.fully_async
+        self.cap, self.rollout = max(args.over_sampling_batch_size or B, B), None  # groups open or kept at once
+        if par.rank == 0:
+            self.rollout = R.Rollout(engine, processor, R.RolloutConfig.from_args(args), None, None if args.fully_async
+                                     else B, self.cap, args.max_weight_staleness, args.dynamic_sampling)
+            self.rollout.drawn, self.rollout.groups = state or (0, {})
+
+    def state(self):
+        """What a resumed run starts from (rank 0): None when the rollout keeps nothing."""
+        keep = self.rollout is not None and (self.stream or self.rollout.groups)
+        return (self.rollout.drawn, self.rollout.groups) if keep else None
 
     def next(self, step):
-        t = time.perf_counter()
-        shares, metrics = self.sampler(step, step) if self.par.rank == 0 else (None, {})
-        metrics.pop("_ran", None)
-        return self.deal(shares, metrics, t)
-
-    def deal(self, shares, metrics, t):
-        """Every rank: its DP rank's share of rank 0's `shares` -> Batch (a group's images, shared in the
+        """-> this rank's Batch: its DP rank's share of the groups rank 0 took (a group's images, shared in the
         payload, encoded once on each rank)."""
+        t, shares, metrics = time.perf_counter(), None, {}
+        if self.par.rank == 0:
+            self.resume(step, step)  # the engine holds the weights of `step` updates
+            shares, metrics = self.take(step)
+            if not self.fully:
+                self.rollout.pause()
+            if self.ahead and step + 1 < self.args.num_rollout:
+                self.resume(step, step + 1)
+            self.trained = time.perf_counter()
         h, encoded = time.perf_counter(), {}
         items = [None if part is None else [to_item(s, self.processor, a, encoded) for s, a in part]
                  for part in T.hand_out(shares, self.par)]
         return Batch(items, dict(metrics, handoff_s=time.perf_counter() - h, rollout_s=time.perf_counter() - t))
 
     def settle(self):
-        """Before the engine takes the step's new weights; -> metrics."""
-        return {}
-
-
-class Ahead(Sync):
-    """--async-rollout: rank 0 starts step k+1's rollout in a thread once step k's is dealt out, so that it
-    runs while step k trains, with the weights before step k's update (one step off-policy); settle() waits
-    for it to end before the engine takes new weights (every node's server too: a barrier)."""
-
-    def __init__(self, sampler, par, processor, steps):
-        super().__init__(sampler, par, processor)
-        self.steps, self.pool, self.next_rollout = steps, ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead"), None
-
-    def next(self, step):
-        t, version = time.perf_counter(), step
-        if self.par.rank != 0:
-            return self.deal(None, {}, t)
-        if self.next_rollout is not None:  # started while the last step trained
-            (shares, metrics), version = self.next_rollout.result(), step - 1
-        else:
-            shares, metrics = self.sampler(step, step)
-        self.next_rollout = self.pool.submit(self.sampler, step + 1, step) if step + 1 < self.steps else None
-        metrics.pop("_ran")
-        self.trained = time.perf_counter()
-        return self.deal(shares, dict(metrics, rollout_policy_version=version), t)
-
-    def settle(self):
+        """Before the engine takes the step's new weights: the rollout pauses. -> metrics"""
         out = {}
-        if self.next_rollout is not None:  # how long the next rollout ran beside this step's training
-            ran, now = self.next_rollout.result()[1]["_ran"], time.perf_counter()
-            out["rollout_ahead_overlap_s"] = max(0.0, min(ran[1], now) - max(ran[0], self.trained))
+        ran = self.rollout.pause() if self.par.rank == 0 else None
+        if ran:  # how long it ran beside this step's training
+            out["rollout_ahead_overlap_s"] = max(0.0, min(ran[1], time.perf_counter()) - max(ran[0], self.trained))
         if self.par.world > 1:
             torch.distributed.barrier()
         return out
 
-    def close(self):  # a rollout still running is not waited for
-        self.pool.shutdown(wait=False, cancel_futures=True)
+    def resume(self, version, step):
+        """The rollout goes on (a no-op while it runs) with the engine's weights of `version` updates, from step's
+        prompts or the data stream."""
+        args = self.args
+        if self.stream:
+            extra = (args.dynamic_sampling_max_prompts or 4 * args.rollout_batch_size) if args.dynamic_sampling else 0
+            batch = T.stream(self.records, self.rollout.drawn, self.cap + args.rollout_batch_size + extra, args.seed)
+        else:
+            batch = T.draw(self.records, step, args)
+        self.rollout.resume(batch, version)
+
+    def take(self, step):
+        """-> (each DP rank's (sample, advantage) pairs of each update, metrics): the first B complete groups. A
+        token of an older version than `step`'s policy is off-policy."""
+        args = self.args
+        samples = self.rollout.take(args.rollout_batch_size)
+        metrics = rollout_metrics(samples)
+        good = [s for s in samples if s.status not in ("failed", "aborted") and any(s.loss_mask)]
+        if args.mask_offpolicy_in_partial_rollout:  # tokens written before the sample's last abort: no loss
+            for s in good:
+                s.loss_mask = [m and v >= max(s.versions) for m, v in zip(s.loss_mask, s.versions)]
+        trained = [v for s in good for m, v in zip(s.loss_mask, s.versions) if m]
+        metrics.update(tokens=sum(len(s.tokens) for s in good),
+                       offpolicy_token_frac=sum(v < step for v in trained) / max(1, len(trained)))
+        if trained:  # the weights of the newest and of the oldest trained token
+            metrics.update(rollout_policy_version=max(trained), oldest_token_version=min(trained),
+                           staleness_max=step - min(trained))
+        failed = sorted({s.fail_reason for s in samples if s.status == "failed"})
+        if failed and good:  # counted in failed_frac; say why, once a step
+            print(f"[grpo] step {step + 1}: {sum(s.status == 'failed' for s in samples)} of {len(samples)} samples "
+                  f"failed: {'; '.join(r[:200] for r in failed[:3])}", flush=True)
+        if not good:
+            reasons = sorted({s.fail_reason or s.status for s in samples if s.status != "completed"})
+            print(f"[grpo] step {step + 1}: no trainable sample among {len(samples)} "
+                  f"({', '.join(reasons[:3]) or 'no response tokens'}): update skipped", flush=True)
+        adv = L.advantages([s.reward for s in good], [s.group for s in good], args.advantage_estimator)
+        metrics["zero_adv_frac"] = sum(a == 0 for a in adv) / max(1, len(adv))
+        rng = random.Random(args.seed + step)
+        return split_batch(good, adv, rng, args.global_batch_size, self.updates, self.par.dp), metrics
+
+
+def rollout_metrics(samples):
+    """Means over samples; reward and accuracy over the ones not failed; multi-turn, the env's tool metrics."""
+    n = max(len(samples), 1)
+    ok = [s for s in samples if s.status != "failed"] or [R.Sample(prompt_ids=[])]
+    m = {"reward": sum(s.reward for s in ok) / len(ok),
+         "accuracy": sum(s.reward > 0 for s in ok) / len(ok),
+         "response_len": sum(sum(s.loss_mask) for s in ok) / len(ok),
+         "truncated_frac": sum(s.status == "truncated" for s in samples) / n,
+         "aborted_frac": sum(s.status == "aborted" for s in samples) / n,
+         "failed_frac": sum(s.status == "failed" for s in samples) / n,
+         "turns": sum(s.turns for s in samples) / n,
+         "tool_calls": sum(s.tool_calls for s in samples) / n,
+         "format_ok_frac": sum(bool(s.metadata.get("format_ok")) for s in samples) / n,
+         "samples": len(samples)}
+    m.update(env_geo3k.tool_metrics([s.metadata.get("steps", []) for s in samples],  # multi-turn: tool use
+                                    [None if s.status == "failed" else s.reward for s in samples]))
+    if samples and "rollout" in samples[0].metadata:  # where the rollout's time went, what it cut and dropped
+        ends, stats = [s.metadata["end_s"] for s in samples], samples[0].metadata["rollout"]
+        if stats["dropped"] is not None:  # --dynamic-sampling: the share of complete groups kept
+            m["ds_keep_frac"] = len({s.group for s in samples}) / (len({s.group for s in samples}) + stats["dropped"])
+        m.update({f"rollout_{k}": v for k, v in stats.items() if k != "dropped"},
+                 rollout_critical_path_s=max(s.metadata["engine_s"] for s in samples),
+                 rollout_own_s_per_sample=sum(s.metadata["own_s"] for s in samples) / n,
+                 rollout_tail_s=max(ends) - statistics.median(ends))
+    return m
 
 
 def split_batch(good, adv, rng, global_batch_size, updates, dp):
@@ -391,14 +404,14 @@ class Policy:
 
 def grpo_step(step, policy, source, servers, run):
     """One step in slime's order: generate, the engine steps aside, train, it comes back and takes the new
-    weights (its update flushes its caches), log. The variants (one step ahead, partial rollout, colocated,
-    offload) live in the objects: source (Sync / Ahead, their Sampler), servers (cluster.Servers)."""
+    weights (its update flushes its caches), log. The variants (one step ahead, partial, fully async, colocated,
+    offload) live in the objects: source (Source), servers (cluster.Servers)."""
     t = time.perf_counter()
     servers.to_rollout()                 # --offload-train: the trainer parks; a colocated server takes all back
-    batch = source.next(step)            # rank 0 samples (this step's, or the one made ahead); each rank its share
+    batch = source.next(step)            # rank 0 takes B complete groups from the rollout; each rank its share
     servers.step_aside()                 # colocated: the server frees the GPUs; the trainer returns from host memory
     stats = policy.train(batch)          # every rank: the PPO-clip updates on its share
-    stats.update(source.settle())        # one step ahead: the next rollout ends before the weights change
+    stats.update(source.settle())        # the rollout pauses before the weights change (one step ahead: once made)
     stats.update(servers.step_back())    # colocated: the server takes its memory back
     stats.update(servers.sync(policy.model))  # new weights to every server
     metrics = {**batch.metrics, **stats, "step_s": time.perf_counter() - t}
@@ -408,7 +421,9 @@ def grpo_step(step, policy, source, servers, run):
 
 def main(argv=None):
     args = parse_args(argv)
-    par, run = T.start(args, "grpo")
+    par, run = T.start(args, "grpo", fixed=("rollout_batch_size", "partial_rollout", "fully_async"))  # the prompts
+    # of a step: step x the batch, or the data stream's next (--partial-rollout, --fully-async)
+    run.nothing_left(args.num_rollout, "--num-rollout")
     processor = AutoProcessor.from_pretrained(args.hf_checkpoint)
     ckpt, opts = run.ckpt, M.ModelOptions.from_args(args)
     model = M.load_model(ckpt or args.hf_checkpoint, opts, par)
@@ -428,33 +443,28 @@ def main(argv=None):
         reward.init()  # its one-off warm-up here, not in the first rollout
         fit = dict(measure=lambda r: len(chat.prompt(processor, r, args.max_turns > 1)[2]),
                    limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len} with room for a response"))
-        records, eval_records = T.load_data(args, **fit), T.load_data(args, evaluation=True, **fit)
+        records = T.load_data(args, **fit) if args.num_rollout else []  # --num-rollout 0: evaluate only
+        eval_records = T.load_data(args, evaluation=True, **fit)
     servers = cluster.Servers(args, par, model, opt, ref, str(ckpt or args.hf_checkpoint), str(run.save))
-    sampler = Sampler(servers.engine, processor, records, args, updates, par.dp) if par.rank == 0 else None
-    if sampler is not None and ckpt:
-        sampler.load(run.load_rollout(ckpt))
-    source = (Ahead(sampler, par, processor, args.num_rollout) if args.async_rollout else Sync(sampler, par, processor))
-    evals = servers.agree(bool(eval_records))
+    source = Source(servers.engine, processor, records, args, updates, par,
+                    run.load_rollout(ckpt) if ckpt and par.rank == 0 else None)
+    evals, quiet = servers.agree(bool(eval_records)), 0  # quiet: steps in a row with nothing to learn (rank 0)
     try:
-        if par.rank == 0 and eval_records and start == 0:
-            evaluate(servers.engine, processor, eval_records, args, 0, run)
-        bar = tqdm(range(start, args.num_rollout), desc="grpo", disable=par.rank != 0,
-                   initial=start, total=args.num_rollout)
-        for step in bar:
+        if par.rank == 0 and eval_records and (start == 0 or not args.num_rollout):
+            evaluate(servers.engine, processor, eval_records, args, start, run)
+        for step in console.steps(run, start, args.num_rollout):
             metrics = grpo_step(step, policy, source, servers, run)
-            bar.set_postfix(reward=f"{metrics.get('reward', 0):.3f}")
+            quiet = console.no_signal(metrics, args, step, quiet) if par.rank == 0 else 0
             # before the trainer is parked; colocated, --offload-train parked the optimizer states at the sync
             run.maybe_save(model, opt, sched, step + 1, args.num_rollout, prepare=servers.for_checkpoint,
-                           rollout=sampler and sampler.state(step + 1))
-            last = step + 1 == args.num_rollout
-            if evals and (last or (args.eval_interval and (step + 1) % args.eval_interval == 0)):
+                           rollout=source.state())
+            if evals and run.eval_due(step + 1, args.num_rollout):
                 servers.to_rollout()
                 if par.rank == 0:
                     evaluate(servers.engine, processor, eval_records, args, step + 1, run)
     finally:
-        getattr(source, "close", lambda: None)()
         servers.shutdown()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console.entry(main, parse_args)

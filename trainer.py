@@ -3,6 +3,7 @@ data-parallel ranks, metrics, and atomic checkpoints (HF weights + optimizer, RN
 import contextlib
 import copy
 import dataclasses
+import errno
 import fcntl
 import importlib
 import json
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import console
 import convert
 import data
 import optim
@@ -43,48 +45,70 @@ class Item:
         return self.rollout_logprobs if self.recomputed_logprobs is None else self.recomputed_logprobs
 
 
-def start(args, kind):
-    """A training job's first call: (the parallel context, its seeded RNGs, the run folder)."""
+def start(args, kind, fixed=()):
+    """A training job's first call: (the parallel context, its seeded RNGs, the run folder). `fixed`: the
+    trainer's flags of its data position, which a resume may not change (compare)."""
     if args.optimizer_cpu_offload and not args.use_distributed_optimizer:
         raise SystemExit("--optimizer-cpu-offload needs --use-distributed-optimizer (megatron-core's "
                          "HybridDeviceOptimizer runs inside its distributed optimizer, distrib_optimizer.py:602)")
+    ckpt = Path(args.hf_checkpoint)  # said before anything loads; the trainers download nothing
+    if not ckpt.is_dir():
+        raise SystemExit(f"--hf-checkpoint {ckpt}: no such folder (a hub id: download it, e.g. hf download ID "
+                         "--local-dir DIR, and pass the folder)")
+    if not (ckpt / "config.json").is_file():
+        raise SystemExit(f"--hf-checkpoint {ckpt}: no config.json in it")
     par = parallel.init_distributed(args.tensor_model_parallel_size, args.seed, args.distributed_timeout_minutes,
                                     args.expert_model_parallel_size, cp=args.context_parallel_size,
                                     pp=args.pipeline_model_parallel_size)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    return par, Run(args, kind, par)
+    return par, Run(args, kind, par, fixed)
 
 
 class Run:
     """The run folder of one training job: its lock, the resume / overwrite policy, metrics, the
     config, checkpoints. Global rank 0 writes; every rank takes part in a checkpoint."""
 
-    def __init__(self, args, kind, par):
-        self.args, self.par, self.rank = args, par, par.rank
+    def __init__(self, args, kind, par, fixed=()):
+        self.args, self.par, self.rank, self.kind = args, par, par.rank, kind
         self.save = Path(args.save)
-        self.wandb, self.lock = None, None
+        self.wandb, self.lock, self.last, self.stopping, self.signalled = None, None, {}, None, False
+        self.t0 = time.time()  # --exit-duration-in-mins counts from here (console.stop_reason)
         if self.rank == 0:
             self.save.mkdir(parents=True, exist_ok=True)
             self.lock = lock_folder(self.save)
         self.ckpt = find_checkpoint(args.load, self.save)  # the checkpoint to resume from, or None: a fresh start
+        self.meta = None  # the checkpoint's meta.json (step, TP, PP sizes): what nothing_left and load_state read
+        if self.ckpt is not None:
+            self.meta = read_state(self.ckpt / "train_state" / "meta.json", lambda f: json.loads(f.read_text()))
         if self.rank == 0:
+            self.config = dict(vars(args), kind=kind, world_size=par.world, versions=versions())
             if self.ckpt is None:
                 start_fresh(self.save, args.overwrite, args.load)
-            config = dict(vars(args), kind=kind, world_size=par.world, versions=versions())
-            print(json.dumps(config, indent=1, default=str), flush=True)
-            (self.save / f"config_{kind}.json").write_text(json.dumps(config, indent=1, default=str))
+                self.write_config(f"config_{kind}.json")
+            else:  # refused or said now; written as the resume happens (load_state), beside the run's first
+                compare(self.ckpt.parent / f"config_{kind}.json", self.config, FIXED + fixed)
             if args.wandb_project:
                 try:
                     import wandb
-                    self.wandb = wandb.init(project=args.wandb_project, config=config)
+                    self.wandb = wandb.init(project=args.wandb_project, config=self.config)
                 except ImportError:
                     print("[run] wandb is not installed; logging to metrics.jsonl only", file=sys.stderr)
+
+    def write_config(self, name):
+        (self.save / name).write_text(json.dumps(self.config, indent=1, default=str))
+        print(f"[run] config (flags, versions): {self.save / name}", flush=True)
+
+    def write_rows(self, name, rows):
+        """<save>/<name>, one JSON line a row (an evaluation's responses), written whole; -> its path."""
+        atomic_write(self.save / name, "".join(json.dumps(r) + "\n" for r in rows))
+        return self.save / name
 
     def log(self, step, metrics):
         """One JSON line a step, flushed and synced: nothing is lost on a crash."""
         if self.rank != 0:
             return
+        self.last.update(metrics)  # the latest of each metric: the console's (steps)
         with open(self.save / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
             f.flush()
@@ -119,11 +143,12 @@ class Run:
                 atomic_write(self.save / "latest", name)
         except Exception as e:  # noqa: BLE001 - a full disk shows as OSError, torch's RuntimeError, safetensors'...
             shutil.rmtree(tmp, ignore_errors=True)
-            raise SystemExit(f"[run] checkpoint {final} could not be written ({type(e).__name__}: {e}); "
+            full = "no space left on the device of --save: " if disk_full(e) else ""
+            raise SystemExit(f"[run] checkpoint {final} could not be written ({full}{type(e).__name__}: {e}); "
                              f"removed {tmp.name}; {self.save / 'latest'} still names the last complete "
                              f"checkpoint. Free space in --save and resume with --load {self.save}") from None
         if self.rank == 0:
-            print(f"[run] saved checkpoint {final}", flush=True)
+            console.say(f"[run] saved checkpoint {final}")
             done = sorted(p for p in self.save.glob("iter_*") if (p / "train_state" / "meta.json").exists())
             if self.args.save_keep > 0:
                 for old in done[:-self.args.save_keep]:
@@ -132,12 +157,26 @@ class Run:
         return final
 
     def maybe_save(self, model, opt, sched, step, total, prepare=None, rollout=None):
-        """Every --save-interval steps, and always after the last; prepare() first when it saves."""
-        periodic = self.args.save_interval and step % self.args.save_interval == 0
-        if periodic or step == total:
+        """Every --save-interval steps, after the last, and before a stop (console.stop_reason); prepare() first
+        when it saves."""
+        self.stopping = console.stop_reason(self)
+        if (self.args.save_interval and step % self.args.save_interval == 0) or step == total or self.stopping:
             if prepare is not None:
                 prepare()
             self.save_checkpoint(model, opt, sched, step, rollout)
+
+    def eval_due(self, step, total):
+        """An evaluation after `step`: every --eval-interval steps and after the last, not on the way out."""
+        every = self.args.eval_interval
+        return not self.stopping and (step == total or bool(every and step % every == 0))
+
+    def nothing_left(self, total, flag):
+        """A resumed run already at its last step ends here, saying so (exit 0), before any model loads."""
+        if self.ckpt and total and self.meta["step"] >= total:
+            if self.rank == 0:
+                print(f"[run] {self.ckpt} is step {self.meta['step']}; {flag} asks for {total}: nothing to do "
+                      f"(raise {flag} to continue)", flush=True)
+            raise SystemExit(0)
 
     def load_rollout(self, ckpt):
         """The rollout state save_checkpoint kept (rank 0), or None."""
@@ -146,7 +185,7 @@ class Run:
 
     def load_state(self, ckpt, opt, sched):
         """Optimizer, schedule and RNG of this rank; returns the meta dict (step, data position)."""
-        meta = read_state(ckpt / "train_state" / "meta.json", lambda f: json.loads(f.read_text()))
+        meta = self.meta
         for flag, key, now in (("--tensor-model-parallel-size", "tp", self.par.tp),
                                ("--pipeline-model-parallel-size", "pp", self.par.pp)):
             if meta.get(key, now) != now:
@@ -160,8 +199,31 @@ class Run:
         set_rng_state(state["rng"])
         if self.rank == 0:
             trim_metrics(self.save, meta["step"])
+            self.write_config(f"config_{self.kind}_resumed_at_{meta['step']:07d}.json")
             print(f"[run] resumed from {ckpt} at step {meta['step']}", flush=True)
         return meta
+
+
+# What a checkpoint fixes: the data order, and the optimizer's hyperparameters and schedule, which its state
+# restores (torch's load_state_dict keeps the saved param groups; Megatron refuses a changed schedule by default,
+# megatron-core 0.16.1 optimizer_param_scheduler.py:312-333). The trainers add their batch flag (start's `fixed`).
+FIXED = ("seed", "lr", "min_lr", "decoupled_lr", "lr_warmup_iters", "lr_decay_style", "adam_beta1", "adam_beta2",
+         "weight_decay")
+
+
+def compare(saved_path, config, fixed):
+    """A resume's flags against its run's first config: a changed `fixed` flag is refused (it cannot act), each
+    other change said, one line each."""
+    saved = json.loads(saved_path.read_text()) if saved_path.exists() else {}
+    changed = {k: f"--{k.replace('_', '-')} {v} (the run: {saved[k]})" for k, v in config.items()
+               if k in saved and saved[k] != v and k not in ("load", "overwrite", "versions", "world_size")}
+    bad = [line for k, line in changed.items() if k in fixed]
+    if bad:
+        raise SystemExit(f"--load {saved_path.parent}: a resume keeps the run's data order and optimizer state, so "
+                         "these cannot change:\n  " + "\n  ".join(bad) + "\nresume with the run's values, or start a new "
+                         f"run from a checkpoint's weights (--hf-checkpoint {saved_path.parent}/iter_N)")
+    for line in changed.values():
+        print(f"[run] resumed with {line}", flush=True)
 
 
 def find_checkpoint(load_flag, save):
@@ -221,8 +283,8 @@ def trim_metrics(save, step):
 
 
 def load_data(args, evaluation=False, verbose=True, measure=None, limit=None):
-    """The training (or evaluation) records named by the flags; [] when no eval data is given.
-    `measure(record)` -> its tokens, through the processor: a row it refuses (an image's aspect
+    """The training (or evaluation: its first --eval-samples, 0: all) records the flags name; [] when no eval
+    data is given. `measure(record)` -> its tokens, through the processor: a row it refuses (an image's aspect
     ratio...) is a bad row, named; one over `limit` = (tokens, "the flag") is skipped, counted."""
     source = args.eval_prompt_data if evaluation else args.prompt_data
     if not source:
@@ -241,7 +303,7 @@ def load_data(args, evaluation=False, verbose=True, measure=None, limit=None):
                                   allow_urls=args.allow_image_urls, allow_outside=args.allow_outside_paths)
     except data.DataError as e:
         raise SystemExit(f"--{'eval-' if evaluation else ''}prompt-data: {e}") from None
-    return records[:args.eval_samples] if evaluation else records
+    return records[:args.eval_samples or None] if evaluation else records
 
 
 def lock_folder(folder):
@@ -257,6 +319,12 @@ def lock_folder(folder):
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     f.flush()
     return f
+
+
+def disk_full(e):
+    """Whether a checkpoint write failed for want of space: ENOSPC, or torch's zip writer cut short."""
+    return getattr(e, "errno", None) == errno.ENOSPC or any(
+        s in str(e) for s in ("No space left", "unexpected pos", "PytorchStreamWriter failed"))
 
 
 def read_state(path, read=lambda f: torch.load(f, weights_only=False)):

@@ -13,7 +13,7 @@ whole context again (a weight update flushed SGLang's cache). Lengths: each turn
 sigma --sigma), an episode's response capped at --max-tokens; multi-turn: a turn but the last calls a tool
 with probability --tool-p, the env then takes --env-ms and adds --obs-tokens.
 Each step trains --prompts groups of --samples. Without partial rollout it starts them and waits for all.
-With it (rollout.Partial's policy, which tests/test_rollout.py holds rollout.py to) it keeps --over x
+With it (rollout.Rollout's policy with a target, which tests/test_rollout.py holds rollout.py to) it keeps --over x
 --prompts groups generating, buffered ones first, stops once --prompts groups are complete (the first in
 their order: buffered ones first), and keeps what the others wrote for the next step.
 Prints each step's rollout seconds, samples trained, and share of trained tokens written in an earlier step;
@@ -21,6 +21,7 @@ then the steady state (the steps after --warm): seconds of rollout per trained s
 """
 import argparse
 import heapq
+import itertools
 import json
 import math
 import random
@@ -46,22 +47,25 @@ class Sim:
     """One server's continuous batching in virtual seconds (self.t)."""
 
     def __init__(self, a, weights, kv):
-        self.a, self.weights, self.kv, self.t = a, weights, kv, 0.0
-        self.running, self.queue, self.env = [], [], []  # decoding; waiting to be admitted; (ready time, ep) heap
+        self.a, self.weights, self.kv, self.t, self.busy = a, weights, kv, 0.0, 0.0  # busy: seconds computing
+        self.running, self.queue, self.env = [], [], []  # decoding; waiting to be admitted; (ready time, k, ep) heap
+        self.order = itertools.count()  # k: ties in the heap go in push order (not by id(): memory layout)
 
     def submit(self, ep):
         self.queue.append(ep)
 
     def prefill(self, eps):
         tokens = sum(ep.context - ep.cached for ep in eps)
-        self.t += tokens * 2 * self.a.params / (self.a.gpus * self.a.prefill_tflops * 1e12)
+        took = tokens * 2 * self.a.params / (self.a.gpus * self.a.prefill_tflops * 1e12)
+        self.t, self.busy = self.t + took, self.busy + took
         for ep in eps:
             ep.cached = ep.context
 
-    def run(self, step, until):
-        """Decode until until() holds, at token granularity between events. -> episodes that ended."""
+    def run(self, step, until, deadline=math.inf):
+        """Decode until until() holds or the clock reaches `deadline`, at token granularity between events. -> episodes
+        that ended (it returns early when nothing is left to do)."""
         a, ended = self.a, []
-        while not until():
+        while not until() and self.t < deadline:
             while self.env and self.env[0][0] <= self.t:
                 self.submit(heapq.heappop(self.env)[2])
             room = a.max_running - len(self.running)
@@ -70,7 +74,7 @@ class Sim:
                 self.prefill(new)
                 self.running += new
             if not self.running:
-                self.t = self.env[0][0] if self.env else self.t  # idle until an env step ends
+                self.t = min(self.env[0][0], deadline) if self.env else self.t  # idle until an env step ends
                 if not self.env and not self.queue:
                     return ended
                 continue
@@ -78,9 +82,10 @@ class Sim:
             bw = a.gpus * HBM
             per = a.t0 + (self.weights + ctx * self.kv) / bw  # the first step's seconds
             n = min(ep.left for ep in self.running)
-            if self.env:  # stop at the next env step's end
-                n = max(1, min(n, int((self.env[0][0] - self.t) / per) + 1))
-            self.t += n * (a.t0 + self.weights / bw) + self.kv / bw * (n * ctx + b * n * (n - 1) / 2)
+            for event in ([self.env[0][0]] if self.env else []) + [deadline]:  # stop at the next env step's end
+                n = max(1, min(n, int(min(event - self.t, 1e9) / per) + 1))
+            took = n * (a.t0 + self.weights / bw) + self.kv / bw * (n * ctx + b * n * (n - 1) / 2)
+            self.t, self.busy = self.t + took, self.busy + took
             for ep in self.running:
                 ep.left, ep.context, ep.response = ep.left - n, ep.context + n, ep.response + n
                 ep.by_step[step] = ep.by_step.get(step, 0) + n
@@ -92,7 +97,7 @@ class Sim:
                 if more:
                     ep.context += a.obs_tokens
                     ep.left = ep.draw()
-                    heapq.heappush(self.env, (self.t + a.env_ms / 1000, id(ep), ep))
+                    heapq.heappush(self.env, (self.t + a.env_ms / 1000, next(self.order), ep))
                 else:
                     ep.done = True
                     ended.append(ep)
@@ -132,8 +137,8 @@ def rollouts(a, over, weights, kv):
     return out
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_args(p):
+    """The simulated engine's and the episodes' flags (bench/fully_async.py takes them too)."""
     p.add_argument("--config", default=str(ROOT.parent / "shared" / "real_models" / "Qwen3-VL-2B-Instruct" / "config.json"))
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--samples", type=int, default=8)
@@ -149,11 +154,11 @@ def main():
     p.add_argument("--max-running", type=int, default=512)
     p.add_argument("--t0", type=float, default=0.003, help="a decode step's fixed seconds (launch, sampling, scheduler)")
     p.add_argument("--prefill-tflops", type=float, default=400.0)
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--warm", type=int, default=3, help="steps before the steady state")
-    p.add_argument("--over", type=float, nargs="+", default=[1.25, 1.5])
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args()
+    return p
+
+
+def model(a):
+    """Sets a.params (the language model's); -> (weight bytes, KV bytes a token), bf16, from --config."""
     cfg = json.loads(Path(a.config).read_text())
     tc = cfg.get("text_config", cfg)
     h, layers, ffn, vocab = tc["hidden_size"], tc["num_hidden_layers"], tc["intermediate_size"], tc["vocab_size"]
@@ -161,6 +166,17 @@ def main():
     attn = h * hd * (tc["num_attention_heads"] * 2 + tc["num_key_value_heads"] * 2)
     a.params = layers * (attn + 3 * h * ffn) + vocab * h * (1 if tc.get("tie_word_embeddings", cfg.get("tie_word_embeddings")) else 2)
     weights, kv = 2 * a.params, 2 * layers * 2 * tc["num_key_value_heads"] * hd  # bf16 bytes; K and V a token
+    return weights, kv
+
+
+def main():
+    p = add_args(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warm", type=int, default=3, help="steps before the steady state")
+    p.add_argument("--over", type=float, nargs="+", default=[1.25, 1.5])
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    weights, kv = model(a)
     print(f"{Path(a.config).parent.name}: {a.params / 1e9:.2f} B language-model parameters, {kv / 1024:.0f} KiB of KV a token; "
           f"{a.prompts} x {a.samples}, {a.turns} turns, turn lognormal(median {a.median:g}, sigma {a.sigma:g}), cap {a.max_tokens}")
     step = lambda b, ctx: 1000 * (a.t0 + (weights + b * ctx * kv) / (a.gpus * HBM))  # noqa: E731

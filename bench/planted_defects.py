@@ -59,6 +59,12 @@ DEFECTS = {
                  "torch.arange(off + (2 * cp - 1 - rank) * c, off + (2 * cp - rank) * c)",
                  "torch.arange(off + (2 * cp - 2 - rank) * c, off + (2 * cp - 1 - rank) * c)",
                  ["tests/test_context_parallel.py", "tests/test_layouts.py"]),
+    "version_lost": ("rollout: a token's version is the first run's, not the one that wrote it", "rollout.py",
+                     "_finish_turn(ep, out, self.processor, args, self.stops, self.version, ours)",
+                     "_finish_turn(ep, out, self.processor, args, self.stops, 0, ours)", ["tests/test_rollout.py"]),
+    "parked_not_saved": ("checkpoint: the rollout's parked groups are not saved (in-flight work lost on resume)",
+                         "train_grpo.py", "return (self.rollout.drawn, self.rollout.groups) if keep else None",
+                         "return (self.rollout.drawn, {}) if keep else None", ["tests/test_grpo.py"]),
 }
 
 

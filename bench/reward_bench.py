@@ -1,5 +1,5 @@
 """Time reward scoring: 4,096 responses of about 1 KB each, scored as the rollout scores them (each
-episode in its own thread as it ends, as many at once as there are cores: rollout._Pipeline).
+episode in its own thread as it ends, as many at once as there are cores: rollout._Episodes).
 
     .venv/bin/python bench/reward_bench.py                  # math RM, threads = cores
     .venv/bin/python bench/reward_bench.py --rm-type geo3k --threads 8 --n 4096

@@ -111,7 +111,7 @@ def main():
     finally:
         for b in burners:
             b.kill()
-    m = rollout.rollout_metrics(samples)
+    m = train_grpo.rollout_metrics(samples)
     crit = max(engine.path.values())
     print(f"{a.prompts} x {a.samples} x {a.turns} turns, {a.token_ms:g} ms a token, busy={a.busy}, code={a.code}: "
           f"failed {m['failed_frac']:.2f}, turns {m['turns']:.2f}, tool calls {m['tool_calls']:.2f}, reward {m['reward']:.2f}")

@@ -88,6 +88,20 @@ def test_a_samples_later_turns_go_where_its_first_went(ckpt, tmp_path):
         assert g["pid"] == first["pid"], "a later turn left its sample's server"
 
 
+def fake_servers_run(ckpt, tmp_path, *more):
+    """-> (save, the fake servers' request record, train_grpo flags): two GRPO steps on synthetic problems, every
+    server a fake one recording its requests, `more` flags on top."""
+    from tools import synth
+    synth.write_synth(tmp_path / "d", 32, n_test=0, seed=0, kinds=("sides",))
+    save, rec = tmp_path / "run", tmp_path / "requests.jsonl"
+    return save, rec, ["--hf-checkpoint", str(ckpt), "--prompt-data", str(tmp_path / "d"), "--save", str(save),
+                       "--rollout-engine", "sglang", "--sglang-launch-cmd", f"{sys.executable} {FAKE}",
+                       "--sglang-fake-record", str(rec), "--num-rollout", "2", "--n-samples-per-prompt", "2",
+                       "--rollout-max-response-len", "12", "--max-tokens-per-gpu", "512",
+                       # cache_aware balances only past a load gap of 64 (its default); here at any gap
+                       "--sglang-router-args", "--balance-abs-threshold 0 --balance-rel-threshold 1.0", *more]
+
+
 @pytest.mark.parametrize("nodes", [2, 1], ids=["two_nodes", "one_node_two_servers"])
 def test_every_server_serves_and_takes_every_steps_weights(tiny_ckpt, tmp_path, nodes):
     """Two servers, two GRPO steps: two torchrun launches (--nnodes 2 on 127.0.0.1, one process a
@@ -95,15 +109,8 @@ def test_every_server_serves_and_takes_every_steps_weights(tiny_ckpt, tmp_path, 
     --rollout-num-gpus-per-engine 1 (on CPU: a server a rank), both servers on 127.0.0.1 without a
     key. Rank 0 starts the router; both servers serve, each gets every step's weights in a folder of
     its own, and before any rollout of the next step."""
-    from tools import synth
-    synth.write_synth(tmp_path / "d", 16, n_test=0, seed=0, kinds=("sides",))
-    save, rec = tmp_path / "run", tmp_path / "requests.jsonl"
-    args = ["--hf-checkpoint", str(tiny_ckpt("qwen3_vl")), "--prompt-data", str(tmp_path / "d"), "--save", str(save),
-            "--rollout-engine", "sglang", "--sglang-launch-cmd", f"{sys.executable} {FAKE}", "--sglang-fake-record",
-            str(rec), "--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
-            "--rollout-max-response-len", "12", "--max-tokens-per-gpu", "512", "--entropy-coef", "0.01",
-            # 8 requests a step: cache_aware balances only past a load gap of 64 (its default); here at any gap
-            "--sglang-router-args", "--balance-abs-threshold 0 --balance-rel-threshold 1.0"]
+    save, rec, args = fake_servers_run(tiny_ckpt("qwen3_vl"), tmp_path, "--rollout-batch-size", "4", "--entropy-coef",
+                                       "0.01")
     names = ["node00", "node01"] if nodes == 2 else ["node00_0", "node00_1"]
     if nodes == 1:
         args += ["--rollout-num-gpus-per-engine", "1"]
@@ -129,6 +136,29 @@ def test_every_server_serves_and_takes_every_steps_weights(tiny_ckpt, tmp_path, 
         else:
             assert "--api-key" not in text, log
     assert "--host 127.0.0.1" in (save / f"sglang_{names[1]}.log").read_text()  # 2 nodes: the route to MASTER_ADDR
+
+
+@pytest.mark.slow
+def test_fully_async_cuts_on_every_server_and_each_takes_every_steps_weights(tiny_ckpt, tmp_path):
+    """--fully-async across two nodes (a fake server each, 3 s a token: a request is still in flight when the step
+    that began with it ends, whatever the machine's load; ~1 min): the pause before each weight
+    update cuts the requests on both servers (the router does not say which holds one), both take every step's
+    weights, and the cut turns go on after it: every step trains B complete groups, some of whose tokens an earlier
+    version wrote."""
+    save, rec, args = fake_servers_run(tiny_ckpt("qwen3_vl"), tmp_path, "--sglang-fake-token-delay", "3",
+                                       "--rollout-batch-size", "2", "--fully-async", "--over-sampling-batch-size", "4",
+                                       "--max-weight-staleness", "2")
+    runs = launch.torchrun_nodes(2, 1, [ROOT / "train_grpo.py", *args], timeout=600,
+                                 env=dict(os.environ, OMP_NUM_THREADS="1"))
+    outs = [r.stdout + r.stderr for r in runs]
+    assert [r.returncode for r in runs] == [0, 0], "".join(o[-3000:] for o in outs)
+    steps = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1, 2] and all(m["samples"] == 4 and m["failed_frac"] == 0 for m in steps)
+    assert sum(m["rollout_aborted"] for m in steps) > 0 and max(m["offpolicy_token_frac"] for m in steps) > 0, steps
+    calls = [json.loads(line) for line in rec.read_text().splitlines()]
+    updates = [c["pid"] for c in calls if c["path"] == "/update_weights_from_disk"]
+    assert len(set(updates)) == 2 and len(updates) == 4  # each server, each step
+    assert len({c["pid"] for c in calls if c["path"] == "/abort_request"}) == 2  # both servers were told
 
 
 FAILING = """

@@ -14,6 +14,7 @@ import env_geo3k
 import chat
 import rollout
 import sft
+import train_grpo
 from conftest import rollout_args
 from fakes import ScriptedEngine
 from test_data import _sides_from_image
@@ -70,12 +71,12 @@ def test_rollout_metrics_count_calls_by_tool_score_crops_against_the_box_and_spl
     samples = rollout.run_episodes(Planned(processor, plans), processor, recs, args, reward_fn=None)
     assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 0.0]
     assert "unknown tool 'calc_score'; tools are crop" in samples[3].metadata["steps"][0]["observation"]
-    m = rollout.rollout_metrics(samples)
+    m = train_grpo.rollout_metrics(samples)
     assert m["tool_calls_crop"] == 0.5 and m["tool_calls_calc_score"] == 0.0 and m["tool_calls"] == 0.5
     assert m["crop_iou"] == pytest.approx((1 + 1 / 3) / 2) and m["crop_hit_frac"] == 0.25
     assert m["accuracy_with_crop"] == 0.5 and m["accuracy_without_crop"] == 0.5
     single = rollout.run_episodes(Planned(processor, plans), processor, recs[2:3], rollout_args(n_samples_per_prompt=1))
-    assert not {k for k in rollout.rollout_metrics(single) if k.startswith(("tool_calls_", "crop_", "accuracy_"))}
+    assert not {k for k in train_grpo.rollout_metrics(single) if k.startswith(("tool_calls_", "crop_", "accuracy_"))}
 
 
 def test_sft_encodes_an_episode_as_the_rollout_of_it_does(processor, rows, tmp_path):
@@ -111,10 +112,14 @@ def test_blank_crop_returns_a_white_image_of_the_crops_size_and_runs_the_real_tr
     real = env_geo3k.build_env({"answer": "3", "images": [canvas]}, args)
     want, _, _ = real.step(call("crop", {"bbox": [10, 20, 30, 34]}))  # 20x14 -> shown 4x: 80x56
     seen = {}
-    monkeypatch.setattr(blank_crop.train_grpo, "main", lambda argv: seen.update(argv=argv, crop=env_geo3k.TOOLS["crop"].run))
+
+    def trainer(argv):  # what train_grpo.main would build: an env, while blank_crop's crop is in place
+        env = env_geo3k.build_env({"answer": "3", "images": [canvas]}, args)
+        seen.update(argv=argv, env=env, step=env.step(call("crop", {"bbox": [10, 20, 30, 34]})))
+
+    monkeypatch.setattr(blank_crop.train_grpo, "main", trainer)
     blank_crop.main(["--flags"])
-    assert seen == {"argv": ["--flags"], "crop": blank_crop.blank_crop}
-    env = env_geo3k.build_env({"answer": "3", "images": [canvas]}, args)
-    got, _, info = env.step(call("crop", {"bbox": [10, 20, 30, 34]}))
+    assert seen["argv"] == ["--flags"] and env_geo3k.TOOLS["crop"].run is not blank_crop.blank_crop  # restored after
+    env, (got, _, info) = seen["env"], seen["step"]
     assert info["ran"] and got["text"] == want["text"] and got["images"][0].size == want["images"][0].size == (80, 56)
     assert got["images"][0].getcolors() == [(80 * 56, (255, 255, 255))] and env.images[1] is got["images"][0]

@@ -114,7 +114,7 @@ def test_bad_rows_stop_the_load_with_row_and_reason(tmp_path):
     assert "t.parquet" in msg and "2 of 3 rows" in msg
     assert "row 1: empty 'answer'" in msg and "row 2: image 0:" in msg
     p = _write_jsonl(tmp_path / "m.jsonl", [{"question": "q", "answer": "1", "image": "a.png"}])
-    with pytest.raises(data.DataError, match="row 0: missing column 'problem'"):
+    with pytest.raises(data.DataError, match="m.jsonl: no column 'problem'; its columns: answer, image, question"):
         data.load_geo3k(p)
     with pytest.raises(data.DataError, match="no such file"):
         data.load_geo3k(tmp_path / "missing.parquet")

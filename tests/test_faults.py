@@ -6,6 +6,7 @@ import io
 import json
 import os
 import resource
+import shlex
 import shutil
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
+import console
 import data
 import launch
 from tools import synth as synth_set
@@ -68,6 +70,10 @@ GRPO = ["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x"]
     ("train_grpo", ["--rollout-top-p", "1.5"], "--rollout-top-p: 1.5:"),
     ("train_grpo", ["--rm-type", "gsm8k"], "--rm-type: invalid choice: 'gsm8k' (choose from 'math', 'geo3k')"),
     ("train_grpo", ["--rollout-engine", "local", "--sglang-mem-fraction-statc", "0.5"], "--mem-fraction-statc"),
+    # issue 50: what places an SGLang server, with the in-process engine: refused by name, not saved as on
+    ("train_grpo", ["--rollout-engine", "local", "--colocate"], "--colocate: they place or set up an SGLang server"),
+    ("train_grpo", ["--rollout-engine", "local", "--rollout-num-gpus", "2", "--weight-sync", "disk"],
+     "--rollout-num-gpus --weight-sync: they place"),
     ("sft", ["--global-batch-size", "0"], "--global-batch-size: 0:"),
     ("sft", ["--num-epoch", "0"], "--num-epoch: 0:"),
     ("sft", ["--lr", "nan"], "--lr: nan:"),
@@ -336,6 +342,22 @@ def test_full_disk_during_a_checkpoint_is_named_and_leaves_no_temporary_folder(c
 
 
 @pytest.mark.slow
+def test_a_full_disk_is_said_as_such(ckpt, synth, tmp_path):
+    """A real full disk (a 150 MB tmpfs, mounted in a mount namespace of the trainer's own): the checkpoint's
+    error says so, where torch's own says "unexpected pos" and safetensors' "os error 28" (issue 50)."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    cmd = " ".join(shlex.quote(str(c)) for c in [PY, ROOT / "sft.py", *sft_cmd(ckpt, synth, disk / "run")[1:]])
+    r = launch.run(["unshare", "--mount", "sh", "-c", f"mount -t tmpfs -o size=150m tmpfs {disk} && exec {cmd}"],
+                   600, env=ENV)
+    if "mount" in r.stderr and "ermission denied" in r.stderr or "Operation not permitted" in r.stderr:
+        pytest.skip("unshare or mount is not permitted here")
+    assert r.returncode and "could not be written (no space left on the device of --save: " in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.slow
 def test_nan_weights_are_named_at_load(ckpt, synth, tmp_path):
     from safetensors.torch import load_file, save_file
     bad = tmp_path / "nan"
@@ -386,3 +408,179 @@ def test_killing_torchrun_stops_its_workers(ckpt, synth, tmp_path):
     for k in alive:
         os.kill(k, signal.SIGKILL)
     assert kids and not alive, f"workers {alive} outlived their torchrun"
+
+
+# ------------------------------------------------------------------ issue 50: a user's first hour
+def test_help_shows_defaults_and_each_tool_its_own(capsys):
+    import sft
+    import train_grpo
+    from tools import blank_crop, report
+    for mod in (train_grpo, sft):
+        with pytest.raises(SystemExit):
+            mod.parse_args(["--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        assert "--seed SEED the data order" in out and "(default: 1234)" in out and "(default: 0.98)" in out, out
+        assert "Adam's decay of the gradient's running mean" in out and "GRPO not yet" not in out
+        assert "(default: None)" not in out and "(default: False)" not in out and "(default: train)" in out
+    with pytest.raises(SystemExit) as e:
+        blank_crop.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "The control of the crop task's GRPO" in out and "--rollout-batch-size" in out
+    with pytest.raises(SystemExit) as e:
+        report.main(["--help"])
+    assert e.value.code == 0 and "the summary of a run folder" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value,said", [
+    ("{tmp}/nope", "--hf-checkpoint {tmp}/nope: no such folder"),
+    ("{tmp}", "--hf-checkpoint {tmp}: no config.json in it"),
+    ("nobody-here/no-such-model", "no-such-model: no such folder \\(a hub id: download it, e.g. hf download ID"),
+])
+def test_a_wrong_checkpoint_is_named_before_anything_starts(value, said, tmp_path, monkeypatch):
+    import train_grpo
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # a hub id is never fetched: no network wait, online or not
+    value, said = value.format(tmp=tmp_path), said.format(tmp=tmp_path)
+    with pytest.raises(SystemExit, match=said):
+        train_grpo.main(["--hf-checkpoint", value, "--prompt-data", "x", "--save", str(tmp_path / "run")])
+    assert not (tmp_path / "run").exists()  # before the run folder
+
+
+def test_a_missing_column_is_named_with_the_files_columns(tmp_path):
+    path = parquet(tmp_path / "d.parquet", [dict(r, question=r.pop("problem")) for r in rows(8)])
+    with pytest.raises(data.DataError, match=r"d.parquet: no column 'problem'; its columns: answer, images, "
+                                             r"question\. Name yours with --input-key"):
+        data.load_geo3k(path)
+    assert len(data.load_geo3k(path, input_key="question")) == 8
+    with pytest.raises(data.DataError, match="no column 'solution'.*--label-key"):
+        data.load_geo3k(path, input_key="question", label_key="solution")
+    (tmp_path / "t.jsonl").write_text('{"problem": "1 + 1?", "answer": "2", "picture": "a.png"}\n')
+    with pytest.raises(data.DataError, match="no column 'images'; its columns: answer, picture, problem"):
+        data.load_geo3k(tmp_path / "t.jsonl")
+
+
+def resumable(tmp_path, entry, argv, step=2):
+    """A run folder as `entry` run with `argv` leaves it after a checkpoint at `step`: its config, its
+    checkpoint's meta (what a resume reads before any model loads). -> the folder."""
+    import importlib
+    mod, save = importlib.import_module(entry), tmp_path / "run"
+    state = save / f"iter_{step:07d}" / "train_state"
+    state.mkdir(parents=True)
+    (state / "meta.json").write_text(json.dumps({"step": step, "tp": 1, "pp": 1}))
+    (save / "latest").write_text(f"iter_{step:07d}")
+    config = dict(vars(mod.parse_args(argv + ["--save", str(save)])), kind=entry.replace("train_", ""),
+                  world_size=1, versions=T.versions())
+    (save / f"config_{config['kind']}.json").write_text(json.dumps(config, indent=1, default=str))
+    return save
+
+
+def test_a_resume_refuses_what_the_checkpoint_fixes_and_keeps_the_runs_config(tmp_path):
+    import sft
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    argv = ["--hf-checkpoint", str(tmp_path / "ckpt"), "--prompt-data", "x"]
+    save = resumable(tmp_path, "sft", argv)
+    first = (save / "config_sft.json").read_text()
+    with pytest.raises(SystemExit) as e:
+        sft.main(argv + ["--save", str(save), "--load", str(save), "--global-batch-size", "8", "--lr", "1e-4",
+                         "--eval-interval", "5"])
+    said = str(e.value)
+    assert "so these cannot change:\n  --global-batch-size 8 (the run: 16)\n  --lr 0.0001 (the run: 1e-05)\n" in said
+    assert "eval-interval" not in said and f"--hf-checkpoint {save}/iter_N" in said, said
+    assert (save / "config_sft.json").read_text() == first and [p.name for p in save.glob("config_*")] == ["config_sft.json"]
+
+
+def test_a_resume_says_each_changed_flag_and_that_nothing_is_left(tmp_path, capsys):
+    import train_grpo
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    argv = ["--hf-checkpoint", str(tmp_path / "ckpt"), "--prompt-data", "x", "--num-rollout", "4"]
+    save = resumable(tmp_path, "train_grpo", argv, step=4)
+    with pytest.raises(SystemExit) as e:  # before any model loads: none could, from this checkpoint folder
+        train_grpo.main(argv + ["--save", str(save), "--load", str(save), "--rollout-max-response-len", "64"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "[run] resumed with --rollout-max-response-len 64 (the run: 256)" in out, out
+    assert f"[run] {save / 'iter_0000004'} is step 4; --num-rollout asks for 4: nothing to do (raise --num-rollout" in out
+    assert sorted(p.name for p in save.glob("config_*")) == ["config_grpo.json"]
+
+
+@pytest.mark.parametrize("error,full", [
+    (OSError(28, "No space left on device"), True),
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"), True),
+    (RuntimeError("PytorchStreamWriter failed writing file data/3: file write failed"), True),
+    (Exception("Error while serializing: I/O error: No space left on device (os error 28)"), True),  # safetensors'
+    (OSError(27, "File too large"), False),
+    (PermissionError(13, "Permission denied"), False),
+])
+def test_a_full_disk_is_told_apart(error, full):
+    assert T.disk_full(error) == full
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["sft.py", "--lr", "1", "--save", "r"], "sft.py --lr 1 --save r --load r"),
+    (["train_grpo.py", "--save=r", "--overwrite", "--rollout-batch-size", "1"],
+     "train_grpo.py --save=r --rollout-batch-size 1 --load r"),
+    (["sft.py", "--save", "r", "--load", "other"], "sft.py --save r --load other"),
+])
+def test_the_resume_command_keeps_the_flags_but_overwrite(argv, want, monkeypatch):
+    import sft
+    import train_grpo
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    args = (sft if argv[0] == "sft.py" else train_grpo).parse_args(argv[1:] + ["--hf-checkpoint", "x", "--prompt-data", "x"])
+    assert console.resume_command(argv, args) == f"{sys.executable} {want}"
+
+
+@pytest.mark.parametrize("metrics,why", [
+    ({"zero_adv_frac": 0.5, "grad_norm": 0.3, "truncated_frac": 1.0}, None),  # truncated, yet something to learn
+    ({"zero_adv_frac": 1.0, "grad_norm": 0.0, "truncated_frac": 1.0}, "every response was cut at --rollout-max-response-len 256"),
+    ({"zero_adv_frac": 1.0, "grad_norm": 0.2, "truncated_frac": 0.5, "reward": 1.0},
+     "in every group the rewards were equal (mean reward 1.000): zero advantage"),  # the entropy bonus moves it
+    ({"zero_adv_frac": 0.0, "grad_norm": 0.0}, "the gradient was zero"),
+])
+def test_a_step_with_nothing_to_learn_is_told_why_once(metrics, why, capsys):
+    quiet = 0
+    for step in range(2 * console.STALL):
+        quiet = console.no_signal(metrics, grpo_args(), step, quiet)
+    said = capsys.readouterr().out.splitlines()
+    if why is None:
+        assert quiet == 0 and said == []
+    else:
+        assert quiet == 2 * console.STALL and len(said) == 1, said
+        assert said[0].startswith(f"[grpo] steps 1-{console.STALL} learnt nothing: {why}"), said
+
+
+def bash_run(*args, **env):
+    """run.sh's refusals: each before it sources setup.sh or starts anything (launch.run reaps what it would)."""
+    base = {k: v for k, v in os.environ.items() if k not in ("MODE", "NAME", "RUN", "NUM_GPUS")}
+    return launch.run(["bash", ROOT / "run.sh", *args], timeout=60, env=dict(base, **env))
+
+
+def test_run_sh_says_what_it_takes_and_keeps_a_finished_run(tmp_path):
+    r = bash_run("--help")
+    assert r.returncode == 0 and r.stdout.startswith("run.sh: the whole recipe") and "OVERWRITE=1" in r.stdout
+    r = bash_run(MODE="single_turn")
+    assert r.returncode == 2 and "MODE=single_turn is for the GPU recipe" in r.stderr, r.stderr
+    r = bash_run("--lr", "1")
+    assert r.returncode == 2 and "--lr 1: arguments go to train_grpo.py in the GPU recipe only" in r.stderr
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "summary.md").write_text("a finished run")
+    r = bash_run(RUN=str(tmp_path / "demo"))
+    assert r.returncode == 2 and "holds a run; NAME=<other>" in r.stderr and "OVERWRITE=1" in r.stderr, r.stderr
+    assert (tmp_path / "demo" / "summary.md").read_text() == "a finished run"
+
+
+def test_report_reads_a_single_run_folder_and_refuses_an_empty_one(tmp_path, capsys):
+    from tools import report
+    for kind, key in (("grpo", "reward"), ("sft", "loss")):
+        run = tmp_path / f"my_{kind}"
+        run.mkdir()
+        (run / f"config_{kind}.json").write_text("{}")
+        lines = [{"step": 0, "eval_accuracy": 0.25}] if kind == "grpo" else []
+        lines += [{"step": s, key: 0.1 * s} for s in range(1, 8)] + [{"step": 7, "eval_accuracy": 0.75}]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        report.main([str(run)])
+    out = capsys.readouterr().out
+    assert "| my_grpo (grpo) | 0.100 | 0.500 | 0.250 | 0.750 |   -   |   -   |" in out, out
+    assert "| my_sft (sft) | 0.100 | 0.500 |   -   | 0.750 |" in out and (tmp_path / "my_grpo" / "reward_curve.png").exists()
+    with pytest.raises(SystemExit) as e:
+        report.main([str(tmp_path)])
+    assert e.value.code == 2 and f"no metrics.jsonl in {tmp_path}, nor in its stage folders" in capsys.readouterr().err

@@ -163,7 +163,8 @@ def test_short_run_logs_syncs_and_resumes_after_sigkill(tiny_ckpt, tmp_path):
     assert [m["step"] for m in resumed] == [1, 2, 3, 4] and all(m["offload_host_gib"] > 0 for m in resumed)
 
     def same(m):  # all but the clocks
-        return {k: v for k, v in m.items() if not (k.endswith("_s") or "_s_" in k or k == "offload_host_gib")}
+        return {k: v for k, v in m.items() if not (k.endswith("_s") or "_s_" in k or k in ("offload_host_gib",
+                                                                                         "rollout_engine_idle_frac"))}
     for a, b in zip(resumed[:2], steps[:2]):
         assert same(a) == same(b), (a, b)
     for a, b in zip(resumed[2:], steps[2:]):  # steps 3 and 4 ran in the resumed process
@@ -316,7 +317,7 @@ def test_dynamic_sampling_tops_up_through_the_trainer(processor, records):
         assert len(drawn) == (12 if cap is None else 4) and len({r["index"] for r in drawn}) == len(drawn)
         assert drawn[:3] == T.draw(recs, 0, G.parse_args(base[:-1]))  # the batch's own prompts come first
         kept = min(3, sum(int(r["answer"]) % 3 == 0 for r in drawn))  # mixed groups there are to keep
-        batch = G.Sync(G.Sampler(Engine(), processor, recs, args, 1, 1), par, processor).next(0)
+        batch = G.Source(Engine(), processor, recs, args, 1, par).next(0)
         (items,), m = batch.items, batch.metrics
         assert len(items) == 2 * kept and m["samples"] == 2 * kept, (cap, kept, len(items))
         assert all(it.adv != 0 for it in items)  # only groups with mixed rewards
@@ -338,7 +339,7 @@ def test_step_where_every_sample_failed(processor, records, capsys):
     args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--rollout-batch-size", "2",
                          "--n-samples-per-prompt", "2"])
     par = types.SimpleNamespace(rank=0, world=1, dp=1)
-    batch = G.Sync(G.Sampler(Failing(), processor, records, args, 1, 1), par, processor).next(0)
+    batch = G.Source(Failing(), processor, records, args, 1, par).next(0)
     assert batch.items == [None] and batch.metrics["failed_frac"] == 1.0 and batch.metrics["samples"] == 4
     assert "step 1: no trainable sample among 4 (SGLang /generate -> HTTP 500: IndexError): update skipped" \
         in capsys.readouterr().out
@@ -426,19 +427,18 @@ def test_each_rank_builds_todays_items_from_only_its_share(processor, records):
 
 def test_partial_rollout_resumes_with_its_buffer(tiny_ckpt, processor, records, tmp_path):
     """--partial-rollout keeps the groups a rollout stopped and the data position in the checkpoint (here a
-    third group, complete: the local engine answers a round at once, and two are kept), as they were when
-    the resumed step's rollout began (with --async-rollout it ran before the checkpoint): a run resumed at
-    step 2 trains step 3 on the samples of the uninterrupted run, none lost or sampled twice."""
+    third group, complete: the local engine answers a round at once, and two are kept), written while the
+    rollout is paused: a run resumed at step 2 trains step 3 on the samples of the uninterrupted run, none lost
+    or sampled twice."""
+    import types
     from fakes import ScriptedEngine
     from tools import synth
     flags = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--partial-rollout", "--over-sampling-batch-size", "3"]
-    sampler = G.Sampler(ScriptedEngine(processor, ["\\boxed{4}"]), processor, records, G.parse_args(
-        ["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", *flags]), 1, 1)
-    sampler(0, 0)
-    start = sampler.state(1)  # what step 1 starts from: the leftover of step 0, its data position
-    assert start[0] == 3 and len(start[1]) == 1
-    sampler(1, 0)  # step 1's rollout, made ahead: the checkpoint before step 1 still holds step 1's start
-    assert sampler.state(1)[0] == start[0] and len(sampler.state(1)[1]) == 1 and sampler.state(2)[0] == 5
+    source = G.Source(ScriptedEngine(processor, ["\\boxed{4}"]), processor, records, G.parse_args(
+        ["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", *flags]), 1, types.SimpleNamespace(rank=0, world=1, dp=1))
+    source.next(0)
+    cursor, groups = source.state()  # what step 1 starts from: the leftover of step 0, its data position
+    assert cursor == 3 and len(groups) == 1
     synth.write_synth(tmp_path / "d", 32, n_test=0, seed=0, kinds=("sides",))
     common = ["--hf-checkpoint", tiny_ckpt("qwen3_vl"), "--prompt-data", tmp_path / "d", "--rollout-engine", "local",
               "--rollout-max-response-len", "12", "--lr", "1e-3", "--entropy-coef", "0.01", "--save-interval", "2",
@@ -447,18 +447,62 @@ def test_partial_rollout_resumes_with_its_buffer(tiny_ckpt, processor, records, 
     grpo(*common, "--save", tmp_path / "part", "--num-rollout", "2")
     grpo(*common, "--save", tmp_path / "part", "--num-rollout", "3", "--load", tmp_path / "part")
     full, part = ([m for m in metrics(tmp_path / run) if "reward" in m] for run in ("full", "part"))
-    assert [m["step"] for m in part] == [1, 2, 3] and all(m["partial_buffer_groups"] == 1 for m in full)
+    assert [m["step"] for m in part] == [1, 2, 3] and all(m["rollout_buffer_groups"] == 1 for m in full)
     assert full[0]["offpolicy_token_frac"] == 0 and all(m["offpolicy_token_frac"] == 0.5 for m in full[1:])
     for a, b in zip(part[2:], full[2:]):
         for k in ("response_len", "offpolicy_token_frac", "oldest_token_version", "loss", "grad_norm", "entropy"):
             assert abs(a[k] - b[k]) <= 1e-6 * max(1.0, abs(b[k])), (k, {x: (a[x], b[x]) for x in a if a[x] != b[x]})
 
 
+def test_fully_async_trains_every_group_once_across_a_checkpoint(processor, records):
+    """--fully-async through the trainer's Source: the rollout goes on through next() (each step takes the first B
+    complete groups) and settle() pauses it; what a checkpoint writes then (the data position, the groups parked)
+    goes on in a fresh Source, as a resumed run's does. Whatever the timing, every group drawn is trained once,
+    parked at the end or dropped as too stale: none lost, none twice."""
+    import pickle
+    import random
+    import types
+    from fakes import ScriptedEngine
+
+    class Slow(ScriptedEngine):  # a request takes 0-40 ms: groups end out of order, some across an update
+        concurrent = True
+
+        def generate(self, batch, sampling):
+            time.sleep(random.random() * 0.04)
+            return super().generate(batch, sampling)
+    recs = [dict(r, problem=f"{r['problem']} ({i})") for i, r in enumerate(records * 10)]  # 40 distinct prompts
+    args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--fully-async", "--rollout-batch-size",
+                         "2", "--n-samples-per-prompt", "2", "--over-sampling-batch-size", "4", "--max-weight-staleness", "1"])
+    par, trained, stale = types.SimpleNamespace(rank=0, world=1, dp=1), [], 0
+
+    def steps(state, first, last):
+        nonlocal stale
+        source = G.Source(Slow(processor, ["\\boxed{4}"]), processor, recs, args, 1, par, state)
+        take = source.rollout.take
+
+        def logged(n):
+            out = take(n)
+            trained.extend(s.index for s in out[::2])  # a group's two samples
+            return out
+        source.rollout.take = logged
+        for step in range(first, last):
+            m = source.next(step).metrics
+            stale += m.get("rollout_stale_dropped", 0)
+            assert m["samples"] == 4 and m.get("staleness_max", 0) <= 1, (step, m)
+            time.sleep(0.05)  # training: the rollout goes on
+            assert source.settle()["rollout_ahead_overlap_s"] > 0
+        return source.state()
+    cursor, groups = steps(pickle.loads(pickle.dumps(steps(None, 0, 3))), 3, 6)
+    assert len(trained) == 12 and len(set(trained)) == 12, trained  # B groups a step, each once
+    left = [r["index"] for r, _, _ in groups.values()]
+    assert len(trained) + len(left) + stale == cursor and not set(trained) & set(left), (trained, left, stale, cursor)
+
+
 def test_async_rollout_overlaps_training_and_resumes_after_sigkill(tiny_ckpt, tmp_path, capsys):
     """--async-rollout: step k+1's rollout runs while step k trains (its samples come from the weights
     before step k's update: rollout_policy_version = step - 1), the engine gets the new weights only
-    after it; a run SIGKILLed after step 2's checkpoint resumes and logs every step once. Refused with
-    --colocate."""
+    after it; a run SIGKILLed after step 2's checkpoint resumes from the batch the checkpoint kept and logs every
+    step once, as the uninterrupted run. Refused with --colocate, as --fully-async is (and the two together)."""
     from tools import synth
     synth.write_synth(tmp_path / "d", 32, n_test=0, seed=0, kinds=("sides",))
     common = ["--hf-checkpoint", tiny_ckpt("qwen3_vl"), "--prompt-data", tmp_path / "d", "--rollout-engine",
@@ -478,8 +522,35 @@ def test_async_rollout_overlaps_training_and_resumes_after_sigkill(tiny_ckpt, tm
     grpo(*common, "--save", crash, "--load", crash)
     resumed = [m for m in metrics(crash) if "reward" in m]
     assert [m["step"] for m in resumed] == [1, 2, 3, 4]  # none lost, none twice
-    # the first resumed step samples with the weights it loaded (the lost rollout ahead is made again)
-    assert resumed[saved]["rollout_policy_version"] == saved
-    with pytest.raises(SystemExit):
-        G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--async-rollout", "--colocate"])
-    assert "--async-rollout" in capsys.readouterr().err
+    # the checkpoint held the batch made ahead: the resumed run trains what the uninterrupted one did
+    assert [m["rollout_policy_version"] for m in resumed] == [0, 0, 1, 2], saved
+    for bad, named in ((["--async-rollout", "--colocate"], "--async-rollout: "), (["--fully-async", "--colocate"], "--fully-async: "),
+                       (["--fully-async", "--offload-train"], "--fully-async: "),
+                       (["--fully-async", "--async-rollout"], "--fully-async --async-rollout: choose one"),
+                       (["--max-weight-staleness", "2"], "need --partial-rollout or --fully-async")):
+        with pytest.raises(SystemExit):
+            G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", *bad])
+        assert named in capsys.readouterr().err, bad
+
+
+def test_fully_async_runs_the_local_engine_beside_training_and_resumes_after_sigkill(tiny_ckpt, tmp_path):
+    """--fully-async with the local engine, whose episodes run on threads of their own beside training: each step
+    takes the first B complete groups of three generating, the rest go on through its training, and no trained
+    token is more than --max-weight-staleness 1 versions old. A run SIGKILLed after step 2's checkpoint resumes
+    with what was in flight (its first step trains tokens written before the kill) and logs every step once."""
+    from tools import synth
+    synth.write_synth(tmp_path / "d", 32, n_test=0, seed=0, kinds=("sides",))
+    common = ["--hf-checkpoint", tiny_ckpt("qwen3_vl"), "--prompt-data", tmp_path / "d", "--rollout-engine",
+              "local", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-max-response-len",
+              "12", "--num-rollout", "4", "--lr", "1e-3", "--entropy-coef", "0.01", "--save-interval", "1",
+              "--max-tokens-per-gpu", "512", "--fully-async", "--over-sampling-batch-size", "3",
+              "--max-weight-staleness", "1"]
+    crash = tmp_path / "crash"
+    killed_after_checkpoint(common, crash, "iter_0000002")
+    saved = int((crash / "latest").read_text().strip()[len("iter_"):])  # 2, or 3 if step 3 beat the kill
+    grpo(*common, "--save", crash, "--load", crash)
+    steps = [m for m in metrics(crash) if "reward" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4] and all(m["samples"] == 8 for m in steps), steps  # each once
+    assert all(m["rollout_ahead_overlap_s"] > 0 and m["staleness_max"] <= 1 for m in steps), steps
+    assert any(m["offpolicy_token_frac"] > 0 for m in steps), steps  # written while an earlier step trained
+    assert steps[saved]["oldest_token_version"] < saved, steps[saved]  # the parked groups, from the checkpoint

@@ -187,6 +187,7 @@ def torchrun2(*args):
 def test_tp2_check_command(tiny_ckpt, arch):
     """Logits and the export round trip at TP=2 over gloo, through the user's command."""
     lines = torchrun2("tools/check.py", "--hf-checkpoint", tiny_ckpt(arch))
+    assert lines[-3] == "PASS: logits within 0.0001: True, export exact: True", lines[-3:]
     assert "export_exact=True" in lines[-2] and "tp=2" in lines[-2]
     assert lines[-1].startswith("max_abs_logit_diff=") and float(lines[-1].split("=")[1]) <= 1e-4
 

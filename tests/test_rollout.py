@@ -13,6 +13,7 @@ import engines
 import env_geo3k
 import chat
 import rollout
+import train_grpo
 from conftest import rollout_args
 from fakes import ANSWER, CROP_CALL, ForcedFirstTurnEngine, ScriptedEngine
 
@@ -248,7 +249,7 @@ def test_truncation_and_failures(processor, records):
     samples = rollout.run_episodes(DoubleExpander(processor, ["hi"]), processor, records[:1], rollout_args())
     assert all(s.status == "failed" and "expanded twice" in s.fail_reason for s in samples)
     assert all(set(s.loss_mask) <= {0} for s in samples)
-    m = rollout.rollout_metrics(samples)
+    m = train_grpo.rollout_metrics(samples)
     assert m["failed_frac"] == 1.0 and m["samples"] == 2
 
     tokens = list(samples[0].prompt_ids)
@@ -281,7 +282,7 @@ def test_group_samples_rewards_and_dynamic_sampling(processor, records):
     args = rollout_args(n_samples_per_prompt=2, dynamic_sampling=True, rollout_batch_size=2)
     kept = rollout.generate_group_samples(Counting(processor, []), processor, recs, args, reward_fn=fn)
     assert sorted({s.group for s in kept}) == [1, 3] and len(kept) == 4
-    m = rollout.rollout_metrics(kept)
+    m = train_grpo.rollout_metrics(kept)
     assert m["reward"] == 0.5 and m["accuracy"] == 0.5 and m["ds_keep_frac"] == 0.5
     assert {"truncated_frac", "aborted_frac", "turns", "tool_calls", "format_ok_frac", "response_len"} <= set(m)
 
@@ -403,18 +404,25 @@ def test_partial_rollout_parks_what_still_generates_and_continues_it_as_if_unint
     args = rollout_args(max_turns=3, n_samples_per_prompt=2, rollout_batch_size=1, partial_rollout=True,
                         over_sampling_batch_size=3, rollout_max_response_len=400)
     want = rollout.run_episodes(Scripted(False), processor, recs, args)
-    partial, eng = rollout.Partial(), Scripted(True)
-    first = rollout.generate_group_samples(eng, processor, recs, args, partial=partial, version=0)
-    assert [s.index for s in first] == [0, 0] and eng.aborts >= 1 and partial.drawn == 3
-    assert first[0].metadata["rollout"]["aborted"] == 4  # the requests the abort cut
-    assert [r["problem"] for r, _, _ in partial.groups] == [recs[1]["problem"], recs[2]["problem"]]
-    cut = partial.groups[1][2][0].sample  # record 2, cut in its first turn: 3 tokens, no turn done yet
+    eng = Scripted(True)
+    ro = rollout.Rollout(eng, processor, args, target=1, cap=3)
+    ro.resume(recs, 0)
+    first = ro.take(1)
+    ro.pause()
+    assert ro.drawn == 3  # the records it started
+    assert [s.index for s in first] == [0, 0] and eng.aborts >= 1
+    assert first[0].metadata["rollout"]["aborted"] == 4 and first[0].metadata["rollout"]["buffer_groups"] == 2
+    assert [r["problem"] for r, _, _ in ro.groups.values()] == [recs[1]["problem"], recs[2]["problem"]]
+    cut = ro.groups[2][2][0].sample  # record 2, cut in its first turn: 3 tokens, no turn done yet
     assert len(cut.response_ids) == 3 and cut.turns == 0 and cut.loss_mask == [1] * 3 and cut.versions == [0] * 3
     go.clear()
-    rest = rollout.generate_group_samples(Scripted(False), processor, [], args, partial=partial, version=1)
-    assert len(rest) == 2 and len(partial.groups) == 1  # one kept; the other (complete, or cut again) goes first next
-    rest += rollout.generate_group_samples(Scripted(False), processor, [], args, partial=partial, version=2)
-    assert len(rest) == 4 and partial.groups == [] and {s.index for s in rest} == {1, 2}
+    ro.engine, rest = Scripted(False), []
+    for version in (1, 2):
+        ro.resume([], version)
+        rest += ro.take(1)
+        ro.pause()
+        assert len(rest) == 2 * version and len(ro.groups) == 2 - version  # one kept; the other goes first next
+    assert {s.index for s in rest} == {1, 2}
     for s in rest:
         w = next(x for x in want if x.index == s.index)
         assert (s.response_ids, s.loss_mask, s.rollout_logprobs) == (w.response_ids, w.loss_mask, w.rollout_logprobs)
@@ -423,6 +431,77 @@ def test_partial_rollout_parks_what_still_generates_and_continues_it_as_if_unint
         before = 3 + (len(processor.tokenizer.encode(CROP_CALL)) + 1 if s.index == 1 else 0)  # record 1's first turn
         assert model == sorted(model) and model[-1] in (1, 2) and model.count(0) == before  # 2: cut twice
         assert all(v == -1 for v, m in zip(s.versions, s.loss_mask) if not m)  # observation tokens
+
+
+def test_fully_async_update_lands_within_a_turn_and_between_turns(processor, records):
+    """--fully-async: take(1) hands out the first complete group while the others generate; pause(), before a weight
+    update, cuts record 1 in its second turn and catches record 2 between turns (its first turn ended as the abort
+    came); they park (and pickle: a checkpoint holds them). The run at the next version goes on with both and each
+    sample ends as the uninterrupted one does, every token with the version that wrote it and every route (R3)
+    from a forward at that version. A parked group more than max_stale versions old is dropped, and counted."""
+    import pickle
+    import threading
+    import numpy as np
+    recs = [dict(r, problem=f"{r['problem']} ({i})", index=i) for i, r in enumerate(records[:3])]
+    script = {0: [ANSWER], 1: [CROP_CALL, ANSWER], 2: [CROP_CALL, ANSWER]}
+    held, go = threading.Semaphore(0), threading.Event()
+
+    class Scripted(ScriptedEngine):  # routes: the engine's version at every position its request covers
+        concurrent = True
+
+        def __init__(self, block, version=0):
+            super().__init__(processor, [])
+            self.block, self.version = block, version
+
+        def abort(self):
+            go.set()
+
+        def generate(self, batch, sampling):
+            (item,) = batch
+            ids = item["input_ids"]
+            rec, turn = next(i for i in script if f"({i})" in self.tok.decode(ids)), self.turn(ids)
+            head = len(ids) - max(i + len(self.header) for i in range(len(ids)) if ids[i:i + len(self.header)] == self.header)
+            full = self.tok.encode(script[rec][turn]) + [self.im_end]
+            out = {"ids": full[head:], "logprobs": [-0.25 - 0.01 * k for k in range(head, len(full))],
+                   "finish": "stop", "prompt_tokens": len(ids)}
+            if self.block and (rec, turn) in ((1, 1), (2, 0)):
+                held.release()
+                assert go.wait(30)
+                if rec == 1:  # cut within its second turn; record 2's first turn ends whole
+                    out.update(ids=out["ids"][:3], logprobs=out["logprobs"][:3], finish="abort")
+            rows = len(ids) + len(out["ids"]) - 1 - item["routed_experts_start"]
+            return [dict(out, routed_experts=np.full((rows, 1, 1), self.version, dtype=np.int16))]
+    args = rollout_args(max_turns=3, n_samples_per_prompt=2, rollout_max_response_len=400)
+    want = rollout.run_episodes(Scripted(False), processor, recs, args)
+    ro = rollout.Rollout(Scripted(True), processor, args, cap=3, max_stale=1)
+    ro.resume(recs, 0)
+    assert [s.index for s in ro.take(1)] == [0, 0]
+    assert all(held.acquire(timeout=30) for _ in range(4))  # records 1 and 2 generate
+    ro.pause()
+    assert ro.drawn == 3 and sorted(r["index"] for r, _, _ in ro.groups.values()) == [1, 2]
+    parked = {r["index"]: eps for r, _, eps in ro.groups.values()}
+    assert all(ep.sample.turns == 1 and ep.sample.versions[-1] == 0 for ep in parked[1])  # 3 tokens of turn 2
+    assert all(ep.sample.turns == 1 and ep.sample.versions[-1] == -1 for ep in parked[2])  # its observation
+    saved = pickle.dumps(ro.groups)
+    ro.engine = Scripted(False, version=1)
+    ro.resume([], 1)
+    rest = ro.take(2)
+    ro.pause()
+    assert sorted(s.index for s in rest) == [1, 1, 2, 2] and not ro.groups
+    for s in rest:
+        w = next(x for x in want if x.index == s.index)
+        assert (s.tokens, s.loss_mask, s.rollout_logprobs, s.response_text) == (w.tokens, w.loss_mask, w.rollout_logprobs,
+                                                                                w.response_text)
+        turn2 = len(s.response_ids) - len(processor.tokenizer.encode(ANSWER)) - 1
+        model = [v for v in s.versions[turn2:]]
+        assert model == ([0] * 3 if s.index == 1 else []) + [1] * (len(model) - 3 * (s.index == 1)), (s.index, model)
+        last0 = len(s.prompt_ids) + max(i for i, v in enumerate(s.versions) if v == 0)  # its route came at version 1
+        assert s.routed_experts[:, 0, 0].tolist() == [0] * last0 + [1] * (len(s.tokens) - 1 - last0)
+    stale = rollout.Rollout(Scripted(False, version=2), processor, args, cap=3, max_stale=1)
+    stale.groups = pickle.loads(saved)
+    stale.resume([], 2)  # two versions after their oldest token
+    assert stale.stale == 2 and stale.take(2) == []
+    stale.pause()
 
 
 def test_local_engine_abort_lands_mid_generation_and_greedy_continues_it(engine, processor, records, monkeypatch):

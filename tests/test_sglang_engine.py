@@ -485,18 +485,23 @@ def test_an_abort_that_lands_on_a_turns_last_token_ends_the_turn(ckpt, processor
     recs = [dict(r, index=i, images=[]) for i, r in enumerate(records[:2])]  # text: no image processor to load
     eng, rec = sglang(ckpt, tmp_path / "stop", "--fake-stop-delay", "60")
     try:
-        partial, score = rollout.Partial([parked(processor, recs[0], args, 10)]), lambda text, label: float(len(text))
-        first = rollout.generate_group_samples(eng, processor, recs[1:], args, reward_fn=score, partial=partial)
+        ro = rollout.Rollout(eng, processor, args, lambda text, label: float(len(text)), target=1, cap=2)
+        ro.groups = {0: parked(processor, recs[0], args, 10)}
+        ro.resume(recs[1:], 0)
+        first = ro.take(1)
+        ro.pause()
         assert [(s.index, s.status) for s in first] == [(0, "truncated")]  # its one token: the length cap
-        [(_, _, [ep])] = partial.groups  # complete too, beyond the batch: it waits for the next step
+        [(_, _, [ep])] = ro.groups.values()  # complete too, beyond the batch: it waits for the next step
         s, (ids, lps, _) = ep.sample, fake_output(ep.sample.prompt_ids, 11, weights_digest(ckpt))
         text = processor.tokenizer.decode(ids[:-1], skip_special_tokens=False)
         assert ep.done and ids[-1] == 151645 and (s.status, s.turns, s.response_ids, s.rollout_logprobs) == (
             "completed", 1, ids, lps)
         assert s.loss_mask == [1] * 7 and s.response_text == text and s.reward == len(text)
         n = len(read_record(rec))
-        assert [x.index for x in rollout.generate_group_samples(eng, processor, [], args, partial=partial)] == [1]
-        assert len(read_record(rec)) == n and partial.groups == []  # nothing generated after its <|im_end|>
+        ro.resume([], 1)
+        assert [x.index for x in ro.take(1)] == [1]
+        ro.pause()
+        assert len(read_record(rec)) == n and ro.groups == {}  # nothing generated after its <|im_end|>
     finally:
         eng.shutdown()
     eng, rec = sglang(ckpt, tmp_path / "length", "--fake-token-delay", "60")
@@ -534,11 +539,14 @@ def test_a_hung_abort_holds_no_lock_of_the_rollout(ckpt, processor, records, tmp
     recs = [dict(r, index=i, images=[]) for i, r in enumerate(records[:2])]  # text: no image processor to load
     eng, rec = sglang(ckpt, tmp_path, "--fake-abort-delay", "60", "--fake-token-delay", "0.5")
     try:  # the parked group needs 3 tokens, record 1's group 7: the abort comes while it generates
-        partial, t = rollout.Partial([parked(processor, recs[0], args, 8)]), time.time()
-        first = rollout.generate_group_samples(eng, processor, recs[1:], args, partial=partial)
+        ro, t = rollout.Rollout(eng, processor, args, target=1, cap=2), time.time()
+        ro.groups = {0: parked(processor, recs[0], args, 8)}
+        ro.resume(recs[1:], 0)
+        first = ro.take(1)
+        ro.pause()
         took = time.time() - t
         assert [s.index for s in first] == [0] and [r["path"] for r in read_record(rec)].count("/abort_request") >= 1
-        [(_, _, [ep])] = partial.groups
+        [(_, _, [ep])] = ro.groups.values()
         assert ep.done and ep.sample.status == "completed" and len(ep.sample.response_ids) == 7  # it ended on its own
         assert took < 30, f"the rollout waited {took:.0f} s for an abort the server took 60 s to answer"
     finally:

@@ -160,7 +160,7 @@ class TestRealServer:
 
     def test_an_abort_ends_a_request_at_every_stage(self, real, processor, records):
         """--partial-rollout's abort as the rollout sends it (engine.abort() at the stop, again every 2 s while
-        requests are out: rollout._Pipeline.run) ends each request promptly, whatever it is doing at the first:
+        requests are out: rollout.Rollout._wait) ends each request promptly, whatever it is doing at the first:
         decoding (sent 3 s before); registered by the tokenizer manager but not at the scheduler yet, the state
         of one being tokenized (tokenizer_manager.py:926 registers it, the scheduler gets it after tokenizing):
         held there by /pause_generation until just after that abort; not arrived yet (sent after it), then
@@ -195,6 +195,43 @@ class TestRealServer:
         for name, (out, end) in ends.items():
             assert out["finish"] == "abort" and len(out["ids"]) < 2048 and "error" not in out, (name, out)
             assert end - t0 < 15, f"{name} ended {end - t0:.0f} s after the first abort"
+
+    def test_a_weight_update_lands_while_requests_are_in_flight(self, real, processor, records, ckpt):
+        """--fully-async: a run's greedy requests are cut by pause() (/abort_request by rid) mid-generation, the server
+        takes other weights, and the next run goes on with each cut turn: the tokens after the update carry version
+        1, and their logprobs are the new weights' (transformers on the same tokens, teacher-forced) to the level of
+        an uninterrupted rollout (under 1e-3 in fp32). Each request after the update prefills its whole context anew
+        at the new weights (SGLang's abort mode of /pause_generation; not in_place, which keeps the old KV)."""
+        from safetensors.torch import load_file
+        from test_rollout import load_model, teacher_logprobs
+        state = load_file(str(Path(ckpt) / "model.safetensors"))
+        gen = torch.Generator().manual_seed(3)
+        noisy = [(k, v + 0.05 * torch.randn(v.shape, generator=gen)) for k, v in state.items()]
+        args = rollout_args(n_samples_per_prompt=2, rollout_max_response_len=256, rollout_temperature=0.0)
+        real.generate([prompt_item(processor, records[0])], GREEDY)  # the server's first request is slow (~25 s)
+        ro = rollout.Rollout(real, processor, args, cap=2)
+        ro.resume(records[:2], 0)
+        time.sleep(2.0)  # the four requests decode
+        ro.pause()
+        real.update_weights([noisy])
+        try:
+            ro.resume([], 1)
+            done = ro.take(2)
+            ro.pause()
+        finally:
+            real.update_weights([list(state.items())])
+        new = load_model(ckpt, dict(noisy))
+        mixed, worst = 0, 0.0
+        for s in done:
+            assert s.status in ("completed", "truncated") and s.versions == sorted(s.versions), (s.status, s.fail_reason)
+            mixed += 0 in s.versions and 1 in s.versions
+            at_new = torch.tensor([v == 1 for v in s.versions])
+            if at_new.any():
+                gap = teacher_logprobs(new, processor, s, 0.0)[at_new] - torch.tensor(s.rollout_logprobs)[at_new]
+                worst = max(worst, gap.abs().max().item())
+        print(f"\n[sglang_real] {mixed} of {len(done)} samples cut by the update ({[s.versions.count(0) for s in done]} "
+              f"tokens before it, {[s.versions.count(1) for s in done]} after); logprob gap at the new weights {worst:.2e}")
+        assert mixed and worst < 1e-3, (mixed, worst)
 
     def test_multi_turn_crop_sends_two_images(self, real, processor, records):
         t = time.time()

@@ -10,10 +10,10 @@ from pathlib import Path
 
 from PIL import Image
 
-if not __package__:  # run as a script (python tools/blank_crop.py): the core is one folder up
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core modules, however this is run
 import env_geo3k  # noqa: E402
 import train_grpo  # noqa: E402
+import console  # noqa: E402
 
 REAL_CROP = env_geo3k.TOOLS["crop"]
 
@@ -25,9 +25,13 @@ def blank_crop(env, arguments):
 
 
 def main(argv=None):
+    train_grpo.__doc__ = __doc__  # --help: this file's purpose (train_grpo's parser's description), then its flags
     env_geo3k.TOOLS["crop"] = dataclasses.replace(REAL_CROP, run=blank_crop)  # the env reads TOOLS as it starts
-    return train_grpo.main(argv)
+    try:
+        return train_grpo.main(argv)
+    finally:  # a caller in this process (a test, --help) keeps the real crop
+        env_geo3k.TOOLS["crop"] = REAL_CROP
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console.entry(main, train_grpo.parse_args)

@@ -1,6 +1,6 @@
 """The parity check: our Megatron model against transformers' on one checkpoint, fp32, on a packed
-batch of images and text, plus the export round trip. Its last line is `max_abs_logit_diff=<x>`; it
-exits non-zero above 1e-4 (--bf16: BF16_TOL).
+batch of images and text, plus the export round trip. Its last three lines: PASS or FAIL, the layout,
+`max_abs_logit_diff=<x>`; it exits non-zero above 1e-4 (--bf16: BF16_TOL) or when the export differs.
 
     python tools/check.py --hf-checkpoint ckpt/tiny                     # TP = 1
     torchrun --nproc_per_node 2 tools/check.py --hf-checkpoint DIR      # TP = world size
@@ -96,7 +96,9 @@ def check(hf_dir, transformer_impl=None, tp=None, ep=1, sequence_parallel=False,
         ours = [z for o in pipeline.run(model, batches, lambda m, x: m.logits(*x)) for z in o]
         diff = max([(x - y).abs().max().item() for x, y in zip(ours, theirs)], default=0.0)
         diff = float(parallel.all_reduce(torch.tensor(diff, device=device), None, dist.ReduceOp.MAX))  # PP: the last stage's
+    tol = BF16_TOL if bf16 else 1e-4
     if rank == 0:
+        print(f"{'PASS' if diff <= tol and exact else 'FAIL'}: logits within {tol}: {diff <= tol}, export exact: {exact}")
         print(f"tp={tp} cp={cp} pp={pp} ep={ep} sp={model.sp} world={world} device={device} spec={model.impl} sequences={[len(s) for s in seqs]} "
               f"image_grid_thw={grid.tolist()} export_exact={exact}")
         print(f"max_abs_logit_diff={diff:.3g}")

@@ -1,10 +1,11 @@
-"""report.py: the summary of a run.sh pipeline: a table of reward and greedy accuracy (single-turn, and
-multi-turn with the oracle off) before and after each stage, and a reward-curve PNG.
+"""report.py: the summary of a run folder, run.sh's pipeline (stages sft, grpo, grpo_mt after base_eval) or one
+run of train_grpo.py or sft.py: the training reward (SFT: loss) and greedy accuracy (single-turn, and multi-turn
+with the oracle off) before and after each stage, as summary.md and a reward-curve PNG.
 
-    python tools/report.py runs/cpu-demo            # reads <run>/<stage>/metrics.jsonl
+    python tools/report.py runs/cpu-demo            # or any run's folder (its metrics.jsonl)
 """
+import argparse
 import json
-import sys
 from pathlib import Path
 
 STAGES = [("sft", "SFT"), ("grpo", "GRPO single-turn"), ("grpo_mt", "GRPO multi-turn")]
@@ -20,11 +21,13 @@ def stage_rows(run):
     base = read(run / "base_eval" / "metrics.jsonl")
     last = {k: base[0][k] for k, _ in EVALS if base and k in base[0]}  # each eval's latest value
     rows, curves = [], []
-    for name, title in STAGES:
+    one = [(".", f"{run.name} ({kind})") for kind in ("grpo", "sft") if (run / f"config_{kind}.json").exists()]
+    for name, title in one[:1] if (run / "metrics.jsonl").exists() else STAGES:  # one run, or run.sh's stages
         m = read(run / name / "metrics.jsonl")
         if not m:
             continue
-        rewards = [(x["step"], x["reward"]) for x in m if "reward" in x]
+        key = "reward" if any("reward" in x for x in m) else "loss"  # GRPO's, or SFT's
+        rewards = [(x["step"], x[key]) for x in m if key in x]
         acc = {}
         for k, _ in EVALS:
             seen = [x for x in m if k in x]
@@ -35,16 +38,20 @@ def stage_rows(run):
             last[k] = acc[k][1] if acc[k][1] is not None else before
         tail = [r for _, r in rewards[-5:]]
         rows.append((title, rewards[0][1] if rewards else None, sum(tail) / len(tail) if tail else None, acc))
-        if rewards:  # with the crop calls per episode of a multi-turn stage
+        if rewards and key == "reward":  # with the crop calls per episode of a multi-turn stage
             curves.append((title, rewards, [(x["step"], x["tool_calls_crop"]) for x in m if "tool_calls_crop" in x]))
     return rows, curves
 
 
-def main(run):
-    run = Path(run)
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", nargs="?", default="runs/cpu-demo", help="a run folder")
+    run = Path(p.parse_args(argv).run)
     rows, curves = stage_rows(run)
+    if not rows:
+        p.error(f"no metrics.jsonl in {run}, nor in its stage folders ({', '.join(n for n, _ in STAGES)})")
     fmt = lambda v: "  -  " if v is None else f"{v:5.3f}"  # noqa: E731
-    lines = ["| stage | train reward first step | last 5 steps | greedy single-turn before | after "
+    lines = ["| stage | train reward (SFT: loss) first step | last 5 steps | greedy single-turn before | after "
              "| greedy multi-turn before | after |", "| --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {t} | {fmt(a)} | {fmt(b)} | " + " | ".join(fmt(v) for k, _ in EVALS for v in acc[k]) + " |"
               for t, a, b, acc in rows]
@@ -77,4 +84,4 @@ def main(run):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "runs/cpu-demo")
+    main()

@@ -1,0 +1,102 @@
+"""console.py: what both trainers show, and how their training loop ends (style practice 23): the progress
+bar, one line a fact that never splices into it (say), the end-of-run summary, a stop for preemption
+(--exit-signal-handler, --exit-duration-in-mins: Megatron's flags) and Ctrl-C (entry), each with the
+command that resumes. Mechanism: docs/training.md, "The loop's ends"."""
+import os
+import shlex
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+
+def steps(run, start, total):
+    """The training loop's steps start .. total - 1 under a progress bar (rank 0): the caller runs each, logs it
+    (run.log) and calls run.maybe_save, which checkpoints the step before a stop (stop_reason); then the loop
+    ends and each rank returns to exit 0. Ends with one line: the summary, or where it stopped and how to resume."""
+    if start >= total:
+        return
+    t, bar = time.time(), tqdm(total=total, initial=start, desc=run.kind, disable=run.rank != 0)
+
+    def on_sigterm(signum, frame):  # --exit-signal-handler: the step goes on; maybe_save sees the mark
+        run.signalled = True
+    if run.args.exit_signal_handler:  # for the rest of the job: past the loop it only ends
+        signal.signal(signal.SIGTERM, on_sigterm)
+    for step in range(start, total):
+        yield step
+        shown = [k for k in ("reward", "loss") if k in run.last][:1]  # GRPO's, or SFT's; then the last evaluation
+        bar.set_postfix({k: f"{run.last[k]:.3f}" for k in shown}, refresh=False)
+        bar.update()
+        if run.stopping:
+            break
+    bar.close()
+    if run.rank == 0:
+        latest = run.save / (run.save / "latest").read_text().strip()
+        shown += [k for k, v in run.last.items() if k.startswith("eval_") and isinstance(v, float)]
+        if run.stopping:
+            say(f"[run] {run.stopping}: stopped after step {step + 1} of {total}, saved {latest}; resume: "
+                f"{resume_command(sys.argv, run.args)}")
+        else:
+            say(f"[run] done: steps {start} -> {total} in {(time.time() - t) / 60:.1f} min; last "
+                f"{', '.join(f'{k} {run.last[k]:.3f}' for k in shown)}; checkpoint {latest}")
+
+
+def stop_reason(run):
+    """Why the run stops after this step, the same on every rank (a MAX all-reduce of each rank's marks, when
+    either flag is on): "SIGTERM" (--exit-signal-handler), "--exit-duration-in-mins N" (its time is up), else None."""
+    a = run.args
+    if not (a.exit_signal_handler or a.exit_duration_in_mins):
+        return None
+    late = bool(a.exit_duration_in_mins) and time.time() - run.t0 > 60 * a.exit_duration_in_mins
+    marks = torch.tensor([run.signalled, late], dtype=torch.float32, device=run.par.device)
+    dist.all_reduce(marks, dist.ReduceOp.MAX)
+    if marks[0]:
+        return "SIGTERM"
+    return f"--exit-duration-in-mins {a.exit_duration_in_mins}" if marks[1] else None
+
+
+STALL = 3  # GRPO steps in a row with nothing to learn before the console says why
+
+
+def no_signal(m, args, step, quiet):
+    """GRPO: -> how many steps in a row, this one included, had nothing to learn from (rank 0's metrics `m`:
+    every advantage 0, or no gradient), given `quiet` before it; at STALL, one line says why."""
+    if m.get("zero_adv_frac", 0) < 1 and m.get("grad_norm", 1) != 0:
+        return 0
+    if quiet + 1 == STALL:
+        why = "the gradient was zero (grad_norm 0)"
+        if m.get("zero_adv_frac") == 1:
+            why = f"in every group the rewards were equal (mean reward {m.get('reward', 0):.3f}): zero advantage"
+        if m.get("truncated_frac") == 1:  # why they were equal, when every response was cut short
+            why = f"every response was cut at --rollout-max-response-len {args.rollout_max_response_len}: raise it"
+        say(f"[grpo] steps {step + 2 - STALL}-{step + 1} learnt nothing: {why}")
+    return quiet + 1
+
+
+def say(line):
+    """A line on the console (stdout) that does not splice into a progress bar."""
+    tqdm.write(line, file=sys.stdout)
+    sys.stdout.flush()
+
+
+def resume_command(argv, args):
+    """The command that resumes the run of `argv` (sys.argv; `args`, its flags): the same without --overwrite,
+    with --load its --save unless it has one (torchrun's own flags: as this node had them, check them)."""
+    world = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    launcher = [sys.executable] if world == "1" else ["torchrun", f"--nproc-per-node={world}"]
+    return shlex.join([*launcher, *[a for a in argv if a != "--overwrite"], *([] if args.load else ["--load", args.save])])
+
+
+def entry(main, parse_args):
+    """The trainers' __main__: exit with main()'s code; a Ctrl-C ends the job with the command that resumes it,
+    not a traceback (exit 130)."""
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"\n[run] interrupted; resume from the last checkpoint: "
+                  f"{resume_command(sys.argv, parse_args(sys.argv[1:]))}", file=sys.stderr)
+        sys.exit(130)
