@@ -1,6 +1,5 @@
 """Training plumbing shared by sft.py and train_grpo.py: the trainer item, packing by token budget, sums over
 data-parallel ranks, metrics, and atomic checkpoints (HF weights + optimizer, RNG, data position)."""
-import contextlib
 import copy
 import dataclasses
 import errno
@@ -70,17 +69,16 @@ class Run:
     config, checkpoints. Global rank 0 writes; every rank takes part in a checkpoint."""
 
     def __init__(self, args, kind, par, fixed=()):
-        self.args, self.par, self.rank, self.kind = args, par, par.rank, kind
-        self.save = Path(args.save)
+        self.args, self.par, self.rank, self.kind, self.save = args, par, par.rank, kind, Path(args.save)
         self.wandb, self.lock, self.last, self.stopping, self.signalled = None, None, {}, None, False
         self.t0 = time.time()  # --exit-duration-in-mins counts from here (console.stop_reason)
         if self.rank == 0:
             self.save.mkdir(parents=True, exist_ok=True)
             self.lock = lock_folder(self.save)
         self.ckpt = find_checkpoint(args.load, self.save)  # the checkpoint to resume from, or None: a fresh start
-        self.meta = None  # the checkpoint's meta.json (step, TP, PP sizes): what nothing_left and load_state read
-        if self.ckpt is not None:
-            self.meta = read_state(self.ckpt / "train_state" / "meta.json", lambda f: json.loads(f.read_text()))
+        # the checkpoint's meta.json (step, TP, PP sizes): what nothing_left and load_state read
+        self.meta = None if self.ckpt is None else read_state(self.ckpt / "train_state" / "meta.json",
+                                                              lambda f: json.loads(f.read_text()))
         if self.rank == 0:
             self.config = dict(vars(args), kind=kind, world_size=par.world, versions=versions())
             if self.ckpt is None:
@@ -351,16 +349,14 @@ def state_name(par, opt):
 
 
 def rng_state():
-    s = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        s["cuda"] = torch.cuda.get_rng_state_all()
-    return s
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(s):
     random.setstate(s["python"])
     torch.set_rng_state(s["torch"])
-    if "cuda" in s and torch.cuda.is_available():
+    if s.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
@@ -482,12 +478,3 @@ def dp_shard(items, par):
     """This data-parallel rank's share of a global batch (strided, so lengths stay balanced)."""
     return items[par.dp_rank::par.dp]
 
-
-@contextlib.contextmanager
-def timed(seconds, name):
-    """seconds[name] = the block's wall time: `t = {}`, `with timed(t, "train"): ...`, then t["train"]."""
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        seconds[name] = time.perf_counter() - start
