@@ -12,10 +12,8 @@
     python train_grpo.py ... --max-turns 3
     # unknown `--sglang-<name> <value>` flags go to the SGLang server as `--<name> <value>`
 
-One step (README, "The algorithm"): rank 0 samples and scores --n-samples-per-prompt responses to
-each of --rollout-batch-size prompts; every rank trains on them with the PPO-clip loss. Unlike
-textbook GRPO: a group of equal rewards gets exactly 0 advantage, the clip is asymmetric
-(--eps-clip / --eps-clip-high), and old logprobs are the engine's own unless --recompute-logprobs.
+One step: README, "The algorithm" (a group of equal rewards gets exactly 0 advantage, the clip is asymmetric,
+old logprobs are the engine's own unless --recompute-logprobs).
 """
 import argparse
 import dataclasses
@@ -215,10 +213,6 @@ def logprobs_into(model, items, args, field, replay=True):
                      lambda m, x: m(**x, temperature=args.rollout_temperature or 1.0), keep, forward_only=True)
 
 
-def recompute_old(model, items, args):
-    logprobs_into(model, items, args, "recomputed_logprobs")
-
-
 def evaluate(engine, processor, records, args, step, run):
     """Greedy pass@1 and pass@K, single- and multi-turn (oracle off); README, "Evaluating a checkpoint"."""
     out, rows = {}, []
@@ -246,12 +240,9 @@ class Batch:
 
 class Source:
     """The rollout source of a step (grpo_step's next and settle), on every rank. Rank 0 holds the rollout
-    (rollout.Rollout) over the step's prompts (trainer.draw, a function of seed and step; with --partial-rollout or
-    --fully-async the data stream's next), takes B complete groups, their advantages, and hands each DP rank its
-    share. The sources differ in where the rollout pauses (docs/rollout.md): synchronous and --partial-rollout in
-    next(), after the take; --async-rollout resumes it there on the next step's prompts and settle() pauses it once
-    they are complete; --fully-async pauses only in settle(), for the update. settle() ends with a barrier: no server
-    takes new weights before the rollout has paused. A checkpoint holds what it keeps (state), written paused."""
+    (rollout.Rollout) over the step's prompts (trainer.draw, or the data stream's next), takes B complete groups,
+    their advantages, and hands each DP rank its share. Where each source pauses the rollout: docs/rollout.md.
+    settle() ends with a barrier: no server takes new weights before the rollout has paused."""
 
     def __init__(self, engine, processor, records, args, updates, par, state=None):
         self.processor, self.records, self.args, self.updates, self.par = processor, records, args, updates, par
@@ -389,7 +380,7 @@ class Policy:
         t, model, par, args = time.perf_counter(), self.model, self.model.par, self.args
         model.train()
         if args.recompute_logprobs:
-            recompute_old(model, [it for part in batch.items if part for it in part], args)
+            logprobs_into(model, [it for part in batch.items if part for it in part], args, "recomputed_logprobs")
         stats = {"updates_skipped": 0}
         for part in batch.items:
             if part is None:
@@ -430,10 +421,8 @@ def main(argv=None):
     if args.use_rollout_routing_replay and not getattr(model.hf_config.text_config, "num_experts", None):
         raise SystemExit(f"--use-rollout-routing-replay: {args.hf_checkpoint} is not a MoE model "
                          "(its text_config has no num_experts): there is no routing to replay")
-    ref = None
-    if args.kl_loss_coef:
-        ref = M.load_model(args.hf_checkpoint, dataclasses.replace(opts, freeze_vit=True), par).eval()
-        ref.requires_grad_(False)
+    frozen = dataclasses.replace(opts, freeze_vit=True)  # the KL term's reference model
+    ref = M.load_model(args.hf_checkpoint, frozen, par).eval().requires_grad_(False) if args.kl_loss_coef else None
     updates = math.ceil(args.rollout_batch_size * args.n_samples_per_prompt / args.global_batch_size)
     opt, sched = optim.build_optimizer(model, args, args.num_rollout * updates)
     start = run.load_state(ckpt, opt, sched)["step"] if ckpt else 0
