@@ -78,8 +78,7 @@ def add_model_args(p):
     g("--sequence-parallel", action="store_true", help="split the sequence over TP ranks outside attention "
       "(Megatron's; required for MoE with TP > 1)")
     g("--context-parallel-size", type=POSITIVE, default=1, help="CP: each sequence split over this many ranks (zigzag)")
-    g("--pipeline-model-parallel-size", type=POSITIVE, default=1,
-      help="PP: decoder layers split over this many stages")
+    g("--pipeline-model-parallel-size", type=POSITIVE, default=1, help="PP: decoder layers split over this many stages")
     g("--decoder-first-pipeline-num-layers", type=POSITIVE, default=None, help="PP: layers of the first stage")
     g("--decoder-last-pipeline-num-layers", type=POSITIVE, default=None, help="PP: layers of the last stage")
     g("--expert-model-parallel-size", type=POSITIVE, default=1, help="EP: MoE experts split over this many ranks "
