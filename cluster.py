@@ -124,11 +124,9 @@ class Servers:
             self.off.restore()
 
     def step_back(self):
-        """Colocated: every rank hands its cached activations back to CUDA before the server takes the GPUs
-        again (the caching allocator keeps the training peak: the resume of weights, KV cache and graphs
-        would not fit on an 80 GB GPU). --offload-train: the optimizer states and gradients go to host
-        memory and only the server's weights come back: the weight sync still reads the trainer's
-        parameters; to_rollout() parks those and resumes the rest. -> memory metrics."""
+        """Colocated: every rank empties its CUDA cache before the server takes the GPUs again; --offload-train
+        parks the optimizer states and gradients and resumes only the server's weights (the sync still reads the
+        trainer's parameters; to_rollout() does the rest): docs/cluster.md. -> memory metrics."""
         if not self.colocate:
             return {}
         held = {}

@@ -2,9 +2,8 @@
 
     python data.py show tests/data/geo3k_real/test.parquet   # load and summarise a source
 
-`load_geo3k(source, split=None)` returns a list of {"problem", "answer", "images"} records
-(images as RGB PIL images; other columns as they are) from a hub id (`hiyouga/geometry3k`), a parquet or jsonl file, or a
-folder holding `<split>.parquet` / `<split>.jsonl`. The columns and how bad rows are handled: docs/data.md.
+`load_geo3k(source, split=None)` -> [{"problem", "answer", "images" (RGB PIL), other columns as they are}] from a
+hub id, a parquet or jsonl file, or a folder; the sources, columns and bad rows: docs/data.md.
 """
 import argparse
 import base64

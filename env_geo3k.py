@@ -5,12 +5,10 @@
     obs, done, info = env.step(response)    # run the last <tool_call> of the response
     message = env.format_observation(obs)   # {"role": "tool", "content": [image..., text]}
 
-A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in strict JSON, as Qwen2.5-VL
-and Qwen3-VL write it, or Qwen3.5's XML form (parse_xml). Nothing the model writes is evaluated or
-executed: arguments are checked as data. A tool: a function and its Tool in TOOLS (docs/extending.md).
-Options read from args: max_turns (required), oracle (default True; False makes calc_score only
-record the answer, as evaluation must: an oracle tool inflates multi-turn accuracy), rm_type
-("math"), min_pixels (crop area floor, default 56*56), max_payload (4096 chars).
+A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in strict JSON or Qwen3.5's XML form;
+nothing the model writes is evaluated or executed. A tool: a function and its Tool in TOOLS (docs/extending.md).
+Options read from args: max_turns (required), oracle (default True; evaluation turns it off: calc_score only
+records), rm_type ("math"), min_pixels (crop area floor, default 56*56), max_payload (4096 chars).
 """
 import dataclasses
 import json

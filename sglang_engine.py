@@ -5,9 +5,7 @@ sglang_server.py), and make_engine: the engine, GPUs and server flags that the t
     outs = engine.generate([{"input_ids": ids, "images": [pil]}], sampling)   # engines.Engine API
     engine.release(); ...train...; engine.resume(); engine.update_weights(buckets); engine.shutdown()
 
-An HTTP error fails only its sample; a restarted server's answers are dropped until the next sync (but
-for "disk"). The request format, the weight-sync modes (`weight_sync`) and SGLang's side of each, with
-citations: docs/sglang.md.
+The request format, errors and restarts, the weight-sync modes (`weight_sync`), with citations: docs/sglang.md.
 """
 import base64
 import datetime
