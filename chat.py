@@ -35,25 +35,18 @@ def template_tools(processor, record):
     return env_geo3k.specs(env_geo3k.offered(record.get("tools")))
 
 
-def chat_prompt(processor, record, multi_turn=False):
-    """-> (messages, tools) of a record's prompt; multi-turn, its tools as the template's `tools=` or as usage
-    lines in the system prompt (docs/rollout.md, "A conversation's tokens")."""
-    if not multi_turn:
-        return data.prompt_messages(record), None
-    tools = template_tools(processor, record)
-    listed = None if tools is not None else env_geo3k.usage(env_geo3k.offered(record.get("tools")))
-    return data.prompt_messages(record, multi_turn=True, tool_list=listed), tools
-
-
 def encode_prompt(processor, messages, images, tools=None):
     text = render(processor, messages, tools, add_generation_prompt=True)
     return list(processor(text=[text], images=list(images) or None)["input_ids"][0])
 
 
 def prompt(processor, record, multi_turn=False):
-    """-> (messages, tools, token ids) of a record's prompt as a rollout encodes it (the processor checks
-    its images)."""
-    messages, tools = chat_prompt(processor, record, multi_turn)
+    """-> (messages, tools, token ids) of a record's prompt as a rollout encodes it (the processor checks its
+    images); multi-turn, its tools as the template's `tools=` or as usage lines in the system prompt (docs/rollout.md,
+    "A conversation's tokens")."""
+    tools = template_tools(processor, record) if multi_turn else None
+    usage = env_geo3k.usage(env_geo3k.offered(record.get("tools"))) if multi_turn and tools is None else None
+    messages = data.prompt_messages(record, multi_turn, usage)
     return messages, tools, encode_prompt(processor, messages, list(record["images"]), tools)
 
 

@@ -22,7 +22,7 @@ URL_MAX_BYTES, URL_TIMEOUT = 32 << 20, 20  # with allow_urls: one image's body, 
 
 SINGLE_TURN_INSTRUCTION = ("Solve the geometry problem shown in the diagram. Think briefly, then "
                            "give the final answer as \\boxed{<answer>}.")
-# Names no tool: those a row offers reach the model as chat.chat_prompt decides (the template's `tools=`,
+# Names no tool: those a row offers reach the model as chat.prompt decides (the template's `tools=`,
 # or their usage lines appended here).
 MULTI_TURN_SYSTEM = (
     "You solve geometry problems from diagrams. You may call one of your tools, then stop and wait for "
