@@ -399,9 +399,8 @@ def sglang_placement(args, cuda, n_gpus, local_world, visible=None, index=0):
             raise SystemExit(f"--rollout-num-gpus {args.rollout_num_gpus}: this node has {len(ids)} GPUs and "
                              f"torchrun trains on {local_world}; lower --nproc_per_node or the rollout GPUs")
     else:
-        raise SystemExit("--rollout-engine sglang on GPUs: say where the server runs, --colocate (it shares "
-                         "the training GPUs and is released while they train) or --rollout-num-gpus N "
-                         "(N GPUs of its own after the training GPUs)")
+        raise SystemExit("--rollout-engine sglang on GPUs: say where the server runs, --colocate (on the training "
+                         "GPUs, released while they train) or --rollout-num-gpus N (N GPUs of its own)")
     k = args.rollout_num_gpus_per_engine
     if k:
         servers_per_node(args, cuda, local_world)  # refuses a count that does not divide
