@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import re
+from contextlib import suppress
 
 import reward
 
@@ -244,10 +245,8 @@ class Geo3kEnv:
                 raise ToolError(f"parameter {key[:80]!r} given twice")
             arguments[key] = raw
             if key not in strings:
-                try:
+                with suppress(ValueError):
                     arguments[key] = reward.strict_json(raw)
-                except ValueError:
-                    pass
         if not arguments:
             raise ToolError("tool call needs at least one <parameter=NAME> argument")
         info["arguments"] = arguments

@@ -3,9 +3,8 @@
     import reward
     r = reward.score("geo3k", response, {"answer": "5 \\sqrt { 3 }"})   # 1.0 or 0.0, never raises; thread-safe
 
-A reward in REWARDS is (response, record) -> true or false, record the data row (docs/extending.md, "A reward");
-score() makes it exactly 0.0 or 1.0 and bounds its time on any thread (docs/reward.md). format_ok is a metric,
-not in the reward. Importing changes nothing in the process; the first scoring call runs init() by itself.
+A reward in REWARDS is (response, record) -> true or false (docs/extending.md); score() makes it 0.0 or 1.0
+within a time bound on any thread (docs/reward.md). Importing changes nothing; the first score() runs init().
 """
 import ctypes
 import functools
