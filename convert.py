@@ -17,8 +17,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-# Megatron name inside decoder.layers.{i}. -> (how it is split over TP, HF names inside layers.{i}.);
-# the kinds: shard() below, docs/convert.md
+# Megatron name in decoder.layers.{i}. -> (its TP split: shard()'s kinds, HF names in layers.{i}.) (docs/convert.md)
 _LAYER = {
     "input_layernorm.weight": ("rep", ["input_layernorm.weight"]),
     "self_attention.linear_qkv.layer_norm_weight": ("rep", ["input_layernorm.weight"]),  # TE fuses

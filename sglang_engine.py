@@ -124,8 +124,7 @@ class SGLangEngine(Engine):
     def __init__(self, hf_dir, run_dir, server_args=(), timeout=900.0, launch_cmd=None, max_restarts=3,
                  request_timeout=3600.0, env=None, config_dir=None, weight_sync="disk", routed_experts=False,
                  host="127.0.0.1", api_key=None, name=""):
-        # hf_dir: the weights the server starts from; config_dir (default hf_dir): where synced folders'
-        # config and tokenizer files come from (a resumed run's checkpoint may be pruned by --save-keep)
+        # config_dir (default hf_dir): synced folders' config and tokenizer files (--save-keep may prune hf_dir)
         self.hf_dir = str(config_dir or hf_dir)
         self.image_pad = read_image_token_id(hf_dir)
         self.weight_sync, self.group, self.stale = weight_sync, None, False

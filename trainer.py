@@ -202,9 +202,8 @@ class Run:
         return meta
 
 
-# What a checkpoint fixes: the data order, and the optimizer's hyperparameters and schedule, which its state
-# restores (torch's load_state_dict keeps the saved param groups; Megatron refuses a changed schedule by default,
-# megatron-core 0.16.1 optimizer_param_scheduler.py:312-333). The trainers add their batch flag (start's `fixed`).
+# What a checkpoint fixes: the data order, the optimizer's hyperparameters and schedule, which its state restores
+# (torch keeps the saved param groups; megatron-core 0.16.1 optimizer_param_scheduler.py:312-333); + start's `fixed`.
 FIXED = ("seed", "lr", "min_lr", "decoupled_lr", "lr_warmup_iters", "lr_decay_style", "adam_beta1", "adam_beta2",
          "weight_decay")
 
