@@ -74,8 +74,7 @@ def decode_image(value, base_dir=None, max_pixels=MAX_PIXELS, allow_urls=False, 
         img = Image.open(path)
     else:
         raise ValueError(f"unsupported image value of type {type(value).__name__}")
-    img.load()  # decode now, so a corrupt image fails here with its row, not in a worker later
-    img = img.convert("RGB")
+    img = img.convert("RGB")  # decodes now (convert loads it): a corrupt image fails here with its row
     if img.width * img.height > max_pixels:
         scale = math.sqrt(max_pixels / (img.width * img.height))
         img = img.resize((max(1, int(img.width * scale)), max(1, int(img.height * scale))))

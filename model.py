@@ -142,13 +142,11 @@ def transformer_config(hf_config, par, opts, te, sp):
         raise SystemExit(f"--context-parallel-size {par.cp} with Transformer Engine needs --bf16: TE has no fp32 "
                          "attention under context parallelism. Pass --bf16, or --transformer-impl local (unfused).")
     if opts.recompute_granularity == "selective" and not torch.cuda.is_available():  # its backward calls CUDA
-        raise SystemExit("--recompute-granularity selective (Megatron's checkpointed core attention) "
-                         "needs CUDA; on CPU use --recompute-granularity full")
+        raise SystemExit("--recompute-granularity selective needs CUDA; on CPU use --recompute-granularity full")
     if moe and par.tp > 1 and not sp:
         raise SystemExit("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (Megatron's rule)")
     if moe and par.pp > 1 and opts.moe_token_dispatcher_type == "allgather":
-        raise SystemExit("MoE with --pipeline-model-parallel-size > 1 needs --moe-token-dispatcher-type alltoall "
-                         "(megatron-core's allgather dispatcher takes no variable sequence lengths)")
+        raise SystemExit("MoE with --pipeline-model-parallel-size > 1 needs --moe-token-dispatcher-type alltoall")
     extra = dict(add_qkv_bias=not qwen3, qk_layernorm=qwen3, ffn_hidden_size=getattr(tc, "intermediate_size", 0),
                  moe_token_dispatcher_type="alltoall")  # dense: unused, but megatron refuses allgather under PP
     if q35:

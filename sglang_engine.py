@@ -382,8 +382,7 @@ def sglang_placement(args, cuda, n_gpus, local_world, visible=None, index=0):
     flags = list(args.sglang_args)
     if not cuda:
         if args.colocate:
-            raise SystemExit("--colocate needs CUDA (SGLang's /release_memory_occupation is CUDA-only and "
-                             "kills a CPU server); on CPU leave it out: the server runs beside training")
+            raise SystemExit("--colocate needs CUDA (SGLang's memory release kills a CPU server); on CPU leave it out")
         return flags, {}
     ids = visible.split(",") if visible else [str(i) for i in range(n_gpus)]
     if args.colocate:

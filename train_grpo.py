@@ -402,8 +402,7 @@ def main(argv=None):
     ckpt, opts = run.ckpt, M.ModelOptions.from_args(args)
     model = M.load_model(ckpt or args.hf_checkpoint, opts, par)
     if args.use_rollout_routing_replay and not getattr(model.hf_config.text_config, "num_experts", None):
-        raise SystemExit(f"--use-rollout-routing-replay: {args.hf_checkpoint} is not a MoE model "
-                         "(its text_config has no num_experts): there is no routing to replay")
+        raise SystemExit(f"--use-rollout-routing-replay: {args.hf_checkpoint} is not a MoE model (no num_experts)")
     frozen = dataclasses.replace(opts, freeze_vit=True)  # the KL term's reference model
     ref = M.load_model(args.hf_checkpoint, frozen, par).eval().requires_grad_(False) if args.kl_loss_coef else None
     updates = math.ceil(args.rollout_batch_size * args.n_samples_per_prompt / args.global_batch_size)

@@ -48,8 +48,7 @@ def start(args, kind, fixed=()):
     """A training job's first call: (the parallel context, its seeded RNGs, the run folder). `fixed`: the
     trainer's flags of its data position, which a resume may not change (compare)."""
     if args.optimizer_cpu_offload and not args.use_distributed_optimizer:
-        raise SystemExit("--optimizer-cpu-offload needs --use-distributed-optimizer (megatron-core's "
-                         "HybridDeviceOptimizer runs inside its distributed optimizer, distrib_optimizer.py:602)")
+        raise SystemExit("--optimizer-cpu-offload needs --use-distributed-optimizer (megatron-core's CPU Adam)")
     ckpt = Path(args.hf_checkpoint)  # said before anything loads; the trainers download nothing
     if not ckpt.is_dir():
         raise SystemExit(f"--hf-checkpoint {ckpt}: no such folder (a hub id: download it, e.g. hf download ID "
@@ -187,8 +186,7 @@ class Run:
         for flag, key, now in (("--tensor-model-parallel-size", "tp", self.par.tp),
                                ("--pipeline-model-parallel-size", "pp", self.par.pp)):
             if meta.get(key, now) != now:
-                raise SystemExit(f"--load {ckpt}: saved at {flag} {meta[key]}, resumed at {now}; "
-                                 f"resume at the same size")
+                raise SystemExit(f"--load {ckpt}: saved at {flag} {meta[key]}, now {now}; resume at the same size")
         state = read_state(ckpt / "train_state" / state_name(self.par, opt))
         # torch.load's tensors are views of the file's records, whose storage cannot be resized: an optimizer
         # state kept as it is (same device and dtype) would stop --offload-train's first park
@@ -237,8 +235,7 @@ def find_checkpoint(load_flag, save):
     if not (load / "train_state" / "meta.json").exists():
         if Path(load_flag).resolve() == Path(save).resolve() and not done:
             return None
-        raise SystemExit(f"--load {load_flag}: no checkpoint there (expected a 'latest' "
-                         f"file or an iter_* folder with train_state/meta.json)")
+        raise SystemExit(f"--load {load_flag}: no checkpoint there (no 'latest', no iter_* with train_state/meta.json)")
     return load
 
 
