@@ -73,8 +73,7 @@ def encode_observation(processor, history, message, images, tools=None):
                          f"(at char {k}: {before[k:k + 40]!r} vs {after[k:k + 40]!r})")
     cut = before.rfind(IM_END) + len(IM_END)
     if cut < len(IM_END) or before[cut:].strip():
-        raise ValueError(f"the chat template does not end an assistant turn with {IM_END} "
-                         f"(it ends {before[-40:]!r})")
+        raise ValueError(f"the chat template does not end a turn with {IM_END} (it ends {before[-40:]!r})")
     return list(processor(text=[after[cut:]], images=list(images) or None)["input_ids"][0])
 
 
