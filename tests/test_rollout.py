@@ -320,7 +320,7 @@ def test_episodes_flow_on_their_own_and_dynamic_sampling_redraws_at_once(process
     def encoded(multi):  # each record's prompt ids, as the rollout encodes them
         out = []
         for r in recs:
-            messages, tools = chat.chat_prompt(processor, r, multi)
+            messages, tools, _ = chat.prompt(processor, r, multi)
             out.append(tuple(chat.encode_prompt(processor, messages, r["images"], tools)))
         return out
     prompts = encoded(True)
@@ -507,7 +507,7 @@ def test_fully_async_update_lands_within_a_turn_and_between_turns(processor, rec
 def test_local_engine_abort_lands_mid_generation_and_greedy_continues_it(engine, processor, records, monkeypatch):
     """LocalEngine.abort() stops a generate at its next token: the rows answer finish "abort" with the
     tokens they had, and a greedy request for the rest continues them into the uninterrupted answer."""
-    messages, _ = chat.chat_prompt(processor, records[0])
+    messages, _, _ = chat.prompt(processor, records[0])
     prompt = chat.encode_prompt(processor, messages, records[0]["images"])
     item, sp = {"input_ids": prompt, "images": records[0]["images"]}, dict(temperature=0.0, max_new_tokens=12, stop_token_ids=[1])
     whole = engine.generate([item, item], sp)[0]

@@ -438,7 +438,7 @@ def test_an_abort_lands_mid_generation_and_the_rest_continues_it(ckpt, processor
     gives uninterrupted (the fake's, like greedy decoding's, a function of the ids before each token)."""
     eng, rec = sglang(ckpt, tmp_path, "--fake-token-delay", "0.2")
     try:
-        messages, _ = chat.chat_prompt(processor, records[0])
+        messages, _, _ = chat.prompt(processor, records[0])
         prompt = chat.encode_prompt(processor, messages, records[0]["images"])
         item, sp, box = {"input_ids": prompt, "images": records[0]["images"]}, dict(max_new_tokens=16), []
         eng.generate([item], dict(max_new_tokens=1))  # the fake loads its image processor on first use

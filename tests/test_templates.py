@@ -158,7 +158,7 @@ def test_multi_turn_tokens_equal_the_full_render(name, records):
                                          (QWEN3_5_MOE, "<think>\n")])
 def test_assistant_opener(name, opener, records):
     proc = real_processor(name)
-    messages, tools = chat.chat_prompt(proc, records[0], multi_turn=True)
+    messages, tools, _ = chat.prompt(proc, records[0], multi_turn=True)
     assert chat.assistant_opener(proc, messages, tools) == opener
 
 
@@ -185,7 +185,7 @@ def test_sft_of_an_episode_is_the_rollout_of_it(name, records):
     writes the SFT targets, and each target is the row's text (Qwen3.5-35B's after closing its open <think>)."""
     import sft
     proc, crop_only = real_processor(name), dict(records[0], tools=["crop"])
-    messages, _ = chat.chat_prompt(proc, crop_only, multi_turn=True)
+    messages, _, _ = chat.prompt(proc, crop_only, multi_turn=True)
     call = CROP_XML if name.startswith("Qwen3.5") else CROP_JSON
     env = env_geo3k.build_env(crop_only, rollout_args(max_turns=3))
     obs, _, _ = env.step(call)

@@ -1,6 +1,5 @@
-"""report.py: the summary of a run folder, run.sh's pipeline (stages sft, grpo, grpo_mt after base_eval) or one
-run of train_grpo.py or sft.py: the training reward (SFT: loss) and greedy accuracy (single-turn, and multi-turn
-with the oracle off) before and after each stage, as summary.md and a reward-curve PNG.
+"""report.py: the summary of a run folder (run.sh's stages sft, grpo, grpo_mt after base_eval, or one trainer
+run's): training reward (SFT: loss), greedy accuracy before and after each stage; summary.md, a reward-curve PNG.
 
     python tools/report.py runs/cpu-demo            # or any run's folder (its metrics.jsonl)
 """
@@ -68,16 +67,15 @@ def main(argv=None):
             acc.plot(range(len(ys)), [float("nan") if y is None else y for y in ys], marker="o", label=label)
         acc.set_xticks(range(len(names)), names, fontsize=8)
         acc.set(ylabel="greedy eval accuracy", ylim=(-0.02, 1.02), title="after each stage")
-        acc.grid(alpha=0.3)
-        acc.legend(fontsize=8)
         for title, pts, calls in curves:
             line, = ax.plot([s for s, _ in pts], [r for _, r in pts], marker=".", label=title)
             if calls:
                 ax.plot([s for s, _ in calls], [c for _, c in calls], ls="--", color=line.get_color(),
                         label=f"{title}: crop calls / episode")
         ax.set(xlabel="GRPO step", ylabel="mean reward; crop calls", ylim=(-0.02, 1.02), title=f"{run.name}: reward")
-        ax.grid(alpha=0.3)
-        ax.legend()
+        for a, size in ((ax, None), (acc, 8)):
+            a.grid(alpha=0.3)
+            a.legend(fontsize=size)
         fig.tight_layout()
         fig.savefig(run / "reward_curve.png", dpi=120)
         print(f"wrote {run / 'summary.md'} and {run / 'reward_curve.png'}")
