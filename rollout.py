@@ -440,11 +440,6 @@ class Rollout(_Episodes):
             self.rounds.aborted = True  # the rounds still to come answer ABORTED
 
 
-def run_episodes(engine, processor, records, args, reward_fn=False):
-    """n_samples_per_prompt episodes per record (group = record position); scored when reward_fn is not False."""
-    return Rollout(engine, processor, args, reward_fn, len(records)).run(records)
-
-
 def _busy(calls, since=0.0):
     """Seconds the engine had a request after `since`: the union of the requests' (start, end)."""
     busy, end = 0.0, since

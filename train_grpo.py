@@ -59,9 +59,11 @@ def build_parser():
     a("--use-rollout-routing-replay", action="store_true", help="R3: the routers replay the engine's experts (MoE)")
     a("--tis-cap", type=F.at_least(0.0), default=0.0, help="with --recompute-logprobs: TIS's cap (0: off)")
     a("--dynamic-sampling-max-prompts", type=F.POSITIVE, default=None, help="prompts a step draws at most (4 x B)")
-    a = p.add_argument_group("engine placement").add_argument
+    g = p.add_argument_group("engine placement")
+    a = g.add_mutually_exclusive_group().add_argument  # one or the other: argparse names both
     a("--async-rollout", action="store_true", help="step k+1's rollout runs while step k trains. Not with --colocate")
     a("--fully-async", action="store_true", help="the rollout never waits for training (miles'). Not with --colocate")
+    a = g.add_argument
     a("--max-weight-staleness", type=F.COUNT, default=None, help="drop a group with a token over K versions old")
     a("--colocate", action="store_true", help="SGLang shares the training GPUs, released while training")
     a("--offload-train", action=argparse.BooleanOptionalAction, default=None,
@@ -89,9 +91,6 @@ def parse_args(argv=None):
     if (args.fully_async or args.async_rollout) and (args.colocate or args.offload_train):
         p.error(f"{'--fully-async' if args.fully_async else '--async-rollout'}: the rollout runs beside training, so "
                 "the engine needs GPUs of its own (--rollout-num-gpus N), not --colocate or --offload-train")
-    if args.fully_async and args.async_rollout:
-        p.error("--fully-async --async-rollout: choose one (--fully-async runs the rollout beside training too, and "
-                "lands each weight update mid-rollout instead of after it)")
     if not (args.partial_rollout or args.fully_async) and (args.over_sampling_batch_size or args.max_weight_staleness
                                                            is not None or args.mask_offpolicy_in_partial_rollout):
         p.error("--over-sampling-batch-size, --max-weight-staleness and --mask-offpolicy-in-partial-rollout need "
