@@ -20,9 +20,7 @@ class PackedCoreAttention(torch.nn.Module):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        # query (T, heads, dim); key, value (T, groups, dim): GQA is expanded by SDPA
-        assert packed_seq_params is not None and packed_seq_params.qkv_format == "thd", \
-            "PackedCoreAttention needs THD PackedSeqParams (model.py passes them)"
+        # query (T, heads, dim); key, value (T, groups, dim): GQA is expanded by SDPA; THD packed_seq_params: model.py's
         cu = packed_seq_params.cu_seqlens_q.tolist()
         if self.cp > 1:
             return self._context_parallel(query, key, value, cu)

@@ -28,23 +28,11 @@ def render(processor, messages, tools=None, add_generation_prompt=False):
 
 
 def template_tools(processor, record):
-    """The specs of the tools the record offers (env_geo3k.offered) as the template's `tools=` list, or None
-    where the template renders none (Qwen2.5-VL ignores it)."""
+    """The record's tools (env_geo3k.offered) as the template's `tools=` specs, or None where it renders none."""
     probe = [{"role": "user", "content": "?"}]
     if render(processor, probe, env_geo3k.specs(list(env_geo3k.TOOLS))) == render(processor, probe):
         return None
     return env_geo3k.specs(env_geo3k.offered(record.get("tools")))
-
-
-def chat_prompt(processor, record, multi_turn=False):
-    """-> (messages, tools) of a record's prompt. Multi-turn: the tools the record offers go in the model's
-    own trained format where its template renders a `tools=` list (Qwen3-VL, Qwen3.5, tools/tiny.py's),
-    else as env_geo3k's usage lines in the system prompt."""
-    if not multi_turn:
-        return data.prompt_messages(record), None
-    tools = template_tools(processor, record)
-    listed = None if tools is not None else env_geo3k.usage(env_geo3k.offered(record.get("tools")))
-    return data.prompt_messages(record, multi_turn=True, tool_list=listed), tools
 
 
 def encode_prompt(processor, messages, images, tools=None):
@@ -53,16 +41,18 @@ def encode_prompt(processor, messages, images, tools=None):
 
 
 def prompt(processor, record, multi_turn=False):
-    """-> (messages, tools, token ids) of a record's prompt as a rollout encodes it (the processor checks
-    its images)."""
-    messages, tools = chat_prompt(processor, record, multi_turn)
+    """-> (messages, tools, token ids) of a record's prompt as a rollout encodes it (the processor checks its
+    images); multi-turn, its tools as the template's `tools=` or as usage lines in the system prompt (docs/rollout.md,
+    "A conversation's tokens")."""
+    tools = template_tools(processor, record) if multi_turn else None
+    usage = env_geo3k.usage(env_geo3k.offered(record.get("tools"))) if multi_turn and tools is None else None
+    messages = data.prompt_messages(record, multi_turn, usage)
     return messages, tools, encode_prompt(processor, messages, list(record["images"]), tools)
 
 
 def assistant_opener(processor, messages, tools=None):
-    """What the generation prompt writes after `<|im_start|>assistant\\n`, which the model's text
-    continues: "" for Qwen2.5-VL / Qwen3-VL, "<think>\\n\\n</think>\\n\\n" for Qwen3.5 with thinking
-    off (0.8B, 2B), "<think>\\n" with it on (4B and up)."""
+    """What the generation prompt writes after `<|im_start|>assistant\\n`, which the model's text continues:
+    "" or Qwen3.5's think block (docs/rollout.md)."""
     head = "<|im_start|>assistant\n"
     before = render(processor, messages, tools)
     after = render(processor, messages, tools, add_generation_prompt=True)
@@ -72,13 +62,9 @@ def assistant_opener(processor, messages, tools=None):
 
 
 def encode_observation(processor, history, message, images, tools=None):
-    """Tokens appended after a model turn that ended in <|im_end|>: what the chat template adds
-    to `history` (prompt, model turns as assistant messages, earlier tool messages) when the tool
-    `message` and the next generation prompt follow, from the last <|im_end|> on: "\\n", the tool
-    turn (a user turn with <tool_response> for Qwen3-VL / Qwen3.5, a `tool` turn for Qwen2.5-VL),
-    the assistant header. The whole conversation is rendered, as real templates need (Qwen2.5-VL
-    adds a default system prompt, Qwen3.5 raises without a user query), and only the added text
-    tokenised; the history's rendering must be an exact prefix of the longer one, or this raises."""
+    """Tokens appended after a model turn that ended in <|im_end|>: what the chat template adds to `history`
+    (prompt, model turns, earlier tool messages) when the tool `message` and the next generation prompt
+    follow, from the last <|im_end|> on (docs/rollout.md). ValueError if it renders the history otherwise."""
     before = render(processor, history, tools)
     after = render(processor, history + [message], tools, add_generation_prompt=True)
     if not after.startswith(before):
@@ -87,16 +73,13 @@ def encode_observation(processor, history, message, images, tools=None):
                          f"(at char {k}: {before[k:k + 40]!r} vs {after[k:k + 40]!r})")
     cut = before.rfind(IM_END) + len(IM_END)
     if cut < len(IM_END) or before[cut:].strip():
-        raise ValueError(f"the chat template does not end an assistant turn with {IM_END} "
-                         f"(it ends {before[-40:]!r})")
+        raise ValueError(f"the chat template does not end a turn with {IM_END} (it ends {before[-40:]!r})")
     return list(processor(text=[after[cut:]], images=list(images) or None)["input_ids"][0])
 
 
 def encode_target(processor, messages, text, tools=None):
-    """Token ids the model should write after the prompt `messages` (and the generation prompt)
-    to answer `text`, through <|im_end|>, as the template renders that answer: text + <|im_end|>
-    for most templates, but "\\n</think>\\n\\n" + text + <|im_end|> for Qwen3.5 with thinking on,
-    whose generation prompt leaves <think> open (SFT targets; prompt ids: encode_prompt)."""
+    """Token ids the model should write after the prompt `messages` and the generation prompt to answer `text`,
+    through <|im_end|>, as the template renders that answer (SFT targets; Qwen3.5's: docs/rollout.md)."""
     prompt = render(processor, messages, tools, add_generation_prompt=True)
     full = render(processor, messages + [{"role": "assistant", "content": text}], tools)
     end = full.rfind(IM_END) + len(IM_END)

@@ -46,8 +46,7 @@ def on_leaders(par, engine, fn, what):
 
 class Servers:
     """The trainer's side of the rollout engines, on every rank: this rank's engine (rank 0's generates; a
-    server's holder updates it; None elsewhere), --offload-train's Offload, and each step's moves around
-    training (grpo_step): to_rollout, step_aside, step_back, sync."""
+    server's holder updates it; None elsewhere), --offload-train's Offload, and each step's moves (grpo_step)."""
 
     def __init__(self, args, par, model, opt, ref, hf_dir, run_dir, processor=None):
         self.par, self.colocate, self.off = par, args.colocate, None
@@ -126,11 +125,9 @@ class Servers:
             self.off.restore()
 
     def step_back(self):
-        """Colocated: every rank hands its cached activations back to CUDA before the server takes the GPUs
-        again (the caching allocator keeps the training peak: the resume of weights, KV cache and graphs
-        would not fit on an 80 GB GPU). --offload-train: the optimizer states and gradients go to host
-        memory and only the server's weights come back: the weight sync still reads the trainer's
-        parameters; to_rollout() parks those and resumes the rest. -> memory metrics."""
+        """Colocated: every rank empties its CUDA cache before the server takes the GPUs again; --offload-train
+        parks the optimizer states and gradients and resumes only the server's weights (the sync still reads the
+        trainer's parameters; to_rollout() does the rest): docs/cluster.md. -> memory metrics."""
         if not self.colocate:
             return {}
         held = {}

@@ -20,11 +20,8 @@ def steps(run, start, total):
     if start >= total:
         return
     t, bar = time.time(), tqdm(total=total, initial=start, desc=run.kind, disable=run.rank != 0)
-
-    def on_sigterm(signum, frame):  # --exit-signal-handler: the step goes on; maybe_save sees the mark
-        run.signalled = True
-    if run.args.exit_signal_handler:  # for the rest of the job: past the loop it only ends
-        signal.signal(signal.SIGTERM, on_sigterm)
+    if run.args.exit_signal_handler:  # for the rest of the job: the step goes on, maybe_save sees the mark
+        signal.signal(signal.SIGTERM, lambda signum, frame: setattr(run, "signalled", True))
     for step in range(start, total):
         yield step
         shown = [k for k in ("reward", "loss") if k in run.last][:1]  # GRPO's, or SFT's; then the last evaluation

@@ -57,8 +57,7 @@ def gather_sequence(x, lens, cp, group):
 def gather_rows(x, group, sum_grads=False):
     """This rank's x (n_r, ...) -> every rank's, concatenated in rank order (sum n_r, ...); n_r may differ.
     Backward: _all_gather's."""
-    n = dist.get_world_size(group)
-    counts = torch.zeros(n, dtype=torch.long, device=x.device)
+    counts = torch.zeros(dist.get_world_size(group), dtype=torch.long, device=x.device)
     dist.all_gather_into_tensor(counts, torch.tensor([x.shape[0]], device=x.device), group=group)
     most = int(counts.max())
     full = _all_gather(torch.cat([x, x.new_zeros((most - x.shape[0], *x.shape[1:]))]), group, sum_grads)

@@ -17,8 +17,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-# Megatron name inside decoder.layers.{i}. -> (how it is split over TP, HF names inside layers.{i}.);
-# the kinds: shard() below, docs/convert.md
+# Megatron name in decoder.layers.{i}. -> (its TP split: shard()'s kinds, HF names in layers.{i}.) (docs/convert.md)
 _LAYER = {
     "input_layernorm.weight": ("rep", ["input_layernorm.weight"]),
     "self_attention.linear_qkv.layer_norm_weight": ("rep", ["input_layernorm.weight"]),  # TE fuses
@@ -235,8 +234,7 @@ def load_weights(model):
     if bad:
         raise SystemExit(f"{files[bad[0]]}: tensor {bad[0]} holds NaN or inf"
                          + (f" ({len(bad) - 1} more tensors too)" if len(bad) > 1 else ""))
-    # Every tensor but mtp.* must reach a parameter: export sends only those, and SGLang keeps no CPU copy
-    # of its weights when it releases them, so any other would be garbage after the first release.
+    # every tensor but mtp.* must reach a parameter: export sends only those (why: docs/convert.md)
     everyone = [None] * model.par.world
     dist.all_gather_object(everyone, read)
     left = sorted(n for n in files if not n.startswith("mtp.") and not any(n in r for r in everyone))
@@ -264,8 +262,7 @@ def _experts(model, name, kind, hf, t, fused):
 
 def hf_tensors(model, grad=False):
     """(HF name, full tensor) for every tensor of the source checkpoint, `mtp.*` passed through as it is;
-    grad=True: their gradients (None as zeros; no `mtp.*`). Collective over TP, EP and PP: every rank gets
-    every full tensor, each PP stage's in turn (broadcast from its rank of this rank's pipeline)."""
+    grad=True: their gradients (None as zeros; no `mtp.*`). Collective over TP, EP and PP: every rank gets all."""
     par = model.par
     if par.pp == 1:
         yield from _stage_tensors(model, grad)

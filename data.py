@@ -2,9 +2,8 @@
 
     python data.py show tests/data/geo3k_real/test.parquet   # load and summarise a source
 
-`load_geo3k(source, split=None)` returns a list of {"problem", "answer", "images"} records
-(images as RGB PIL images; other columns as they are) from a hub id (`hiyouga/geometry3k`), a parquet or jsonl file, or a
-folder holding `<split>.parquet` / `<split>.jsonl`. The columns and how bad rows are handled: docs/data.md.
+`load_geo3k(source, split=None)` -> [{"problem", "answer", "images" (RGB PIL), other columns as they are}] from a
+hub id, a parquet or jsonl file, or a folder; the sources, columns and bad rows: docs/data.md.
 """
 import argparse
 import base64
@@ -23,7 +22,7 @@ URL_MAX_BYTES, URL_TIMEOUT = 32 << 20, 20  # with allow_urls: one image's body, 
 
 SINGLE_TURN_INSTRUCTION = ("Solve the geometry problem shown in the diagram. Think briefly, then "
                            "give the final answer as \\boxed{<answer>}.")
-# Names no tool: those a row offers reach the model as chat.chat_prompt decides (the template's `tools=`,
+# Names no tool: those a row offers reach the model as chat.prompt decides (the template's `tools=`,
 # or their usage lines appended here).
 MULTI_TURN_SYSTEM = (
     "You solve geometry problems from diagrams. You may call one of your tools, then stop and wait for "
@@ -75,8 +74,7 @@ def decode_image(value, base_dir=None, max_pixels=MAX_PIXELS, allow_urls=False, 
         img = Image.open(path)
     else:
         raise ValueError(f"unsupported image value of type {type(value).__name__}")
-    img.load()  # decode now, so a corrupt image fails here with its row, not in a worker later
-    img = img.convert("RGB")
+    img = img.convert("RGB")  # decodes now (convert loads it): a corrupt image fails here with its row
     if img.width * img.height > max_pixels:
         scale = math.sqrt(max_pixels / (img.width * img.height))
         img = img.resize((max(1, int(img.width * scale)), max(1, int(img.height * scale))))

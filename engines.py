@@ -4,9 +4,8 @@
     outs = engine.generate([{"input_ids": ids, "images": [pil]}], dict(temperature=1.0, max_new_tokens=64))
     engine.update_weights(convert.export_hf(model))
 
-An engine takes token ids and images and returns token ids and their logprobs; it knows nothing
-of samples, episodes or rewards (rollout.py), so rollout.py and the engines do not import each other.
-How LocalEngine maps checkpoint names and how its Sampler draws: docs/local_engine.md.
+An engine knows nothing of samples, episodes or rewards (rollout.py); how LocalEngine maps checkpoint names
+and how its Sampler draws: docs/local_engine.md.
 """
 import re
 
@@ -57,14 +56,13 @@ def finish_reason(ids, stops, limit, reported):
 
 
 class LocalEngine(Engine):
-    """A transformers model in process (fp32 by default): `generate` with KV cache on left-padded
-    batches; HF computes the MRoPE positions."""
+    """A transformers model in process (fp32): `generate` with KV cache on left-padded batches; HF computes the
+    MRoPE positions."""
 
-    def __init__(self, hf_dir, device="cpu", dtype="float32", max_batch=16, processor=None, routed_experts=False):
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    def __init__(self, hf_dir, device="cpu", max_batch=16, processor=None, routed_experts=False):
         self.device, self.max_batch = torch.device(device), max_batch
         self.processor = processor or AutoProcessor.from_pretrained(hf_dir)
-        self.model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=dtype).to(self.device).eval()
+        self.model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).to(self.device).eval()
         tok = self.processor.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         # clean: a checkpoint's defaults (repetition_penalty, top_k=20...) would change the sampling

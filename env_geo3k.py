@@ -5,20 +5,16 @@
     obs, done, info = env.step(response)    # run the last <tool_call> of the response
     message = env.format_observation(obs)   # {"role": "tool", "content": [image..., text]}
 
-A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in strict JSON, as Qwen2.5-VL
-and Qwen3-VL write it, or Qwen3.5's XML form (parse_xml). A tool is a function and its Tool
-declaration in TOOLS; offered() says which tools a row gets (its `tools`, else the default ones).
-Nothing the model writes is evaluated or executed: arguments are checked as data.
-Options read from args: max_turns (required), oracle (default True; False makes calc_score only
-record the answer, as evaluation must: an oracle tool inflates multi-turn accuracy), rm_type
-("math"), min_pixels (crop area floor, default 56*56), max_payload (4096 chars). The row's other
-columns are the tools' and the reward's to read (crop: `box`, the region a task names, which each
-crop of image 0 is scored against in its step info `iou`, for metrics; the model never sees it).
+A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in strict JSON or Qwen3.5's XML form;
+nothing the model writes is evaluated or executed. A tool: a function and its Tool in TOOLS (docs/extending.md).
+Options read from args: max_turns (required), oracle (default True; evaluation turns it off: calc_score only
+records), rm_type ("math"), min_pixels (crop area floor, default 56*56), max_payload (4096 chars).
 """
 import dataclasses
 import json
 import math
 import re
+from contextlib import suppress
 
 import reward
 
@@ -30,16 +26,6 @@ _LATEX_ESCAPES = {"\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r", "\t": "\\t
 
 class ToolError(Exception):
     """Bad tool arguments; the message is shown to the model."""
-
-
-def _check_args(arguments, tool):
-    """The arguments a tool's declaration names: its example's (required), and no others than its parameters."""
-    missing = [k for k in tool.example if k not in arguments]
-    if missing:
-        raise ToolError(f"missing argument {missing[0][:80]!r}")
-    extra = [k for k in arguments if k not in tool.parameters]
-    if extra:
-        raise ToolError(f"unexpected argument {extra[0][:80]!r}")
 
 
 def _is_number(x):
@@ -91,7 +77,7 @@ def crop(env, arguments):
         region = region.resize((cw * k, ch * k), resample=0)  # 0 = Image.NEAREST
     text = (f"Crop of image {i} at [{x1}, {y1}, {x2}, {y2}] ({cw}x{ch} px, shown at "
             f"{cw * k}x{ch * k}); it is now image {len(env.images)}.")
-    box = env.record.get("box")  # the region a task names (the crop task's): a crop of image 0 is scored against it
+    box = env.record.get("box")  # the region a task names (never shown to the model): a crop of image 0 is scored
     return text, [region], {"iou": iou(bbox, box)} if box is not None and i == 0 else {}
 
 
@@ -152,8 +138,7 @@ ALIASES = {"calc_geo3k_reward": "calc_score"}  # old names that still run, not a
 
 
 def offered(names=None):
-    """The names of the tools a row gets: its `tools` (None: TOOLS' default ones), checked; the one place that decides
-    (the env runs those, the prompt shows those: specs, usage; names alone travel in a checkpoint's episodes)."""
+    """The names of the tools a row gets: its `tools` (None: TOOLS' default ones), checked (docs/extending.md)."""
     if names is None:
         return [n for n, t in TOOLS.items() if t.default]
     if isinstance(names, str) or not names or not all(n in TOOLS for n in names):
@@ -167,8 +152,7 @@ def specs(names):
 
 
 def usage(names, xml=False):
-    """The exact call format on the first tool's example (Qwen3.5's XML form if the model used it) and each tool's
-    usage line."""
+    """The call format on the first tool's example (Qwen3.5's XML if the model wrote XML), then each tool's usage."""
     name, example = names[0], TOOLS[names[0]].example
     call = json.dumps({"name": name, "arguments": example})
     if xml:  # as Qwen3.5's template writes it: strings raw, the rest as JSON
@@ -239,10 +223,9 @@ class Geo3kEnv:
         return name, arguments
 
     def parse_xml(self, payload, info):
-        """Qwen3.5's form, `<function=NAME>` and `<parameter=K>\\nV\\n</parameter>` blocks, as its chat
-        template writes it: V is taken as text where the tool's spec says the parameter is a string,
-        else as JSON (the template writes lists with tojson); V that is not JSON stays text, and
-        the tool's own checks say what is wrong with it."""
+        """Qwen3.5's form, `<function=NAME>` and `<parameter=K>\\nV\\n</parameter>` blocks, as its chat template
+        writes it: V is text where the tool's spec says string, else JSON (the template writes lists with tojson);
+        V that is not JSON stays text, and the tool's own checks say what is wrong with it."""
         m = re.fullmatch(r"<function=([^>\n]*)>(.*)</function>", payload, re.DOTALL)
         if m is None:
             raise ToolError("unclosed <function=...> (no </function> at the end of the tool call)")
@@ -262,10 +245,8 @@ class Geo3kEnv:
                 raise ToolError(f"parameter {key[:80]!r} given twice")
             arguments[key] = raw
             if key not in strings:
-                try:
+                with suppress(ValueError):
                     arguments[key] = reward.strict_json(raw)
-                except ValueError:
-                    pass
         if not arguments:
             raise ToolError("tool call needs at least one <parameter=NAME> argument")
         info["arguments"] = arguments
@@ -285,7 +266,12 @@ class Geo3kEnv:
             if ALIASES.get(name, name) not in self.tools:
                 raise ToolError(f"unknown tool {name[:80]!r}; tools are {', '.join(self.tools)}")
             tool = TOOLS[ALIASES.get(name, name)]
-            _check_args(arguments, tool)
+            missing = [k for k in tool.example if k not in arguments]  # its example's arguments are required
+            if missing:
+                raise ToolError(f"missing argument {missing[0][:80]!r}")
+            extra = [k for k in arguments if k not in tool.parameters]
+            if extra:
+                raise ToolError(f"unexpected argument {extra[0][:80]!r}")
             text, images, gained = tool.run(self, arguments)
             self.images += images  # what a tool shows, later calls can refer to
             info.update(gained, ran=True)

@@ -60,10 +60,8 @@ def add_data_args(p):
     g("--label-key", default="answer", help="column holding the answer")
     g("--split", default=None, help="split of a hub id or folder (default: train)")
     g("--max-bad-frac", type=fraction, default=0.01, help="stop when more data rows than this are unusable")
-    g("--allow-image-urls", action="store_true", help="fetch http(s) images named in data rows "
-      "(at most data.URL_MAX_BYTES each); off: such rows are bad rows")
-    g("--allow-outside-paths", action="store_true",
-      help="let image paths in data rows leave the data set's folder (absolute paths, ..)")
+    g("--allow-image-urls", action="store_true", help="fetch http(s) images of data rows (off: such rows are bad)")
+    g("--allow-outside-paths", action="store_true", help="let data rows' image paths leave the data set's folder")
     g("--eval-prompt-data", default=None, help="evaluation data (same forms as --prompt-data)")
     g("--eval-split", default="test", help="split of --eval-prompt-data when it is a hub id or folder")
     g("--eval-interval", type=COUNT, default=0, help="evaluate every N steps (0: only at the end)")
@@ -75,23 +73,19 @@ def add_model_args(p):
     g("--hf-checkpoint", required=True, help="Hugging Face checkpoint folder to start from")
     g("--freeze-vit", action="store_true", help="keep the vision tower fixed")
     g("--tensor-model-parallel-size", type=POSITIVE, default=1, help="Megatron TP size")
-    g("--sequence-parallel", action="store_true", help="split the sequence over TP ranks outside attention "
-      "(Megatron's; required for MoE with TP > 1)")
+    g("--sequence-parallel", action="store_true", help="split the sequence over TP ranks (Megatron's; MoE at TP > 1)")
     g("--context-parallel-size", type=POSITIVE, default=1, help="CP: each sequence split over this many ranks (zigzag)")
-    g("--pipeline-model-parallel-size", type=POSITIVE, default=1,
-      help="PP: decoder layers split over this many stages")
+    g("--pipeline-model-parallel-size", type=POSITIVE, default=1, help="PP: decoder layers split over this many stages")
     g("--decoder-first-pipeline-num-layers", type=POSITIVE, default=None, help="PP: layers of the first stage")
     g("--decoder-last-pipeline-num-layers", type=POSITIVE, default=None, help="PP: layers of the last stage")
-    g("--expert-model-parallel-size", type=POSITIVE, default=1, help="EP: MoE experts split over this many ranks "
-      "(expert-TP 1; expert-DP = world / EP)")
+    g("--expert-model-parallel-size", type=POSITIVE, default=1, help="EP: MoE experts split over this many ranks")
     g("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall"],
       help="how tokens reach their experts' ranks (alltoall: GPU only in megatron-core 0.16)")
     g("--moe-router-dtype", default="fp32", choices=["fp32", "fp64"], help="router logits and softmax dtype")
     g("--moe-aux-loss-coeff", type=at_least(0.0), default=0.0, help="load-balancing auxiliary loss weight (0: off)")
     g("--transformer-impl", default=None, choices=["transformer_engine", "local"],
       help="Megatron layer spec (default: transformer_engine on CUDA, an error if it cannot load; local on CPU)")
-    g("--distributed-timeout-minutes", type=POSITIVE, default=60,
-      help="collective timeout: rank 0 loads data, starts SGLang and evaluates while the others wait")
+    g("--distributed-timeout-minutes", type=POSITIVE, default=60, help="collective timeout (rank 0 sets up meanwhile)")
 
 
 def add_precision_args(p):
@@ -99,11 +93,9 @@ def add_precision_args(p):
     g("--bf16", action="store_true", help="compute in bf16 with fp32 master weights (optim.py); logprobs and loss in fp32")
     g("--accumulate-allreduce-grads-in-fp32", action="store_true", help="with --bf16: gradients accumulated and reduced in fp32")
     g("--use-distributed-optimizer", action="store_true", help="shard master weights and Adam states over DP ranks")
-    g("--optimizer-cpu-offload", action="store_true", help="with --use-distributed-optimizer on CUDA: the fp32 masters, "
-      "Adam's states and its step on the CPU (megatron-core's HybridDeviceOptimizer; on CPU they are there already)")
+    g("--optimizer-cpu-offload", action="store_true", help="with --use-distributed-optimizer: Adam on the CPU (CUDA)")
     g("--optimizer-offload-fraction", type=fraction, default=1.0, help="with --optimizer-cpu-offload: the share on the CPU")
-    g("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
-      help="with --optimizer-cpu-offload: overlap the gradient and parameter copies with the CPU step")
+    g("--overlap-cpu-optimizer-d2h-h2d", action="store_true", help="with --optimizer-cpu-offload: overlap its copies")
     g("--recompute-granularity", default=None, choices=["full", "selective"],
       help="recompute activations in backward: whole layers (full) or core attention only (selective)")
     g("--recompute-method", default="uniform", choices=["uniform", "block"],
@@ -117,9 +109,7 @@ def add_optimizer_args(p):
     g("--global-batch-size", type=POSITIVE, default=16, help="samples per optimizer step, all ranks")
     g("--lr", type=at_least(0.0), default=1e-6, help="peak learning rate")
     g("--min-lr", type=at_least(0.0), default=0.0, help="floor of the cosine decay")
-    g("--decoupled-lr", type=at_least(0.0), default=None,
-      help="peak lr of the token embedding and output layer (Megatron's flag; default: --lr); "
-           "the schedule scales it as it scales --lr")
+    g("--decoupled-lr", type=at_least(0.0), default=None, help="peak lr of embedding and output layer (default: --lr)")
     g("--lr-warmup-iters", type=COUNT, default=0, help="linear warmup steps")
     g("--lr-decay-style", default="constant", choices=["constant", "cosine"], help="after warmup")
     g("--weight-decay", type=at_least(0.0), default=0.0, help="AdamW weight decay (not on norms/biases)")
@@ -133,47 +123,34 @@ def add_run_args(p):
     g = p.add_argument_group("run folder").add_argument
     g("--save", required=True, help="run folder: metrics.jsonl, config, checkpoints")
     g("--load", default=None, help="resume from the latest checkpoint in this run folder")
-    g("--overwrite", action="store_true", help="start fresh in a --save folder that holds an earlier "
-      "run: its checkpoints and metrics are deleted (without it: an error, unless --load resumes)")
+    g("--overwrite", action="store_true", help="start fresh in a --save folder with an earlier run (deletes its files)")
     g("--save-interval", type=COUNT, default=50, help="checkpoint every N steps (0: only at the end)")
     g("--save-keep", type=COUNT, default=3, help="keep the newest N checkpoints in --save (0: keep all)")
     g("--wandb-project", default=None, help="log to wandb too, when it is installed")
     g("--exit-signal-handler", action="store_true", help="on SIGTERM (a cluster's preemption), finish the step, "
       "save a checkpoint and exit 0 on every rank (Megatron's flag)")
-    g("--exit-duration-in-mins", type=at_least(0.0), default=None,
-      help="save a checkpoint and exit 0 after the first step that ends past N minutes (Megatron's flag)")
+    g("--exit-duration-in-mins", type=at_least(0.0), default=None, help="save, exit 0 after a step ending past N min")
 
 
 def add_rollout_args(p):
     g = p.add_argument_group("rollout").add_argument
-    g("--rollout-engine", default="auto", choices=["auto", "sglang", "local"],
-      help="auto: SGLang when importable and CUDA is present, else in-process transformers")
+    g("--rollout-engine", default="auto", choices=["auto", "sglang", "local"], help="auto: SGLang on CUDA, else local")
     g("--rollout-batch-size", type=POSITIVE, default=8, help="prompts per rollout")
     g("--n-samples-per-prompt", type=POSITIVE, default=4, help="responses per prompt (GRPO group)")
-    g("--rollout-max-response-len", type=POSITIVE, default=256,
-      help="token budget of a whole response (model + observation turns)")
+    g("--rollout-max-response-len", type=POSITIVE, default=256, help="tokens of a response, tool observations included")
     g("--rollout-temperature", type=at_least(0.0), default=1.0, help="0 = greedy")
     g("--rollout-top-p", type=fraction, default=1.0, help="nucleus sampling")
     g("--rollout-top-k", type=int, default=-1, help="-1 = off")
     g("--max-turns", type=POSITIVE, default=1, help="1 = single-turn; >1 drives env_geo3k")
-    g("--n-samples-per-eval-prompt", type=POSITIVE, default=1, help="K > 1: each evaluation also samples K "
-      "responses a problem at --rollout-temperature and reports pass@K (slime's flag)")
+    g("--n-samples-per-eval-prompt", type=POSITIVE, default=1, help="K > 1: evaluations report pass@K too (slime's)")
     g("--max-context-len", type=at_least(2), default=8192, help="prompt + response token cap")
-    g("--dynamic-sampling", action="store_true",
-      help="drop groups whose rewards are all equal; top up from the extra prompts given")
-    g("--partial-rollout", action="store_true", help="once --rollout-batch-size groups are complete, abort the "
-      "rest and continue them first in the next rollout (slime's; README, \"The algorithm\")")
-    g("--over-sampling-batch-size", type=POSITIVE, default=None,
-      help="with --partial-rollout or --fully-async: groups generating at once (default --rollout-batch-size)")
-    g("--mask-offpolicy-in-partial-rollout", action="store_true",
-      help="with --partial-rollout or --fully-async: a sample's tokens from before its last abort get no loss")
+    g("--dynamic-sampling", action="store_true", help="drop groups whose rewards are all equal; draw more prompts")
+    g("--partial-rollout", action="store_true", help="abort the rest at B complete groups; continue them next step")
+    g("--over-sampling-batch-size", type=POSITIVE, default=None, help="groups generating at once (default: the batch)")
+    g("--mask-offpolicy-in-partial-rollout", action="store_true", help="no loss on tokens before a sample's last abort")
     g("--rm-type", default="math", choices=list(reward.REWARDS), help="the reward (reward.REWARDS)")
-    g("--sglang-server-timeout", type=at_least(1.0), default=900.0,
-      help="seconds to wait for the SGLang server's /health")
+    g("--sglang-server-timeout", type=at_least(1.0), default=900.0, help="seconds to wait for a server's /health")
     g("--sglang-launch-cmd", default=None,
-      help="the command that starts a server, before its --model-path ... flags (default: this python -m "
-           "sglang.launch_server; the tests pass their fake server)")
-    g("--sglang-router-args", default=None,
-      help="several nodes: flags for SGLang's router (sglang_router.launch_router), e.g. "
-           "\"--balance-abs-threshold 16\"; default --policy cache_aware")
+      help="the command that starts a server, before its --model-path ... (default: python -m sglang.launch_server)")
+    g("--sglang-router-args", default=None, help="SGLang's router's flags, e.g. \"--balance-abs-threshold 16\"")
     return p

@@ -1,8 +1,7 @@
-"""The GRPO step's maths as pure tensor functions, each picked by name from a registry whose keys are its flag's
-choices: advantage estimators with their policy losses (ESTIMATORS, --advantage-estimator), KL estimators (KL,
---kl-loss-type), TIS; no model, no process group. A policy loss takes a micro-batch's scored tokens, concatenated
-(logp with gradient, old, adv: each (N,)) and its sequences' token counts `lens`, and gives each token's loss and
-whether the clip changed it. Per-sequence values (GSPO's ratio) hold under every layout: docs/extending.md, "A loss".
+"""The GRPO step's maths as pure tensor functions in registries whose keys are their flags' choices: advantage
+estimators with policy losses (ESTIMATORS), KL estimators (KL), TIS. A policy loss takes a micro-batch's scored
+tokens (logp with gradient, old, adv: each (N,)) and its sequences' token counts `lens` -> each token's loss and
+whether the clip changed it. Per-sequence values under every layout: docs/extending.md, "A loss".
 """
 import collections
 

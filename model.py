@@ -31,7 +31,6 @@ import parallel
 import pipeline
 import qwen3_5
 import routing
-from parallel import all_reduce as _all_reduce
 
 
 def rope_positions(hf_config, input_ids, image_grid_thw=None):
@@ -100,8 +99,6 @@ def layer_impl(impl=None):
     """--transformer-impl: transformer_engine (the CUDA default) or local; TE that cannot load is an error."""
     if impl is None:
         impl = "transformer_engine" if torch.cuda.is_available() else "local"
-    if impl not in ("transformer_engine", "local"):
-        raise SystemExit(f"--transformer-impl {impl!r}: choose transformer_engine or local")
     if impl == "local":
         return impl
     if not torch.cuda.is_available():
@@ -145,13 +142,11 @@ def transformer_config(hf_config, par, opts, te, sp):
         raise SystemExit(f"--context-parallel-size {par.cp} with Transformer Engine needs --bf16: TE has no fp32 "
                          "attention under context parallelism. Pass --bf16, or --transformer-impl local (unfused).")
     if opts.recompute_granularity == "selective" and not torch.cuda.is_available():  # its backward calls CUDA
-        raise SystemExit("--recompute-granularity selective (Megatron's checkpointed core attention) "
-                         "needs CUDA; on CPU use --recompute-granularity full")
+        raise SystemExit("--recompute-granularity selective needs CUDA; on CPU use --recompute-granularity full")
     if moe and par.tp > 1 and not sp:
         raise SystemExit("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (Megatron's rule)")
     if moe and par.pp > 1 and opts.moe_token_dispatcher_type == "allgather":
-        raise SystemExit("MoE with --pipeline-model-parallel-size > 1 needs --moe-token-dispatcher-type alltoall "
-                         "(megatron-core's allgather dispatcher takes no variable sequence lengths)")
+        raise SystemExit("MoE with --pipeline-model-parallel-size > 1 needs --moe-token-dispatcher-type alltoall")
     extra = dict(add_qkv_bias=not qwen3, qk_layernorm=qwen3, ffn_hidden_size=getattr(tc, "intermediate_size", 0),
                  moe_token_dispatcher_type="alltoall")  # dense: unused, but megatron refuses allgather under PP
     if q35:
@@ -204,7 +199,7 @@ def sum_shared_grads_over_tp(language_model, par):
     for name, p in language_model.named_parameters():
         shared = any(k in name for k in ("q_layernorm", "k_layernorm", "self_attention.norm."))
         if par.tp > 1 and (shared or getattr(p, "sequence_parallel", False)):
-            p.register_hook(lambda g: _all_reduce(g.clone(), par.tp_group))
+            p.register_hook(lambda g: parallel.all_reduce(g.clone(), par.tp_group))
 
 
 def packed_row(hf_config, seqs, per_seq, par, sp):
@@ -217,7 +212,7 @@ def packed_row(hf_config, seqs, per_seq, par, sp):
     m = math.lcm(par.tp if sp else 1, 2 if par.cp > 1 else 1)
     share = -(-sum(lens) // par.cp // m) * m
     if par.ep > 1:
-        share = int(_all_reduce(torch.tensor(share, device=par.device), par.ep_group, dist.ReduceOp.MAX))
+        share = int(parallel.all_reduce(torch.tensor(share, device=par.device), par.ep_group, dist.ReduceOp.MAX))
     extra = share * par.cp - sum(lens)
     if extra:
         lens, ids, pos = lens + [extra], ids + [torch.zeros(extra, dtype=torch.long)], pos + [torch.arange(extra).expand(3, -1)]

@@ -1,7 +1,5 @@
-"""--offload-train: while SGLang generates, the trainer's GPU state waits in host memory, so that a
-colocated server can take the GPU (the recipe's --mem-fraction-static 0.7 instead of 0.4). Each storage
-is copied to pinned host memory and resized to zero bytes, so every tensor that views it stays the same
-object (docs/offload.md).
+"""--offload-train: while SGLang generates, the trainer's GPU state waits in host memory, each storage
+resized to zero bytes, so that a colocated server can take the GPU (how and why: docs/offload.md).
 
     off = Offload(model, opt, ref)
     off.release()                       # before the rollout: everything
@@ -36,8 +34,7 @@ class Offload:
 
     def storages(self):
         """{kind: [storage]}: every distinct storage on the trainer's device, each under one kind."""
-        models = [self.model] + ([self.ref] if self.ref is not None else [])
-        params = [p for m in models for p in m.parameters()]
+        params = [p for m in (self.model, self.ref) if m is not None for p in m.parameters()]
         named = {"params": params,
                  "grads": [t for p in params for t in (p.grad, getattr(p, "main_grad", None)) if t is not None],
                  "optimizer": list(optimizer_tensors(self.opt))}

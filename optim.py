@@ -2,7 +2,6 @@
 AdamW; --bf16 / --use-distributed-optimizer: MasterAdamW on CPU, megatron-core's DDP and optimizer on CUDA.
 Parameters with `allreduce == False` (MoE experts, Megatron's mark) are never sharded. docs/optimizer.md.
 """
-import copy
 import math
 
 import torch
@@ -98,12 +97,10 @@ def megatron_optimizer(model, args):
 
 
 def megatron_ddp(model, args):
-    """megatron-core's DDP around the model, SUMMING gradients over DP ranks as allreduce_grads does (our
-    loss is already divided by the global batch's token count), with no overlapped reduce."""
-    config = copy.copy(model.language_model.config)  # not the model's own: the MoE aux loss would rescale
-    config.calculate_per_token_loss = True
+    """megatron-core's DDP around the model, SUMMING gradients over DP ranks as allreduce_grads does (model.config:
+    calculate_per_token_loss, as our loss is already divided by the global token count), no overlapped reduce."""
     with parallel.megatron_on_cpu():  # on CPU only for the test that holds the two paths together
-        return DistributedDataParallel(config, DistributedDataParallelConfig(
+        return DistributedDataParallel(model.config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32, overlap_grad_reduce=False,
             use_distributed_optimizer=args.use_distributed_optimizer), model)
 
@@ -146,8 +143,7 @@ class MasterAdamW:
     distributed optimizer shards its gradient buffer; each step gathers the updated ranges into the parameters."""
 
     def __init__(self, groups, args, par):
-        self.sharded = bool(args.use_distributed_optimizer)
-        self.dp_rank, self.dp = (par.dp_rank, par.dp) if self.sharded else (0, 1)
+        self.dp_rank, self.dp = (par.dp_rank, par.dp) if args.use_distributed_optimizer else (0, 1)
         self.group = par.dp_group
         self.params = [p for _, _, ps in groups for p in ps]
         n = sum(p.numel() for p in self.params if getattr(p, "allreduce", True))

@@ -1,13 +1,11 @@
 """Parallel state: torchrun's environment -> one frozen `Parallel` context (rank, world, device, the
-node, and the size, rank and group of every parallelism), megatron-core's parallel state underneath.
-The model, optimizer, conversion and trainers take this object; nothing else reaches for a group.
+node, and the size, rank and group of every parallelism), megatron-core's parallel state underneath;
+nothing else reaches for a group. How Megatron runs on CPU, sockets and the torchrun watch: docs/parallel.md.
 
     par = parallel.init_distributed(tp=2)   # under torchrun, or a plain process (a world of one)
     par.rank, par.world, par.device, par.node, par.tp_group, par.dp_rank, par.ep, ...
     with parallel.megatron_on_cpu():          # only where Megatron code runs
         ...
-
-How Megatron runs on CPU, sockets and the torchrun watch: docs/parallel.md.
 """
 import atexit
 import contextlib
@@ -152,12 +150,10 @@ def init_distributed(tp=1, seed=1234, timeout_minutes=60, ep=1, pp=1, cp=1):
     return Parallel(
         rank=rank, world=world, device=device, local_rank=local_rank, local_world=local_world,
         node=rank // local_world, dp_ranks=dp_ranks,
-        tp=tp, tp_rank=ps.get_tensor_model_parallel_rank(),
-        tp_group=ps.get_tensor_model_parallel_group(),
+        tp=tp, tp_rank=ps.get_tensor_model_parallel_rank(), tp_group=ps.get_tensor_model_parallel_group(),
         pp=ps.get_pipeline_model_parallel_world_size(), pp_rank=ps.get_pipeline_model_parallel_rank(),
         pp_group=ps.get_pipeline_model_parallel_group(),
-        cp=cp, cp_rank=ps.get_context_parallel_rank(),
-        cp_group=ps.get_context_parallel_group(),
+        cp=cp, cp_rank=ps.get_context_parallel_rank(), cp_group=ps.get_context_parallel_group(),
         dp=dp, dp_rank=dp_rank, dp_group=ps.get_data_parallel_group(),
         dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
         ep=ps.get_expert_model_parallel_world_size(), ep_rank=ps.get_expert_model_parallel_rank(),

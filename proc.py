@@ -1,6 +1,6 @@
 """Process hygiene, in one place: children that die with their parent, process groups that end.
 
-    proc.die_with_parent(signal.SIGTERM, parent=os.getppid())   # in a child (pool initializer)
+    proc.die_with_parent(signal.SIGTERM)                        # a torchrun worker (parallel.py)
     python proc.py PARENT_PID cmd args...                       # launcher: arm, check, exec cmd
     proc.kill_group(popen)                                      # SIGTERM, then SIGKILL, a group
 
@@ -17,18 +17,12 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 def die_with_parent(sig=signal.SIGKILL, parent=None):
     """Have the kernel send `sig` to this process when the thread that started it ends, even a SIGKILLed
-    one (Linux PR_SET_PDEATHSIG; elsewhere a no-op that returns False). With `parent`: exit at once if our
-    parent is no longer that pid (it died before the arming, so the signal will never come)."""
-    if sys.platform != "linux":
-        return False
-    try:
-        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-            return False
-    except (AttributeError, OSError):
-        return False
+    one (Linux PR_SET_PDEATHSIG; elsewhere a no-op). With `parent`: exit at once if our parent is no
+    longer that pid (it died before the arming, so the signal will never come)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     if parent is not None and os.getppid() != int(parent):
         os._exit(0)
-    return True
 
 
 def kill_group(proc, grace=15.0):

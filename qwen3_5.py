@@ -20,8 +20,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-# GPU kernels, used when importable on CUDA; each on its own, so that a broken causal-conv1d build does not
-# also turn FLA off. check_kernels says what is missing when a model is built on CUDA.
+# GPU kernels, used on CUDA when importable, each imported alone; check_kernels says what is missing (docs/qwen3_5.md)
 MISSING = {}  # package -> the ImportError it raised
 try:  # causal-conv1d 1.7.0: x (B, C, T), weight (C, K), seq_idx (B, T)
     from causal_conv1d import causal_conv1d_fn
@@ -105,8 +104,7 @@ class GatedDeltaNet(MegatronModule):
         self.dk, self.dv = dims["linear_key_head_dim"], dims["linear_value_head_dim"]
         conv = 2 * self.kh * self.dk + self.vh * self.dv  # local [q | k | v] channels
         lin = dict(config=config, init_method=config.init_method, bias=False)
-        # forward() gathers the sequence (SP) or marks the input for the TP gradient all-reduce once for all
-        # four projections, so they must not each do it again: a config copy without SP (docs/qwen3_5.md)
+        # forward() does the SP gather / TP grad all-reduce once for all four projections: a config without SP
         self.sequence_parallel = config.sequence_parallel and tp > 1
         unsharded = copy.copy(config)
         unsharded.sequence_parallel = False

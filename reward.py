@@ -3,10 +3,8 @@
     import reward
     r = reward.score("geo3k", response, {"answer": "5 \\sqrt { 3 }"})   # 1.0 or 0.0, never raises; thread-safe
 
-A reward in REWARDS is (response, record) -> true or false, record the data row (its label in "answer", its
-other columns); score(), which the rollout and env_geo3k's calc_score call, makes it exactly 0.0 or 1.0 (equal
-rewards: A = 0) and bounds its time on any thread (docs/reward.md). format_ok is a metric, not in the reward.
-Importing changes nothing in the process; the first scoring call runs init() by itself.
+A reward in REWARDS is (response, record) -> true or false (docs/extending.md); score() makes it 0.0 or 1.0
+within a time bound on any thread (docs/reward.md). Importing changes nothing; the first score() runs init().
 """
 import ctypes
 import functools
@@ -27,8 +25,7 @@ from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, veri
 MAX_BOX_CHARS = 1000  # a real answer is < 100 chars; longer boxes are junk and slow to parse
 MAX_DEPTH = 8         # geo3k answers nest <= 3 deep; sympy's set/evalf code is exponential in depth
 MAX_BITS = 20000      # biggest exact integer we let sympy build (C bigint math ignores timeouts)
-CPU_LIMIT_S = 0.4     # per-call budget of the thread's own CPU time: warm real answers need
-                      # < 0.25 s (most ~5 ms), and it does not shrink when the machine is busy
+CPU_LIMIT_S = 0.4     # per-call budget of the thread's own CPU time: warm real answers need < 0.25 s (most ~5 ms)
 WALL_LIMIT_S = 0.8    # the 1 s spec, with room to unwind; binds only under > 2x CPU contention
 MAX_JSON_DEPTH = 64   # a tool call nests 3 deep
 _BOX_START = re.compile(r"\\(?:boxed|fbox)\s*\{")

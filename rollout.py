@@ -1,14 +1,11 @@
 """Rollouts: `Sample`, prompts and observations through the chat template, single/multi-turn
-generation with exact token bookkeeping, group sampling and scoring.
+generation with exact token bookkeeping (token in, token out: docs/rollout.md), group sampling and scoring.
 
     engine = sglang_engine.make_engine(args, hf_dir, run_dir)   # engines.LocalEngine / SGLangEngine
     samples = generate_group_samples(engine, processor, records, args)
 
-Token-in/token-out: a sample's token list is built once, here (chat.py's prompt and observations, the
-engine's ids); the engine is sent it each turn, the trainer reads it, nothing is re-tokenised. Each turn
-checks that the engine saw exactly the tokens sent (SGLang re-expanding image tokens shows as a prompt length
-mismatch), each sample that its placeholder runs match the images' grids. A sample failing a check is
-`failed` with its reason and an all-zero loss mask; neither it nor an `aborted` one is trained on.
+A sample failing a check is `failed` with its reason and an all-zero loss mask; neither it nor an `aborted`
+one is trained on.
 """
 import math
 import os
@@ -338,11 +335,9 @@ class _Episodes:
 
 
 class Rollout(_Episodes):
-    """Runs of episodes, each from resume() at a policy version (kept with each token written) to pause(): what still
-    generates is cut and parks in `groups` ({key: (record, prompt, episodes)}, open or kept, not taken), for the next
-    run. Up to `cap` groups at once; take(n) hands out the first n kept. With a `target` a run stops itself once that
-    many are kept (synchronous, --partial-rollout, --async-rollout); without, once paused (--fully-async). A run drops
-    parked groups whose oldest token is over `max_stale` versions old, and counts them; `drawn`: records started."""
+    """Runs of episodes, each from resume() at a policy version (kept with each token) to pause(), which parks what
+    still generates in `groups` ({key: (record, prompt, episodes)}) for the next run; take(n): the first n kept. A
+    `target` stops a run once that many are kept; `cap`, `max_stale`, `drawn`: docs/rollout.md."""
 
     def __init__(self, engine, processor, args, reward_fn=None, target=None, cap=None, max_stale=None, dynamic=False):
         super().__init__(engine, processor, args, reward_fn)
@@ -443,11 +438,6 @@ class Rollout(_Episodes):
         self.stopping = True
         if self.running and self.rounds:
             self.rounds.aborted = True  # the rounds still to come answer ABORTED
-
-
-def run_episodes(engine, processor, records, args, reward_fn=False):
-    """n_samples_per_prompt episodes per record (group = record position); scored when reward_fn is not False."""
-    return Rollout(engine, processor, args, reward_fn, len(records)).run(records)
 
 
 def _busy(calls, since=0.0):

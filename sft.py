@@ -14,6 +14,7 @@ image goes through the vision tower into the loss; `--freeze-vit` keeps the towe
 import argparse
 import json
 import math
+import time
 
 import torch
 from transformers import AutoProcessor
@@ -50,12 +51,9 @@ def _n_images(messages):
 
 
 def encode(processor, record):
-    """-> the trainer's Item, tokens exactly as a rollout of the same conversation makes them: the
-    prompt (encode_prompt), then each assistant turn as the template renders it after what precedes
-    it (encode_target, through <|im_end|>; loss mask 1) and each tool turn as a rollout appends it
-    (encode_observation; mask 0). The conversation: the record's `messages` (slime's SFT form, a list
-    or its JSON: system, user, assistant and tool turns, tool calls as text; the tools offered are the
-    row's `tools`; its `images` in the order of their parts), else the prompt and `Answer: \\boxed{..}`."""
+    """-> the trainer's Item, tokens exactly as a rollout of the same conversation makes them (assistant turns:
+    loss mask 1; tool turns: 0). The conversation: the record's `messages` (slime's SFT form, a list or its JSON;
+    docs/data.md), else the prompt and `Answer: \\boxed{..}`."""
     images, messages, tools = list(record["images"]), record.get("messages"), None
     if messages is None:
         messages = data.sft_messages(record)
@@ -123,12 +121,12 @@ def main(argv=None):
         epoch, pos = divmod(step, per_epoch)
         order = T.epoch_order(len(train), args.seed, epoch)
         batch = [train[i] for i in order[pos * args.global_batch_size:(pos + 1) * args.global_batch_size]]
-        secs = {}
-        with T.timed(secs, "train"):
-            loss, n_tokens = batch_loss(model, par, T.dp_shard(batch, par), args.max_tokens_per_gpu, True)
-            stats = optim.optimizer_step(model, opt, sched, par, args)
+        t = time.perf_counter()
+        loss, n_tokens = batch_loss(model, par, T.dp_shard(batch, par), args.max_tokens_per_gpu, True)
+        stats = optim.optimizer_step(model, opt, sched, par, args)
+        t = time.perf_counter() - t
         run.log(step + 1, {"loss": loss, **stats, **T.expert_load(model), "epoch": epoch, "tokens": n_tokens,
-                           "tokens_per_s": n_tokens / secs["train"], "step_s": secs["train"]})
+                           "tokens_per_s": n_tokens / t, "step_s": t})
         run.maybe_save(model, opt, sched, step + 1, total)
         if evals and run.eval_due(step + 1, total):
             model.eval()

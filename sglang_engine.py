@@ -5,9 +5,7 @@ sglang_server.py), and make_engine: the engine, GPUs and server flags that the t
     outs = engine.generate([{"input_ids": ids, "images": [pil]}], sampling)   # engines.Engine API
     engine.release(); ...train...; engine.resume(); engine.update_weights(buckets); engine.shutdown()
 
-An HTTP error fails only its sample; a restarted server's answers are dropped until the next sync (but
-for "disk"). The request format, the weight-sync modes (`weight_sync`) and SGLang's side of each, with
-citations: docs/sglang.md.
+The request format, errors and restarts, the weight-sync modes (`weight_sync`), with citations: docs/sglang.md.
 """
 import base64
 import datetime
@@ -32,7 +30,6 @@ import data
 from engines import Engine, LocalEngine, finish_reason
 from sglang_server import Router, Server, ServerDown, ServerError, free_port
 
-WEIGHT_SYNC = ("disk", "tensor", "distributed")
 GROUP = "geo3k_weight_sync"  # the process-group name for "distributed"
 COLOCATE_MEM_FRACTION = 0.4  # SGLang's share of each GPU when it shares them with training (README)
 OFFLOAD_MEM_FRACTION = 0.7  # the same with --offload-train: the recipe's (the trainer waits in host memory)
@@ -127,12 +124,9 @@ class SGLangEngine(Engine):
     def __init__(self, hf_dir, run_dir, server_args=(), timeout=900.0, launch_cmd=None, max_restarts=3,
                  request_timeout=3600.0, env=None, config_dir=None, weight_sync="disk", routed_experts=False,
                  host="127.0.0.1", api_key=None, name=""):
-        # hf_dir: the weights the server starts from; config_dir (default hf_dir): where synced folders'
-        # config and tokenizer files come from (a resumed run's checkpoint may be pruned by --save-keep)
+        # config_dir (default hf_dir): synced folders' config and tokenizer files (--save-keep may prune hf_dir)
         self.hf_dir = str(config_dir or hf_dir)
         self.image_pad = read_image_token_id(hf_dir)
-        if weight_sync not in WEIGHT_SYNC:
-            raise ValueError(f"weight_sync {weight_sync!r}: choose one of {', '.join(WEIGHT_SYNC)}")
         self.weight_sync, self.group, self.stale = weight_sync, None, False
         self.released = set()  # the server's memory regions freed by release(), not yet resumed
         self.server_tp = int(flag_value(server_args, ("--tp-size", "--tp"), 1))
@@ -273,7 +267,6 @@ class SGLangEngine(Engine):
             self.released -= set(tags)
 
 
-# ------------------------------------------------------------------ weight sync: the modes (docs/sglang.md)
 def weight_update(server, path, body):
     try:
         r = server.call(path, body)
@@ -296,8 +289,7 @@ def flush_cache(server):
 
 
 def sync_disk(server, buckets, config_dir):
-    # Two folders in turn: the one the server runs (and a restart would load) is never the one
-    # being rewritten, so a refused or interrupted sync leaves the last good weights loadable.
+    # two folders in turn: a refused or interrupted sync leaves the last good weights loadable (docs/sglang.md)
     folder = server.run_dir / "weights" / server.name  # a node's own: the run folder may be shared
     out = folder / "a"
     if server.model_path == str(out):
@@ -311,11 +303,8 @@ def sync_disk(server, buckets, config_dir):
 def sync_tensor(server, buckets, tp):
     n = 0
     for bucket in buckets:
-        if isinstance(bucket, Serialized):
+        if isinstance(bucket, Serialized):  # each TP rank its own copy (cluster.Servers.sync, TP > 1)
             blobs, names = bucket.blobs, bucket.names
-        elif tp > 1 and any(v.is_cuda for _, v in bucket):
-            raise ValueError("tensor sync into a server of TP > 1 takes each rank's own copy: "
-                             "pass sglang_engine.serialize_on_ranks buckets")
         else:  # the tensors stay alive until the server answers
             blobs, names = [serialize_tensors(bucket)] * tp, bucket
         weight_update(server, "/update_weights_from_tensor", {"serialized_named_tensors": blobs, "flush_cache": False})
@@ -355,7 +344,6 @@ def join_group(server, tp):
     return pg, device, store
 
 
-# ------------------------------------------------------------------ placement: the engine, its GPUs and flags
 def sglang_server_args(argv):
     """Unknown trainer flags -> SGLang server flags: `--sglang-<name> [values]` -> `--<name> [values]`.
     Anything else is an error (a typo must not pass silently)."""
@@ -394,8 +382,7 @@ def sglang_placement(args, cuda, n_gpus, local_world, visible=None, index=0):
     flags = list(args.sglang_args)
     if not cuda:
         if args.colocate:
-            raise SystemExit("--colocate needs CUDA (SGLang's /release_memory_occupation is CUDA-only and "
-                             "kills a CPU server); on CPU leave it out: the server runs beside training")
+            raise SystemExit("--colocate needs CUDA (SGLang's memory release kills a CPU server); on CPU leave it out")
         return flags, {}
     ids = visible.split(",") if visible else [str(i) for i in range(n_gpus)]
     if args.colocate:
@@ -410,9 +397,8 @@ def sglang_placement(args, cuda, n_gpus, local_world, visible=None, index=0):
             raise SystemExit(f"--rollout-num-gpus {args.rollout_num_gpus}: this node has {len(ids)} GPUs and "
                              f"torchrun trains on {local_world}; lower --nproc_per_node or the rollout GPUs")
     else:
-        raise SystemExit("--rollout-engine sglang on GPUs: say where the server runs, --colocate (it shares "
-                         "the training GPUs and is released while they train) or --rollout-num-gpus N "
-                         "(N GPUs of its own after the training GPUs)")
+        raise SystemExit("--rollout-engine sglang on GPUs: say where the server runs, --colocate (on the training "
+                         "GPUs, released while they train) or --rollout-num-gpus N (N GPUs of its own)")
     k = args.rollout_num_gpus_per_engine
     if k:
         servers_per_node(args, cuda, local_world)  # refuses a count that does not divide

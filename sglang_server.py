@@ -102,8 +102,7 @@ class Server:
         self.timeout, self.request_timeout, self.on_restart = timeout, request_timeout, on_restart
         self.max_restarts, self.restarts, self.epoch = max_restarts, 0, 0
         self.pool = ThreadPoolExecutor(256, thread_name_prefix="sglang-req")  # requests in flight at most
-        self.lock = threading.Lock()
-        self.proc = None
+        self.lock, self.proc = threading.Lock(), None
         _install_handlers()
         _LIVE.add(self)
         try:

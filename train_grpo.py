@@ -12,10 +12,8 @@
     python train_grpo.py ... --max-turns 3
     # unknown `--sglang-<name> <value>` flags go to the SGLang server as `--<name> <value>`
 
-One step (README, "The algorithm"): rank 0 samples and scores --n-samples-per-prompt responses to
-each of --rollout-batch-size prompts; every rank trains on them with the PPO-clip loss. Unlike
-textbook GRPO: a group of equal rewards gets exactly 0 advantage, the clip is asymmetric
-(--eps-clip / --eps-clip-high), and old logprobs are the engine's own unless --recompute-logprobs.
+One step: README, "The algorithm" (a group of equal rewards gets exactly 0 advantage, the clip is asymmetric,
+old logprobs are the engine's own unless --recompute-logprobs).
 """
 import argparse
 import dataclasses
@@ -58,36 +56,22 @@ def build_parser():
     a("--entropy-coef", type=F.at_least(0.0), default=0.0, help="entropy bonus")
     a("--loss-agg", default="token", choices=["token", "sequence"], help="mean over tokens or over sequences")
     a("--recompute-logprobs", action="store_true", help="old logprobs from the trainer, not the engine")
-    a("--use-rollout-routing-replay", action="store_true",
-      help="MoE (R3): the trainer's routers take the experts the engine chose for each token (SGLang starts "
-           "with --enable-return-routed-experts); metric routing_mismatch: the share that differed before")
-    a("--tis-cap", type=F.at_least(0.0), default=0.0,
-      help="with --recompute-logprobs: cap on the trainer/rollout ratio (TIS; 0: off)")
-    a("--dynamic-sampling-max-prompts", type=F.POSITIVE, default=None,
-      help="with --dynamic-sampling: prompts drawn at most in a step, the batch's own included "
-           "(default 4 x --rollout-batch-size)")
-    a = p.add_argument_group("engine placement").add_argument
-    a("--async-rollout", action="store_true",
-      help="the rollout of step k+1 runs while step k trains (one step off-policy: the PPO ratio's old logprobs "
-           "are the engine's); the engine takes new weights once it is done. Not with --colocate")
-    a("--fully-async", action="store_true", help="the rollout never waits for training (miles'): a step takes the "
-      "first B complete groups; an update cuts what generates, which goes on with the new weights. Not with --colocate")
-    a("--max-weight-staleness", type=F.COUNT, default=None, help="with --fully-async or --partial-rollout: drop a "
-      "group whose oldest token is more than K versions older than the step (metric rollout_stale_dropped)")
-    a("--colocate", action="store_true",
-      help="SGLang shares the training GPUs: started with its memory saver, released while training")
+    a("--use-rollout-routing-replay", action="store_true", help="R3: the routers replay the engine's experts (MoE)")
+    a("--tis-cap", type=F.at_least(0.0), default=0.0, help="with --recompute-logprobs: TIS's cap (0: off)")
+    a("--dynamic-sampling-max-prompts", type=F.POSITIVE, default=None, help="prompts a step draws at most (4 x B)")
+    g = p.add_argument_group("engine placement")
+    a = g.add_mutually_exclusive_group().add_argument  # one or the other: argparse names both
+    a("--async-rollout", action="store_true", help="step k+1's rollout runs while step k trains. Not with --colocate")
+    a("--fully-async", action="store_true", help="the rollout never waits for training (miles'). Not with --colocate")
+    a = g.add_argument
+    a("--max-weight-staleness", type=F.COUNT, default=None, help="drop a group with a token over K versions old")
+    a("--colocate", action="store_true", help="SGLang shares the training GPUs, released while training")
     a("--offload-train", action=argparse.BooleanOptionalAction, default=None,
-      help="while SGLang generates, the trainer's parameters, gradients and optimizer states wait in host "
-           "memory (offload.py), and a colocated server gets --mem-fraction-static 0.7; default: on with "
-           "--colocate on CUDA")
-    a("--rollout-num-gpus", type=F.COUNT, default=0,
-      help="SGLang on N GPUs of its own on each node, after the node's training GPUs (disaggregated)")
-    a("--rollout-num-gpus-per-engine", type=F.POSITIVE, default=None,
-      help="K GPUs a server: each node runs its serving GPUs / K SGLang servers (TP K), all behind SGLang's "
-           "router; default: one server over all of them. On CPU (the test harness): a server per K ranks")
+      help="the trainer's state waits in host memory while SGLang generates (default: --colocate on CUDA)")
+    a("--rollout-num-gpus", type=F.COUNT, default=0, help="SGLang on N GPUs of its own, after a node's training GPUs")
+    a("--rollout-num-gpus-per-engine", type=F.POSITIVE, default=None, help="K GPUs a server (default: one a node)")
     a("--weight-sync", default="auto", choices=["auto", "tensor", "distributed", "disk"],
-      help="how new weights reach SGLang: tensor (CUDA IPC, colocated), distributed (an NCCL group, "
-           "--rollout-num-gpus), disk (safetensors + /update_weights_from_disk); auto picks by placement")
+      help="how new weights reach SGLang (docs/sglang.md); auto: tensor colocated, distributed on own GPUs, else disk")
     p.set_defaults(global_batch_size=0)
     return p
 
@@ -105,12 +89,8 @@ def parse_args(argv=None):
     if args.n_samples_per_prompt == 1 and args.num_rollout:
         p.error("--n-samples-per-prompt 1: a group of one has zero advantage, GRPO would learn nothing")
     if (args.fully_async or args.async_rollout) and (args.colocate or args.offload_train):
-        p.error(f"{'--fully-async' if args.fully_async else '--async-rollout'}: the rollout runs while the step "
-                "trains, so the engine needs GPUs of its own (--rollout-num-gpus N; not --colocate) and the trainer "
-                "stays on them (no --offload-train)")
-    if args.fully_async and args.async_rollout:
-        p.error("--fully-async --async-rollout: choose one (--fully-async runs the rollout beside training too, and "
-                "lands each weight update mid-rollout instead of after it)")
+        p.error(f"{'--fully-async' if args.fully_async else '--async-rollout'}: the rollout runs beside training, so "
+                "the engine needs GPUs of its own (--rollout-num-gpus N), not --colocate or --offload-train")
     if not (args.partial_rollout or args.fully_async) and (args.over_sampling_batch_size or args.max_weight_staleness
                                                            is not None or args.mask_offpolicy_in_partial_rollout):
         p.error("--over-sampling-batch-size, --max-weight-staleness and --mask-offpolicy-in-partial-rollout need "
@@ -215,10 +195,6 @@ def logprobs_into(model, items, args, field, replay=True):
                      lambda m, x: m(**x, temperature=args.rollout_temperature or 1.0), keep, forward_only=True)
 
 
-def recompute_old(model, items, args):
-    logprobs_into(model, items, args, "recomputed_logprobs")
-
-
 def evaluate(engine, processor, records, args, step, run):
     """Greedy pass@1 and pass@K, single- and multi-turn (oracle off); README, "Evaluating a checkpoint"."""
     out, rows = {}, []
@@ -246,12 +222,9 @@ class Batch:
 
 class Source:
     """The rollout source of a step (grpo_step's next and settle), on every rank. Rank 0 holds the rollout
-    (rollout.Rollout) over the step's prompts (trainer.draw, a function of seed and step; with --partial-rollout or
-    --fully-async the data stream's next), takes B complete groups, their advantages, and hands each DP rank its
-    share. The sources differ in where the rollout pauses (docs/rollout.md): synchronous and --partial-rollout in
-    next(), after the take; --async-rollout resumes it there on the next step's prompts and settle() pauses it once
-    they are complete; --fully-async pauses only in settle(), for the update. settle() ends with a barrier: no server
-    takes new weights before the rollout has paused. A checkpoint holds what it keeps (state), written paused."""
+    (rollout.Rollout) over the step's prompts (trainer.draw, or the data stream's next), takes B complete groups,
+    their advantages, and hands each DP rank its share. Where each source pauses the rollout: docs/rollout.md.
+    settle() ends with a barrier: no server takes new weights before the rollout has paused."""
 
     def __init__(self, engine, processor, records, args, updates, par, state=None):
         self.processor, self.records, self.args, self.updates, self.par = processor, records, args, updates, par
@@ -389,7 +362,7 @@ class Policy:
         t, model, par, args = time.perf_counter(), self.model, self.model.par, self.args
         model.train()
         if args.recompute_logprobs:
-            recompute_old(model, [it for part in batch.items if part for it in part], args)
+            logprobs_into(model, [it for part in batch.items if part for it in part], args, "recomputed_logprobs")
         stats = {"updates_skipped": 0}
         for part in batch.items:
             if part is None:
@@ -428,10 +401,9 @@ def main(argv=None):
     ckpt, opts = run.ckpt, M.ModelOptions.from_args(args)
     model = M.load_model(ckpt or args.hf_checkpoint, opts, par)
     if args.use_rollout_routing_replay and not getattr(model.hf_config.text_config, "num_experts", None):
-        raise SystemExit(f"--use-rollout-routing-replay: {args.hf_checkpoint} is not a MoE model "
-                         "(its text_config has no num_experts): there is no routing to replay")
-    ref = (M.load_model(args.hf_checkpoint, dataclasses.replace(opts, freeze_vit=True), par).eval().requires_grad_(False)
-           if args.kl_loss_coef else None)
+        raise SystemExit(f"--use-rollout-routing-replay: {args.hf_checkpoint} is not a MoE model (no num_experts)")
+    frozen = dataclasses.replace(opts, freeze_vit=True)  # the KL term's reference model
+    ref = M.load_model(args.hf_checkpoint, frozen, par).eval().requires_grad_(False) if args.kl_loss_coef else None
     updates = math.ceil(args.rollout_batch_size * args.n_samples_per_prompt / args.global_batch_size)
     opt, sched = optim.build_optimizer(model, args, args.num_rollout * updates)
     start = run.load_state(ckpt, opt, sched)["step"] if ckpt else 0

@@ -1,6 +1,5 @@
 """Training plumbing shared by sft.py and train_grpo.py: the trainer item, packing by token budget, sums over
 data-parallel ranks, metrics, and atomic checkpoints (HF weights + optimizer, RNG, data position)."""
-import contextlib
 import copy
 import dataclasses
 import errno
@@ -49,8 +48,7 @@ def start(args, kind, fixed=()):
     """A training job's first call: (the parallel context, its seeded RNGs, the run folder). `fixed`: the
     trainer's flags of its data position, which a resume may not change (compare)."""
     if args.optimizer_cpu_offload and not args.use_distributed_optimizer:
-        raise SystemExit("--optimizer-cpu-offload needs --use-distributed-optimizer (megatron-core's "
-                         "HybridDeviceOptimizer runs inside its distributed optimizer, distrib_optimizer.py:602)")
+        raise SystemExit("--optimizer-cpu-offload needs --use-distributed-optimizer (megatron-core's CPU Adam)")
     ckpt = Path(args.hf_checkpoint)  # said before anything loads; the trainers download nothing
     if not ckpt.is_dir():
         raise SystemExit(f"--hf-checkpoint {ckpt}: no such folder (a hub id: download it, e.g. hf download ID "
@@ -70,17 +68,16 @@ class Run:
     config, checkpoints. Global rank 0 writes; every rank takes part in a checkpoint."""
 
     def __init__(self, args, kind, par, fixed=()):
-        self.args, self.par, self.rank, self.kind = args, par, par.rank, kind
-        self.save = Path(args.save)
+        self.args, self.par, self.rank, self.kind, self.save = args, par, par.rank, kind, Path(args.save)
         self.wandb, self.lock, self.last, self.stopping, self.signalled = None, None, {}, None, False
         self.t0 = time.time()  # --exit-duration-in-mins counts from here (console.stop_reason)
         if self.rank == 0:
             self.save.mkdir(parents=True, exist_ok=True)
             self.lock = lock_folder(self.save)
         self.ckpt = find_checkpoint(args.load, self.save)  # the checkpoint to resume from, or None: a fresh start
-        self.meta = None  # the checkpoint's meta.json (step, TP, PP sizes): what nothing_left and load_state read
-        if self.ckpt is not None:
-            self.meta = read_state(self.ckpt / "train_state" / "meta.json", lambda f: json.loads(f.read_text()))
+        # the checkpoint's meta.json (step, TP, PP sizes): what nothing_left and load_state read
+        self.meta = None if self.ckpt is None else read_state(self.ckpt / "train_state" / "meta.json",
+                                                              lambda f: json.loads(f.read_text()))
         if self.rank == 0:
             self.config = dict(vars(args), kind=kind, world_size=par.world, versions=versions())
             if self.ckpt is None:
@@ -189,8 +186,7 @@ class Run:
         for flag, key, now in (("--tensor-model-parallel-size", "tp", self.par.tp),
                                ("--pipeline-model-parallel-size", "pp", self.par.pp)):
             if meta.get(key, now) != now:
-                raise SystemExit(f"--load {ckpt}: saved at {flag} {meta[key]}, resumed at {now}; "
-                                 f"resume at the same size")
+                raise SystemExit(f"--load {ckpt}: saved at {flag} {meta[key]}, now {now}; resume at the same size")
         state = read_state(ckpt / "train_state" / state_name(self.par, opt))
         # torch.load's tensors are views of the file's records, whose storage cannot be resized: an optimizer
         # state kept as it is (same device and dtype) would stop --offload-train's first park
@@ -204,9 +200,8 @@ class Run:
         return meta
 
 
-# What a checkpoint fixes: the data order, and the optimizer's hyperparameters and schedule, which its state
-# restores (torch's load_state_dict keeps the saved param groups; Megatron refuses a changed schedule by default,
-# megatron-core 0.16.1 optimizer_param_scheduler.py:312-333). The trainers add their batch flag (start's `fixed`).
+# What a checkpoint fixes: the data order, the optimizer's hyperparameters and schedule, which its state restores
+# (torch keeps the saved param groups; megatron-core 0.16.1 optimizer_param_scheduler.py:312-333); + start's `fixed`.
 FIXED = ("seed", "lr", "min_lr", "decoupled_lr", "lr_warmup_iters", "lr_decay_style", "adam_beta1", "adam_beta2",
          "weight_decay")
 
@@ -240,8 +235,7 @@ def find_checkpoint(load_flag, save):
     if not (load / "train_state" / "meta.json").exists():
         if Path(load_flag).resolve() == Path(save).resolve() and not done:
             return None
-        raise SystemExit(f"--load {load_flag}: no checkpoint there (expected a 'latest' "
-                         f"file or an iter_* folder with train_state/meta.json)")
+        raise SystemExit(f"--load {load_flag}: no checkpoint there (no 'latest', no iter_* with train_state/meta.json)")
     return load
 
 
@@ -351,16 +345,14 @@ def state_name(par, opt):
 
 
 def rng_state():
-    s = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        s["cuda"] = torch.cuda.get_rng_state_all()
-    return s
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(s):
     random.setstate(s["python"])
     torch.set_rng_state(s["torch"])
-    if "cuda" in s and torch.cuda.is_available():
+    if s.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
@@ -482,12 +474,3 @@ def dp_shard(items, par):
     """This data-parallel rank's share of a global batch (strided, so lengths stay balanced)."""
     return items[par.dp_rank::par.dp]
 
-
-@contextlib.contextmanager
-def timed(seconds, name):
-    """seconds[name] = the block's wall time: `t = {}`, `with timed(t, "train"): ...`, then t["train"]."""
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        seconds[name] = time.perf_counter() - start

@@ -97,7 +97,7 @@ def gradients(a, lay, base, out):
     items = [dataclasses.replace(it) for it in base]  # each layout sets their logprobs (and routes) anew
     if lay.replay:
         routes(items, model.hf_config.text_config)
-    G.recompute_old(model, items, args)
+    G.logprobs_into(model, items, args, "recomputed_logprobs")
     g = torch.Generator().manual_seed(1)
     for it in items:  # the engine's logprobs a little off the trainer's: some ratios clip (PP: the last stage's)
         if it.recomputed_logprobs is not None:

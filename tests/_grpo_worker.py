@@ -61,7 +61,7 @@ def main():
     ref = M.load_model(a.ref, M.ModelOptions.from_args(args), par).eval() if a.ref else None
     opt, sched = optim.build_optimizer(model, args, 2)
     items = samples(a.ckpt, a.source)[:a.items]
-    G.recompute_old(model, items, args)  # old logprobs: the model's own, then moved so the clip engages
+    G.logprobs_into(model, items, args, "recomputed_logprobs")  # old logprobs: the model's own, then moved so the clip engages
     g = torch.Generator().manual_seed(0)
     for it in items:  # PP: only the last stage holds them
         if it.recomputed_logprobs is not None:

@@ -14,6 +14,7 @@ from PIL import Image
 
 import engines
 import env_geo3k
+import rollout
 
 CROP_CALL = '<tool_call>\n{"name": "crop", "arguments": {"bbox": [0, 0, 64, 64]}}\n</tool_call>'
 ANSWER = "The crop shows the polygon. \\boxed{360}"
@@ -116,3 +117,8 @@ def make_env(max_turns=5, row=None, **opts):
     """env_geo3k's env on `row` (default: answer 80, one picture()); opts: the args it reads (oracle, rm_type...)."""
     row = {"answer": "80", "images": [picture()]} if row is None else row
     return env_geo3k.build_env(row, SimpleNamespace(max_turns=max_turns, **opts))
+
+
+def run_episodes(engine, processor, records, args, reward_fn=False):
+    """n_samples_per_prompt episodes per record (group = record position); scored when reward_fn is not False."""
+    return rollout.Rollout(engine, processor, args, reward_fn, len(records)).run(records)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import launch
-import rollout
+import fakes
 from conftest import ROOT, rollout_args
 from sglang_engine import SGLangEngine
 
@@ -44,7 +44,7 @@ def test_router_spreads_requests_and_every_server_wants_the_key(ckpt, processor,
         # ready only once both servers are registered (its /health says 200 before: requests then get 503)
         with urllib.request.urlopen(a.front.url + "/readiness", timeout=5) as r:
             assert json.loads(r.read())["healthy_workers"] == 2
-        samples = rollout.run_episodes(a, processor, records, rollout_args(n_samples_per_prompt=2))
+        samples = fakes.run_episodes(a, processor, records, rollout_args(n_samples_per_prompt=2))
         assert all(s.status == "completed" for s in samples), [s.fail_reason for s in samples]
         served = {json.loads(line)["pid"] for line in rec.read_text().splitlines() if '"/generate"' in line}
         assert len(served) == 2  # both servers answered the router
@@ -214,7 +214,7 @@ def test_a_server_killed_mid_rollout_is_restarted_and_no_sample_is_lost(ckpt, pr
         killed, url = b.server.proc.pid, b.server.url
         threading.Timer(0.5, lambda: os.killpg(killed, signal.SIGKILL)).start()
         args = rollout_args(n_samples_per_prompt=4)
-        samples = rollout.run_episodes(a, processor, records, args)
+        samples = fakes.run_episodes(a, processor, records, args)
         assert len(samples) == len(records) * 4
         assert all(s.status == "completed" or s.fail_reason for s in samples)
         held = [json.loads(line) for line in rec.read_text().splitlines()]  # b had requests when it died
@@ -228,7 +228,7 @@ def test_a_server_killed_mid_rollout_is_restarted_and_no_sample_is_lost(ckpt, pr
         assert b.server.url == url  # the same port: the router knows it by its URL
         time.sleep(3)  # the router's next health checks see it
         n = len(rec.read_text().splitlines())
-        assert all(s.status == "completed" for s in rollout.run_episodes(a, processor, records, args))
+        assert all(s.status == "completed" for s in fakes.run_episodes(a, processor, records, args))
         pids = {json.loads(line)["pid"] for line in rec.read_text().splitlines()[n:]}
         assert b.server.proc.pid != killed and len(pids) == 2  # both serve again, the restarted one too
     finally:

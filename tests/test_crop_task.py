@@ -12,11 +12,11 @@ from PIL import Image
 import data
 import env_geo3k
 import chat
-import rollout
 import sft
 import train_grpo
 from conftest import rollout_args
 from fakes import ScriptedEngine
+import fakes
 from test_data import _sides_from_image
 from tools import blank_crop, report, synth
 
@@ -69,14 +69,14 @@ def test_rollout_metrics_count_calls_by_tool_score_crops_against_the_box_and_spl
         [right[2]],                                                             # no call, right
         [call("calc_score", {"answer": "4"}), "\\boxed{9}"]]))                  # a tool not offered, wrong
     args = rollout_args(max_turns=3, n_samples_per_prompt=1, rollout_max_response_len=400)
-    samples = rollout.run_episodes(Planned(processor, plans), processor, recs, args, reward_fn=None)
+    samples = fakes.run_episodes(Planned(processor, plans), processor, recs, args, reward_fn=None)
     assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 0.0]
     assert "unknown tool 'calc_score'; tools are crop" in samples[3].metadata["steps"][0]["observation"]
     m = train_grpo.rollout_metrics(samples)
     assert m["tool_calls_crop"] == 0.75 and m["tool_calls_calc_score"] == 0.0 and m["tool_calls"] == 0.75
     assert m["crop_iou"] == pytest.approx((1 + 1 / 3 + 1) / 3) and m["crop_hit_frac"] == 0.5
     assert m["accuracy_with_crop"] == 0.5 and m["accuracy_without_crop"] == 0.5
-    single = rollout.run_episodes(Planned(processor, plans), processor, recs[2:3], rollout_args(n_samples_per_prompt=1))
+    single = fakes.run_episodes(Planned(processor, plans), processor, recs[2:3], rollout_args(n_samples_per_prompt=1))
     assert not {k for k in train_grpo.rollout_metrics(single) if k.startswith(("tool_calls_", "crop_", "accuracy_"))}
 
 
@@ -92,7 +92,7 @@ def test_sft_encodes_an_episode_as_the_rollout_of_it_does(processor, rows, tmp_p
         turns = [m["content"] for m in json.loads(rec["messages"]) if m["role"] == "assistant"]
         plans = {id(rec["images"][0]): turns}
         problem = dict(rec, images=rec["images"][:1])
-        (s,) = rollout.run_episodes(Planned(processor, plans), processor, [problem],
+        (s,) = fakes.run_episodes(Planned(processor, plans), processor, [problem],
                                     rollout_args(max_turns=3, n_samples_per_prompt=1, rollout_max_response_len=400))
         assert s.status == "completed" and s.turns == len(turns), s.fail_reason
         assert item.ids.tolist() == s.tokens

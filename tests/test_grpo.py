@@ -14,6 +14,7 @@ import launch
 import train_grpo as G
 import trainer as T
 from fakes import FakeModel
+import fakes
 from sglang_engine import COLOCATE_MEM_FRACTION, servers_per_node, sglang_placement
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -395,11 +396,10 @@ def test_each_rank_builds_todays_items_from_only_its_share(processor, records):
     import pickle
     import random
     import types
-    import rollout
     from fakes import ANSWER, CROP_CALL, ScriptedEngine
     args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--max-turns", "3",
                          "--n-samples-per-prompt", "4", "--global-batch-size", "6", "--rollout-max-response-len", "400"])
-    good = rollout.run_episodes(ScriptedEngine(processor, [CROP_CALL, ANSWER]), processor, records[:3], args)
+    good = fakes.run_episodes(ScriptedEngine(processor, [CROP_CALL, ANSWER]), processor, records[:3], args)
     assert all(len(s.images) == 2 and s.tool_calls == 1 for s in good)  # the prompt's image and a crop
     adv = [0.5 * i - 2 for i in range(len(good))]
     encoded = {}  # before: every item on rank 0, broadcast whole, then shuffled, chunked, strided
@@ -526,7 +526,7 @@ def test_async_rollout_overlaps_training_and_resumes_after_sigkill(tiny_ckpt, tm
     assert [m["rollout_policy_version"] for m in resumed] == [0, 0, 1, 2], saved
     for bad, named in ((["--async-rollout", "--colocate"], "--async-rollout: "), (["--fully-async", "--colocate"], "--fully-async: "),
                        (["--fully-async", "--offload-train"], "--fully-async: "),
-                       (["--fully-async", "--async-rollout"], "--fully-async --async-rollout: choose one"),
+                       (["--fully-async", "--async-rollout"], "argument --async-rollout: not allowed with argument --fully-async"),
                        (["--max-weight-staleness", "2"], "need --partial-rollout or --fully-async")):
         with pytest.raises(SystemExit):
             G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", *bad])

@@ -16,6 +16,7 @@ import rollout
 import train_grpo
 from conftest import rollout_args
 from fakes import ANSWER, CROP_CALL, ForcedFirstTurnEngine, ScriptedEngine
+import fakes
 
 FAKE = str(Path(__file__).with_name("fake_sglang.py"))
 TOL = 1e-5
@@ -70,7 +71,7 @@ def max_logprob_diff(model, processor, samples, temperature):
 @pytest.mark.parametrize("temperature", [0.8, 0.0])
 def test_single_turn_local_masks_and_logprobs(engine, processor, ckpt, records, temperature):
     args = rollout_args(rollout_temperature=temperature)
-    samples = rollout.run_episodes(engine, processor, records[:2], args)
+    samples = fakes.run_episodes(engine, processor, records[:2], args)
     assert [s.group for s in samples] == [0, 0, 1, 1]
     for s, rec in zip(samples, [records[0]] * 2 + [records[1]] * 2):
         assert s.status in ("completed", "truncated") and s.fail_reason is None
@@ -92,7 +93,7 @@ def test_update_weights_logprobs_follow(engine, processor, ckpt, records):
     try:
         n = engine.update_weights(items[i:i + 16] for i in range(0, len(items), 16))  # buckets
         assert n == len(items)
-        samples = rollout.run_episodes(engine, processor, records[:1], rollout_args())
+        samples = fakes.run_episodes(engine, processor, records[:1], rollout_args())
         new_diff = max_logprob_diff(load_model(ckpt, perturbed), processor, samples, 0.8)
         old_diff = max_logprob_diff(load_model(ckpt), processor, samples, 0.8)
         print(f"after update: max diff vs perturbed teacher {new_diff:.2e}, vs old weights {old_diff:.2e}")
@@ -143,7 +144,7 @@ def test_logprobs_exact_when_logits_are_large(engine, processor, ckpt, records):
     big = {**original, "lm_head.weight": original["lm_head.weight"] * 30}  # logits ~N(0, 5)
     try:
         engine.update_weights([list(big.items())])
-        samples = rollout.run_episodes(engine, processor, records, rollout_args(rollout_temperature=1.0,
+        samples = fakes.run_episodes(engine, processor, records, rollout_args(rollout_temperature=1.0,
                                                                              n_samples_per_prompt=4))
         teacher = load_model(ckpt, big)
         diffs = torch.cat([(teacher_logprobs(teacher, processor, s, 1.0) - torch.tensor(s.rollout_logprobs)).abs()
@@ -161,7 +162,7 @@ def test_multi_turn_crop_matches_full_render(processor, records):
     rec = records[0]
     eng = ScriptedEngine(processor, [CROP_CALL, ANSWER])
     args = rollout_args(max_turns=3, n_samples_per_prompt=1, rollout_max_response_len=400)
-    (s,) = rollout.run_episodes(eng, processor, [rec], args)
+    (s,) = fakes.run_episodes(eng, processor, [rec], args)
     assert s.status == "completed" and s.turns == 2 and s.tool_calls == 1, s.fail_reason
     assert len(s.images) == 2 and s.images[1].size == (64, 64) and s.image_turns == [0, 1]
     assert s.metadata["steps"][0]["tool"] == "crop" and s.metadata["steps"][0]["ran"]
@@ -187,15 +188,15 @@ def test_multi_turn_crop_matches_full_render(processor, records):
 
 def test_multi_turn_max_turns_and_context_budget(processor, records):
     eng = ScriptedEngine(processor, [CROP_CALL])  # calls a tool every turn
-    (s,) = rollout.run_episodes(eng, processor, records[:1], rollout_args(max_turns=2, n_samples_per_prompt=1,
+    (s,) = fakes.run_episodes(eng, processor, records[:1], rollout_args(max_turns=2, n_samples_per_prompt=1,
                                                                       rollout_max_response_len=400))
     assert s.status == "completed" and s.turns == 2 and s.tool_calls == 2 and len(s.images) == 2
     assert s.loss_mask[-1] == 1  # no observation after the last allowed turn
-    (s,) = rollout.run_episodes(eng, processor, records[:1], rollout_args(max_turns=4, n_samples_per_prompt=1,
+    (s,) = fakes.run_episodes(eng, processor, records[:1], rollout_args(max_turns=4, n_samples_per_prompt=1,
                                                                       rollout_max_response_len=60))
     assert s.status == "truncated" and s.turns == 1 and len(s.response_ids) <= 60  # observation would not fit
     P = len(s.prompt_ids)
-    (s,) = rollout.run_episodes(eng, processor, records[:1], rollout_args(max_turns=4, n_samples_per_prompt=1,
+    (s,) = fakes.run_episodes(eng, processor, records[:1], rollout_args(max_turns=4, n_samples_per_prompt=1,
                                                                       rollout_max_response_len=400,
                                                                       max_context_len=P + 5))
     assert s.status == "truncated" and len(s.tokens) == P + 5
@@ -204,7 +205,7 @@ def test_multi_turn_max_turns_and_context_budget(processor, records):
 def test_tool_calls_counts_calls_that_ran(processor, records):
     unknown = '<tool_call>\n{"name": "nope", "arguments": {"x": 1}}\n</tool_call>'
     eng = ScriptedEngine(processor, [unknown, CROP_CALL, ANSWER])
-    (s,) = rollout.run_episodes(eng, processor, records[:1], rollout_args(max_turns=4, n_samples_per_prompt=1,
+    (s,) = fakes.run_episodes(eng, processor, records[:1], rollout_args(max_turns=4, n_samples_per_prompt=1,
                                                                       rollout_max_response_len=1000))
     assert s.status == "completed" and s.turns == 3, s.fail_reason
     assert [step["ran"] for step in s.metadata["steps"]] == [False, True, False] and s.tool_calls == 1
@@ -213,7 +214,7 @@ def test_tool_calls_counts_calls_that_ran(processor, records):
 def test_multi_turn_local_logprobs(ckpt, processor, records):
     eng = ForcedFirstTurnEngine(ckpt, processor=processor)
     args = rollout_args(max_turns=3, n_samples_per_prompt=2, rollout_max_response_len=160)
-    samples = rollout.run_episodes(eng, processor, records[:1], args)
+    samples = fakes.run_episodes(eng, processor, records[:1], args)
     model, first_turn, later = load_model(ckpt), 0.0, 0.0
     for s in samples:
         assert s.fail_reason is None and s.turns >= 2 and len(s.images) == 2 and s.image_turns == [0, 1]
@@ -237,7 +238,7 @@ def test_multi_turn_local_logprobs(ckpt, processor, records):
 
 def test_truncation_and_failures(processor, records):
     eng = ScriptedEngine(processor, ["word " * 50])
-    (s,) = rollout.run_episodes(eng, processor, records[:1], rollout_args(n_samples_per_prompt=1))
+    (s,) = fakes.run_episodes(eng, processor, records[:1], rollout_args(n_samples_per_prompt=1))
     assert s.status == "truncated" and len(s.response_ids) == 10
 
     class DoubleExpander(ScriptedEngine):  # a server that expanded the image tokens again
@@ -246,7 +247,7 @@ def test_truncation_and_failures(processor, records):
             for o, item in zip(outs, batch):
                 o["prompt_tokens"] = len(item["input_ids"]) + 15
             return outs
-    samples = rollout.run_episodes(DoubleExpander(processor, ["hi"]), processor, records[:1], rollout_args())
+    samples = fakes.run_episodes(DoubleExpander(processor, ["hi"]), processor, records[:1], rollout_args())
     assert all(s.status == "failed" and "expanded twice" in s.fail_reason for s in samples)
     assert all(set(s.loss_mask) <= {0} for s in samples)
     m = train_grpo.rollout_metrics(samples)
@@ -258,7 +259,7 @@ def test_truncation_and_failures(processor, records):
     assert "placeholders" in chat.check_images(processor, tokens, samples[0].images)
     assert chat.check_images(processor, samples[0].prompt_ids, samples[0].images * 2) is not None
     # a model that writes an image placeholder itself: the sample's runs no longer match its grids
-    (s,) = rollout.run_episodes(ScriptedEngine(processor, ["<|image_pad|> 4"]), processor, records[:1],
+    (s,) = fakes.run_episodes(ScriptedEngine(processor, ["<|image_pad|> 4"]), processor, records[:1],
                                 rollout_args(n_samples_per_prompt=1))
     assert s.status == "failed" and "placeholders" in s.fail_reason and set(s.loss_mask) == {0}, s.fail_reason
 
@@ -301,7 +302,7 @@ def test_prompt_encoded_once_per_group(processor, records, monkeypatch):
     plain = chat.encode_prompt
     monkeypatch.setattr(chat, "encode_prompt", lambda *a, **k: calls.append(1) or plain(*a, **k))
     eng = ScriptedEngine(processor, ['<tool_call>\n{"name": "calc_score", "arguments": {"answer": "1"}}\n</tool_call>', "hi"])
-    samples = rollout.run_episodes(eng, processor, records[:2], rollout_args(n_samples_per_prompt=3, max_turns=2,
+    samples = fakes.run_episodes(eng, processor, records[:2], rollout_args(n_samples_per_prompt=3, max_turns=2,
                                                                            rollout_max_response_len=400))
     assert len(calls) == 2 and len(samples) == 6
     a, b = samples[0], samples[1]
@@ -320,7 +321,7 @@ def test_episodes_flow_on_their_own_and_dynamic_sampling_redraws_at_once(process
     def encoded(multi):  # each record's prompt ids, as the rollout encodes them
         out = []
         for r in recs:
-            messages, tools = chat.chat_prompt(processor, r, multi)
+            messages, tools, _ = chat.prompt(processor, r, multi)
             out.append(tuple(chat.encode_prompt(processor, messages, r["images"], tools)))
         return out
     prompts = encoded(True)
@@ -342,8 +343,8 @@ def test_episodes_flow_on_their_own_and_dynamic_sampling_redraws_at_once(process
                 ids = self.tok.encode(self.answer(item, p)) + [self.im_end]
             return [{"ids": ids, "logprobs": [-0.5] * len(ids), "finish": "stop", "prompt_tokens": len(item["input_ids"])}]
     args = rollout_args(max_turns=2, n_samples_per_prompt=1, rollout_max_response_len=400)
-    got = rollout.run_episodes(Concurrent(processor, [CROP_CALL, ANSWER]), processor, recs[:2], args)
-    want = rollout.run_episodes(ScriptedEngine(processor, [CROP_CALL, ANSWER]), processor, recs[:2], args)
+    got = fakes.run_episodes(Concurrent(processor, [CROP_CALL, ANSWER]), processor, recs[:2], args)
+    want = fakes.run_episodes(ScriptedEngine(processor, [CROP_CALL, ANSWER]), processor, recs[:2], args)
     assert [s.tokens for s in got] == [s.tokens for s in want] and [s.loss_mask for s in got] == [s.loss_mask for s in want]
     slow_first_end = min(end for p, turn, _, end in log if p == 0 and turn == 0)
     assert any(p == 1 and turn == 1 and start < slow_first_end for p, turn, start, _ in log), log
@@ -403,7 +404,7 @@ def test_partial_rollout_parks_what_still_generates_and_continues_it_as_if_unint
             return [out]
     args = rollout_args(max_turns=3, n_samples_per_prompt=2, rollout_batch_size=1, partial_rollout=True,
                         over_sampling_batch_size=3, rollout_max_response_len=400)
-    want = rollout.run_episodes(Scripted(False), processor, recs, args)
+    want = fakes.run_episodes(Scripted(False), processor, recs, args)
     eng = Scripted(True)
     ro = rollout.Rollout(eng, processor, args, target=1, cap=3)
     ro.resume(recs, 0)
@@ -472,7 +473,7 @@ def test_fully_async_update_lands_within_a_turn_and_between_turns(processor, rec
             rows = len(ids) + len(out["ids"]) - 1 - item["routed_experts_start"]
             return [dict(out, routed_experts=np.full((rows, 1, 1), self.version, dtype=np.int16))]
     args = rollout_args(max_turns=3, n_samples_per_prompt=2, rollout_max_response_len=400)
-    want = rollout.run_episodes(Scripted(False), processor, recs, args)
+    want = fakes.run_episodes(Scripted(False), processor, recs, args)
     ro = rollout.Rollout(Scripted(True), processor, args, cap=3, max_stale=1)
     ro.resume(recs, 0)
     assert [s.index for s in ro.take(1)] == [0, 0]
@@ -507,7 +508,7 @@ def test_fully_async_update_lands_within_a_turn_and_between_turns(processor, rec
 def test_local_engine_abort_lands_mid_generation_and_greedy_continues_it(engine, processor, records, monkeypatch):
     """LocalEngine.abort() stops a generate at its next token: the rows answer finish "abort" with the
     tokens they had, and a greedy request for the rest continues them into the uninterrupted answer."""
-    messages, _ = chat.chat_prompt(processor, records[0])
+    messages, _, _ = chat.prompt(processor, records[0])
     prompt = chat.encode_prompt(processor, messages, records[0]["images"])
     item, sp = {"input_ids": prompt, "images": records[0]["images"]}, dict(temperature=0.0, max_new_tokens=12, stop_token_ids=[1])
     whole = engine.generate([item, item], sp)[0]

@@ -22,6 +22,7 @@ import trainer as T
 from conftest import ROOT, rollout_args
 from fake_sglang import fake_routes
 from fakes import ForcedFirstTurnEngine
+import fakes
 from test_sglang_engine import read_record, sglang
 
 
@@ -43,7 +44,7 @@ def multi_turn(moe, moe_processor, records):
     torch.manual_seed(0)
     eng = ForcedFirstTurnEngine(moe, processor=moe_processor, routed_experts=True)
     args = rollout_args(max_turns=3, n_samples_per_prompt=2, rollout_max_response_len=120)
-    samples = rollout.run_episodes(eng, moe_processor, records[:1], args)
+    samples = fakes.run_episodes(eng, moe_processor, records[:1], args)
     assert all(s.fail_reason is None and s.turns >= 2 for s in samples), [s.fail_reason for s in samples]
     return eng, samples
 
@@ -165,7 +166,7 @@ def test_replay_closes_the_gap_of_an_engine_that_routes_otherwise(moe, moe_proce
     for name, m in eng.model.named_modules():
         if type(m).__name__.endswith("TopKRouter"):  # before the engine's recording hook
             m.register_forward_hook(second_choice, prepend=True)
-    samples = rollout.run_episodes(eng, moe_processor, records[:2], rollout_args(rollout_max_response_len=24))
+    samples = fakes.run_episodes(eng, moe_processor, records[:2], rollout_args(rollout_max_response_len=24))
     items = [G.to_item(s, moe_processor, 0.0) for s in samples]
     model = M.load_model(moe)
     own, counted, gap_own = trainer_routing(model, items, replay=False)
@@ -209,7 +210,7 @@ def test_rollout_fails_a_sample_whose_routes_do_not_cover_it(moe_processor, reco
             n = len(batch[0]["input_ids"]) + 2 - 1
             return [{"ids": [5, 6], "logprobs": [-1.0, -1.0], "finish": "stop", "prompt_tokens": len(batch[0]["input_ids"]),
                      "routed_experts": np.zeros((n - 1, 2, 2), dtype=np.int16)}]
-    (s,) = rollout.run_episodes(Short(), moe_processor, records[:1], rollout_args(n_samples_per_prompt=1))
+    (s,) = fakes.run_episodes(Short(), moe_processor, records[:1], rollout_args(n_samples_per_prompt=1))
     assert s.status == "failed" and "routes of" in s.fail_reason
 
 

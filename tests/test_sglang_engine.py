@@ -17,6 +17,7 @@ import flags
 import launch
 import chat
 import rollout
+import fakes
 from fake_sglang import fake_output, weights_digest
 from sglang_engine import collapse_image_pads, read_image_token_id, sglang_server_args
 from conftest import rollout_args
@@ -77,7 +78,7 @@ def test_sglang_protocol_and_weight_sync(ckpt, processor, records, tmp_path):
         assert ("passthrough=[\"--mem-fraction-static\", \"0.5\", \"--cuda-graph-bs\", \"1\", \"2\", "
                 "\"--dtype\", \"float32\"]") in eng.server.log_tail()
         assert "starting: SGLANG_VLM_CACHE_SIZE_MB=0 " in eng.server.log_tail()
-        samples = rollout.run_episodes(eng, processor, records[:2], rollout_args(rollout_max_response_len=64))
+        samples = fakes.run_episodes(eng, processor, records[:2], rollout_args(rollout_max_response_len=64))
         digest = weights_digest(ckpt)
         for s in samples:
             ids, lps, finish = fake_output(s.prompt_ids, 64, digest)
@@ -438,7 +439,7 @@ def test_an_abort_lands_mid_generation_and_the_rest_continues_it(ckpt, processor
     gives uninterrupted (the fake's, like greedy decoding's, a function of the ids before each token)."""
     eng, rec = sglang(ckpt, tmp_path, "--fake-token-delay", "0.2")
     try:
-        messages, _ = chat.chat_prompt(processor, records[0])
+        messages, _, _ = chat.prompt(processor, records[0])
         prompt = chat.encode_prompt(processor, messages, records[0]["images"])
         item, sp, box = {"input_ids": prompt, "images": records[0]["images"]}, dict(max_new_tokens=16), []
         eng.generate([item], dict(max_new_tokens=1))  # the fake loads its image processor on first use

@@ -30,6 +30,7 @@ import engines
 import launch
 import chat
 import rollout
+import fakes
 from conftest import rollout_args
 from sglang_engine import SGLangEngine
 
@@ -117,7 +118,7 @@ class TestRealServer:
         our expanded length, and its logprobs are transformers' own on the same tokens."""
         from test_rollout import load_model, teacher_logprobs
         t = time.time()
-        samples = rollout.run_episodes(real, processor, records[:2],
+        samples = fakes.run_episodes(real, processor, records[:2],
                                        rollout_args(n_samples_per_prompt=2, rollout_max_response_len=16))
         print(f"\n[sglang_real] single-turn rollout, 4 samples: {time.time() - t:.1f}s")
         for s in samples:
@@ -236,7 +237,7 @@ class TestRealServer:
     def test_multi_turn_crop_sends_two_images(self, real, processor, records):
         t = time.time()
         args = rollout_args(max_turns=3, n_samples_per_prompt=2, rollout_max_response_len=160)
-        samples = rollout.run_episodes(CropFirst(real, processor), processor, records[:1], args)
+        samples = fakes.run_episodes(CropFirst(real, processor), processor, records[:1], args)
         print(f"\n[sglang_real] multi-turn crop rollout, 2 samples: {time.time() - t:.1f}s")
         for s in samples:
             assert s.status != "failed" and s.turns >= 2 and s.tool_calls >= 1, s.fail_reason

@@ -17,10 +17,10 @@ from jinja2 import TemplateError
 import data
 import env_geo3k
 import chat
-import rollout
 from tools import tiny
 from conftest import ROOT, rollout_args
 from fakes import ANSWER, CROP_CALL, ScriptedEngine
+import fakes
 
 REAL = ROOT.parent / "shared" / "real_models"
 QWEN3_VL, QWEN2_5_VL, QWEN3_5_SMALL, QWEN3_5_MOE = ("Qwen3-VL-2B-Instruct", "Qwen2.5-VL-3B-Instruct",
@@ -128,7 +128,7 @@ def test_multi_turn_tokens_equal_the_full_render(name, records):
     rec, tok = records[0], proc.tokenizer
     eng = ScriptedEngine(proc, turns)
     args = rollout_args(max_turns=3, n_samples_per_prompt=1, rollout_max_response_len=2000)
-    (s,) = rollout.run_episodes(eng, proc, [rec], args)
+    (s,) = fakes.run_episodes(eng, proc, [rec], args)
     assert s.status == "completed" and s.fail_reason is None, s.fail_reason
     assert s.turns == 2 and s.tool_calls == 1 and s.metadata["steps"][0]["tool"] == "crop"
     assert len(s.images) == 2 and s.image_turns == [0, 1] and eng.seen[1][0] == s.tokens[:len(eng.seen[1][0])]
@@ -158,7 +158,7 @@ def test_multi_turn_tokens_equal_the_full_render(name, records):
                                          (QWEN3_5_MOE, "<think>\n")])
 def test_assistant_opener(name, opener, records):
     proc = real_processor(name)
-    messages, tools = chat.chat_prompt(proc, records[0], multi_turn=True)
+    messages, tools, _ = chat.prompt(proc, records[0], multi_turn=True)
     assert chat.assistant_opener(proc, messages, tools) == opener
 
 
@@ -170,7 +170,7 @@ def test_template_that_rerenders_history_fails_the_sample(records):
     original = proc.chat_template
     proc.chat_template = counting
     try:
-        (s,) = rollout.run_episodes(ScriptedEngine(proc, [CROP_JSON, ANSWER]), proc, records[:1],
+        (s,) = fakes.run_episodes(ScriptedEngine(proc, [CROP_JSON, ANSWER]), proc, records[:1],
                                     rollout_args(max_turns=3, n_samples_per_prompt=1, rollout_max_response_len=2000))
     finally:
         proc.chat_template = original
@@ -185,7 +185,7 @@ def test_sft_of_an_episode_is_the_rollout_of_it(name, records):
     writes the SFT targets, and each target is the row's text (Qwen3.5-35B's after closing its open <think>)."""
     import sft
     proc, crop_only = real_processor(name), dict(records[0], tools=["crop"])
-    messages, _ = chat.chat_prompt(proc, crop_only, multi_turn=True)
+    messages, _, _ = chat.prompt(proc, crop_only, multi_turn=True)
     call = CROP_XML if name.startswith("Qwen3.5") else CROP_JSON
     env = env_geo3k.build_env(crop_only, rollout_args(max_turns=3))
     obs, _, _ = env.step(call)
@@ -198,7 +198,7 @@ def test_sft_of_an_episode_is_the_rollout_of_it(name, records):
     prefix = "\n</think>\n\n" if name == QWEN3_5_MOE else ""
     assert targets == [prefix + call + "<|im_end|>", prefix + ANSWER + "<|im_end|>"]
     eng = ScriptedEngine(proc, [t.removesuffix("<|im_end|>") for t in targets])
-    (s,) = rollout.run_episodes(eng, proc, [crop_only], rollout_args(max_turns=3, n_samples_per_prompt=1,
+    (s,) = fakes.run_episodes(eng, proc, [crop_only], rollout_args(max_turns=3, n_samples_per_prompt=1,
                                                                      rollout_max_response_len=2000))
     assert s.status == "completed" and s.turns == 2, s.fail_reason
     assert ids == s.tokens and mask == [False] * len(s.prompt_ids) + [bool(m) for m in s.loss_mask]

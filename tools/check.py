@@ -25,9 +25,7 @@ import parallel  # noqa: E402
 import pipeline  # noqa: E402
 
 
-# --bf16: our logits against transformers' fp32 ones. Measured on the tiny qwen3_vl / qwen3_5 (CPU, local
-# spec, TP1 and CP2): 0.0067 / 0.0073, where the logits' std is 0.16
-BF16_TOL = 0.02
+BF16_TOL = 0.02  # --bf16: measured 0.0067 / 0.0073 on the tiny qwen3_vl / qwen3_5 (CPU, TP1, CP2; logit std 0.16)
 
 
 def check_inputs(hf_dir):
@@ -66,12 +64,9 @@ def hf_logits(hf, seqs, pixel_values=None, image_grid_thw=None):
 
 
 def check(hf_dir, transformer_impl=None, tp=None, ep=1, sequence_parallel=False, cp=1, pp=1, bf16=False):
-    """Megatron vs transformers (fp32) on check_inputs, and the export round trip; TP = world size /
-    (CP PP) unless given, CP = cp, PP = pp, EP = ep (MoE); the batch packed, then each sequence alone. Every
-    rank runs the same inputs, on its device (cuda:LOCAL_RANK or cpu).
-    bf16: our parameters in bf16 (Transformer Engine's attention under CP takes no fp32), exported as
-    the source rounded to bf16. Returns the max abs logit diff (inf when the export does not reproduce
-    the checkpoint)."""
+    """Megatron vs transformers (fp32) on check_inputs (packed, then each sequence alone, the same on every rank)
+    and the export round trip; TP = world size / (CP PP) unless given. bf16: our parameters in bf16, exported as
+    the source rounded to bf16. -> the max abs logit diff (inf when the export does not reproduce the checkpoint)."""
     tp = tp or int(os.environ.get("WORLD_SIZE", 1)) // (cp * pp)
     par = parallel.init_distributed(tp, ep=ep, cp=cp, pp=pp)
     rank, world, device = par.rank, par.world, par.device

@@ -18,10 +18,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw
 
-if not __package__:  # run as a script (python tools/synth.py): the core is one folder up
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core modules, however this is run
 import data  # noqa: E402
 import env_geo3k  # noqa: E402
+import flags  # noqa: E402
 
 POLYGON_QUESTIONS = {  # question -> answer as a function of the number of sides n
     "Find the sum of the interior angles of the polygon.": lambda n: 180 * (n - 2),
@@ -166,7 +166,7 @@ def main(argv=None):
     p.add_argument("--size", type=int, default=128, help="image side in pixels (crop: the box's; the canvas is 8x)")
     p.add_argument("--jitter", type=float, default=0.0, help="0..1: random pose and colour (harder)")
     p.add_argument("--crop-view", action="store_true", help="crop: each image is the crop of its box")
-    p.add_argument("--warm-start", type=float, default=None, metavar="SHARE",
+    p.add_argument("--warm-start", type=flags.fraction, default=None, metavar="SHARE",
                    help="crop: SFT episodes (`messages`), SHARE of them calling crop")
     a = p.parse_args(argv)
     kinds = tuple(k.strip() for k in a.kinds.split(","))
@@ -175,8 +175,6 @@ def main(argv=None):
         p.error(f"unknown --kinds {unknown}; choose from {sorted(KINDS)}")
     if (a.crop_view or a.warm_start is not None) and kinds != ("crop",):
         p.error(f"--crop-view and --warm-start need --kinds crop (got --kinds {a.kinds})")
-    if a.warm_start is not None and not 0 <= a.warm_start <= 1:
-        p.error(f"--warm-start {a.warm_start}: a share from 0 to 1")
     out = write_synth(a.out, a.n, a.n_test, a.seed, kinds, a.size, a.jitter, "crop" if a.crop_view else None,
                       a.warm_start)
     print(f"wrote {a.n} train and {a.n_test} test problems to {out}")

@@ -249,9 +249,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.mtp and not a.arch.startswith("qwen3_5"):
         p.error(f"--mtp: only Qwen3.5 checkpoints carry an MTP head, not --arch {a.arch}")
-    sizes = dict(hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads, tie=a.tie)
-    if a.arch.startswith("qwen3_5"):
-        sizes["linear_key_heads"] = a.linear_key_heads
+    sizes = dict(hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads, tie=a.tie, linear_key_heads=a.linear_key_heads)
     if a.like:
         a.arch, sizes = sizes_like(a.like)
     out = make_tiny(a.out, a.arch, a.seed, mtp=a.mtp, layers=a.layers, vit_hidden=a.vit_hidden, vit_depth=a.vit_depth,
