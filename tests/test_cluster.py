@@ -253,9 +253,11 @@ def test_an_abort_reaches_every_server_behind_the_router(ckpt, processor, record
         t = threading.Thread(target=lambda: box.append(a.generate(items, dict(max_new_tokens=16))))
         t.start()
         deadline = time.time() + 30
-        while not rec.exists() or len({json.loads(x)["pid"] for x in rec.read_text().splitlines() if '"/generate"' in x}) < 2:
-            assert time.time() < deadline, "the router sent every request to one server"
+        gen = []  # every request at a server (an abort_all cuts what a server holds), on both servers
+        while len(gen) < 8 or len({g["pid"] for g in gen}) < 2:
+            assert time.time() < deadline, f"the router sent {len(gen)} of 8 requests, to {len({g['pid'] for g in gen})} servers"
             time.sleep(0.2)
+            gen = [json.loads(x) for x in rec.read_text().splitlines() if '"/generate"' in x] if rec.exists() else []
         a.abort()
         t.join(30)
         assert [o["finish"] for o in box[0]] == ["abort"] * 8 and all(len(o["ids"]) < 7 for o in box[0])
