@@ -1,7 +1,6 @@
 """The SGLang server process (one a node, or several: cluster.py) and the requests to it; Router:
-SGLang's load balancer in front of several, handled the same way. Create a Server in the main thread:
-it dies with the thread that started it. Its process, restarts, API key and the router: docs/sglang.md.
-"""
+SGLang's load balancer in front of several, handled the same way. Its process, restarts, API key and the
+router: docs/sglang.md."""
 import atexit
 import http.client
 import json
@@ -130,8 +129,8 @@ class Server:
             extra = " ".join(f"{k}={v}" for k, v in self.env.items())
             log.write(f"\n=== {time.strftime('%H:%M:%S')} starting: {extra} {shown}\n".encode())
             log.flush()
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = proc.popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,  # any thread: _recover's
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
             log.write(f"=== pid {self.proc.pid}\n".encode())  # its process group's too
         deadline = time.time() + self.timeout
         while time.time() < deadline:
