@@ -539,7 +539,7 @@ def test_trainer_restarts_a_killed_server_once(harness_env, ckpt, tmp_path):
     steps = [m for m in map(json.loads, (save / "metrics.jsonl").read_text().splitlines()) if "reward" in m]
     starts = (save / "sglang.log").read_text().count("starting:")
     print(f"\n[sglang_real] server killed in step 2: {len(steps)} steps in {time.time() - t:.0f}s, {starts} server "
-          f"starts; {[line for line in r.stderr.splitlines() if line.startswith('[sglang]')]}")
+          f"starts; {[line for line in r.stderr.splitlines() if '[sglang] server down' in line]}")
     assert killed and [m["step"] for m in steps] == [1, 2, 3], (killed, steps)
     assert starts == 2, (save / "sglang.log").read_text()[-3000:]
 
