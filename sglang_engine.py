@@ -139,6 +139,8 @@ class SGLangEngine(Engine):
         self.dtype = server_dtype(config_dir or hf_dir, server_args)
         if flag_value(server_args, ("--dtype",), None) is None:  # SGLang's auto serves float32 in float16
             server_args = [*server_args, "--dtype", str(self.dtype).removeprefix("torch.")]
+        if self.dtype.itemsize == 2 and "--enable-fp32-lm-head" not in server_args:  # docs/sglang.md, "LM head"
+            server_args = [*server_args, "--enable-fp32-lm-head"]
         env = dict(env or {})  # added to our environment for the server (and its restarts)
         # its vision cache outlives weight updates: off, unless the user sets its size
         env.setdefault("SGLANG_VLM_CACHE_SIZE_MB", os.environ.get("SGLANG_VLM_CACHE_SIZE_MB", "0"))

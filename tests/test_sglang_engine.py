@@ -131,6 +131,18 @@ def test_sglang_protocol_and_weight_sync(ckpt, processor, records, tmp_path):
         eng.shutdown()
 
 
+
+def test_a_16_bit_server_computes_its_lm_head_in_fp32(ckpt, monkeypatch):
+    """SGLang 0.5.23 multiplies the LM head in the weights' dtype (logits_processor.py:1198-1201): a bf16 or fp16
+    server gets --enable-fp32-lm-head, once if the user gave it; a float32 one needs none."""
+    import sglang_engine
+    made = []
+    monkeypatch.setattr(sglang_engine, "Server", lambda path, run_dir, args, *a, **kw: made.append(args))
+    for args in ([], ["--dtype", "bfloat16"], ["--enable-fp32-lm-head", "--dtype", "float16"]):
+        sglang_engine.SGLangEngine(ckpt, "unused", server_args=args)
+    assert made == [["--dtype", "float32"], ["--dtype", "bfloat16", "--enable-fp32-lm-head"],
+                    ["--enable-fp32-lm-head", "--dtype", "float16"]]
+
 def test_image_pad_id_from_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"image_token_id": 248056}))  # Qwen3.5's
     assert read_image_token_id(tmp_path) == 248056
