@@ -449,6 +449,10 @@ def test_partial_rollout_resumes_with_its_buffer(tiny_ckpt, processor, records, 
     full, part = ([m for m in metrics(tmp_path / run) if "reward" in m] for run in ("full", "part"))
     assert [m["step"] for m in part] == [1, 2, 3] and all(m["rollout_buffer_groups"] == 1 for m in full)
     assert full[0]["offpolicy_token_frac"] == 0 and all(m["offpolicy_token_frac"] == 0.5 for m in full[1:])
+    # the engine check apart from the policy's drift: the local engine's logprobs of the tokens the trained weights
+    # wrote are the trainer's; those of the buffered group, one update older, are not (lr 1e-3)
+    assert all(m["logprob_diff_mean_same_version"] <= 1e-5 < m["logprob_diff_mean"] for m in full[1:]), full
+    assert full[0]["logprob_diff_mean_same_version"] == full[0]["logprob_diff_mean"] <= 1e-5, full[0]
     for a, b in zip(part[2:], full[2:]):
         for k in ("response_len", "offpolicy_token_frac", "oldest_token_version", "loss", "grad_norm", "entropy"):
             assert abs(a[k] - b[k]) <= 1e-6 * max(1.0, abs(b[k])), (k, {x: (a[x], b[x]) for x in a if a[x] != b[x]})
