@@ -95,6 +95,9 @@ def parse_args(argv=None):
                                                            is not None or args.mask_offpolicy_in_partial_rollout):
         p.error("--over-sampling-batch-size, --max-weight-staleness and --mask-offpolicy-in-partial-rollout need "
                 "--partial-rollout or --fully-async")
+    if args.use_rollout_routing_replay and (args.partial_rollout or args.fully_async):  # docs/rollout.md, "R3"
+        p.error(f"--use-rollout-routing-replay with {'--fully-async' if args.fully_async else '--partial-rollout'}: a "
+                "continued sample's prefill re-routes its prefix at the new weights; the trainer cannot replay both routes")
     if (args.over_sampling_batch_size or args.rollout_batch_size) < args.rollout_batch_size:
         p.error(f"--over-sampling-batch-size {args.over_sampling_batch_size}: at least --rollout-batch-size "
                 f"{args.rollout_batch_size} (the groups a step trains on come from those it samples)")

@@ -226,3 +226,13 @@ def test_grpo_with_replay_logs_the_mismatch_and_refuses_a_dense_model(moe, tiny_
     assert r.returncode == 0, r.stderr[-3000:]
     (m,) = [json.loads(line) for line in (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()]
     assert 0 <= m["routing_mismatch"] < 0.5 and m["grad_norm"] > 0, m
+
+
+@pytest.mark.parametrize("source", ["--partial-rollout", "--fully-async"])
+def test_replay_is_refused_with_a_source_that_continues_samples_at_new_weights(source, capsys):
+    """A sample cut by a pause continues at the next version: that request's prefill routes the whole prefix again at
+    the new weights, while the trainer would replay the old routes (and one forward can replay only one): refused by
+    name at parse time, before any model loads."""
+    with pytest.raises(SystemExit):
+        G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--use-rollout-routing-replay", source])
+    assert f"--use-rollout-routing-replay with {source}: " in capsys.readouterr().err
