@@ -1,24 +1,22 @@
 """Process hygiene, in one place: children that die with their parent, process groups that end.
 
     proc.die_with_parent(signal.SIGTERM)                        # a torchrun worker (parallel.py)
-    proc.popen([sys.executable, "proc.py", str(os.getpid()), cmd...], ...)   # from any thread: the launcher
+    python proc.py PARENT_PID cmd args...                       # launcher: arm, check, exec cmd
+    proc.popen(cmd, **popen_kwargs)                             # cmd under the launcher, from any thread
     proc.kill_group(popen)                                      # SIGTERM, then SIGKILL, a group
 
-The launcher (python proc.py PARENT_PID cmd args...: arm, check, exec cmd) is how a parent with threads starts a
-child that must not outlive it; popen starts it from the one thread that lives as long as we do (docs/processes.md).
+The launcher is how a parent with threads starts a child that must not outlive it (docs/processes.md).
 """
 import ctypes
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
-from concurrent.futures import Future
+from multiprocessing.pool import ThreadPool
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-_SPAWNERS, _LOCK = {}, threading.Lock()  # pid -> the jobs of the thread that starts that process's children
+_SPAWNERS = {}  # pid -> the pool of one daemon thread that forks this process's children (popen)
 
 
 def die_with_parent(sig=signal.SIGKILL, parent=None):
@@ -32,25 +30,13 @@ def die_with_parent(sig=signal.SIGKILL, parent=None):
 
 
 def popen(cmd, **kw):
-    """subprocess.Popen(cmd, **kw) run by a daemon thread that lives as long as this process: PR_SET_PDEATHSIG
-    fires when the THREAD that forked the child ends (prctl(2)), so a server an episode's thread restarted
-    would die when the rollout's pool shuts down. Any thread may call this."""
-    with _LOCK:
-        if os.getpid() not in _SPAWNERS:  # a forked process has none of its parent's threads
-            _SPAWNERS[os.getpid()] = jobs = queue.SimpleQueue()
-            threading.Thread(target=_spawn, args=(jobs,), daemon=True, name="proc-spawner").start()
-    done = Future()
-    _SPAWNERS[os.getpid()].put((done, cmd, kw))
-    return done.result()
-
-
-def _spawn(jobs):
-    while True:
-        done, cmd, kw = jobs.get()
-        try:
-            done.set_result(subprocess.Popen(cmd, **kw))
-        except BaseException as e:  # noqa: BLE001 - raised in popen's caller
-            done.set_exception(e)
+    """subprocess.Popen(cmd, **kw), cmd under the launcher (Linux), forked by a thread that lives as long as this
+    process, whichever thread calls: PR_SET_PDEATHSIG follows the THREAD that forked the child (prctl(2)), and a
+    server an episode's thread restarted died when Rollout.pause() shut the episodes' pool down."""
+    if sys.platform == "linux":
+        cmd = [sys.executable, os.path.abspath(__file__), str(os.getpid()), *cmd]
+    pool = _SPAWNERS.get(os.getpid()) or _SPAWNERS.setdefault(os.getpid(), ThreadPool(1))  # a fork has no threads
+    return pool.apply(subprocess.Popen, (cmd,), kw)
 
 
 def kill_group(proc, grace=15.0):

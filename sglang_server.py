@@ -20,7 +20,6 @@ from pathlib import Path
 
 import proc
 
-_LAUNCHER = str(Path(__file__).resolve().with_name("proc.py"))  # SGLang's own children arm PDEATHSIG too
 _LIVE = weakref.WeakSet()  # servers that must die with us
 _HANDLERS = []
 
@@ -120,8 +119,6 @@ class Server:
         self.port = self.port if getattr(self, "port", None) and port_free(self.host, self.port) else free_port(self.host)
         self.url = f"http://{self.host}:{self.port}"
         cmd = self.command()
-        if sys.platform == "linux":
-            cmd = [sys.executable, _LAUNCHER, str(os.getpid()), *cmd]
         shown = " ".join(cmd) + (" --api-key ***" if self.api_key else "")
         cmd += ["--api-key", self.api_key] if self.api_key else []
         env = dict(os.environ, **{k: str(v) for k, v in self.env.items()}) if self.env else None
@@ -129,8 +126,8 @@ class Server:
             extra = " ".join(f"{k}={v}" for k, v in self.env.items())
             log.write(f"\n=== {time.strftime('%H:%M:%S')} starting: {extra} {shown}\n".encode())
             log.flush()
-            self.proc = proc.popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,  # any thread: _recover's
-                                   stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = proc.popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,  # from any thread (_recover's);
+                                   stdin=subprocess.DEVNULL, start_new_session=True)  # SGLang's children armed too
             log.write(f"=== pid {self.proc.pid}\n".encode())  # its process group's too
         deadline = time.time() + self.timeout
         while time.time() < deadline:

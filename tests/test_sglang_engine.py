@@ -262,14 +262,13 @@ def thread_gone(tid, timeout=30):
 
 def test_a_child_started_from_a_pool_thread_outlives_the_pool():
     """proc.popen: PR_SET_PDEATHSIG follows the THREAD that forked the child (prctl(2)), so the launcher's
-    child, started from a pool's thread, would be SIGKILLed when that pool shuts down (rc -9); popen
-    forks it from a thread that lives as long as the process."""
+    child, forked by a pool's thread, would be SIGKILLed when that pool shuts down (rc -9); popen forks
+    every child from a thread that lives as long as the process."""
     import subprocess
     from concurrent.futures import ThreadPoolExecutor
     import proc
     pool = ThreadPoolExecutor(1)
-    child, tid = pool.submit(lambda: (proc.popen([sys.executable, proc.__file__, str(os.getpid()), "sleep", "60"]),
-                                      threading.get_native_id())).result()
+    child, tid = pool.submit(lambda: (proc.popen(["sleep", "60"]), threading.get_native_id())).result()
     try:
         deadline = time.time() + 20  # armed once the launcher has exec'd sleep
         while Path(f"/proc/{child.pid}/cmdline").read_bytes().split(b"\0")[0] != b"sleep":
