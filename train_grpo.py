@@ -123,14 +123,13 @@ def to_item(sample, processor, adv, encoded=None, step=None):
     pv, grid = encoded[key]
     mask = [0] * len(sample.prompt_ids) + list(sample.loss_mask)
     old = [0.0] * len(sample.prompt_ids) + list(sample.rollout_logprobs)
-    ver = [step] * len(sample.prompt_ids) + list(sample.versions)  # the version that wrote each token
     routes = sample.routed_experts  # (T - 1, layers, k): the last token no engine forward saw
     if routes is not None:
         routes = torch.cat([torch.as_tensor(routes, dtype=torch.int16),
                             torch.full((len(sample.tokens) - len(routes), *routes.shape[1:]), -1, dtype=torch.int16)])
     return T.Item(ids=torch.tensor(sample.tokens), mask=torch.tensor(mask, dtype=torch.bool),
                   pixel_values=pv, image_grid_thw=grid, adv=adv, routed_experts=routes, same_version=None if step is None
-                  else torch.tensor([v == step for v, m in zip(ver, mask) if m]),
+                  else torch.tensor([v == step for v, m in zip(sample.versions, sample.loss_mask) if m]),
                   rollout_logprobs=torch.tensor([o for o, m in zip(old, mask) if m], dtype=torch.float32))
 
 
@@ -182,9 +181,9 @@ def policy_loss(model, ref, par, items, args, measure):
         out["logprob_diff_mean"] = T.global_sum(sum(s["diff_sum"] for s in per_mb), par) / n_tok
         out["logprob_diff_max"] = T.global_sum(max([s["diff_max"] for s in per_mb], default=0.0), par,
                                                op=torch.distributed.ReduceOp.MAX)
-        same = [T.global_sum(sum(s[k] for s in per_mb), par) for k in ("same_sum", "same_n")]
-        if same[1]:  # off-policy sources: the engine check without the policy's drift since older tokens
-            out["logprob_diff_mean_same_version"] = same[0] / same[1]
+        same_sum, same_n = (T.global_sum(sum(s[k] for s in per_mb), par) for k in ("same_sum", "same_n"))
+        if same_n:  # off-policy sources: the engine check apart from the drift of the policy since older tokens
+            out["logprob_diff_mean_same_version"] = same_sum / same_n
     if replay:  # R3: (token, layer) pairs whose trainer top-k differed from the engine's, before replay
         differ, replayed = parallel.all_reduce(model.routing_mismatch().to(par.device), None).tolist()
         out["routing_mismatch"] = differ / max(replayed, 1)
@@ -323,16 +322,11 @@ def rollout_metrics(samples):
     """Means over samples; reward and accuracy over the ones not failed; multi-turn, the env's tool metrics."""
     n = max(len(samples), 1)
     ok = [s for s in samples if s.status != "failed"] or [R.Sample(prompt_ids=[])]
-    m = {"reward": sum(s.reward for s in ok) / len(ok),
-         "accuracy": sum(s.reward > 0 for s in ok) / len(ok),
+    m = {"reward": sum(s.reward for s in ok) / len(ok), "accuracy": sum(s.reward > 0 for s in ok) / len(ok),
          "response_len": sum(sum(s.loss_mask) for s in ok) / len(ok),
-         "truncated_frac": sum(s.status == "truncated" for s in samples) / n,
-         "aborted_frac": sum(s.status == "aborted" for s in samples) / n,
-         "failed_frac": sum(s.status == "failed" for s in samples) / n,
-         "turns": sum(s.turns for s in samples) / n,
-         "tool_calls": sum(s.tool_calls for s in samples) / n,
-         "format_ok_frac": sum(bool(s.metadata.get("format_ok")) for s in samples) / n,
-         "samples": len(samples)}
+         **{f"{k}_frac": sum(s.status == k for s in samples) / n for k in ("truncated", "aborted", "failed")},
+         "turns": sum(s.turns for s in samples) / n, "tool_calls": sum(s.tool_calls for s in samples) / n,
+         "format_ok_frac": sum(bool(s.metadata.get("format_ok")) for s in samples) / n, "samples": len(samples)}
     m.update(env_geo3k.tool_metrics([s.metadata.get("steps", []) for s in samples],  # multi-turn: tool use
                                     [None if s.status == "failed" else s.reward for s in samples]))
     if samples and "rollout" in samples[0].metadata:  # where the rollout's time went, what it cut and dropped
