@@ -2,7 +2,7 @@
 
     proc.die_with_parent(signal.SIGTERM)                        # a torchrun worker (parallel.py)
     python proc.py PARENT_PID cmd args...                       # launcher: arm, check, exec cmd
-    proc.popen(cmd, **popen_kwargs)                             # cmd under the launcher, from any thread
+    proc.popen(cmd, log, env)                                   # a server under the launcher, from any thread
     proc.kill_group(popen)                                      # SIGTERM, then SIGKILL, a group
 
 The launcher is how a parent with threads starts a child that must not outlive it (docs/processes.md).
@@ -29,14 +29,15 @@ def die_with_parent(sig=signal.SIGKILL, parent=None):
         os._exit(0)
 
 
-def popen(cmd, **kw):
-    """subprocess.Popen(cmd, **kw), cmd under the launcher (Linux), forked by a thread that lives as long as this
-    process, whichever thread calls: PR_SET_PDEATHSIG follows the THREAD that forked the child (prctl(2)), and a
-    server an episode's thread restarted died when Rollout.pause() shut the episodes' pool down."""
+def popen(cmd, log, env=None):
+    """Popen of `cmd` under the launcher (Linux), leading a session of its own, its output to `log`, forked by a thread
+    that lives as long as this process, whichever thread calls: PR_SET_PDEATHSIG follows the THREAD that forked the
+    child (prctl(2)); a server an episode's thread restarted died when Rollout.pause() shut the episodes' pool down."""
     if sys.platform == "linux":
         cmd = [sys.executable, os.path.abspath(__file__), str(os.getpid()), *cmd]
     pool = _SPAWNERS.get(os.getpid()) or _SPAWNERS.setdefault(os.getpid(), ThreadPool(1))  # a fork has no threads
-    return pool.apply(subprocess.Popen, (cmd,), kw)
+    return pool.apply(subprocess.Popen, (cmd,), dict(stdout=log, stderr=subprocess.STDOUT, env=env,
+                                                     stdin=subprocess.DEVNULL, start_new_session=True))
 
 
 def kill_group(proc, grace=15.0):

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -126,8 +125,7 @@ class Server:
             extra = " ".join(f"{k}={v}" for k, v in self.env.items())
             log.write(f"\n=== {time.strftime('%H:%M:%S')} starting: {extra} {shown}\n".encode())
             log.flush()
-            self.proc = proc.popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,  # from any thread (_recover's);
-                                   stdin=subprocess.DEVNULL, start_new_session=True)  # SGLang's children armed too
+            self.proc = proc.popen(cmd, log, env)  # from any thread (_recover's); SGLang's children are armed too
             log.write(f"=== pid {self.proc.pid}\n".encode())  # its process group's too
         deadline = time.time() + self.timeout
         while time.time() < deadline:

@@ -37,6 +37,7 @@ import parallel
 import pipeline
 import reward
 import rollout as R
+import routing
 import sglang_engine
 import trainer as T
 
@@ -97,7 +98,7 @@ def parse_args(argv=None):
                 "--partial-rollout or --fully-async")
     if args.use_rollout_routing_replay and (args.partial_rollout or args.fully_async):  # docs/rollout.md, "R3"
         p.error(f"--use-rollout-routing-replay with {'--fully-async' if args.fully_async else '--partial-rollout'}: a "
-                "continued sample's prefill re-routes its prefix at the new weights; the trainer cannot replay both routes")
+                "continued sample's prefill routes its prefix anew at the new weights; one forward replays one route")
     if (args.over_sampling_batch_size or args.rollout_batch_size) < args.rollout_batch_size:
         p.error(f"--over-sampling-batch-size {args.over_sampling_batch_size}: at least --rollout-batch-size "
                 f"{args.rollout_batch_size} (the groups a step trains on come from those it samples)")
@@ -128,8 +129,8 @@ def to_item(sample, processor, adv, encoded=None, step=None):
         routes = torch.cat([torch.as_tensor(routes, dtype=torch.int16),
                             torch.full((len(sample.tokens) - len(routes), *routes.shape[1:]), -1, dtype=torch.int16)])
     return T.Item(ids=torch.tensor(sample.tokens), mask=torch.tensor(mask, dtype=torch.bool),
-                  pixel_values=pv, image_grid_thw=grid, adv=adv, routed_experts=routes, same_version=None if step is None
-                  else torch.tensor([v == step for v, m in zip(sample.versions, sample.loss_mask) if m]),
+                  pixel_values=pv, image_grid_thw=grid, adv=adv, routed_experts=routes, same_version=None
+                  if step is None else torch.tensor([v == step for v, m in zip(sample.versions, sample.loss_mask) if m]),
                   rollout_logprobs=torch.tensor([o for o, m in zip(old, mask) if m], dtype=torch.float32))
 
 
@@ -144,7 +145,7 @@ def policy_loss(model, ref, par, items, args, measure):
         logprobs_into(ref, items, args, "ref_logprobs", replay=False)  # the initial policy routes as it would
     replay = measure and args.use_rollout_routing_replay
     if replay:
-        model.routing_mismatch()  # from here: the mismatch at the weights the engine sampled with
+        routing.take_mismatch(model.replays)  # from here: the mismatch at the weights the engine sampled with
 
     def loss_of(mb, out):
         logp, ent = out
@@ -185,7 +186,7 @@ def policy_loss(model, ref, par, items, args, measure):
         if same_n:  # off-policy sources: the engine check apart from the drift of the policy since older tokens
             out["logprob_diff_mean_same_version"] = same_sum / same_n
     if replay:  # R3: (token, layer) pairs whose trainer top-k differed from the engine's, before replay
-        differ, replayed = parallel.all_reduce(model.routing_mismatch().to(par.device), None).tolist()
+        differ, replayed = parallel.all_reduce(routing.take_mismatch(model.replays).to(par.device), None).tolist()
         out["routing_mismatch"] = differ / max(replayed, 1)
     return out
 

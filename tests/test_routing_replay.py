@@ -110,7 +110,7 @@ def trainer_routing(model, items, replay):
     maps = {}
     hooks = [r.register_forward_hook(lambda mod, i, out, layer=layer: maps.setdefault(layer, []).append(out[1]))
              for layer, r in routing.routers(model.language_model).items()]
-    model.routing_mismatch()
+    routing.take_mismatch(model.replays)
     with torch.no_grad():
         (_, x), = T.micro_batches(items, 1 << 16, model.par, replay)
         logp, _ = model(**x, temperature=rollout_args().rollout_temperature)  # as the engine sampled
@@ -124,7 +124,7 @@ def trainer_routing(model, items, replay):
         differs += int(((m[:len(eng)] != want).any(1) & have).sum())
         rows += int(have.sum())
     gap = (logp - torch.cat([it.rollout_logprobs for it in items])).abs().mean().item()
-    count = model.routing_mismatch().tolist()
+    count = routing.take_mismatch(model.replays).tolist()
     return differs / rows, count[0] / max(count[1], 1), gap
 
 

@@ -268,7 +268,7 @@ def test_a_child_started_from_a_pool_thread_outlives_the_pool():
     from concurrent.futures import ThreadPoolExecutor
     import proc
     pool = ThreadPoolExecutor(1)
-    child, tid = pool.submit(lambda: (proc.popen(["sleep", "60"]), threading.get_native_id())).result()
+    child, tid = pool.submit(lambda: (proc.popen(["sleep", "60"], subprocess.DEVNULL), threading.get_native_id())).result()
     try:
         deadline = time.time() + 20  # armed once the launcher has exec'd sleep
         while Path(f"/proc/{child.pid}/cmdline").read_bytes().split(b"\0")[0] != b"sleep":
