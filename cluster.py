@@ -1,8 +1,7 @@
 """cluster.py: the trainer's side of the SGLang servers, on every rank (Servers): where they run (one on
 127.0.0.1; a server per node, or per --rollout-num-gpus-per-engine GPUs, behind SGLang's router), and each
 step's moves around training: to_rollout, step_aside, step_back, sync. A step on the servers runs on every
-holder and fails on every rank if it fails on one (on_leaders). Mechanism: docs/cluster.md.
-"""
+holder and fails on every rank if it fails on one (on_leaders). Mechanism: docs/cluster.md."""
 import os
 import secrets
 import shlex

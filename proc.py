@@ -1,12 +1,10 @@
 """Process hygiene, in one place: children that die with their parent, process groups that end.
 
     proc.die_with_parent(signal.SIGTERM)                        # a torchrun worker (parallel.py)
-    python proc.py PARENT_PID cmd args...                       # launcher: arm, check, exec cmd
-    proc.popen(cmd, log, env)                                   # a server under the launcher, from any thread
+    proc.popen(cmd, log, env)                                   # any thread; runs python proc.py PARENT_PID cmd...
     proc.kill_group(popen)                                      # SIGTERM, then SIGKILL, a group
 
-The launcher is how a parent with threads starts a child that must not outlive it (docs/processes.md).
-"""
+The launcher is how a parent with threads starts a child that must not outlive it (docs/processes.md)."""
 import ctypes
 import os
 import signal
