@@ -310,10 +310,6 @@ class MegatronVLM(torch.nn.Module):
         self.register_buffer("inv_freq", 1.0 / (rp["rope_theta"] ** (
             torch.arange(0, d, 2, dtype=torch.int64).float() / d)), persistent=False)
 
-    def routing_mismatch(self):
-        """(2,) float64: (token, layer) rows whose own top-k differed from the replayed one, rows replayed."""
-        return routing.take_mismatch(self.replays)
-
     def expert_load(self):
         """(decoder layers, experts) tokens routed here since the last call, padding included, or zeros; None: dense."""
         cfg, load = self.language_model.config, self.routes.take()

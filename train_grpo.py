@@ -37,6 +37,7 @@ import parallel
 import pipeline
 import reward
 import rollout as R
+import routing
 import sglang_engine
 import trainer as T
 
@@ -95,6 +96,9 @@ def parse_args(argv=None):
                                                            is not None or args.mask_offpolicy_in_partial_rollout):
         p.error("--over-sampling-batch-size, --max-weight-staleness and --mask-offpolicy-in-partial-rollout need "
                 "--partial-rollout or --fully-async")
+    if args.use_rollout_routing_replay and (args.partial_rollout or args.fully_async):  # docs/rollout.md, "R3"
+        p.error(f"--use-rollout-routing-replay with {'--fully-async' if args.fully_async else '--partial-rollout'}: a "
+                "continued sample's prefill routes its prefix anew at the new weights; one forward replays one route")
     if (args.over_sampling_batch_size or args.rollout_batch_size) < args.rollout_batch_size:
         p.error(f"--over-sampling-batch-size {args.over_sampling_batch_size}: at least --rollout-batch-size "
                 f"{args.rollout_batch_size} (the groups a step trains on come from those it samples)")
@@ -109,10 +113,10 @@ def parse_args(argv=None):
     return args
 
 
-def to_item(sample, processor, adv, encoded=None):
-    """A sample as trainer input. `encoded` caches image encodings by the images' identity: a
-    group's samples share their prompt's images, so those are encoded once, and pickled once
-    when rank 0 broadcasts the step (pickle keeps one copy of a shared tensor)."""
+def to_item(sample, processor, adv, encoded=None, step=None):
+    """A sample as trainer input, at `step` (the version of the weights trained). `encoded` caches image encodings
+    by the images' identity: a group's samples share their prompt's images, so those are encoded once, and pickled
+    once when rank 0 broadcasts the step (pickle keeps one copy of a shared tensor)."""
     encoded = {} if encoded is None else encoded
     key = tuple(map(id, sample.images))
     if key not in encoded:
@@ -125,7 +129,8 @@ def to_item(sample, processor, adv, encoded=None):
         routes = torch.cat([torch.as_tensor(routes, dtype=torch.int16),
                             torch.full((len(sample.tokens) - len(routes), *routes.shape[1:]), -1, dtype=torch.int16)])
     return T.Item(ids=torch.tensor(sample.tokens), mask=torch.tensor(mask, dtype=torch.bool),
-                  pixel_values=pv, image_grid_thw=grid, adv=adv, routed_experts=routes,
+                  pixel_values=pv, image_grid_thw=grid, adv=adv, routed_experts=routes, same_version=None
+                  if step is None else torch.tensor([v == step for v, m in zip(sample.versions, sample.loss_mask) if m]),
                   rollout_logprobs=torch.tensor([o for o, m in zip(old, mask) if m], dtype=torch.float32))
 
 
@@ -140,7 +145,7 @@ def policy_loss(model, ref, par, items, args, measure):
         logprobs_into(ref, items, args, "ref_logprobs", replay=False)  # the initial policy routes as it would
     replay = measure and args.use_rollout_routing_replay
     if replay:
-        model.routing_mismatch()  # from here: the mismatch at the weights the engine sampled with
+        routing.take_mismatch(model.replays)  # from here: the mismatch at the weights the engine sampled with
 
     def loss_of(mb, out):
         logp, ent = out
@@ -161,10 +166,12 @@ def policy_loss(model, ref, par, items, args, measure):
         kl = torch.zeros_like(logp) if ref is None else L.KL[args.kl_loss_type](logp, cat("ref_logprobs"))
         loss = ((loss_tok + args.kl_loss_coef * kl) * w).sum()
         s = dict(loss=loss.item(), kl=(kl.detach() * w).sum().item(), clipfrac=(clipped.float() * w).sum().item(),
-                 entropy=(ent.detach() * w).sum().item(), diff_sum=0.0, diff_max=0.0)  # clipfrac: the clip cut it
-        if measure:  # weights are still those the engine sampled with: logprobs must agree
+                 entropy=(ent.detach() * w).sum().item(), diff_sum=0.0, diff_max=0.0, same_sum=0.0, same_n=0.0)
+        if measure:  # weights are still those the engine sampled with: logprobs must agree on the tokens they wrote
             diff = (logp.detach() - cat("rollout_logprobs")).abs()
-            s.update(diff_sum=diff.sum().item(), diff_max=diff.max().item() if len(diff) else 0.0)
+            same = torch.ones_like(diff) if mb[0].same_version is None else cat("same_version").to(diff.dtype)
+            s.update(diff_sum=diff.sum().item(), diff_max=diff.max().item() if len(diff) else 0.0,
+                     same_sum=(diff * same).sum().item(), same_n=same.sum().item())
         return loss, s
     per_mb = pipeline.run(model, T.micro_batches(items, args.max_tokens_per_gpu, par, args.use_rollout_routing_replay),
                           lambda m, x: m(**x, temperature=temp, with_entropy=True), loss_of)
@@ -175,8 +182,11 @@ def policy_loss(model, ref, par, items, args, measure):
         out["logprob_diff_mean"] = T.global_sum(sum(s["diff_sum"] for s in per_mb), par) / n_tok
         out["logprob_diff_max"] = T.global_sum(max([s["diff_max"] for s in per_mb], default=0.0), par,
                                                op=torch.distributed.ReduceOp.MAX)
+        same_sum, same_n = (T.global_sum(sum(s[k] for s in per_mb), par) for k in ("same_sum", "same_n"))
+        if same_n:  # off-policy sources: the engine check apart from the drift of the policy since older tokens
+            out["logprob_diff_mean_same_version"] = same_sum / same_n
     if replay:  # R3: (token, layer) pairs whose trainer top-k differed from the engine's, before replay
-        differ, replayed = parallel.all_reduce(model.routing_mismatch().to(par.device), None).tolist()
+        differ, replayed = parallel.all_reduce(routing.take_mismatch(model.replays).to(par.device), None).tolist()
         out["routing_mismatch"] = differ / max(replayed, 1)
     return out
 
@@ -254,7 +264,7 @@ class Source:
                 self.resume(step, step + 1)
             self.trained = time.perf_counter()
         h, encoded = time.perf_counter(), {}
-        items = [None if part is None else [to_item(s, self.processor, a, encoded) for s, a in part]
+        items = [None if part is None else [to_item(s, self.processor, a, encoded, step) for s, a in part]
                  for part in T.hand_out(shares, self.par)]
         return Batch(items, dict(metrics, handoff_s=time.perf_counter() - h, rollout_s=time.perf_counter() - t))
 
@@ -313,16 +323,11 @@ def rollout_metrics(samples):
     """Means over samples; reward and accuracy over the ones not failed; multi-turn, the env's tool metrics."""
     n = max(len(samples), 1)
     ok = [s for s in samples if s.status != "failed"] or [R.Sample(prompt_ids=[])]
-    m = {"reward": sum(s.reward for s in ok) / len(ok),
-         "accuracy": sum(s.reward > 0 for s in ok) / len(ok),
+    m = {"reward": sum(s.reward for s in ok) / len(ok), "accuracy": sum(s.reward > 0 for s in ok) / len(ok),
          "response_len": sum(sum(s.loss_mask) for s in ok) / len(ok),
-         "truncated_frac": sum(s.status == "truncated" for s in samples) / n,
-         "aborted_frac": sum(s.status == "aborted" for s in samples) / n,
-         "failed_frac": sum(s.status == "failed" for s in samples) / n,
-         "turns": sum(s.turns for s in samples) / n,
-         "tool_calls": sum(s.tool_calls for s in samples) / n,
-         "format_ok_frac": sum(bool(s.metadata.get("format_ok")) for s in samples) / n,
-         "samples": len(samples)}
+         **{f"{k}_frac": sum(s.status == k for s in samples) / n for k in ("truncated", "aborted", "failed")},
+         "turns": sum(s.turns for s in samples) / n, "tool_calls": sum(s.tool_calls for s in samples) / n,
+         "format_ok_frac": sum(bool(s.metadata.get("format_ok")) for s in samples) / n, "samples": len(samples)}
     m.update(env_geo3k.tool_metrics([s.metadata.get("steps", []) for s in samples],  # multi-turn: tool use
                                     [None if s.status == "failed" else s.reward for s in samples]))
     if samples and "rollout" in samples[0].metadata:  # where the rollout's time went, what it cut and dropped
@@ -339,9 +344,10 @@ def rollout_metrics(samples):
 def split_batch(good, adv, rng, global_batch_size, updates, dp):
     """rank 0: [for each DP rank: its (sample, advantage) pairs of each update (None: an update with
     no sample)], shuffled by `rng`, each update's global batch strided over the DP ranks. A sample
-    keeps only what to_item reads: token ids, masks, logprobs, routes (R3) and its images (decoded, uint8)."""
+    keeps what to_item reads: token ids, masks, logprobs, versions, routes (R3), its images (decoded, uint8)."""
     pairs = [(R.Sample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, loss_mask=s.loss_mask,
-                       rollout_logprobs=s.rollout_logprobs, images=s.images, routed_experts=s.routed_experts), a)
+                       rollout_logprobs=s.rollout_logprobs, images=s.images, routed_experts=s.routed_experts,
+                       versions=s.versions), a)
              for s, a in zip(good, adv)]
     rng.shuffle(pairs)
     chunks = [pairs[u * global_batch_size:(u + 1) * global_batch_size] for u in range(updates)]

@@ -37,6 +37,7 @@ class Item:
     recomputed_logprobs: torch.Tensor | None = None  # (N,) --recompute-logprobs: the trainer's, before the update
     ref_logprobs: torch.Tensor | None = None  # (N,) the reference model's (the KL term)
     routed_experts: torch.Tensor | None = None  # (T, layers, k) int16: the engine's experts, -1: none (R3)
+    same_version: torch.Tensor | None = None  # (N,) bool: written by the weights being trained (not older ones)
 
     @property
     def old(self):

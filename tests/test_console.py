@@ -1,6 +1,6 @@
 """The console and the training loop's ends (issue 50; issue 49's preemption), through the processes' own
-output: what a run prints from its first line to its last, Ctrl-C, SIGTERM with --exit-signal-handler,
---exit-duration-in-mins, and resuming after each with no step lost or repeated."""
+output: what a run prints from its first line to its last, Ctrl-C, SIGTERM with --exit-signal-handler (to the
+ranks, and to run.sh's torchrun), --exit-duration-in-mins, and resuming after each with no step lost or repeated."""
 import json
 import os
 import re
@@ -107,3 +107,27 @@ def test_preemption_saves_the_step_in_flight_and_resumes_with_none_lost(ckpt, d,
     r = launch.python(*common, "--load", save, nproc=2, env=ENV, timeout=300)
     assert r.returncode == 0 and steps(save) == list(range(1, 9)), r.stderr[-3000:]
     assert f"[run] done: steps {k + 1} -> 8 in" in r.stdout and (save / "latest").read_text() == "iter_0000008"
+
+
+def test_preemption_through_run_shs_torchrun_saves_the_step_and_the_same_command_resumes(ckpt, d, tmp_path):
+    """run.sh's torchrun SIGTERMed (its pid, not the ranks'), as a scheduler preempts a job: torchrun passes the
+    signal on and SIGKILLs its workers a shutdown timeout later (torch's default 30 s, launcher/api.py:148-151 and
+    elastic/multiprocessing/api.py:1023-1053; 2 s here, by TORCH_ELASTIC_SHUTDOWN_TIMEOUT), while the step in
+    flight takes 4 s more once signalled (tests/_slow_stop.py). run.sh's --shutdown-timeout wins: the step's
+    checkpoint is written and torchrun exits 1, as run.sh says (its agent re-raises the signal once the workers
+    are done: elastic/agent/server/api.py:752-756). The same command again resumes: no step lost or repeated."""
+    save = tmp_path / "run"
+    cmd = [ROOT / "tests" / "_slow_stop.py", ROOT / "sft.py", "--hf-checkpoint", ckpt, "--prompt-data", d, "--save",
+           save, "--load", save, "--global-batch-size", "4", "--num-epoch", "1", "--exit-signal-handler"]
+    recipe = 'eval "$(grep "^TORCHRUN=" run.sh)"; "${TORCHRUN[@]}" --standalone --nproc-per-node 2 "$@"'
+    env = dict(ENV, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="2", SLOW_STOP_S="4")
+    r = launch.run(["bash", "-c", f"{recipe} & until [ -s {save}/metrics.jsonl ]; do sleep 0.1; done; kill -TERM $!; "
+                    'wait $!; echo "torchrun exit $?"', "bash", *cmd], timeout=600, env=env)
+    done = steps(save)
+    k = done[-1] if done else 0
+    assert r.stdout.endswith("torchrun exit 1\n") and f"[run] SIGTERM: stopped after step {k} of 4" in r.stdout, (
+        r.stdout[-2000:], r.stderr[-3000:])
+    assert done == list(range(1, k + 1)) and k < 4 and (save / "latest").read_text() == f"iter_{k:07d}", done
+    r = launch.run(["bash", "-c", recipe, "bash", *cmd], timeout=600, env=env)
+    assert r.returncode == 0 and steps(save) == [1, 2, 3, 4], r.stderr[-3000:]
+    assert f"[run] done: steps {k} -> 4 in" in r.stdout

@@ -388,6 +388,27 @@ def test_colocated_engine_steps_aside_for_every_rank(monkeypatch, offload):
         assert events == want, (rank, events)
 
 
+
+def test_a_colocated_server_starts_once_every_rank_has_parked(monkeypatch):
+    """--offload-train: each rank parks the trainer before the server starts, and the server starts only once every
+    rank has (a barrier): SGLang's TP ranks compare their GPUs' free memory before loading and stop on an imbalance
+    over 10% (sglang 0.5.23 srt/distributed/bootstrap.py:207-218, 441-452; SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK)."""
+    import types
+    events = []
+    args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--rollout-engine", "sglang",
+                         "--sglang-launch-cmd", "x", "--colocate", "--offload-train"])  # sglang need not be installed
+    monkeypatch.setattr(cluster.offload, "Offload",
+                        lambda *a: types.SimpleNamespace(release=lambda: events.append("park"), host_bytes=lambda: 0))
+    monkeypatch.setattr(cluster.dist, "barrier", lambda *a, **k: events.append("barrier"))
+    monkeypatch.setattr(cluster.dist, "broadcast_object_list", lambda *a, **k: None)
+    monkeypatch.setattr(cluster.sglang_engine, "make_engine",
+                        lambda *a, **k: events.append("server") or types.SimpleNamespace(sync_plan=lambda: (1, None)))
+    for rank in (0, 1):
+        events.clear()
+        cluster.Servers(args, types.SimpleNamespace(rank=rank, world=2, local_rank=rank, local_world=2, node=0),
+                        None, None, None, "x", "x")
+        assert events == ["park", "barrier", "server"][:3 - rank], (rank, events)
+
 def test_each_rank_builds_todays_items_from_only_its_share(processor, records):
     """What a DP rank receives (split_batch's share, pickled as the scatter sends it) builds exactly
     the items it trained on when rank 0 broadcast every item: ids, masks, logprobs, advantages, pixel
@@ -449,6 +470,10 @@ def test_partial_rollout_resumes_with_its_buffer(tiny_ckpt, processor, records, 
     full, part = ([m for m in metrics(tmp_path / run) if "reward" in m] for run in ("full", "part"))
     assert [m["step"] for m in part] == [1, 2, 3] and all(m["rollout_buffer_groups"] == 1 for m in full)
     assert full[0]["offpolicy_token_frac"] == 0 and all(m["offpolicy_token_frac"] == 0.5 for m in full[1:])
+    # the engine check apart from the policy's drift: the local engine's logprobs of the tokens the trained weights
+    # wrote are the trainer's; those of the buffered group, one update older, are not (lr 1e-3)
+    assert all(m["logprob_diff_mean_same_version"] <= 1e-5 < m["logprob_diff_mean"] for m in full[1:]), full
+    assert full[0]["logprob_diff_mean_same_version"] == full[0]["logprob_diff_mean"] <= 1e-5, full[0]
     for a, b in zip(part[2:], full[2:]):
         for k in ("response_len", "offpolicy_token_frac", "oldest_token_version", "loss", "grad_norm", "entropy"):
             assert abs(a[k] - b[k]) <= 1e-6 * max(1.0, abs(b[k])), (k, {x: (a[x], b[x]) for x in a if a[x] != b[x]})
