@@ -326,9 +326,10 @@ def export_hf(model, bucket_bytes=256 << 20):
         yield bucket
 
 
-def write_hf(buckets, out_dir, src_dir):
+def write_hf(buckets, out_dir, src_dir, config=None):
     """Write (HF name, tensor) buckets as a checkpoint folder, a safetensors file a bucket (one: model.safetensors),
-    old weights removed, the source folder's other files copied. -> number of tensors written."""
+    old weights removed, the source folder's other files copied; `config`: config.json's text, when src_dir's may not
+    describe these weights (save_hf). -> number of tensors written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for f in out.iterdir():
@@ -348,15 +349,17 @@ def write_hf(buckets, out_dir, src_dir):
     for f in Path(src_dir).iterdir():
         if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES):
             shutil.copy2(f, out / f.name)
+    if config is not None:
+        (out / "config.json").write_text(config)
     return len(weight_map)
 
 
 def save_hf(model, out_dir, shard_bytes=4 << 30, src_dir=None):
-    """A checkpoint transformers and SGLang load as they are, its other files from `src_dir` (default: the
-    model's own folder). Call on every rank (export gathers); global rank 0 writes."""
+    """A checkpoint transformers and SGLang load as they are: config.json the model's own, its other files from
+    `src_dir` (default: the model's own folder). Call on every rank (export gathers); global rank 0 writes."""
     buckets = export_hf(model, shard_bytes)
     if dist.get_rank() == 0:
-        write_hf(buckets, out_dir, src_dir or model.hf_dir)
+        write_hf(buckets, out_dir, src_dir or model.hf_dir, model.config_json)
     else:
         for _ in buckets:  # take part in the gathers
             pass

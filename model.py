@@ -268,6 +268,7 @@ class MegatronVLM(torch.nn.Module):
         super().__init__()
         tc = hf_config.text_config
         self.hf_config, self.hf_dir, self.par = hf_config, Path(hf_dir), par
+        self.config_json = (self.hf_dir / "config.json").read_text()  # what save_hf writes beside these weights
         self.groups, self.heads, self.vocab = tc.num_key_value_heads, tc.num_attention_heads, tc.vocab_size
         self.padded_vocab = -(-self.vocab // par.tp) * par.tp  # VocabParallelEmbedding splits evenly
         self.tie = bool(getattr(hf_config, "tie_word_embeddings", False))
