@@ -8,6 +8,7 @@ import importlib
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -72,7 +73,10 @@ class Run:
         self.wandb, self.lock, self.last, self.stopping, self.signalled = None, None, {}, None, False
         self.t0 = time.time()  # --exit-duration-in-mins counts from here (console.stop_reason)
         if self.rank == 0:
-            self.save.mkdir(parents=True, exist_ok=True)
+            try:
+                self.save.mkdir(parents=True, exist_ok=True)
+            except OSError as e:  # a file on the way, no permission, a read-only disk: one line, not a traceback
+                raise SystemExit(f"--save {self.save}: cannot be made ({e.strerror}: {e.filename})") from None
             self.lock = lock_folder(self.save)
         self.ckpt = find_checkpoint(args.load, self.save)  # the checkpoint to resume from, or None: a fresh start
         # the checkpoint's meta.json (step, TP, PP sizes): what nothing_left and load_state read
@@ -84,6 +88,7 @@ class Run:
                 start_fresh(self.save, args.overwrite, args.load)
                 self.write_config(f"config_{kind}.json")
             else:  # refused or said now; written as the resume happens (load_state), beside the run's first
+                same_architecture(args.hf_checkpoint, self.ckpt)
                 compare(self.ckpt.parent / f"config_{kind}.json", self.config, FIXED + fixed)
             if args.wandb_project:
                 try:
@@ -210,8 +215,9 @@ def compare(saved_path, config, fixed):
     """A resume's flags against its run's first config: a changed `fixed` flag is refused (it cannot act), each
     other change said, one line each."""
     saved = json.loads(saved_path.read_text()) if saved_path.exists() else {}
-    changed = {k: f"--{k.replace('_', '-')} {v} (the run: {saved[k]})" for k, v in config.items()
-               if k in saved and saved[k] != v and k not in ("load", "overwrite", "versions", "world_size")}
+    derived = set(config.get("derived", ())) & set(saved.get("derived", ()))  # flags neither run gave: follow others
+    changed = {k: f"--{k.replace('_', '-')} {v} (the run: {saved[k]})" for k, v in config.items() if k in saved and
+               saved[k] != v and k not in ("load", "overwrite", "versions", "world_size", "derived", *derived)}
     bad = [line for k, line in changed.items() if k in fixed]
     if bad:
         raise SystemExit(f"--load {saved_path.parent}: a resume keeps the run's data order and optimizer state, so "
@@ -219,6 +225,32 @@ def compare(saved_path, config, fixed):
                          f"run from a checkpoint's weights (--hf-checkpoint {saved_path.parent}/iter_N)")
     for line in changed.values():
         print(f"[run] resumed with {line}", flush=True)
+
+
+# config.json fields that shape a tensor, by name (sizes, dims, head and layer counts, layer kinds; not token ids or rope)
+SHAPES = re.compile(r"architectures|tie_word_embeddings|layer_types|depth|in_chans|in_channels|num_(?!experts_per_tok).*"
+                    r"|.*_(size|dim|heads|layers|indexes)")
+
+
+def shape_fields(config, prefix=""):
+    """{dotted name: value} of a config.json's SHAPES fields, nested configs (text_config.hidden_size) included."""
+    out = {}
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out.update(shape_fields(v, f"{prefix}{k}."))
+        elif SHAPES.fullmatch(k):
+            out[prefix + k] = v
+    return out
+
+
+def same_architecture(hf_checkpoint, ckpt):
+    """A resume trains `ckpt`'s weights, built as --hf-checkpoint's config says: one of another shape is refused."""
+    new, run = (shape_fields(json.loads((Path(d) / "config.json").read_text())) for d in (hf_checkpoint, ckpt))
+    differ = [f"{k} {new.get(k)}, the run's {run.get(k)}" for k in sorted(new | run) if new.get(k) != run.get(k)]
+    if differ:
+        raise SystemExit(f"--hf-checkpoint {hf_checkpoint}: not the architecture of {ckpt} ({'; '.join(differ)}), "
+                         "whose weights a resume trains; resume with the run's --hf-checkpoint, or start a new run "
+                         "from this one in another --save")
 
 
 def find_checkpoint(load_flag, save):
@@ -292,9 +324,8 @@ def load_data(args, evaluation=False, verbose=True, measure=None, limit=None):
         if n > limit[0]:
             raise data.TooLong(f"{n} tokens, over {limit[1]}")
     try:
-        records = data.load_geo3k(source, args.eval_split if evaluation else args.split, args.input_key,
-                                  args.label_key, args.max_bad_frac, verbose=verbose, check=measure and check,
-                                  allow_urls=args.allow_image_urls, allow_outside=args.allow_outside_paths)
+        records = data.load(source, args.eval_split if evaluation else args.split, args, max_bad_frac=args.max_bad_frac,
+                            verbose=verbose, check=measure and check)
     except data.DataError as e:
         raise SystemExit(f"--{'eval-' if evaluation else ''}prompt-data: {e}") from None
     return records[:args.eval_samples or None] if evaluation else records
