@@ -51,6 +51,28 @@ _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth")
 
 
+# config.json fields that shape a tensor, by name (sizes, dims, head and layer counts, layer kinds; not ids or rope)
+SHAPES = re.compile(r"architectures|tie_word_embeddings|layer_types|depth|in_chans|in_channels|"
+                    r"num_(?!experts_per_tok).*|.*_(size|dim|heads|layers|indexes)")
+
+
+def shape_fields(folder):
+    """{name: value} of folder/config.json's SHAPES fields, a nested config's named with its key (text_config.depth)."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    parts = [("", config)] + [(f"{k}.", v) for k, v in config.items() if isinstance(v, dict)]
+    return {p + k: v for p, part in parts for k, v in part.items() if SHAPES.fullmatch(k)}
+
+
+def same_architecture(hf_checkpoint, ckpt):
+    """A resume trains `ckpt`'s weights, built as --hf-checkpoint's config says: one of another shape is refused."""
+    new, run = shape_fields(hf_checkpoint), shape_fields(ckpt)
+    differ = [f"{k} {new.get(k)}, the run's {run.get(k)}" for k in sorted(new | run) if new.get(k) != run.get(k)]
+    if differ:
+        raise SystemExit(f"--hf-checkpoint {hf_checkpoint}: not the architecture of {ckpt} ({'; '.join(differ)}), "
+                         "whose weights a resume trains; resume with the run's --hf-checkpoint, or start a new run "
+                         "from this one in another --save")
+
+
 def weight_files(hf_dir):
     """{HF tensor name: safetensors file} of a checkpoint folder."""
     hf_dir = Path(hf_dir)
@@ -277,10 +299,8 @@ def hf_tensors(model, grad=False):
             if head[0] is None:
                 break
             n, shape, dtype = head[0]
-            if mine is not None:  # on par.device: NCCL refuses a CPU tensor, and `mtp.*` comes from the file
-                x = t.to(par.device).contiguous()
-            else:
-                x = torch.empty(shape, dtype=dtype, device=par.device)
+            # on par.device: NCCL refuses a CPU tensor, and `mtp.*` comes from the file
+            x = torch.empty(shape, dtype=dtype, device=par.device) if mine is None else t.to(par.device).contiguous()
             dist.broadcast(x, src=src, group=par.pp_group)
             yield n, x
 
@@ -291,10 +311,7 @@ def _stage_tensors(model, grad):
     for name, p in model.named_parameters():
         if name == "language_model.output_layer.weight" and model.tie:  # PP: the first stage exports it
             continue
-        if grad:
-            t = p.grad if p.grad is not None else torch.zeros_like(p)
-        else:
-            t = p.detach()
+        t = (p.grad if p.grad is not None else torch.zeros_like(p)) if grad else p.detach()
         kind, hf = rule(model, name)
         if kind in ("fused", "expert"):
             for n, x in _experts(model, name, kind, hf, t, fused):

@@ -236,13 +236,10 @@ def sft_messages(record):
 
 
 def multimodal_keys(text):
-    """argparse type of --multimodal-keys: slime's JSON map from media type to column (slime/utils/arguments.py:661-668,
-    `type=json.loads`; slime/utils/data.py:152-160 reads each type's column; THUDM/slime 624b824), images only here."""
-    try:
-        keys = json.loads(text)
-    except ValueError:
-        keys = None
-    if not isinstance(keys, dict) or list(keys) != ["image"] or not isinstance(keys["image"], str):
+    """argparse type of --multimodal-keys: slime's JSON map from media type to column (THUDM/slime 624b824:
+    slime/utils/arguments.py:661-668 `type=json.loads`, slime/utils/data.py:152-160 reads each type's column)."""
+    keys = json.loads(text)  # not JSON: argparse's "invalid multimodal_keys value" names the flag and the text
+    if list(keys) != ["image"]:  # slime's video and audio: no model input here
         raise argparse.ArgumentTypeError(f"""{text}: want '{{"image": "COLUMN"}}' (images are the one media type)""")
     return keys
 
@@ -257,12 +254,6 @@ def add_column_args(a):
     a("--allow-outside-paths", action="store_true", help="let data rows' image paths leave the data set's folder")
 
 
-def load(source, split, args, **kw):
-    """load_geo3k as the flags of add_column_args say."""
-    return load_geo3k(source, split, args.input_key, args.label_key, allow_urls=args.allow_image_urls,
-                      allow_outside=args.allow_outside_paths, multimodal_keys=args.multimodal_keys, **kw)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -272,7 +263,8 @@ def main(argv=None):
     add_column_args(sh.add_argument)
     a = p.parse_args(argv)
     try:
-        recs = load(a.source, a.split, a)
+        recs = load_geo3k(a.source, a.split, a.input_key, a.label_key, allow_urls=a.allow_image_urls,
+                          allow_outside=a.allow_outside_paths, multimodal_keys=a.multimodal_keys)
     except DataError as e:
         raise SystemExit(str(e)) from None
     print(f"{len(recs)} records; first: {recs[0]['problem'][:80]!r} -> {recs[0]['answer']!r}, "

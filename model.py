@@ -268,7 +268,6 @@ class MegatronVLM(torch.nn.Module):
         super().__init__()
         tc = hf_config.text_config
         self.hf_config, self.hf_dir, self.par = hf_config, Path(hf_dir), par
-        self.config_json = (self.hf_dir / "config.json").read_text()  # what save_hf writes beside these weights
         self.groups, self.heads, self.vocab = tc.num_key_value_heads, tc.num_attention_heads, tc.vocab_size
         self.padded_vocab = -(-self.vocab // par.tp) * par.tp  # VocabParallelEmbedding splits evenly
         self.tie = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -418,6 +417,7 @@ def load_model(hf_dir, opts=ModelOptions(), par=None):
     par = par or parallel.init_distributed()
     model = MegatronVLM(AutoConfig.from_pretrained(hf_dir), hf_dir, par, opts)
     model.names = convert.name_map(model, hf_dir)
+    model.config_json = (Path(hf_dir) / "config.json").read_text()  # what save_hf writes beside these weights
     convert.load_weights(model)
     if model.visual is not None:
         model.visual.requires_grad_(not opts.freeze_vit)

@@ -63,8 +63,7 @@ def build_parser():
     a = g.add_mutually_exclusive_group().add_argument  # one or the other: argparse names both
     a("--async-rollout", action="store_true", help="step k+1's rollout runs while step k trains. Not with --colocate")
     a("--fully-async", action="store_true", help="generation never waits for training: a step takes the first "
-      "--rollout-batch-size complete groups, a weight update cuts the rest, which go on with the new weights (miles' "
-      "flag; docs/rollout.md). Not with --colocate")
+      "--rollout-batch-size complete groups; what a weight update cuts goes on with the new weights. Not with --colocate")
     a = g.add_argument
     a("--max-weight-staleness", type=F.COUNT, default=None, metavar="K", help="with --partial-rollout or --fully-async: "
       "drop a group with a token over K weight versions old (default: none dropped)")

@@ -8,7 +8,6 @@ import importlib
 import json
 import os
 import random
-import re
 import shutil
 import socket
 import subprocess
@@ -88,7 +87,7 @@ class Run:
                 start_fresh(self.save, args.overwrite, args.load)
                 self.write_config(f"config_{kind}.json")
             else:  # refused or said now; written as the resume happens (load_state), beside the run's first
-                same_architecture(args.hf_checkpoint, self.ckpt)
+                convert.same_architecture(args.hf_checkpoint, self.ckpt)
                 compare(self.ckpt.parent / f"config_{kind}.json", self.config, FIXED + fixed)
             if args.wandb_project:
                 try:
@@ -227,32 +226,6 @@ def compare(saved_path, config, fixed):
         print(f"[run] resumed with {line}", flush=True)
 
 
-# config.json fields that shape a tensor, by name (sizes, dims, head and layer counts, layer kinds; not token ids or rope)
-SHAPES = re.compile(r"architectures|tie_word_embeddings|layer_types|depth|in_chans|in_channels|num_(?!experts_per_tok).*"
-                    r"|.*_(size|dim|heads|layers|indexes)")
-
-
-def shape_fields(config, prefix=""):
-    """{dotted name: value} of a config.json's SHAPES fields, nested configs (text_config.hidden_size) included."""
-    out = {}
-    for k, v in config.items():
-        if isinstance(v, dict):
-            out.update(shape_fields(v, f"{prefix}{k}."))
-        elif SHAPES.fullmatch(k):
-            out[prefix + k] = v
-    return out
-
-
-def same_architecture(hf_checkpoint, ckpt):
-    """A resume trains `ckpt`'s weights, built as --hf-checkpoint's config says: one of another shape is refused."""
-    new, run = (shape_fields(json.loads((Path(d) / "config.json").read_text())) for d in (hf_checkpoint, ckpt))
-    differ = [f"{k} {new.get(k)}, the run's {run.get(k)}" for k in sorted(new | run) if new.get(k) != run.get(k)]
-    if differ:
-        raise SystemExit(f"--hf-checkpoint {hf_checkpoint}: not the architecture of {ckpt} ({'; '.join(differ)}), "
-                         "whose weights a resume trains; resume with the run's --hf-checkpoint, or start a new run "
-                         "from this one in another --save")
-
-
 def find_checkpoint(load_flag, save):
     """The checkpoint --load points at: its `latest`, else its newest complete iter_*; None when --load is
     --save and holds none yet (slime's habit). Else an error."""
@@ -324,8 +297,10 @@ def load_data(args, evaluation=False, verbose=True, measure=None, limit=None):
         if n > limit[0]:
             raise data.TooLong(f"{n} tokens, over {limit[1]}")
     try:
-        records = data.load(source, args.eval_split if evaluation else args.split, args, max_bad_frac=args.max_bad_frac,
-                            verbose=verbose, check=measure and check)
+        records = data.load_geo3k(source, args.eval_split if evaluation else args.split, args.input_key,
+                                  args.label_key, args.max_bad_frac, verbose=verbose, check=measure and check,
+                                  allow_urls=args.allow_image_urls, allow_outside=args.allow_outside_paths,
+                                  multimodal_keys=args.multimodal_keys)
     except data.DataError as e:
         raise SystemExit(f"--{'eval-' if evaluation else ''}prompt-data: {e}") from None
     return records[:args.eval_samples or None] if evaluation else records

@@ -77,7 +77,7 @@ GRPO = ["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x"]
     # issue 58: evaluating nothing, a media type this trainer has no model input for
     ("train_grpo", ["--num-rollout", "0"], "--num-rollout 0 only evaluates: give --eval-prompt-data"),
     ("train_grpo", ["--multimodal-keys", '{"video": "clip"}'], "--multimodal-keys: {\"video\": \"clip\"}: want"),
-    ("sft", ["--multimodal-keys", "image_path"], "--multimodal-keys: image_path: want '{\"image\": \"COLUMN\"}'"),
+    ("sft", ["--multimodal-keys", "image_path"], "--multimodal-keys: invalid multimodal_keys value: 'image_path'"),
     ("sft", ["--global-batch-size", "0"], "--global-batch-size: 0:"),
     ("sft", ["--num-epoch", "0"], "--num-epoch: 0:"),
     ("sft", ["--lr", "nan"], "--lr: nan:"),
