@@ -164,8 +164,10 @@ def load_geo3k(source, split=None, input_key="problem", label_key="answer", max_
     skip and count. multimodal_keys: slime's {"image": column} (default: `images`, else `image`)."""
     rows, base_dir, name = _read_rows(str(source), split)
     columns = sorted({k for row in rows for k in row} - {"__error__"})
-    images = (multimodal_keys or {}).get("image") or ("image" if "image" in columns and "images" not in columns
-                                                      else "images")
+    keys = multimodal_keys or {}
+    if not isinstance(keys, dict) or set(keys) - {"image"}:  # slime's video and audio: no model input for them here
+        raise DataError(f"""--multimodal-keys {json.dumps(keys)}: images only here, '{{"image": "COLUMN"}}'""")
+    images = keys.get("image") or ("image" if "image" in columns and "images" not in columns else "images")
     for need, flag in ((input_key, "--input-key"), (label_key, "--label-key"),
                        (images, """--multimodal-keys '{"image": "COLUMN"}'""")):
         if columns and need not in columns:
@@ -235,20 +237,13 @@ def sft_messages(record):
     return prompt_messages(record) + [{"role": "assistant", "content": sft_target(record["answer"])}]
 
 
-def multimodal_keys(text):
-    """argparse type of --multimodal-keys: slime's JSON map from media type to column (THUDM/slime 624b824:
-    slime/utils/arguments.py:661-668 `type=json.loads`, slime/utils/data.py:152-160 reads each type's column)."""
-    keys = json.loads(text)  # not JSON: argparse's "invalid multimodal_keys value" names the flag and the text
-    if list(keys) != ["image"]:  # slime's video and audio: no model input here
-        raise argparse.ArgumentTypeError(f"""{text}: want '{{"image": "COLUMN"}}' (images are the one media type)""")
-    return keys
-
-
 def add_column_args(a):
     """The flags that say how rows read (`a`: a parser's or group's add_argument): show's and both trainers'."""
     a("--input-key", default="problem", help="column holding the problem text")
     a("--label-key", default="answer", help="column holding the answer")
-    a("--multimodal-keys", type=multimodal_keys, default=None,
+    # slime's flag and form (THUDM/slime 624b824: slime/utils/arguments.py:661-668 `type=json.loads`, a map from
+    # media type to column; slime/utils/data.py:152-160 reads each type's column, one value or a list)
+    a("--multimodal-keys", type=json.loads, default=None,
       help="""slime's JSON map from media type to column, '{"image": "COLUMN"}' (default: images, else image)""")
     a("--allow-image-urls", action="store_true", help="fetch http(s) images of data rows (off: such rows are bad)")
     a("--allow-outside-paths", action="store_true", help="let data rows' image paths leave the data set's folder")
