@@ -3,6 +3,7 @@ out of bounds (at_least, fraction) is the parser's error naming the flag and the
 import argparse
 import dataclasses
 
+import data
 import reward
 
 
@@ -56,12 +57,9 @@ def add_train_args(p):
 def add_data_args(p):
     g = p.add_argument_group("data and evaluation").add_argument
     g("--prompt-data", required=True, help="training data: hub id, .parquet, .jsonl or folder")
-    g("--input-key", default="problem", help="column holding the problem text")
-    g("--label-key", default="answer", help="column holding the answer")
+    data.add_column_args(g)
     g("--split", default=None, help="split of a hub id or folder (default: train)")
     g("--max-bad-frac", type=fraction, default=0.01, help="stop when more data rows than this are unusable")
-    g("--allow-image-urls", action="store_true", help="fetch http(s) images of data rows (off: such rows are bad)")
-    g("--allow-outside-paths", action="store_true", help="let data rows' image paths leave the data set's folder")
     g("--eval-prompt-data", default=None, help="evaluation data (same forms as --prompt-data)")
     g("--eval-split", default="test", help="split of --eval-prompt-data when it is a hub id or folder")
     g("--eval-interval", type=COUNT, default=0, help="evaluate every N steps (0: only at the end)")

@@ -413,6 +413,7 @@ def load_model(hf_dir, opts=ModelOptions(), par=None):
     par = par or parallel.init_distributed()
     model = MegatronVLM(AutoConfig.from_pretrained(hf_dir), hf_dir, par, opts)
     model.names = convert.name_map(model, hf_dir)
+    model.config_json = (Path(hf_dir) / "config.json").read_text()  # what save_hf writes beside these weights
     convert.load_weights(model)
     if model.visual is not None:
         model.visual.requires_grad_(not opts.freeze_vit)

@@ -63,9 +63,11 @@ def build_parser():
     g = p.add_argument_group("engine placement")
     a = g.add_mutually_exclusive_group().add_argument  # one or the other: argparse names both
     a("--async-rollout", action="store_true", help="step k+1's rollout runs while step k trains. Not with --colocate")
-    a("--fully-async", action="store_true", help="the rollout never waits for training (miles'). Not with --colocate")
+    a("--fully-async", action="store_true", help="generation never waits for training: a step takes the first "
+      "--rollout-batch-size complete groups; what a weight update cuts goes on with the new weights. Not with --colocate")
     a = g.add_argument
-    a("--max-weight-staleness", type=F.COUNT, default=None, help="drop a group with a token over K versions old")
+    a("--max-weight-staleness", type=F.COUNT, default=None, metavar="K", help="with --partial-rollout or --fully-async: "
+      "drop a group with a token over K weight versions old (default: none dropped)")
     a("--colocate", action="store_true", help="SGLang shares the training GPUs, released while training")
     a("--offload-train", action=argparse.BooleanOptionalAction, default=None,
       help="the trainer's state waits in host memory while SGLang generates (default: --colocate on CUDA)")
@@ -84,11 +86,15 @@ def parse_args(argv=None):
     if bad:
         p.error(f"unrecognized arguments: {' '.join(bad)}")
     args.sglang_args = sglang_engine.sglang_server_args(unknown)
+    args.derived = [k for k, unset in (("global_batch_size", args.global_batch_size == 0),  # flags set from others
+                                       ("offload_train", args.offload_train is None)) if unset]
     args.global_batch_size = args.global_batch_size or args.rollout_batch_size * args.n_samples_per_prompt
     if args.offload_train is None:
         args.offload_train = args.colocate and torch.cuda.is_available()
     if args.n_samples_per_prompt == 1 and args.num_rollout:
         p.error("--n-samples-per-prompt 1: a group of one has zero advantage, GRPO would learn nothing")
+    if not (args.num_rollout or args.eval_prompt_data):
+        p.error("--num-rollout 0 only evaluates: give --eval-prompt-data (or steps to train)")
     if (args.fully_async or args.async_rollout) and (args.colocate or args.offload_train):
         p.error(f"{'--fully-async' if args.fully_async else '--async-rollout'}: the rollout runs beside training, so "
                 "the engine needs GPUs of its own (--rollout-num-gpus N), not --colocate or --offload-train")
@@ -404,6 +410,16 @@ def main(argv=None):
     # of a step: step x the batch, or the data stream's next (--partial-rollout, --fully-async)
     run.nothing_left(args.num_rollout, "--num-rollout")
     processor = AutoProcessor.from_pretrained(args.hf_checkpoint)
+    records = eval_records = None
+    if par.rank == 0:  # rank 0 owns the data (checked here, before any model: docs/data.md) and the rewards
+        reward.init()  # its one-off warm-up here, not in the first rollout
+        fit = dict(measure=lambda r: len(chat.prompt(processor, r, args.max_turns > 1)[2]),
+                   limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len} with room for a response"))
+        records = T.load_data(args, **fit) if args.num_rollout else []  # --num-rollout 0: evaluate only
+        eval_records = T.load_data(args, evaluation=True, **fit)
+        if args.num_rollout and len(records) < args.rollout_batch_size:  # a step's groups: distinct prompts
+            raise SystemExit(f"--rollout-batch-size {args.rollout_batch_size}: --prompt-data has {len(records)} usable "
+                             "prompts, so a step would sample some twice; lower it or add data")
     ckpt, opts = run.ckpt, M.ModelOptions.from_args(args)
     model = M.load_model(ckpt or args.hf_checkpoint, opts, par)
     if args.use_rollout_routing_replay and not getattr(model.hf_config.text_config, "num_experts", None):
@@ -414,13 +430,6 @@ def main(argv=None):
     opt, sched = optim.build_optimizer(model, args, args.num_rollout * updates)
     start = run.load_state(ckpt, opt, sched)["step"] if ckpt else 0
     policy = Policy(model, ref, opt, sched, args, updates)
-    records = eval_records = None
-    if par.rank == 0:  # rank 0 owns the data and the rewards; each node's leader its server (cluster.py)
-        reward.init()  # its one-off warm-up here, not in the first rollout
-        fit = dict(measure=lambda r: len(chat.prompt(processor, r, args.max_turns > 1)[2]),
-                   limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len} with room for a response"))
-        records = T.load_data(args, **fit) if args.num_rollout else []  # --num-rollout 0: evaluate only
-        eval_records = T.load_data(args, evaluation=True, **fit)
     servers = cluster.Servers(args, par, model, opt, ref, str(ckpt or args.hf_checkpoint), str(run.save), processor)
     source = Source(servers.engine, processor, records, args, updates, par,
                     run.load_rollout(ckpt) if ckpt and par.rank == 0 else None)
