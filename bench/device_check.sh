@@ -33,8 +33,9 @@ elif [[ -z "${DRY[*]}" ]]; then
   echo "no bench/device_wheels: run bash bench/device_bundle.sh here first, and carry it"; exit 1
 fi
 echo "device check: $($PY --version 2>&1), results $OUT/checks.jsonl, log $OUT/device_check.log"
-# the driver's own budget (device_checks.BUDGET_S) ends it; this outer limit only backs that up
-timeout -k 10 460 "$PY" bench/device_checks.py --out "$OUT" --work "$WORK" "${DRY[@]}" "$@" 2>>"$OUT/device_check.log"
+# the driver's own budget (device_checks.BUDGET_S, x3 dry) ends it; this outer limit only backs that up
+LIMIT=460; [[ -n "${DRY[*]}" ]] && LIMIT=1360
+timeout -k 10 $LIMIT "$PY" bench/device_checks.py --out "$OUT" --work "$WORK" "${DRY[@]}" "$@" 2>>"$OUT/device_check.log"
 code=$?
 [[ -z "${DEVICE_WORK:-}" ]] && rm -rf "$WORK"
 exit $code
