@@ -21,6 +21,7 @@ with warnings.catch_warnings():  # megatron-core's import, without TE and Apex (
     from megatron.core.transformer import TransformerConfig
     logging.disable(logging.NOTSET)
 from transformers import AutoConfig, AutoModel
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
 import attention
 import context_parallel as C
@@ -31,6 +32,8 @@ import parallel
 import pipeline
 import qwen3_5
 import routing
+
+VISION = {"qwen2_5_vl": Qwen2_5_VisionTransformerPretrainedModel._from_config}  # AutoModel: from transformers 5.19
 
 
 def rope_positions(hf_config, input_ids, image_grid_thw=None):
@@ -302,7 +305,7 @@ class MegatronVLM(torch.nn.Module):
         self.replays = routing.install(self.language_model)  # {local layer: Replay}, R3 (routing.py)
         if self.pre:  # we embed, place the image features and scatter the sequence (SP) ourselves
             self.language_model.embedding.word_embeddings.reduce_scatter_embeddings = False
-        self.visual = AutoModel.from_config(hf_config.vision_config) if self.pre else None
+        self.visual = VISION.get(hf_config.model_type, AutoModel.from_config)(hf_config.vision_config) if self.pre else None
         sum_shared_grads_over_tp(self.language_model, par)
         rp = tc.rope_parameters
         assert rp.get("rope_type", "default") == "default", rp

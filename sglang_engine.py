@@ -49,10 +49,7 @@ def read_image_token_id(hf_dir):
 def flag_value(args, names, default):
     """The value after the first of `names` in a flag list, else default."""
     args = list(args)
-    for n in names:
-        if n in args[:-1]:
-            return args[args.index(n) + 1]
-    return default
+    return next((args[args.index(n) + 1] for n in names if n in args[:-1]), default)
 
 
 def server_dtype(hf_dir, server_args):

@@ -314,5 +314,55 @@ print(rows[-1]['expert_load'])"
 else
   echo "SKIP cp2, pp2: context and pipeline parallelism need 2 GPUs (this machine has $GPUS)"
 fi
+# ---- issue 59: lines a reading found missing (the preemption, restart and LM-head lines: issue 58's block) ----
+# GSPO (one clipped ratio a sequence) and CISPO (the clipped weight without gradient, --eps-clip 1) in bf16 with the
+# distributed optimizer: each step trains (grad_norm > 0) and the logprob gap stays at the one-GPU level
+for est in gspo cispo; do
+  clip=(); [[ $est == cispo ]] && clip=(--eps-clip 1)
+  check grpo_${est}_bf16 "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine local "${BF16[@]}" \
+    --advantage-estimator $est "${clip[@]}" --save "$DIR/grpo_${est}"
+  check grpo_${est}_bf16_metrics metric "$DIR/grpo_${est}"
+done
+# evaluation only (--num-rollout 0): greedy pass@1 and pass@4 at the rollout temperature, every response in
+# eval_0000000.jsonl: four pass@4 rows a problem after one accuracy row
+check eval_only_pass_at_k "${TR[@]}" train_grpo.py --hf-checkpoint "$DIR/tiny" --prompt-data "$DIR/data" \
+  --eval-prompt-data "$DIR/data" --eval-samples 8 --n-samples-per-eval-prompt 4 --num-rollout 0 \
+  --rollout-engine local --rollout-max-response-len 32 --save "$DIR/eval_only"
+check eval_only_pass_at_k_rows "$PY" -c "
+import json; m = [json.loads(x) for x in open('$DIR/eval_only/metrics.jsonl')][-1]
+rows = [json.loads(x) for x in open('$DIR/eval_only/eval_0000000.jsonl')]
+modes = [r['mode'] for r in rows]
+assert 'eval_accuracy' in m and 'eval_pass@4' in m and modes.count('eval_pass@4') == 4 * modes.count('eval_accuracy') == 32, (m, modes)
+print({k: v for k, v in m.items() if k.startswith('eval_')})"
+# multi-turn GRPO on the crop task after run.sh's SFT on crop episodes (half crop the named box): the model calls
+# crop, the env runs it, its observation (a new image) reaches the next turn: tool_calls_crop > 0 every step
+check crop_data bash -c "$PY tools/synth.py --n 64 --n-test 8 --out $DIR/crop --kinds crop && \
+$PY tools/synth.py --n 256 --n-test 8 --seed 3 --out $DIR/crop_warm --kinds crop --warm-start 0.5 && echo made"
+check sft_crop_format "${TR[@]}" sft.py --hf-checkpoint "$DIR/tiny" --prompt-data "$DIR/crop_warm" --save "$DIR/sft_crop" \
+  --decoupled-lr 1e-2 --lr 3e-4 --lr-warmup-iters 10 --global-batch-size 8 --num-epoch 2 --max-tokens-per-gpu 4096
+check grpo_multi_turn_crop bash -c "${TR[*]} train_grpo.py --hf-checkpoint $DIR/sft_crop/\$(cat $DIR/sft_crop/latest) \
+  --prompt-data $DIR/crop --rollout-engine local --rollout-batch-size 4 --n-samples-per-prompt 4 --max-turns 3 \
+  --rollout-max-response-len 192 --max-tokens-per-gpu 4096 --num-rollout 3 --lr 1e-5 --save $DIR/grpo_crop"
+check grpo_multi_turn_crop_calls "$PY" -c "
+import json; rows = [json.loads(x) for x in open('$DIR/grpo_crop/metrics.jsonl') if '\"reward\"' in x]
+assert rows and all(r.get('tool_calls_crop', 0) > 0 and r['failed_frac'] == 0 for r in rows), rows
+print([round(r['tool_calls_crop'], 2) for r in rows])"
+if [ "$GPUS" -ge 2 ] && "$PY" -c "import sglang" 2>/dev/null; then
+  # SGLang on a GPU of its own (--rollout-num-gpus 1 after the one training GPU): the weights go over an NCCL
+  # group (/init_weights_update_group + /update_weights_from_distributed), then the fully async rollout on it
+  check grpo_nccl_sync "${TR[@]}" train_grpo.py "${GRPO[@]}" "${SGL[@]}" --rollout-num-gpus 1 --weight-sync distributed \
+    --save "$DIR/grpo_nccl"
+  check grpo_nccl_sync_metrics metric "$DIR/grpo_nccl"
+  # --fully-async: the rollout never waits; each weight update cuts what generates, which goes on with the new
+  # weights (metrics staleness_max <= --max-weight-staleness, rollout_engine_idle_frac said)
+  check grpo_fully_async "${TR[@]}" train_grpo.py "${GRPO[@]}" "${SGL[@]}" --rollout-num-gpus 1 --fully-async \
+    --max-weight-staleness 2 --save "$DIR/grpo_fully_async"
+  check grpo_fully_async_metrics "$PY" -c "
+import json; rows = [json.loads(x) for x in open('$DIR/grpo_fully_async/metrics.jsonl') if '\"reward\"' in x]
+assert rows and all(r['failed_frac'] == 0 and r['grad_norm'] > 0 and r['staleness_max'] <= 2 for r in rows), rows
+print([(r['staleness_max'], round(r.get('rollout_engine_idle_frac', -1), 2)) for r in rows])"
+else
+  echo "SKIP grpo_nccl_sync, grpo_fully_async: SGLang on a GPU of its own needs sglang and 2 GPUs (this machine has $GPUS)"
+fi
 echo "$failed check(s) failed; logs in $DIR"
 exit $((failed > 0))
