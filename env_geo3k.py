@@ -8,7 +8,8 @@
 A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in strict JSON or Qwen3.5's XML form;
 nothing the model writes is evaluated or executed. A tool: a function and its Tool in TOOLS (docs/extending.md).
 Options read from args: max_turns (required), oracle (default True; evaluation turns it off: calc_score only
-records), rm_type ("math"), min_pixels (crop area floor, default 56*56), max_payload (4096 chars).
+records), rm_type ("math"), min_pixels (crop area floor, default 56*56), max_payload (4096 chars), and each tool's
+own flags (`Tool.flags`: env.flags, by dest).
 """
 import dataclasses
 import json
@@ -16,6 +17,7 @@ import math
 import re
 from contextlib import suppress
 
+import flags as F
 import reward
 
 MIN_SIDE = 56      # crops are upscaled until both sides reach this (Qwen's 28-px merge unit x2)
@@ -88,7 +90,7 @@ def iou(a, b):
     return inter / ((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter)
 
 
-def crop_metrics(ran, rewards):
+def crop_metrics(ran, correct):
     """crop_iou (mean over crops of image 0), crop_hit_frac (episodes with one at IoU >= 0.5), and accuracy_with_crop
     and accuracy_without_crop over the episodes that did or did not crop."""
     m, ious = {}, [[i["iou"] for i in st if "iou" in i] for st in ran]
@@ -97,9 +99,9 @@ def crop_metrics(ran, rewards):
         m["crop_hit_frac"] = sum(max(x, default=0) >= 0.5 for x in ious) / len(ran)
     cropped = [any(i["tool"] == "crop" for i in st) for st in ran]
     for key, want in (("accuracy_with_crop", True), ("accuracy_without_crop", False)):
-        part = [r for r, c in zip(rewards, cropped) if c == want and r is not None]
+        part = [r for r, c in zip(correct, cropped) if c == want and r is not None]
         if part:
-            m[key] = sum(r > 0 for r in part) / len(part)
+            m[key] = sum(map(bool, part)) / len(part)
     return m
 
 
@@ -112,7 +114,8 @@ class Tool:
     parameters: dict     # JSON-schema properties; the env refuses arguments not named here
     example: dict        # a call's required arguments (the spec's `required`), shown in the call-format help
     default: bool = True  # offered to a row that names no `tools`
-    metrics: object = None  # (ran: each episode's step infos that ran, rewards) -> its rollout metrics
+    metrics: object = None  # (ran: each episode's step infos that ran, correct) -> its rollout metrics
+    flags: dict = dataclasses.field(default_factory=dict)  # its own flags: {"--name": add_argument's keywords}
 
     def spec(self, name):
         return {"type": "function", "function": {"name": name, "description": self.description, "parameters": {
@@ -162,15 +165,16 @@ def usage(names, xml=False):
     return f"Call one tool exactly like this:\n<tool_call>\n{call}\n</tool_call>\nTools:\n{lines}"
 
 
-def tool_metrics(steps, rewards):
-    """A multi-turn rollout's tool use, from each episode's step infos and reward (None: failed): per
-    episode, tool_calls_<tool> (calls that ran), and each tool's own metrics. {} for single-turn ones."""
+def tool_metrics(steps, correct, tools):
+    """A multi-turn rollout's tool use, from each episode's step infos and correctness (None: failed), for the `tools`
+    some row of the run is offered: per episode, tool_calls_<tool> (calls that ran), and each one's own metrics. {}
+    for single-turn ones."""
     if not any(steps):
         return {}
     ran, n = [[i for i in st if i.get("ran")] for st in steps], len(steps)
-    m = {f"tool_calls_{t}": sum(i["tool"] == t for st in ran for i in st) / n for t in TOOLS}
-    for tool in TOOLS.values():
-        m.update(tool.metrics(ran, rewards) if tool.metrics else {})
+    m = {f"tool_calls_{t}": sum(i["tool"] == t for st in ran for i in st) / n for t in tools}
+    for t in tools:
+        m.update(TOOLS[t].metrics(ran, correct) if TOOLS[t].metrics else {})
     return m
 
 
@@ -179,8 +183,8 @@ _XML_PARAMETER = re.compile(r"<parameter=([^>\n]*)>\n?(.*?)\n?</parameter>", re.
 
 class Geo3kEnv:
     def __init__(self, record, max_turns, oracle=True, rm_type="math", min_pixels=MIN_SIDE * MIN_SIDE,
-                 max_payload=4096):  # record: the row (its answer, images, tools...); options: the module docstring's
-        self.record, self.tools = record, offered(record.get("tools"))
+                 max_payload=4096, flags=None):  # record: the row (its answer, images, tools...); options: the docstring's
+        self.record, self.tools, self.flags = record, offered(record.get("tools")), flags or {}
         self.problem_images = list(record.get("images") or [])
         self.max_turns, self.oracle, self.min_pixels, self.max_payload = max_turns, oracle, min_pixels, max_payload
         self.rm_type = rm_type or "math"
@@ -306,4 +310,4 @@ def build_env(sample=None, args=None, **_):
     # the recipe's args namespace may hold any of the options, or none but max_turns
     options = {k: getattr(args, k) for k in ("oracle", "rm_type", "min_pixels", "max_payload")
                if getattr(args, k, None) is not None}
-    return Geo3kEnv(record, max_turns, **options)
+    return Geo3kEnv(record, max_turns, **options, flags=F.declared(F.own_flags(TOOLS), args))

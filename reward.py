@@ -1,11 +1,15 @@
-"""Pure reward functions for geo3k GRPO (--rm-type: REWARDS), the one scoring call, format check.
+"""Rewards for geo3k GRPO: the correctness judges (--rm-type: REWARDS), the terms shaping a reward on top of
+correctness (SHAPING: DAPO's overlong penalty), the one scoring call of each, the format check.
 
     import reward
     r = reward.score("geo3k", response, {"answer": "5 \\sqrt { 3 }"})   # 1.0 or 0.0, never raises; thread-safe
+    r = reward.rewarded(sample, record, cfg)  # sets sample.correct; -> correct + the SHAPING terms, a float
 
-A reward in REWARDS is (response, record) -> true or false (docs/extending.md); score() makes it 0.0 or 1.0
-within a time bound on any thread (docs/reward.md). Importing changes nothing; the first score() runs init().
+A judge in REWARDS is (response, record) -> true or false; a term in SHAPING is (sample, record, cfg) -> float, with
+the flags it takes (docs/extending.md). Each runs within a time bound on any thread, 0.0 on an exception
+(docs/reward.md). Importing changes nothing; the first score() runs init().
 """
+import collections
 import ctypes
 import functools
 import itertools
@@ -21,6 +25,8 @@ from contextlib import contextmanager, suppress
 
 import sympy
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+import flags
 
 MAX_BOX_CHARS = 1000  # a real answer is < 100 chars; longer boxes are junk and slow to parse
 MAX_DEPTH = 8         # geo3k answers nest <= 3 deep; sympy's set/evalf code is exponential in depth
@@ -251,15 +257,44 @@ def geo3k_reward(response, record, tol=0.05):
     return _judge(response, record.get("answer"), tol)
 
 
-def score(rm_type, response, record):
-    """The reward of `response` to the data row `record` under --rm-type: 1.0 or 0.0, within the time bound."""
-    if rm_type not in REWARDS:
-        raise ValueError(f"unknown --rm-type {rm_type!r}; choose one of {sorted(REWARDS)}")
+def _bounded(fn, *a):
+    """fn(*a) as a float (None stays None) within the time bound; 0.0 past it or on any exception: a reward must never
+    crash a training step."""
     try:
         with _deadline(CPU_LIMIT_S, WALL_LIMIT_S):
-            return 1.0 if REWARDS[rm_type](response, record) else 0.0
-    except (Exception, _Timeout):  # a reward must never crash a training step
+            v = fn(*a)
+            return None if v is None else float(v)
+    except (Exception, _Timeout):
         return 0.0
+
+
+def score(rm_type, response, record):
+    """The correctness of `response` to the data row `record` under --rm-type: 1.0 or 0.0, within the time bound."""
+    if rm_type not in REWARDS:
+        raise ValueError(f"unknown --rm-type {rm_type!r}; choose one of {sorted(REWARDS)}")
+    return 1.0 if _bounded(REWARDS[rm_type], response, record) else 0.0
+
+
+def overlong_penalty(sample, record, cfg):
+    """DAPO's soft overlong punishment (arXiv 2503.14476, Eq. 13) times F = --overlong-penalty-factor (0: off, None), by
+    verl's names and arithmetic (verl workers/reward_manager/dapo.py:116-122): with L_max = --rollout-max-response-len
+    and L = --overlong-buffer-len, a response of |y| <= L_max - L tokens gets 0, one in the buffer
+    -F (|y| - (L_max - L)) / L, one beyond L_max -F. |y| counts what --rollout-max-response-len cuts: the response's
+    tokens, multi-turn the tool observations between the model's turns too."""
+    if not cfg.overlong_penalty_factor:
+        return None
+    excess = len(sample.response_ids) - (cfg.rollout_max_response_len - cfg.overlong_buffer_len)
+    return -cfg.overlong_penalty_factor * min(1.0, max(0, excess) / max(1, cfg.overlong_buffer_len))
+
+
+def rewarded(sample, record, cfg):
+    """An ended sample of the data row `record` under the rollout's settings `cfg`: sets sample.correct (--rm-type's
+    judge) -> its reward, 1.0 if correct else 0.0, plus each SHAPING term unless cfg.shaping is off (evaluation); the
+    terms' values (those on) in sample.metadata["shaping"]."""
+    sample.correct = score(cfg.rm_type, sample.response_text, record) > 0
+    terms = {k: _bounded(t.term, sample, record, cfg) for k, t in SHAPING.items()} if cfg.shaping else {}
+    sample.metadata["shaping"] = {k: v for k, v in terms.items() if v is not None}
+    return float(sample.correct) + sum(sample.metadata["shaping"].values())
 
 
 def _reject_constant(name):  # json's parse_constant: NaN / Infinity are not JSON
@@ -293,6 +328,12 @@ def format_ok(response):
 
 
 REWARDS = {"math": math_reward, "geo3k": geo3k_reward}  # --rm-type's choices
+Shaping = collections.namedtuple("Shaping", ["term", "flags"])  # (sample, record, cfg) -> float, None: off; its flags
+SHAPING = {"overlong_penalty": Shaping(overlong_penalty, {  # metrics: overlong_penalty_mean, overlong_penalty_frac
+    "--overlong-buffer-len": dict(type=flags.COUNT, default=0, help="DAPO's overlong buffer L: responses over "
+                                  "--rollout-max-response-len - L tokens are penalised, linearly (verl's overlong_buffer.len)"),
+    "--overlong-penalty-factor": dict(type=flags.at_least(0.0), default=0.0, help="DAPO's overlong penalty at "
+                                      "--rollout-max-response-len (0: off; verl's overlong_buffer.penalty_factor)")})}
 # init's warm-up: (answer, label) pairs that reach sympy's lazily imported parts
 WARM_UP = [("x = 13", "13"), ("8.66", "5\\sqrt{3}"), ("(1,2]", "\\{1,2\\}"), ("x<3", "3>x"),
            ("\\sqrt{-9}", "\\frac{5\\pi}{3}")]

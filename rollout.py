@@ -7,6 +7,7 @@ generation with exact token bookkeeping (token in, token out: docs/rollout.md), 
 A sample failing a check is `failed` with its reason and an all-zero loss mask; neither it nor an `aborted`
 one is trained on.
 """
+import argparse
 import math
 import os
 import sys
@@ -20,7 +21,7 @@ from tqdm import tqdm
 
 import chat
 import env_geo3k
-import flags
+import flags as F
 import reward
 
 
@@ -34,7 +35,8 @@ class Sample:
     images: list = field(default_factory=list)             # PIL, in order of their pads
     image_turns: list = field(default_factory=list)        # turn that brought each image
     label: str = ""
-    reward: float = 0.0
+    reward: float = 0.0              # reward.rewarded's: correctness, plus any SHAPING term
+    correct: bool = False            # --rm-type's judge: what accuracy, pass@K and --dynamic-sampling read
     status: str = "completed"        # completed | truncated | aborted | failed
     fail_reason: str = None
     turns: int = 0
@@ -51,21 +53,38 @@ class Sample:
         return self.prompt_ids + self.response_ids
 
 
-@dataclass(frozen=True)
-class RolloutConfig(flags.FromArgs):
-    """What a rollout reads: the rollout flags of the same names (flags.add_rollout_args), and the
-    env's oracle switch (evaluation turns it off: an oracle tool inflates multi-turn accuracy)."""
-    rollout_batch_size: int = 8
-    n_samples_per_prompt: int = 4
-    rollout_max_response_len: int = 256
-    rollout_temperature: float = 1.0
-    rollout_top_p: float = 1.0
-    rollout_top_k: int = -1
-    max_turns: int = 1
-    max_context_len: int = 8192
-    dynamic_sampling: bool = False
-    rm_type: str = "math"
-    oracle: bool = True
+def add_args(p):
+    """The rollout's flags, with each SHAPING term's and tool's own: the one place the rollout's settings come from."""
+    g = p.add_argument_group("rollout").add_argument
+    g("--rollout-batch-size", type=F.POSITIVE, default=8, help="prompts per rollout")
+    g("--n-samples-per-prompt", type=F.POSITIVE, default=4, help="responses per prompt (GRPO group)")
+    g("--rollout-max-response-len", type=F.POSITIVE, default=256, help="tokens of a response, tool observations included")
+    g("--rollout-temperature", type=F.at_least(0.0), default=1.0, help="0 = greedy")
+    g("--rollout-top-p", type=F.fraction, default=1.0, help="nucleus sampling")
+    g("--rollout-top-k", type=int, default=-1, help="-1 = off")
+    g("--max-turns", type=F.POSITIVE, default=1, help="1 = single-turn; >1 drives env_geo3k")
+    g("--n-samples-per-eval-prompt", type=F.POSITIVE, default=1, help="K > 1: evaluations report pass@K too (slime's)")
+    g("--max-context-len", type=F.at_least(2), default=8192, help="prompt + response token cap")
+    g("--dynamic-sampling", action="store_true", help="drop groups all right or all wrong (DAPO's); draw more prompts")
+    g("--partial-rollout", action="store_true", help="abort the rest at B complete groups; continue them next step")
+    g("--over-sampling-batch-size", type=F.POSITIVE, default=None, help="groups generating at once (default: the batch)")
+    g("--mask-offpolicy-in-partial-rollout", action="store_true", help="no loss on tokens before a sample's last abort")
+    g("--rm-type", default="math", choices=list(reward.REWARDS), help="the correctness judge (reward.REWARDS)")
+    for name, kw in {**F.own_flags(reward.SHAPING), **F.own_flags(env_geo3k.TOOLS)}.items():
+        g(name, **kw)
+    return p
+
+
+def settings(args, evaluation=False, **changes):
+    """What a rollout reads: add_args' flags as `args` holds them, `oracle` (the env's calc_score checks answers) and
+    `shaping` (SHAPING's terms join the reward), then `changes`. Evaluation's: greedy, no oracle, no shaping, no
+    dynamic sampling."""
+    keys = vars(add_args(argparse.ArgumentParser()).parse_args([]))
+    cfg = argparse.Namespace(**{k: getattr(args, k) for k in keys}, oracle=not evaluation, shaping=not evaluation)
+    if evaluation:
+        cfg.rollout_temperature, cfg.dynamic_sampling = 0.0, False
+    vars(cfg).update(changes)
+    return cfg
 
 
 def _fail(s, reason):
@@ -93,9 +112,7 @@ def new_episode(processor, rec, args, prompt):
                index=rec.get("index", 0), metadata={"steps": []})
     if args.max_turns == 1:
         return Episode(s)
-    env = env_geo3k.build_env(rec, args)
-    env.reset()
-    messages = list(messages)  # each episode appends its own turns
+    env, messages = env_geo3k.build_env(rec, args), list(messages)  # each episode appends its own turns
     return Episode(s, env, {"messages": messages, "tools": tools, "opener": chat.assistant_opener(processor, messages, tools)})
 
 
@@ -241,8 +258,8 @@ class _Episodes:
     """Each episode on its own thread: a turn goes to the engine once its env step is done; CPU work in at most as many
     threads as cores. SGLang (Engine.concurrent) takes requests as they come, a batch engine gets _Rounds."""
 
-    def __init__(self, engine, processor, args, reward_fn):
-        self.engine, self.processor, self.args, self.reward_fn = engine, processor, args, reward_fn
+    def __init__(self, engine, processor, args):
+        self.engine, self.processor, self.args = engine, processor, args
         self.cpu, self.cond = threading.Semaphore(len(os.sched_getaffinity(0))), threading.Condition()
         self.stops = processor.tokenizer.convert_tokens_to_ids([chat.IM_END, chat.ENDOFTEXT])
         self.sampling = dict(temperature=args.rollout_temperature, stop_token_ids=self.stops,
@@ -304,7 +321,7 @@ class _Episodes:
                     own += time.perf_counter() - t
             with self.cpu:
                 t = time.perf_counter()
-                _close(ep, self.groups[key][0], self.processor, args, self.reward_fn)
+                _close(ep, self.groups[key][0], self.processor, args)
                 s.metadata.update(engine_s=s.metadata.get("engine_s", 0.0) + engine_s,
                                   own_s=s.metadata.get("own_s", 0.0) + own + time.perf_counter() - t,
                                   end_s=time.perf_counter() - self.t0)
@@ -339,8 +356,8 @@ class Rollout(_Episodes):
     still generates in `groups` ({key: (record, prompt, episodes)}) for the next run; take(n): the first n kept. A
     `target` stops a run once that many are kept; `cap`, `max_stale`, `drawn`: docs/rollout.md."""
 
-    def __init__(self, engine, processor, args, reward_fn=None, target=None, cap=None, max_stale=None, dynamic=False):
-        super().__init__(engine, processor, args, reward_fn)
+    def __init__(self, engine, processor, args, target=None, cap=None, max_stale=None, dynamic=False):
+        super().__init__(engine, processor, args)
         self.target, self.cap, self.max_stale, self.dynamic = target, cap or target, max_stale, dynamic
         self.groups, self.pool, self.stale, self.since, self.drawn = {}, None, 0, None, 0  # pool None: paused
         self.aborted = 0  # requests cut since the last take (a pause's too)
@@ -425,7 +442,7 @@ class Rollout(_Episodes):
             self._open(self.records[self.next - 1], None, [None] * self.args.n_samples_per_prompt)
 
     def _complete(self, key):  # under the lock: a group whose every episode is done
-        if self.dynamic and len({ep.sample.reward for ep in self.groups[key][2]}) == 1:
+        if self.dynamic and len({ep.sample.correct for ep in self.groups[key][2]}) == 1:
             del self.groups[key]
             self.dropped += 1
             self._top_up()  # the moment a group is known all-equal, another is drawn
@@ -448,23 +465,23 @@ def _busy(calls, since=0.0):
     return busy
 
 
-def _close(ep, rec, processor, args, reward_fn):
-    """An ended episode of `rec`: its env closed, its image placeholders checked, its reward (reward_fn False: none)."""
+def _close(ep, rec, processor, args):
+    """An ended episode of `rec`: its env closed, its image placeholders checked, its correctness and reward."""
     ep.done, s = True, ep.sample
     if ep.env is not None:
         ep.env.close()
     reason = None if s.status == "failed" else chat.check_images(processor, s.tokens, s.images)
     if reason:
         _fail(s, reason)
-    if reward_fn is not False and s.status != "failed":  # reward.score under --rm-type, or reward_fn(response, rec)
-        s.reward = float(reward_fn(s.response_text, rec) if reward_fn else reward.score(args.rm_type, s.response_text, rec))
+    if s.status != "failed":
+        s.reward = reward.rewarded(s, rec, args)
     s.metadata["format_ok"] = bool(reward.format_ok(s.response_text))
 
 
-def generate_group_samples(engine, processor, records, args, reward_fn=None):
-    """records x n_samples_per_prompt scored samples (group = its place in this rollout). With
-    args.dynamic_sampling, a group whose rewards are all equal is dropped and another record started as
-    soon as that is known, until rollout_batch_size groups are kept (the caller passes more records than
-    that: the over-sample). The rollout's own numbers: samples' metadata["rollout"]."""
+def generate_group_samples(engine, processor, records, args):
+    """records x n_samples_per_prompt scored samples (group = its place in this rollout). With args.dynamic_sampling,
+    a group all right or all wrong is dropped and another record started as soon as that is known, until
+    rollout_batch_size groups are kept (the caller passes more records: the over-sample). The rollout's own numbers:
+    samples' metadata["rollout"]."""
     target = (args.rollout_batch_size or len(records)) if args.dynamic_sampling else len(records)
-    return Rollout(engine, processor, args, reward_fn, target, dynamic=args.dynamic_sampling).run(records)
+    return Rollout(engine, processor, args, target, dynamic=args.dynamic_sampling).run(records)

@@ -45,10 +45,12 @@ def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=F.HelpFormatter,
                                 allow_abbrev=False)  # no --sglang-* flag may pass as an abbreviation
     F.add_train_args(p)
-    F.add_rollout_args(p)
+    R.add_args(p)
     a = p.add_argument_group("GRPO").add_argument
     a("--num-rollout", type=F.COUNT, default=100, help="GRPO steps (rollout + update); 0: evaluate only")
     a("--advantage-estimator", default="grpo", choices=list(L.ESTIMATORS), help="loss.py; README, \"The algorithm\"")
+    for name, kw in F.own_flags(L.ESTIMATORS).items():  # each estimator's own (SAPO's temperatures)
+        a(name, **kw)
     a("--eps-clip", type=F.at_least(0.0), default=0.2, help="PPO clip below 1")
     a("--eps-clip-high", type=F.at_least(0.0), default=0.28, help="PPO clip above 1")
     a("--kl-loss-coef", type=F.at_least(0.0), default=0.0, help="KL to the initial policy (0: no reference model)")
@@ -64,6 +66,11 @@ def build_parser():
     a("--async-rollout", action="store_true", help="step k+1's rollout runs while step k trains. Not with --colocate")
     a("--fully-async", action="store_true", help="the rollout never waits for training (miles'). Not with --colocate")
     a = g.add_argument
+    a("--rollout-engine", default="auto", choices=["auto", "sglang", "local"], help="auto: SGLang on CUDA, else local")
+    a("--sglang-server-timeout", type=F.at_least(1.0), default=900.0, help="seconds to wait for a server's /health")
+    a("--sglang-launch-cmd", default=None,
+      help="the command that starts a server, before its --model-path ... (default: python -m sglang.launch_server)")
+    a("--sglang-router-args", default=None, help="SGLang's router's flags, e.g. \"--balance-abs-threshold 16\"")
     a("--max-weight-staleness", type=F.COUNT, default=None, help="drop a group with a token over K versions old")
     a("--colocate", action="store_true", help="SGLang shares the training GPUs, released while training")
     a("--offload-train", action=argparse.BooleanOptionalAction, default=None,
@@ -136,6 +143,8 @@ def policy_loss(model, ref, par, items, args, measure):
     n_tok = T.global_sum(sum(int(it.mask.sum()) for it in items), par)
     n_seq = T.global_sum(len(items), par)
     temp = args.rollout_temperature or 1.0  # logprobs under the distribution the engine sampled from
+    est = L.ESTIMATORS[args.advantage_estimator]
+    own = F.declared(est.flags, args)  # the estimator's own flags (SAPO's temperatures)
     if ref is not None:  # forward-only, before the policy's passes: under PP both are whole schedules
         logprobs_into(ref, items, args, "ref_logprobs", replay=False)  # the initial policy routes as it would
     replay = measure and args.use_rollout_routing_replay
@@ -153,22 +162,21 @@ def policy_loss(model, ref, par, items, args, measure):
         # token weights: token-level mean over the global batch, or per-sequence mean then mean
         w = (torch.full_like(logp, 1.0 / n_tok) if args.loss_agg == "token"
              else (1.0 / n.clamp(min=1) / n_seq).repeat_interleave(n))
-        pg, clipped = L.ESTIMATORS[args.advantage_estimator].policy(logp, cat("old"), adv, lens, args.eps_clip,
-                                                                     args.eps_clip_high)
+        pg, stat = est.policy(logp, cat("old"), adv, lens, args.eps_clip, args.eps_clip_high, **own)
         if args.tis_cap and mb[0].recomputed_logprobs is not None:  # truncated importance sampling
             pg = pg * L.tis(cat("old"), cat("rollout_logprobs"), args.tis_cap)
         loss_tok = pg - args.entropy_coef * ent if args.entropy_coef else pg  # without: no entropy backward
         kl = torch.zeros_like(logp) if ref is None else L.KL[args.kl_loss_type](logp, cat("ref_logprobs"))
         loss = ((loss_tok + args.kl_loss_coef * kl) * w).sum()
-        s = dict(loss=loss.item(), kl=(kl.detach() * w).sum().item(), clipfrac=(clipped.float() * w).sum().item(),
-                 entropy=(ent.detach() * w).sum().item(), diff_sum=0.0, diff_max=0.0)  # clipfrac: the clip cut it
+        s = {"loss": loss.item(), "kl": (kl.detach() * w).sum().item(), est.stat: (stat.float() * w).sum().item(),
+             "entropy": (ent.detach() * w).sum().item(), "diff_sum": 0.0, "diff_max": 0.0}  # clipfrac: the clip cut it
         if measure:  # weights are still those the engine sampled with: logprobs must agree
             diff = (logp.detach() - cat("rollout_logprobs")).abs()
             s.update(diff_sum=diff.sum().item(), diff_max=diff.max().item() if len(diff) else 0.0)
         return loss, s
     per_mb = pipeline.run(model, T.micro_batches(items, args.max_tokens_per_gpu, par, args.use_rollout_routing_replay),
                           lambda m, x: m(**x, temperature=temp, with_entropy=True), loss_of)
-    out = {k: T.global_sum(sum(s[k] for s in per_mb), par) for k in ("loss", "clipfrac", "kl", "entropy")}
+    out = {k: T.global_sum(sum(s[k] for s in per_mb), par) for k in ("loss", est.stat, "kl", "entropy")}
     # packing_fill (rank 0's): real tokens / the budget of its micro-batches
     out["packing_fill"] = sum(len(it.ids) for it in items) / max(1, len(per_mb) * args.max_tokens_per_gpu)
     if measure:
@@ -196,17 +204,17 @@ def logprobs_into(model, items, args, field, replay=True):
 
 
 def evaluate(engine, processor, records, args, step, run):
-    """Greedy pass@1 and pass@K, single- and multi-turn (oracle off); README, "Evaluating a checkpoint"."""
+    """Correctness (never a shaped reward): greedy pass@1 and pass@K, single- and multi-turn, on rollout.settings'
+    evaluation settings (no oracle, no shaping); README, "Evaluating a checkpoint"."""
     out, rows = {}, []
     for name, turns in [("eval", 1)] + ([("eval_multi_turn", args.max_turns)] if args.max_turns > 1 else []):
         for n in sorted({1, args.n_samples_per_eval_prompt}):
             key, temperature = (f"{name}_accuracy", 0.0) if n == 1 else (f"{name}_pass@{n}", args.rollout_temperature)
-            cfg = dataclasses.replace(R.RolloutConfig.from_args(args), n_samples_per_prompt=n, max_turns=turns,
-                                      rollout_temperature=temperature, oracle=False, dynamic_sampling=False)
+            cfg = R.settings(args, True, n_samples_per_prompt=n, max_turns=turns, rollout_temperature=temperature)
             samples = R.generate_group_samples(engine, processor, records, cfg)
-            out[key] = sum(max(s.reward for s in samples if s.group == g) for g in range(len(records))) / len(records)
+            out[key] = sum(any(s.correct for s in samples if s.group == g) for g in range(len(records))) / len(records)
             rows += [dict(mode=key, index=s.group, problem=records[s.group]["problem"], answer=s.label,
-                          reward=s.reward, status=s.status, response=s.response_text) for s in samples]
+                          correct=s.correct, status=s.status, response=s.response_text) for s in samples]
     path = run.write_rows(f"eval_{step:07d}.jsonl", rows)
     run.log(step, out)
     console.say(f"[eval] step {step}: {', '.join(f'{k} {v:.3f}' for k, v in out.items())} (each response: {path})")
@@ -232,8 +240,10 @@ class Source:
         B, self.stream = args.rollout_batch_size, args.partial_rollout or args.fully_async
         self.cap, self.rollout = max(args.over_sampling_batch_size or B, B), None  # groups open or kept at once
         if par.rank == 0:
-            self.rollout = R.Rollout(engine, processor, R.RolloutConfig.from_args(args), None, None if args.fully_async
-                                     else B, self.cap, args.max_weight_staleness, args.dynamic_sampling)
+            self.rollout = R.Rollout(engine, processor, R.settings(args), None if args.fully_async else B, self.cap,
+                                     args.max_weight_staleness, args.dynamic_sampling)
+            self.tools = sorted({t for r in records for t in env_geo3k.offered(r.get("tools"))} if args.max_turns > 1
+                                else [])  # those some row is offered: their tool_calls_<name>
             self.rollout.drawn, self.rollout.groups = state or (0, {})
 
     def state(self):
@@ -284,7 +294,7 @@ class Source:
         token of an older version than `step`'s policy is off-policy."""
         args = self.args
         samples = self.rollout.take(args.rollout_batch_size)
-        metrics = rollout_metrics(samples)
+        metrics = rollout_metrics(samples, self.tools)
         good = [s for s in samples if s.status not in ("failed", "aborted") and any(s.loss_mask)]
         if args.mask_offpolicy_in_partial_rollout:  # tokens written before the sample's last abort: no loss
             for s in good:
@@ -309,12 +319,13 @@ class Source:
         return split_batch(good, adv, rng, args.global_batch_size, self.updates, self.par.dp), metrics
 
 
-def rollout_metrics(samples):
-    """Means over samples; reward and accuracy over the ones not failed; multi-turn, the env's tool metrics."""
+def rollout_metrics(samples, tools=()):
+    """Means over samples; reward and accuracy (correctness) over the ones not failed, each SHAPING term's mean and the
+    share it touched; multi-turn, the env's metrics of `tools` (those some row of the run is offered)."""
     n = max(len(samples), 1)
     ok = [s for s in samples if s.status != "failed"] or [R.Sample(prompt_ids=[])]
     m = {"reward": sum(s.reward for s in ok) / len(ok),
-         "accuracy": sum(s.reward > 0 for s in ok) / len(ok),
+         "accuracy": sum(s.correct for s in ok) / len(ok),
          "response_len": sum(sum(s.loss_mask) for s in ok) / len(ok),
          "truncated_frac": sum(s.status == "truncated" for s in samples) / n,
          "aborted_frac": sum(s.status == "aborted" for s in samples) / n,
@@ -323,8 +334,11 @@ def rollout_metrics(samples):
          "tool_calls": sum(s.tool_calls for s in samples) / n,
          "format_ok_frac": sum(bool(s.metadata.get("format_ok")) for s in samples) / n,
          "samples": len(samples)}
+    for k in {k for s in ok for k in s.metadata.get("shaping", {})}:  # overlong_penalty_mean, overlong_penalty_frac
+        v = [s.metadata.get("shaping", {}).get(k, 0.0) for s in ok]
+        m.update({f"{k}_mean": sum(v) / len(v), f"{k}_frac": sum(x != 0 for x in v) / len(v)})
     m.update(env_geo3k.tool_metrics([s.metadata.get("steps", []) for s in samples],  # multi-turn: tool use
-                                    [None if s.status == "failed" else s.reward for s in samples]))
+                                    [None if s.status == "failed" else s.correct for s in samples], tools))
     if samples and "rollout" in samples[0].metadata:  # where the rollout's time went, what it cut and dropped
         ends, stats = [s.metadata["end_s"] for s in samples], samples[0].metadata["rollout"]
         if stats["dropped"] is not None:  # --dynamic-sampling: the share of complete groups kept
