@@ -132,8 +132,7 @@ def add_run_args(p):
 
 
 def own_flags(registry):
-    """The flags the entries of `registry` declare (an entry's `flags`: {"--name": add_argument's keywords}), those
-    several entries share once."""
+    """The flags the entries of `registry` declare (their `flags`: {"--name": add_argument's keywords}), each once."""
     return {n: kw for entry in registry.values() for n, kw in entry.flags.items()}
 
 

@@ -16,6 +16,7 @@ One step: README, "The algorithm" (a group of equal rewards gets exactly 0 advan
 old logprobs are the engine's own unless --recompute-logprobs).
 """
 import argparse
+import collections
 import dataclasses
 import math
 import random
@@ -68,8 +69,7 @@ def build_parser():
     a = g.add_argument
     a("--rollout-engine", default="auto", choices=["auto", "sglang", "local"], help="auto: SGLang on CUDA, else local")
     a("--sglang-server-timeout", type=F.at_least(1.0), default=900.0, help="seconds to wait for a server's /health")
-    a("--sglang-launch-cmd", default=None,
-      help="the command that starts a server, before its --model-path ... (default: python -m sglang.launch_server)")
+    a("--sglang-launch-cmd", default=None, help="what starts a server before its --model-path (python -m sglang.launch_server)")
     a("--sglang-router-args", default=None, help="SGLang's router's flags, e.g. \"--balance-abs-threshold 16\"")
     a("--max-weight-staleness", type=F.COUNT, default=None, help="drop a group with a token over K versions old")
     a("--colocate", action="store_true", help="SGLang shares the training GPUs, released while training")
@@ -117,14 +117,10 @@ def parse_args(argv=None):
 
 
 def to_item(sample, processor, adv, encoded=None):
-    """A sample as trainer input. `encoded` caches image encodings by the images' identity: a
-    group's samples share their prompt's images, so those are encoded once, and pickled once
-    when rank 0 broadcasts the step (pickle keeps one copy of a shared tensor)."""
-    encoded = {} if encoded is None else encoded
-    key = tuple(map(id, sample.images))
-    if key not in encoded:
-        encoded[key] = chat.encode_images(processor, sample.images)
-    pv, grid = encoded[key]
+    """A sample as trainer input. `encoded` caches image encodings by the images' identity: a group's samples share
+    their prompt's images, encoded once and pickled once in rank 0's broadcast (one copy of a shared tensor)."""
+    key, encoded = tuple(map(id, sample.images)), {} if encoded is None else encoded
+    pv, grid = encoded[key] if key in encoded else encoded.setdefault(key, chat.encode_images(processor, sample.images))
     mask = [0] * len(sample.prompt_ids) + list(sample.loss_mask)
     old = [0.0] * len(sample.prompt_ids) + list(sample.rollout_logprobs)
     routes = sample.routed_experts  # (T - 1, layers, k): the last token no engine forward saw
@@ -144,7 +140,6 @@ def policy_loss(model, ref, par, items, args, measure):
     n_seq = T.global_sum(len(items), par)
     temp = args.rollout_temperature or 1.0  # logprobs under the distribution the engine sampled from
     est = L.ESTIMATORS[args.advantage_estimator]
-    own = F.declared(est.flags, args)  # the estimator's own flags (SAPO's temperatures)
     if ref is not None:  # forward-only, before the policy's passes: under PP both are whole schedules
         logprobs_into(ref, items, args, "ref_logprobs", replay=False)  # the initial policy routes as it would
     replay = measure and args.use_rollout_routing_replay
@@ -159,10 +154,9 @@ def policy_loss(model, ref, par, items, args, measure):
         def cat(field):  # (N,) the micro-batch's per-token `field` of its items
             return torch.cat([getattr(it, field) for it in mb]).to(dev)
         adv = torch.tensor([float(it.adv) for it in mb], device=dev).repeat_interleave(n)
-        # token weights: token-level mean over the global batch, or per-sequence mean then mean
-        w = (torch.full_like(logp, 1.0 / n_tok) if args.loss_agg == "token"
-             else (1.0 / n.clamp(min=1) / n_seq).repeat_interleave(n))
-        pg, stat = est.policy(logp, cat("old"), adv, lens, args.eps_clip, args.eps_clip_high, **own)
+        w = (torch.full_like(logp, 1.0 / n_tok) if args.loss_agg == "token"  # token weights: mean over the batch's tokens,
+             else (1.0 / n.clamp(min=1) / n_seq).repeat_interleave(n))  # or per-sequence mean then mean
+        pg, stat = est.policy(logp, cat("old"), adv, lens, args.eps_clip, args.eps_clip_high, **F.declared(est.flags, args))
         if args.tis_cap and mb[0].recomputed_logprobs is not None:  # truncated importance sampling
             pg = pg * L.tis(cat("old"), cat("rollout_logprobs"), args.tis_cap)
         loss_tok = pg - args.entropy_coef * ent if args.entropy_coef else pg  # without: no entropy backward
@@ -177,8 +171,7 @@ def policy_loss(model, ref, par, items, args, measure):
     per_mb = pipeline.run(model, T.micro_batches(items, args.max_tokens_per_gpu, par, args.use_rollout_routing_replay),
                           lambda m, x: m(**x, temperature=temp, with_entropy=True), loss_of)
     out = {k: T.global_sum(sum(s[k] for s in per_mb), par) for k in ("loss", est.stat, "kl", "entropy")}
-    # packing_fill (rank 0's): real tokens / the budget of its micro-batches
-    out["packing_fill"] = sum(len(it.ids) for it in items) / max(1, len(per_mb) * args.max_tokens_per_gpu)
+    out["packing_fill"] = sum(len(it.ids) for it in items) / max(1, len(per_mb) * args.max_tokens_per_gpu)  # rank 0's
     if measure:
         out["logprob_diff_mean"] = T.global_sum(sum(s["diff_sum"] for s in per_mb), par) / n_tok
         out["logprob_diff_max"] = T.global_sum(max([s["diff_max"] for s in per_mb], default=0.0), par,
@@ -190,9 +183,8 @@ def policy_loss(model, ref, par, items, args, measure):
 
 
 def logprobs_into(model, items, args, field, replay=True):
-    """Each item's `field` = `model`'s logprobs of its scored tokens (N,), forward only, at the rollout
-    temperature; under PP set on the last stage, where the loss reads them. replay: the routers replay
-    the engine's experts (--use-rollout-routing-replay)."""
+    """Each item's `field` = `model`'s logprobs of its scored tokens (N,), forward only, at the rollout temperature (PP:
+    on the last stage, where the loss reads them); replay: the routers replay the engine's experts (R3)."""
     def keep(mb, out):
         for it, part in zip(mb, out[0].detach().cpu().split([int(it.mask.sum()) for it in mb])):
             setattr(it, field, part)
@@ -204,8 +196,7 @@ def logprobs_into(model, items, args, field, replay=True):
 
 
 def evaluate(engine, processor, records, args, step, run):
-    """Correctness (never a shaped reward): greedy pass@1 and pass@K, single- and multi-turn, on rollout.settings'
-    evaluation settings (no oracle, no shaping); README, "Evaluating a checkpoint"."""
+    """Correctness, never a reward: pass@1 (greedy), pass@K, single-, multi-turn on settings(args, evaluation=True)."""
     out, rows = {}, []
     for name, turns in [("eval", 1)] + ([("eval_multi_turn", args.max_turns)] if args.max_turns > 1 else []):
         for n in sorted({1, args.n_samples_per_eval_prompt}):
@@ -220,19 +211,13 @@ def evaluate(engine, processor, records, args, step, run):
     console.say(f"[eval] step {step}: {', '.join(f'{k} {v:.3f}' for k, v in out.items())} (each response: {path})")
 
 
-@dataclasses.dataclass
-class Batch:
-    """A step's rollout on one rank: its items of each update (None: an update with no sample) and
-    metrics (rank 0's)."""
-    items: list
-    metrics: dict
+Batch = collections.namedtuple("Batch", ["items", "metrics"])  # a rank's items of each update (None: no sample)
 
 
 class Source:
-    """The rollout source of a step (grpo_step's next and settle), on every rank. Rank 0 holds the rollout
-    (rollout.Rollout) over the step's prompts (trainer.draw, or the data stream's next), takes B complete groups,
-    their advantages, and hands each DP rank its share. Where each source pauses the rollout: docs/rollout.md.
-    settle() ends with a barrier: no server takes new weights before the rollout has paused."""
+    """A step's rollout source (grpo_step's next and settle), on every rank. Rank 0 holds the rollout.Rollout over the
+    step's prompts (trainer.draw, or the data stream's next), takes B complete groups, their advantages, and hands each
+    DP rank its share (where it pauses: docs/rollout.md); settle() ends with a barrier, after the rollout has paused."""
 
     def __init__(self, engine, processor, records, args, updates, par, state=None):
         self.processor, self.records, self.args, self.updates, self.par = processor, records, args, updates, par
@@ -241,9 +226,8 @@ class Source:
         self.cap, self.rollout = max(args.over_sampling_batch_size or B, B), None  # groups open or kept at once
         if par.rank == 0:
             self.rollout = R.Rollout(engine, processor, R.settings(args), None if args.fully_async else B, self.cap,
-                                     args.max_weight_staleness, args.dynamic_sampling)
-            self.tools = sorted({t for r in records for t in env_geo3k.offered(r.get("tools"))} if args.max_turns > 1
-                                else [])  # those some row is offered: their tool_calls_<name>
+                                     args.max_weight_staleness)
+            self.tools = sorted({t for r in records if args.max_turns > 1 for t in env_geo3k.offered(r.get("tools"))})
             self.rollout.drawn, self.rollout.groups = state or (0, {})
 
     def state(self):
@@ -252,8 +236,7 @@ class Source:
         return (self.rollout.drawn, self.rollout.groups) if keep else None
 
     def next(self, step):
-        """-> this rank's Batch: its DP rank's share of the groups rank 0 took (a group's images, shared in the
-        payload, encoded once on each rank)."""
+        """-> this rank's Batch: its share of the groups rank 0 took (a group's images encoded once on each rank)."""
         t, shares, metrics = time.perf_counter(), None, {}
         if self.par.rank == 0:
             self.resume(step, step)  # the engine holds the weights of `step` updates
@@ -270,10 +253,8 @@ class Source:
 
     def settle(self):
         """Before the engine takes the step's new weights: the rollout pauses. -> metrics"""
-        out = {}
-        ran = self.rollout.pause() if self.par.rank == 0 else None
-        if ran:  # how long it ran beside this step's training
-            out["rollout_ahead_overlap_s"] = max(0.0, min(ran[1], time.perf_counter()) - max(ran[0], self.trained))
+        ran = self.rollout.pause() if self.par.rank == 0 else None  # (start, end) when it ran beside this step's training
+        out = {"rollout_ahead_overlap_s": max(0.0, min(ran[1], time.perf_counter()) - max(ran[0], self.trained))} if ran else {}
         if self.par.world > 1:
             torch.distributed.barrier()
         return out
@@ -351,9 +332,9 @@ def rollout_metrics(samples, tools=()):
 
 
 def split_batch(good, adv, rng, global_batch_size, updates, dp):
-    """rank 0: [for each DP rank: its (sample, advantage) pairs of each update (None: an update with
-    no sample)], shuffled by `rng`, each update's global batch strided over the DP ranks. A sample
-    keeps only what to_item reads: token ids, masks, logprobs, routes (R3) and its images (decoded, uint8)."""
+    """rank 0: [for each DP rank: its (sample, advantage) pairs of each update (None: no sample)], shuffled by `rng`,
+    each update's global batch strided over the ranks; a sample keeps what to_item reads (ids, masks, logprobs, routes,
+    images)."""
     pairs = [(R.Sample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, loss_mask=s.loss_mask,
                        rollout_logprobs=s.rollout_logprobs, images=s.images, routed_experts=s.routed_experts), a)
              for s, a in zip(good, adv)]
@@ -363,28 +344,22 @@ def split_batch(good, adv, rng, global_batch_size, updates, dp):
 
 
 class Policy:
-    """The trainer of every rank: the model, the reference model of the KL term, the optimizer and its
-    schedule; train() runs a step's updates on this rank's share."""
+    """Every rank's trainer: the model, the KL term's reference, the optimizer and its schedule; train(): a step."""
 
     def __init__(self, model, ref, opt, sched, args, updates):
         self.model, self.ref, self.opt, self.sched, self.args, self.updates = model, ref, opt, sched, args, updates
 
     def train(self, batch):
-        """One optimizer step per update over this rank's items of it; an update with no sample (None on
-        every rank alike) is skipped on every rank in lockstep. -> the last update's stats (logprob_diff_*
-        from the first: the weights the engine sampled with)."""
+        """One optimizer step per update of this rank's items; one with no sample (None on every rank alike) is skipped
+        in lockstep. -> the last update's stats (logprob_diff_* from the first: the weights the engine sampled with)."""
         t, model, par, args = time.perf_counter(), self.model, self.model.par, self.args
         model.train()
         if args.recompute_logprobs:
             logprobs_into(model, [it for part in batch.items if part for it in part], args, "recomputed_logprobs")
-        stats = {"updates_skipped": 0}
-        for part in batch.items:
-            if part is None:
-                stats["updates_skipped"] += 1
-                continue
-            s = policy_loss(model, self.ref, par, part, args, measure="logprob_diff_mean" not in stats)
-            s.update(optim.optimizer_step(model, self.opt, self.sched, par, args))
-            stats.update(s)
+        stats = {"updates_skipped": batch.items.count(None)}
+        for part in (p for p in batch.items if p is not None):  # the loss and its backward, then the step
+            stats.update(policy_loss(model, self.ref, par, part, args, measure="logprob_diff_mean" not in stats),
+                         **optim.optimizer_step(model, self.opt, self.sched, par, args))
         t = time.perf_counter() - t
         return dict(stats, **T.expert_load(model), train_s=t, tokens_per_s=batch.metrics.get("tokens", 0) / max(t, 1e-9))
 
@@ -408,8 +383,7 @@ def grpo_step(step, policy, source, servers, run):
 
 def main(argv=None):
     args = parse_args(argv)
-    par, run = T.start(args, "grpo", fixed=("rollout_batch_size", "partial_rollout", "fully_async"))  # the prompts
-    # of a step: step x the batch, or the data stream's next (--partial-rollout, --fully-async)
+    par, run = T.start(args, "grpo", fixed=("rollout_batch_size", "partial_rollout", "fully_async"))  # fix a step's prompts
     run.nothing_left(args.num_rollout, "--num-rollout")
     processor = AutoProcessor.from_pretrained(args.hf_checkpoint)
     ckpt, opts = run.ckpt, M.ModelOptions.from_args(args)

@@ -121,4 +121,4 @@ def make_env(max_turns=5, row=None, **opts):
 
 def run_episodes(engine, processor, records, args):
     """n_samples_per_prompt episodes per record (group = record position), scored."""
-    return rollout.Rollout(engine, processor, args, len(records)).run(records)
+    return rollout.generate_group_samples(engine, processor, records, args)

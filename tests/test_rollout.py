@@ -77,7 +77,7 @@ def test_single_turn_local_masks_and_logprobs(engine, processor, ckpt, records, 
     assert [s.group for s in samples] == [0, 0, 1, 1]
     for s, rec in zip(samples, [records[0]] * 2 + [records[1]] * 2):
         assert s.status in ("completed", "truncated") and s.fail_reason is None
-        assert s.images == rec["images"] and s.image_turns == [0]
+        assert s.images == rec["images"]
         assert s.prompt_ids == chat.encode_prompt(processor, data.prompt_messages(rec), rec["images"])
         assert len(s.response_ids) == len(s.loss_mask) == len(s.rollout_logprobs) <= 10
         assert s.loss_mask == [1] * len(s.response_ids) and s.turns == 1
@@ -166,7 +166,7 @@ def test_multi_turn_crop_matches_full_render(processor, records):
     args = rollout_args(max_turns=3, n_samples_per_prompt=1, rollout_max_response_len=400)
     (s,) = fakes.run_episodes(eng, processor, [rec], args)
     assert s.status == "completed" and s.turns == 2 and s.tool_calls == 1, s.fail_reason
-    assert len(s.images) == 2 and s.images[1].size == (64, 64) and s.image_turns == [0, 1]
+    assert len(s.images) == 2 and s.images[1].size == (64, 64)
     assert s.metadata["steps"][0]["tool"] == "crop" and s.metadata["steps"][0]["ran"]
     turn2_ids, turn2_images = eng.seen[1]
     assert turn2_ids == s.tokens[:len(turn2_ids)] and turn2_images == s.images
@@ -237,7 +237,7 @@ def test_multi_turn_local_logprobs(ckpt, processor, records):
     samples = fakes.run_episodes(eng, processor, records[:1], args)
     model, first_turn, later = load_model(ckpt), 0.0, 0.0
     for s in samples:
-        assert s.fail_reason is None and s.turns >= 2 and len(s.images) == 2 and s.image_turns == [0, 1]
+        assert s.fail_reason is None and s.turns >= 2 and len(s.images) == 2
         mask = s.loss_mask
         first = mask.index(0)        # the observation starts after the forced turn
         back = first + mask[first:].index(1)
