@@ -442,9 +442,9 @@ def _close(ep, rec, processor, args):
     reason = None if s.status == "failed" else chat.check_images(processor, s.tokens, s.images)
     if reason:
         _fail(s, reason)
+    s.metadata["format_ok"] = bool(reward.format_ok(s.response_text))  # before the reward: a shaping term may read it
     if s.status != "failed":
         s.reward = reward.rewarded(s, rec, args)
-    s.metadata["format_ok"] = bool(reward.format_ok(s.response_text))
 
 
 def generate_group_samples(engine, processor, records, args):
