@@ -472,7 +472,7 @@ def test_each_rank_builds_todays_items_from_only_its_share(processor, records):
     from fakes import ANSWER, CROP_CALL, ScriptedEngine
     args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--max-turns", "3",
                          "--n-samples-per-prompt", "4", "--global-batch-size", "6", "--rollout-max-response-len", "400"])
-    good = fakes.run_episodes(ScriptedEngine(processor, [CROP_CALL, ANSWER]), processor, records[:3], args)
+    good = fakes.run_episodes(ScriptedEngine(processor, [CROP_CALL, ANSWER]), processor, records[:3], G.R.settings(args))
     assert all(len(s.images) == 2 and s.tool_calls == 1 for s in good)  # the prompt's image and a crop
     adv = [0.5 * i - 2 for i in range(len(good))]
     encoded = {}  # before: every item on rank 0, broadcast whole, then shuffled, chunked, strided
