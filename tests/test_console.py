@@ -49,7 +49,7 @@ def test_a_grpo_run_prints_one_line_a_fact(ckpt, d, tmp_path):
     rows = [json.loads(x) for x in (save / "eval_0000003.jsonl").read_text().splitlines()]
     assert [(x["mode"], x["index"]) for x in rows] == [("eval_accuracy", 0), ("eval_accuracy", 1)] + [
         ("eval_pass@2", i) for i in (0, 0, 1, 1)]
-    assert {"problem", "answer", "reward", "status", "response"} <= set(rows[0]) and rows[0]["status"] == "truncated"
+    assert {"problem", "answer", "correct", "status", "response"} <= set(rows[0]) and rows[0]["status"] == "truncated"
     saved = [m.start() for m in re.finditer(r"\[run\] saved checkpoint", out)]
     assert len(saved) == 2 and all(out[i - 1] in "\r\n" for i in saved), [out[i - 60:i + 30] for i in saved]
     assert "rollout: 0it" not in out

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-import flags
 import launch
 import chat
+import reward
 import rollout
 import fakes
 from fake_sglang import fake_output, weights_digest
@@ -35,9 +35,9 @@ def test_sglang_server_args():
     with pytest.raises(SystemExit, match="--lr-typo"):
         sglang_server_args(["--lr-typo", "1"])
     import argparse
-    p = flags.add_rollout_args(argparse.ArgumentParser(allow_abbrev=False))
-    a, rest = p.parse_known_args(["--max-turns", "3", "--sglang-tp-size", "2", "--rollout-engine", "local"])
-    assert a.max_turns == 3 and a.rollout_engine == "local" and sglang_server_args(rest) == ["--tp-size", "2"]
+    p = rollout.add_args(argparse.ArgumentParser(allow_abbrev=False))
+    a, rest = p.parse_known_args(["--max-turns", "3", "--sglang-tp-size", "2"])
+    assert a.max_turns == 3 and sglang_server_args(rest) == ["--tp-size", "2"]
 
 
 # ---------------------------------------------------------------------------------- SGLang engine
@@ -288,7 +288,7 @@ def test_a_server_an_episode_restarted_outlives_the_pause(ckpt, processor, recor
     shuts the episodes' pool down, and the restarted server still serves: one restart in all."""
     eng, rec = sglang(ckpt, tmp_path, "--fake-delay", "1.0")
     try:
-        ro = rollout.Rollout(eng, processor, rollout_args(), reward_fn=False, target=len(records))
+        ro = rollout.Rollout(eng, processor, rollout_args(), target=len(records))
         killed = eng.server.proc.pid
         ro.resume(records, 0)
         deadline = time.time() + 60
@@ -553,7 +553,7 @@ def parked(processor, rec, args, n):
     return rec, prompt, [ep]
 
 
-def test_an_abort_that_lands_on_a_turns_last_token_ends_the_turn(ckpt, processor, records, tmp_path):
+def test_an_abort_that_lands_on_a_turns_last_token_ends_the_turn(ckpt, processor, records, tmp_path, monkeypatch):
     """SGLang answers finish "abort" for a request its abort caught one decode step before its end: that step's
     token is kept, and the abort is checked before the stop and length checks (schedule_batch.py:2007-2014).
     The engine reports what ended the turn. Here --partial-rollout stops (a parked group needs one token) while
@@ -564,7 +564,8 @@ def test_an_abort_that_lands_on_a_turns_last_token_ends_the_turn(ckpt, processor
     recs = [dict(r, index=i, images=[]) for i, r in enumerate(records[:2])]  # text: no image processor to load
     eng, rec = sglang(ckpt, tmp_path / "stop", "--fake-stop-delay", "60")
     try:
-        ro = rollout.Rollout(eng, processor, args, lambda text, label: float(len(text)), target=1, cap=2)
+        monkeypatch.setitem(reward.SHAPING, "length", reward.Shaping(lambda s, rec, cfg: len(s.response_text), {}))
+        ro = rollout.Rollout(eng, processor, args, target=1, cap=2)
         ro.groups = {0: parked(processor, recs[0], args, 10)}
         ro.resume(recs[1:], 0)
         first = ro.take(1)
@@ -575,7 +576,7 @@ def test_an_abort_that_lands_on_a_turns_last_token_ends_the_turn(ckpt, processor
         text = processor.tokenizer.decode(ids[:-1], skip_special_tokens=False)
         assert ep.done and ids[-1] == 151645 and (s.status, s.turns, s.response_ids, s.rollout_logprobs) == (
             "completed", 1, ids, lps)
-        assert s.loss_mask == [1] * 7 and s.response_text == text and s.reward == len(text)
+        assert s.loss_mask == [1] * 7 and s.response_text == text and s.metadata["shaping"]["length"] == len(text)
         n = len(read_record(rec))
         ro.resume([], 1)
         assert [x.index for x in ro.take(1)] == [1]

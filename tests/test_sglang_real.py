@@ -241,7 +241,7 @@ class TestRealServer:
         print(f"\n[sglang_real] multi-turn crop rollout, 2 samples: {time.time() - t:.1f}s")
         for s in samples:
             assert s.status != "failed" and s.turns >= 2 and s.tool_calls >= 1, s.fail_reason
-            assert len(s.images) == 2 and s.image_turns == [0, 1]
+            assert len(s.images) == 2
         two = [body for path, body in real.sent if path == "/generate" and len(body.get("image_data", [])) == 2]
         assert len(two) == 2 and all(b["input_ids"].count(image_pad(processor)) == 2 for b in two)
 
