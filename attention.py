@@ -1,6 +1,5 @@
 """attention.py: core attention for the local (CPU) layer spec: torch's causal SDPA on each sequence of the
-packed THD row, not Megatron's dense (T, T) mask over the whole row (why: docs/model.md).
-"""
+packed THD row, not Megatron's dense (T, T) mask over the whole row (why: docs/model.md)."""
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps

@@ -1,8 +1,7 @@
 """How a conversation becomes tokens, through the model's own chat template: a prompt (with the tools
 a row offers), each observation a tool turn appends, an SFT target, and the check that a sample's image
 placeholders match its images' grids. Rollouts (rollout.py) and SFT (sft.py) both encode here, so a
-trained conversation is token for token what a rollout of it would be.
-"""
+trained conversation is token for token what a rollout of it would be."""
 import os
 
 import data

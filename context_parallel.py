@@ -1,7 +1,6 @@
 """context_parallel.py: context parallelism (--context-parallel-size CP): Megatron's zigzag layout of packed
 sequences (CP rank r holds chunks r and 2 CP - 1 - r of each) and the collectives that give what needs whole
-sequences its tokens (docs/layouts.md).
-"""
+sequences its tokens (docs/layouts.md)."""
 import functools
 
 import torch

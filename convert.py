@@ -4,8 +4,7 @@ tensors (for checkpoints and the rollout engine), and the one safetensors folder
     model.names = name_map(model, hf_dir)         # model: model.MegatronVLM on its parallel context
     load_weights(model)
     for bucket in export_hf(model): ...           # [(HF name, full tensor)], names as in the source
-    save_hf(model, out_dir)                        # a folder transformers and SGLang load as it is
-"""
+    save_hf(model, out_dir)                        # a folder transformers and SGLang load as it is"""
 import dataclasses
 import json
 import re

@@ -5,8 +5,7 @@
     engine.update_weights(convert.export_hf(model))
 
 An engine knows nothing of samples, episodes or rewards (rollout.py); how LocalEngine maps checkpoint names
-and how its Sampler draws: docs/local_engine.md.
-"""
+and how its Sampler draws: docs/local_engine.md."""
 import re
 
 import numpy as np

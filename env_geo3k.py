@@ -8,8 +8,7 @@
 A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in strict JSON or Qwen3.5's XML form;
 nothing the model writes is evaluated or executed. A tool: a function and its Tool in TOOLS (docs/extending.md).
 From args: max_turns (required), oracle (default True; off in evaluation: calc_score only records), rm_type ("math"),
-min_pixels (crop area floor, 56*56), max_payload (4096 chars), each tool's own flags (`Tool.flags`: env.flags).
-"""
+min_pixels (crop area floor, 56*56), max_payload (4096 chars), each tool's own flags (`Tool.flags`: env.flags)."""
 import dataclasses
 import json
 import math

@@ -1,6 +1,5 @@
 """model.py: the Megatron VLM: the Hugging Face vision tower, then megatron-core GPTModel's modules in a decoder
-loop of ours (MRoPE, deepstack, packed rows: docs/model.md), built from ModelOptions. Parity: tools/check.py.
-"""
+loop of ours (MRoPE, deepstack, packed rows: docs/model.md), built from ModelOptions. Parity: tools/check.py."""
 import dataclasses
 import functools
 import logging

@@ -5,8 +5,7 @@ resized to zero bytes, so that a colocated server can take the GPU (how and why:
     off.release()                       # before the rollout: everything
     off.restore()                       # before training: everything back, bit for bit
     off.release(("optimizer", "grads")) # after training: all but the weights the sync still reads
-    off.restore(("optimizer",))         # a checkpoint is due: the states it saves
-"""
+    off.restore(("optimizer",))         # a checkpoint is due: the states it saves"""
 import weakref
 
 import torch

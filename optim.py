@@ -1,7 +1,6 @@
 """The optimizer: AdamW with its LR schedule, and one optimizer step over the parallel ranks. fp32: torch
 AdamW; --bf16 / --use-distributed-optimizer: MasterAdamW on CPU, megatron-core's DDP and optimizer on CUDA.
-Parameters with `allreduce == False` (MoE experts, Megatron's mark) are never sharded. docs/optimizer.md.
-"""
+Parameters with `allreduce == False` (MoE experts, Megatron's mark) are never sharded. docs/optimizer.md."""
 import math
 
 import torch

@@ -5,8 +5,7 @@ nothing else reaches for a group. How Megatron runs on CPU, sockets and the torc
     par = parallel.init_distributed(tp=2)   # under torchrun, or a plain process (a world of one)
     par.rank, par.world, par.device, par.node, par.tp_group, par.dp_rank, par.ep, ...
     with parallel.megatron_on_cpu():          # only where Megatron code runs
-        ...
-"""
+        ..."""
 import atexit
 import contextlib
 import dataclasses

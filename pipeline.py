@@ -1,8 +1,7 @@
 """pipeline.py: pipeline parallelism (--pipeline-model-parallel-size): the decoder layers split over stages,
 megatron-core's 1F1B schedule over our packed micro-batches, the tied head's gradient (docs/layouts.md).
 
-    out = pipeline.run(model, batches, step, loss)   # every rank: the last stage's results
-"""
+    out = pipeline.run(model, batches, step, loss)   # every rank: the last stage's results"""
 import copy
 
 import torch

@@ -2,8 +2,7 @@
 Gated DeltaNet, zero-centred norms, one layer spec per `layer_types` entry (docs/qwen3_5.md).
 
     spec = qwen3_5.block_spec(hf_text_config, te=False)       # model.py builds GPTModel from it
-    qwen3_5.config_kwargs(hf_text_config, options)             # its TransformerConfig fields
-"""
+    qwen3_5.config_kwargs(hf_text_config, options)             # its TransformerConfig fields"""
 import copy
 import warnings
 

@@ -6,8 +6,7 @@ correctness (SHAPING: DAPO's overlong penalty), the one scoring call of each, th
 
 A judge in REWARDS is (response, record) -> bool; a term in SHAPING is (sample, record, cfg) -> float, with its flags
 (docs/extending.md); each within a time bound on any thread, 0.0 on an exception (docs/reward.md). The first score()
-runs init().
-"""
+runs init()."""
 import collections
 import ctypes
 import functools

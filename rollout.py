@@ -4,8 +4,7 @@ single/multi-turn generation with exact token bookkeeping (token in, token out: 
     samples = generate_group_samples(engine, processor, records, settings(args))  # engine: sglang_engine.make_engine
 
 A sample failing a check is `failed` with its reason and an all-zero loss mask; neither it nor an `aborted` one is
-trained on.
-"""
+trained on."""
 import argparse
 import math
 import os

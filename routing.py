@@ -1,8 +1,7 @@
 """routing.py: what the trainer's MoE routers do beyond Megatron's own: count the tokens each expert took
 (expert_load), and rollout routing replay (R3, --use-rollout-routing-replay): each router takes the experts
 the engine chose for each token, their probabilities still from its own logits (docs/routing.md). Routes
-travel as (T, all decoder layers, top_k) int16 per sequence, NONE where the router chooses.
-"""
+travel as (T, all decoder layers, top_k) int16 per sequence, NONE where the router chooses."""
 import functools
 import re
 
