@@ -50,11 +50,6 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 def add_train_args(p):
     """The groups both trainers share; train_grpo.py adds rollout.add_args and its own."""
-    for add in (add_data_args, add_model_args, add_precision_args, add_optimizer_args, add_run_args):
-        add(p)
-
-
-def add_data_args(p):
     g = p.add_argument_group("data and evaluation").add_argument
     g("--prompt-data", required=True, help="training data: hub id, .parquet, .jsonl or folder")
     data.add_column_args(g)
@@ -64,9 +59,6 @@ def add_data_args(p):
     g("--eval-split", default="test", help="split of --eval-prompt-data when it is a hub id or folder")
     g("--eval-interval", type=COUNT, default=0, help="evaluate every N steps (0: only at the end)")
     g("--eval-samples", type=COUNT, default=64, help="evaluate on the first N eval problems (0: all)")
-
-
-def add_model_args(p):
     g = p.add_argument_group("model and parallelism").add_argument
     g("--hf-checkpoint", required=True, help="Hugging Face checkpoint folder to start from")
     g("--freeze-vit", action="store_true", help="keep the vision tower fixed")
@@ -84,9 +76,6 @@ def add_model_args(p):
     g("--transformer-impl", default=None, choices=["transformer_engine", "local"],
       help="Megatron layer spec (default: transformer_engine on CUDA, an error if it cannot load; local on CPU)")
     g("--distributed-timeout-minutes", type=POSITIVE, default=60, help="collective timeout (rank 0 sets up meanwhile)")
-
-
-def add_precision_args(p):
     g = p.add_argument_group("precision and memory").add_argument
     g("--bf16", action="store_true", help="compute in bf16 with fp32 master weights (optim.py); logprobs and loss in fp32")
     g("--accumulate-allreduce-grads-in-fp32", action="store_true", help="with --bf16: gradients accumulated and reduced in fp32")
@@ -100,9 +89,6 @@ def add_precision_args(p):
       help="full: checkpoint every chunk of --recompute-num-layers layers (uniform), or only the first that many (block)")
     g("--recompute-num-layers", type=POSITIVE, default=1, help="layers per recomputed chunk (uniform) or recomputed layers (block)")
     g("--max-tokens-per-gpu", type=POSITIVE, default=4096, help="one packed micro-batch's tokens on a GPU (CP: x CP in all)")
-
-
-def add_optimizer_args(p):
     g = p.add_argument_group("optimizer").add_argument
     g("--global-batch-size", type=POSITIVE, default=16, help="samples per optimizer step, all ranks")
     g("--lr", type=at_least(0.0), default=1e-6, help="peak learning rate")
@@ -115,9 +101,6 @@ def add_optimizer_args(p):
     g("--adam-beta2", type=fraction, default=0.98, help="Adam's decay of the squared gradient's running mean")
     g("--clip-grad", type=at_least(0.0), default=1.0, help="clip the global grad norm to this (0: off)")
     g("--seed", type=int, default=1234, help="the data order, initial RNG state and sampling: a run is a function of it")
-
-
-def add_run_args(p):
     g = p.add_argument_group("run folder").add_argument
     g("--save", required=True, help="run folder: metrics.jsonl, config, checkpoints")
     g("--load", default=None, help="resume from the latest checkpoint in this run folder")
