@@ -121,8 +121,7 @@ class SGLangEngine(Engine):
                  request_timeout=3600.0, env=None, config_dir=None, weight_sync="disk", routed_experts=False,
                  host="127.0.0.1", api_key=None, name=""):
         # config_dir (default hf_dir): synced folders' config and tokenizer files (--save-keep may prune hf_dir)
-        self.hf_dir = str(config_dir or hf_dir)
-        self.image_pad = read_image_token_id(hf_dir)
+        self.hf_dir, self.image_pad = str(config_dir or hf_dir), read_image_token_id(hf_dir)
         self.weight_sync, self.group, self.stale = weight_sync, None, False
         self.released = set()  # the server's memory regions freed by release(), not yet resumed
         self.server_tp = int(flag_value(server_args, ("--tp-size", "--tp"), 1))
@@ -201,13 +200,11 @@ class SGLangEngine(Engine):
     def generate_payload(self, item, sp):
         """The /generate body for one batch item: one image pad per image, images as data URIs."""
         params = {"temperature": float(sp.get("temperature", 1.0)), "top_p": float(sp.get("top_p", 1.0)),
-                  "top_k": int(sp.get("top_k", -1)),
+                  "top_k": int(sp.get("top_k", -1)), "stop_token_ids": list(sp.get("stop_token_ids") or []),
                   "max_new_tokens": int(item.get("max_new_tokens", sp["max_new_tokens"])),
-                  "stop_token_ids": list(sp.get("stop_token_ids") or []),
                   "skip_special_tokens": False, "no_stop_trim": True}
-        ids = list(item["input_ids"])
-        if self.image_pad is not None:
-            ids = collapse_image_pads(ids, self.image_pad)  # the server expands each pad itself
+        ids = list(item["input_ids"])  # one pad an image: the server expands each pad itself
+        ids = ids if self.image_pad is None else collapse_image_pads(ids, self.image_pad)
         payload = {"input_ids": ids, "sampling_params": params, "return_logprob": True}
         if self.route_shape:  # R3: positions counted in the server's expanded ids, as ours
             payload.update(return_routed_experts=True, routed_experts_start_len=int(item.get("routed_experts_start", 0)))
@@ -257,8 +254,7 @@ class SGLangEngine(Engine):
 
     def resume(self, tags=MEMORY_TAGS):
         """Take back those of `tags` that release() freed: SGLang raises on a region resumed twice."""
-        tags = [t for t in tags if t in self.released]
-        if tags:
+        if tags := [t for t in tags if t in self.released]:
             self.server.call("/resume_memory_occupation", {"tags": tags})
             self.released -= set(tags)
 
@@ -287,9 +283,7 @@ def flush_cache(server):
 def sync_disk(server, buckets, config_dir):
     # two folders in turn: a refused or interrupted sync leaves the last good weights loadable (docs/sglang.md)
     folder = server.run_dir / "weights" / server.name  # a node's own: the run folder may be shared
-    out = folder / "a"
-    if server.model_path == str(out):
-        out = folder / "b"
+    out = folder / ("b" if server.model_path == str(folder / "a") else "a")
     n = convert.write_hf(buckets, out, config_dir)
     weight_update(server, "/update_weights_from_disk", {"model_path": str(out)})
     server.model_path = str(out)  # a restarted server comes back with these weights
@@ -299,10 +293,8 @@ def sync_disk(server, buckets, config_dir):
 def sync_tensor(server, buckets, tp):
     n = 0
     for bucket in buckets:
-        if isinstance(bucket, Serialized):  # each TP rank its own copy (cluster.Servers.sync, TP > 1)
-            blobs, names = bucket.blobs, bucket.names
-        else:  # the tensors stay alive until the server answers
-            blobs, names = [serialize_tensors(bucket)] * tp, bucket
+        own = isinstance(bucket, Serialized)  # each TP rank its own copy (cluster.Servers.sync, TP > 1)
+        blobs, names = (bucket.blobs, bucket.names) if own else ([serialize_tensors(bucket)] * tp, bucket)
         weight_update(server, "/update_weights_from_tensor", {"serialized_named_tensors": blobs, "flush_cache": False})
         n += len(names)
     return n
@@ -395,8 +387,7 @@ def sglang_placement(args, cuda, n_gpus, local_world, visible=None, index=0):
     else:
         raise SystemExit("--rollout-engine sglang on GPUs: say where the server runs, --colocate (on the training "
                          "GPUs, released while they train) or --rollout-num-gpus N (N GPUs of its own)")
-    k = args.rollout_num_gpus_per_engine
-    if k:
+    if k := args.rollout_num_gpus_per_engine:
         servers_per_node(args, cuda, local_world)  # refuses a count that does not divide
         gpus = gpus[index * k:(index + 1) * k]
     if not {"--tp-size", "--tp", "--dp-size", "--dp"} & set(flags):

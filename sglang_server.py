@@ -91,9 +91,8 @@ class Server:
         self.model_path = str(model_path)  # what a restart loads: a "disk" weight sync moves it
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.name = name  # "" for the job's one server, else e.g. "node01": its log and weight folders
+        self.name, self.host, self.api_key = name, host, api_key  # name: e.g. "node01"; "" for the job's one server
         self.log_path = self.run_dir / (f"sglang_{name}.log" if name else "sglang.log")
-        self.host, self.api_key = host, api_key
         self.args, self.env = list(args), dict(env)  # env: added to our environment for the server
         self.launch_cmd = list(launch_cmd or [sys.executable, "-m", "sglang.launch_server"])
         self.timeout, self.request_timeout, self.on_restart = timeout, request_timeout, on_restart
@@ -195,9 +194,8 @@ class Server:
 
     def post(self, path, payload, timeout=None, url=None):
         """POST to this server (or to `url`, another server of the job's: the same key)."""
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
+        key = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        headers = {"Content-Type": "application/json", **key}
         req = urllib.request.Request((url or self.url) + path, data=json.dumps(payload).encode(), headers=headers,
                                      method="POST")
         try:
