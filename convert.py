@@ -65,8 +65,7 @@ def shape_fields(folder):
 def same_architecture(hf_checkpoint, ckpt):
     """A resume trains `ckpt`'s weights, built as --hf-checkpoint's config says: one of another shape is refused."""
     new, run = shape_fields(hf_checkpoint), shape_fields(ckpt)
-    differ = [f"{k} {new.get(k)}, the run's {run.get(k)}" for k in sorted(new | run) if new.get(k) != run.get(k)]
-    if differ:
+    if differ := [f"{k} {new.get(k)}, the run's {run.get(k)}" for k in sorted(new | run) if new.get(k) != run.get(k)]:
         raise SystemExit(f"--hf-checkpoint {hf_checkpoint}: not the architecture of {ckpt} ({'; '.join(differ)}), "
                          "whose weights a resume trains; resume with the run's --hf-checkpoint, or start a new run "
                          "from this one in another --save")
@@ -103,8 +102,7 @@ def rule(model, name):
     if name.startswith("decoder.layers."):
         i, rest = name[len("decoder.layers."):].split(".", 1)
         i = int(i) + model.offset  # PP: the stage's first layer's index in the whole model
-        m = _EXPERT.match(rest)
-        if m:  # -> ("fused", [3-D name]) or ("expert", [gate, up] / [down]) of global expert e
+        if m := _EXPERT.match(rest):  # -> ("fused", [3-D name]) or ("expert", [gate, up] / [down]) of global expert e
             fc, e, pre = m[2] or m[3], expert_id(model, name), f"{model.names.lm_prefix}layers.{i}.mlp.experts."
             if model.names.fused_experts:
                 return "fused", [pre + ("gate_up_proj" if fc == "linear_fc1" else "down_proj")]
@@ -251,15 +249,13 @@ def load_weights(model):
             if kind != "rep" and not getattr(p, "tensor_model_parallel", False):
                 # Megatron's init would have marked it: the grad norm counts sharded tensors on every TP rank
                 p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, int(kind == "col"), 1
-    bad = [rule(model, n)[1][0] for n, p in model.named_parameters() if not torch.isfinite(p).all()]
-    if bad:
+    if bad := [rule(model, n)[1][0] for n, p in model.named_parameters() if not torch.isfinite(p).all()]:
         raise SystemExit(f"{files[bad[0]]}: tensor {bad[0]} holds NaN or inf"
                          + (f" ({len(bad) - 1} more tensors too)" if len(bad) > 1 else ""))
     # every tensor but mtp.* must reach a parameter: export sends only those (why: docs/convert.md)
     everyone = [None] * model.par.world
     dist.all_gather_object(everyone, read)
-    left = sorted(n for n in files if not n.startswith("mtp.") and not any(n in r for r in everyone))
-    if left:
+    if left := sorted(n for n in files if not n.startswith("mtp.") and not any(n in r for r in everyone)):
         raise SystemExit(f"{model.hf_dir}: {len(left)} tensors of the checkpoint load into no parameter of the "
                          f"model: {', '.join(left[:5])}" + (" ..." if len(left) > 5 else ""))
 

@@ -94,8 +94,7 @@ def _read_rows(source, split):
         for cand in (path / f"{split}.parquet", path / f"{split}.jsonl"):
             if cand.exists():
                 return _read_rows(cand, None)
-        shards = sorted((path / "data").glob(f"{split}-*.parquet"))  # hub snapshot layout
-        if shards:
+        if shards := sorted((path / "data").glob(f"{split}-*.parquet")):  # hub snapshot layout
             return [r for s in shards for r in _read_rows(s, None)[0]], path, str(path)
         raise DataError(f"{path}: no {split}.parquet, {split}.jsonl or data/{split}-*.parquet inside")
     if path.suffix in (".parquet", ".jsonl", ".json") and not path.exists():

@@ -101,8 +101,7 @@ class LocalEngine(Engine):
             ids[i, L - lens[i]:] = torch.tensor(b["input_ids"])
         mask = (torch.arange(L) >= L - torch.tensor(lens)[:, None]).long()
         kw = dict(input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == self.image_pad).long() * mask)
-        images = [im for b in batch for im in b["images"]]
-        if images:
+        if images := [im for b in batch for im in b["images"]]:
             enc = self.processor.image_processor(images=images, return_tensors="pt")
             kw.update(pixel_values=enc["pixel_values"].to(self.model.dtype), image_grid_thw=enc["image_grid_thw"])
         limits = [b.get("max_new_tokens", sp["max_new_tokens"]) for b in batch]
