@@ -89,8 +89,7 @@ def build_parser():
 def parse_args(argv=None):
     p = build_parser()
     args, unknown = p.parse_known_args(argv)
-    bad = [u for u in unknown if u.startswith("--") and not u.startswith("--sglang-")]
-    if bad:
+    if bad := [u for u in unknown if u.startswith("--") and not u.startswith("--sglang-")]:
         p.error(f"unrecognized arguments: {' '.join(bad)}")
     args.sglang_args = sglang_engine.sglang_server_args(unknown)
     args.derived = [k for k, unset in (("global_batch_size", args.global_batch_size == 0),  # flags set from others
@@ -148,8 +147,7 @@ def policy_loss(model, ref, par, items, args, measure):
     """The --advantage-estimator's policy loss (loss.py) over a global batch held as this rank's `items`, through
     the pipeline schedule (backward per micro-batch; under PP the loss is the last stage's, its stats reach every
     rank), with the KL, entropy and TIS terms, each token weighted by --loss-agg."""
-    n_tok = T.global_sum(sum(int(it.mask.sum()) for it in items), par)
-    n_seq = T.global_sum(len(items), par)
+    n_tok, n_seq = T.global_sum(sum(int(it.mask.sum()) for it in items), par), T.global_sum(len(items), par)
     temp = args.rollout_temperature or 1.0  # logprobs under the distribution the engine sampled from
     est = L.ESTIMATORS[args.advantage_estimator]
     if ref is not None:  # forward-only, before the policy's passes: under PP both are whole schedules
@@ -346,12 +344,10 @@ def rollout_metrics(samples, tools=()):
 
 def split_batch(good, adv, rng, global_batch_size, updates, dp):
     """rank 0: [for each DP rank: its (sample, advantage) pairs of each update (None: no sample)], shuffled by `rng`,
-    each update's global batch strided over the ranks; a sample keeps what to_item reads (ids, masks, logprobs, versions,
-    routes, images)."""
+    each update's global batch strided over the ranks; a sample keeps only what to_item reads."""
     pairs = [(R.Sample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, loss_mask=s.loss_mask,
                        rollout_logprobs=s.rollout_logprobs, images=s.images, routed_experts=s.routed_experts,
-                       versions=s.versions), a)
-             for s, a in zip(good, adv)]
+                       versions=s.versions), a) for s, a in zip(good, adv)]
     rng.shuffle(pairs)
     chunks = [pairs[u * global_batch_size:(u + 1) * global_batch_size] for u in range(updates)]
     return [[c[r::dp] if c else None for c in chunks] for r in range(dp)]
@@ -421,8 +417,7 @@ def main(argv=None):
     start = run.load_state(ckpt, opt, sched)["step"] if ckpt else 0
     policy = Policy(model, ref, opt, sched, args, updates)
     servers = cluster.Servers(args, par, model, opt, ref, str(ckpt or args.hf_checkpoint), str(run.save), processor)
-    source = Source(servers.engine, processor, records, args, updates, par,
-                    run.load_rollout(ckpt) if ckpt and par.rank == 0 else None)
+    source = Source(servers.engine, processor, records, args, updates, par, run.load_rollout())
     evals, quiet = servers.agree(bool(eval_records)), 0  # quiet: steps in a row with nothing to learn (rank 0)
     try:
         if par.rank == 0 and eval_records and (start == 0 or not args.num_rollout):

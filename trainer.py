@@ -158,13 +158,12 @@ class Run:
         dist.barrier()
         return final
 
-    def maybe_save(self, model, opt, sched, step, total, prepare=None, rollout=None):
+    def maybe_save(self, model, opt, sched, step, total, prepare=lambda: None, rollout=None):
         """Every --save-interval steps, after the last, and before a stop (console.stop_reason); prepare() first
         when it saves."""
         self.stopping = console.stop_reason(self)
         if (self.args.save_interval and step % self.args.save_interval == 0) or step == total or self.stopping:
-            if prepare is not None:
-                prepare()
+            prepare()
             self.save_checkpoint(model, opt, sched, step, rollout)
 
     def eval_due(self, step, total):
@@ -180,10 +179,10 @@ class Run:
                       f"(raise {flag} to continue)", flush=True)
             raise SystemExit(0)
 
-    def load_rollout(self, ckpt):
-        """The rollout state save_checkpoint kept (rank 0), or None."""
-        f = ckpt / "train_state" / "rollout.pt"
-        return read_state(f) if f.exists() else None
+    def load_rollout(self):
+        """The rollout state save_checkpoint kept: rank 0's, None elsewhere or where there is none."""
+        f = self.ckpt and self.ckpt / "train_state" / "rollout.pt"
+        return read_state(f) if self.rank == 0 and f and f.exists() else None
 
     def load_state(self, ckpt, opt, sched):
         """Optimizer, schedule and RNG of this rank; returns the meta dict (step, data position)."""
@@ -218,8 +217,7 @@ def compare(saved_path, config, fixed):
     derived = set(config.get("derived", ())) & set(saved.get("derived", ()))  # flags neither run gave: follow others
     changed = {k: f"--{k.replace('_', '-')} {v} (the run: {saved[k]})" for k, v in config.items() if k in saved and
                saved[k] != v and k not in ("load", "overwrite", "versions", "world_size", "derived", *derived)}
-    bad = [line for k, line in changed.items() if k in fixed]
-    if bad:
+    if bad := [line for k, line in changed.items() if k in fixed]:
         raise SystemExit(f"--load {saved_path.parent}: a resume keeps the run's data order and optimizer state, so "
                          "these cannot change:\n  " + "\n  ".join(bad) + "\nresume with the run's values, or start a new "
                          f"run from a checkpoint's weights (--hf-checkpoint {saved_path.parent}/iter_N)")
