@@ -1,5 +1,6 @@
 """model.py: the Megatron VLM: the Hugging Face vision tower, then megatron-core GPTModel's modules in a decoder
 loop of ours (MRoPE, deepstack, packed rows: docs/model.md), built from ModelOptions. Parity: tools/check.py."""
+import copy
 import dataclasses
 import functools
 import logging
@@ -99,8 +100,7 @@ def split_images(hf_config, seqs, pixel_values=None, image_grid_thw=None):
 
 def layer_impl(impl=None):
     """--transformer-impl: transformer_engine (the CUDA default) or local; TE that cannot load is an error."""
-    if impl is None:
-        impl = "transformer_engine" if torch.cuda.is_available() else "local"
+    impl = impl or ("transformer_engine" if torch.cuda.is_available() else "local")
     if impl == "local":
         return impl
     if not torch.cuda.is_available():
@@ -215,8 +215,7 @@ def packed_row(hf_config, seqs, per_seq, par, sp):
     share = -(-sum(lens) // par.cp // m) * m
     if par.ep > 1:
         share = int(parallel.all_reduce(torch.tensor(share, device=par.device), par.ep_group, dist.ReduceOp.MAX))
-    extra = share * par.cp - sum(lens)
-    if extra:
+    if extra := share * par.cp - sum(lens):
         lens, ids, pos = lens + [extra], ids + [torch.zeros(extra, dtype=torch.long)], pos + [torch.arange(extra).expand(3, -1)]
     return torch.cat(ids), torch.cat(pos, 1), tuple(lens)
 
@@ -297,7 +296,10 @@ class MegatronVLM(torch.nn.Module):
                 cfg, spec, vocab_size=self.padded_vocab, max_sequence_length=tc.max_position_embeddings,
                 share_embeddings_and_output_weights=self.tie and par.pp == 1, position_embedding_type="none",
                 pre_process=self.pre, post_process=self.post)
-        self.config, self.model_type = pipeline.schedule_config(cfg), ModelType.encoder_or_decoder
+        # model.config, what megatron's schedules read: a copy of the model's (on its own it would rescale the MoE aux
+        # loss too) with calculate_per_token_loss, so that they do not divide our loss (docs/layouts.md)
+        self.config, self.model_type = copy.copy(cfg), ModelType.encoder_or_decoder
+        self.config.calculate_per_token_loss = True
         if self.tie and par.pp > 1 and self.post:  # Megatron's mark: its grad norm skips the copy
             self.language_model.output_layer.weight.shared = True
         self.routes = routing.RouteCounter(self.language_model, self.offset, cfg.num_layers)

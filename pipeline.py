@@ -2,8 +2,6 @@
 megatron-core's 1F1B schedule over our packed micro-batches, the tied head's gradient (docs/layouts.md).
 
     out = pipeline.run(model, batches, step, loss)   # every rank: the last stage's results"""
-import copy
-
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
@@ -32,14 +30,6 @@ def stage_layers(cfg, par, hf_config):
                          f"fewer than the {deep} Qwen3-VL adds deepstack features to; give it more with "
                          "--decoder-first-pipeline-num-layers")
     return get_transformer_layer_offset(cfg, pp_rank=par.pp_rank), counts[par.pp_rank]
-
-
-def schedule_config(cfg):
-    """The config megatron's schedules read (model.config): a copy of the model's (on its own it would rescale
-    the MoE aux loss too) with calculate_per_token_loss, so that they do not divide our loss (docs/layouts.md)."""
-    out = copy.copy(cfg)
-    out.calculate_per_token_loss = True
-    return out
 
 
 def run(model, batches, step, loss=None, forward_only=False):
@@ -90,5 +80,4 @@ def sum_tied_grads(model, grads):
     """A tied LM head under PP: the first stage's embedding and the last stage's copy take the sum of their
     gradients, so that they stay equal (as megatron's finalize_model_grads does). grads: [(param, grad)]."""
     if model.tie and model.par.pp > 1 and (model.pre or model.post):
-        g = next(g for p, g in grads if p is model.head_weight())
-        parallel.all_reduce(g, ps.get_embedding_group())
+        parallel.all_reduce(next(g for p, g in grads if p is model.head_weight()), ps.get_embedding_group())
