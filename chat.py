@@ -29,9 +29,8 @@ def render(processor, messages, tools=None, add_generation_prompt=False):
 def template_tools(processor, record):
     """The record's tools (env_geo3k.offered) as the template's `tools=` specs, or None where it renders none."""
     probe = [{"role": "user", "content": "?"}]
-    if render(processor, probe, env_geo3k.specs(list(env_geo3k.TOOLS))) == render(processor, probe):
-        return None
-    return env_geo3k.specs(env_geo3k.offered(record.get("tools")))
+    renders = render(processor, probe, env_geo3k.specs(list(env_geo3k.TOOLS))) != render(processor, probe)
+    return env_geo3k.specs(env_geo3k.offered(record.get("tools"))) if renders else None
 
 
 def encode_prompt(processor, messages, images, tools=None):
@@ -40,9 +39,8 @@ def encode_prompt(processor, messages, images, tools=None):
 
 
 def prompt(processor, record, multi_turn=False):
-    """-> (messages, tools, token ids) of a record's prompt as a rollout encodes it (the processor checks its
-    images); multi-turn, its tools as the template's `tools=` or as usage lines in the system prompt (docs/rollout.md,
-    "A conversation's tokens")."""
+    """-> (messages, tools, token ids) of a record's prompt as a rollout encodes it (the processor checks its images);
+    multi-turn, its tools as the template's `tools=` or as usage lines in the system prompt (docs/rollout.md)."""
     tools = template_tools(processor, record) if multi_turn else None
     usage = env_geo3k.usage(env_geo3k.offered(record.get("tools"))) if multi_turn and tools is None else None
     messages = data.prompt_messages(record, multi_turn, usage)
@@ -103,6 +101,5 @@ def check_images(processor, ids, images):
     total = sum(t == pad for t in ids)
     _, grid = encode_images(processor, images)
     want = [] if grid is None else model.image_tokens(grid, processor.image_processor.merge_size)
-    if runs != want or total != sum(want):
-        return f"image placeholders {runs} (total {total}) != grids imply {want}"
-    return None
+    ok = runs == want and total == sum(want)
+    return None if ok else f"image placeholders {runs} (total {total}) != grids imply {want}"

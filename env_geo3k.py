@@ -47,8 +47,7 @@ def calc_score(env, arguments):
     if not env.oracle or env.record.get("answer") is None:
         text, score = f"Answer recorded: {answer}.", None
     else:
-        score = reward.score(env.rm_type, f"\\boxed{{{answer}}}", env.record)
-        env.last_score = score
+        score = env.last_score = reward.score(env.rm_type, f"\\boxed{{{answer}}}", env.record)
         text = (f"Correct: {answer} is the right answer." if score > 0
                 else f"Incorrect: {answer} is not the right answer.")
     return text, [], {"score": score}
@@ -60,9 +59,8 @@ def crop(env, arguments):
     i, n = arguments.get("image", 0), len(env.images)
     _need(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n,
           f'"image" must be an integer from 0 to {n - 1} (images seen so far)')
-    image = env.images[i]
+    image, bbox = env.images[i], arguments["bbox"]
     w, h = image.size
-    bbox = arguments["bbox"]
     valid = f"integers with 0 <= x1 < x2 <= {w} and 0 <= y1 < y2 <= {h} (image {i} is {w}x{h} px)"
     _need(isinstance(bbox, list) and len(bbox) == 4 and all(_is_number(v) for v in bbox),
           f'"bbox" must be a list of 4 numbers [x1, y1, x2, y2]: {valid}')
@@ -94,8 +92,7 @@ def crop_metrics(ran, correct):
         m["crop_hit_frac"] = sum(max(x, default=0) >= 0.5 for x in ious) / len(ran)
     cropped = [any(i["tool"] == "crop" for i in st) for st in ran]
     for key, want in (("accuracy_with_crop", True), ("accuracy_without_crop", False)):
-        part = [r for r, c in zip(correct, cropped) if c == want and r is not None]
-        if part:
+        if part := [r for r, c in zip(correct, cropped) if c == want and r is not None]:
             m[key] = sum(map(bool, part)) / len(part)
     return m
 

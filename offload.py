@@ -34,9 +34,8 @@ class Offload:
     def storages(self):
         """{kind: [storage]}: every distinct storage on the trainer's device, each under one kind."""
         params = [p for m in (self.model, self.ref) if m is not None for p in m.parameters()]
-        named = {"params": params,
-                 "grads": [t for p in params for t in (p.grad, getattr(p, "main_grad", None)) if t is not None],
-                 "optimizer": list(optimizer_tensors(self.opt))}
+        named = {"params": params, "optimizer": list(optimizer_tensors(self.opt)),
+                 "grads": [t for p in params for t in (p.grad, getattr(p, "main_grad", None)) if t is not None]}
         device, seen, out = self.model.par.device, set(), {k: [] for k in KINDS}
         for kind in KINDS:
             for t in named[kind]:
@@ -73,10 +72,7 @@ class Offload:
         for kind in [k for k in kinds if k in self.out]:
             for s, host, n in self.out.pop(kind):
                 s.resize_(n)
-                if host is None:
-                    _bytes(s).zero_()
-                else:
-                    _bytes(s).copy_(host, non_blocking=True)
+                _bytes(s).zero_() if host is None else _bytes(s).copy_(host, non_blocking=True)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
 
@@ -91,8 +87,7 @@ def pinned(nbytes):
     host = torch.empty(nbytes, dtype=torch.uint8)
     if torch.cuda.is_available():
         cudart = torch.cuda.cudart()
-        err = int(cudart.cudaHostRegister(host.data_ptr(), nbytes, 1))  # 1: cudaHostRegisterPortable
-        if err:
+        if err := int(cudart.cudaHostRegister(host.data_ptr(), nbytes, 1)):  # 1: cudaHostRegisterPortable
             raise RuntimeError(f"--offload-train: cudaHostRegister of {nbytes} bytes failed (cudaError {err})")
         weakref.finalize(host, cudart.cudaHostUnregister, host.data_ptr())
     return host

@@ -271,9 +271,8 @@ def optimizer_step(model, opt, sched, par, args):
             grads = [(p, p.main_grad) for p in opt.params]
         else:
             params = [p for p in model.parameters() if p.requires_grad]
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+            for p in (p for p in params if p.grad is None):
+                p.grad = torch.zeros_like(p)
             grads = [(p, p.grad) for p in params]
         pipeline.sum_tied_grads(model, grads)
         allreduce_grads(grads, par)

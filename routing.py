@@ -12,11 +12,8 @@ NONE = -1  # no engine route for this (token, layer): a sequence's last token, p
 
 def routers(module):
     """{decoder layer index: Megatron TopKRouter} of a GPTModel's (this stage's) layers."""
-    out = {}
-    for name, m in module.named_modules():
-        if type(m).__name__ == "TopKRouter":
-            out[int(re.search(r"layers\.(\d+)\.", name).group(1))] = m
-    return out
+    return {int(re.search(r"layers\.(\d+)\.", name).group(1)): m for name, m in module.named_modules()
+            if type(m).__name__ == "TopKRouter"}
 
 
 class RouteCounter:
