@@ -313,7 +313,9 @@ def test_prompt_encoded_once_per_group(processor, records, monkeypatch):
 def test_episodes_flow_on_their_own_and_dynamic_sampling_redraws_at_once(processor, records):
     """With a concurrent engine (SGLang's kind) an episode's next turn goes out while another episode
     is still generating, and a group known to be all-equal is replaced at once, not after the batch;
-    the samples are the ones a lockstep batch engine gives."""
+    the samples are the ones a lockstep batch engine gives. The slow request is the test's: prompt 0's
+    answer waits for the event it must not block (another's next turn, a redrawn group's first request),
+    30 s at most, so a rollout that waits for it fails here instead of hanging."""
     import threading
     import time
     recs = [dict(r, problem=f"{r['problem']} ({i})") for i, r in enumerate(records[:3])]  # distinct prompts
@@ -326,6 +328,7 @@ def test_episodes_flow_on_their_own_and_dynamic_sampling_redraws_at_once(process
         return out
     prompts = encoded(True)
     log, lock = [], threading.Lock()  # (prompt index, turn, start, end) of every request
+    came = threading.Event()  # the request prompt 0's waits for has started
 
     class Concurrent(ScriptedEngine):
         concurrent = True
@@ -333,11 +336,16 @@ def test_episodes_flow_on_their_own_and_dynamic_sampling_redraws_at_once(process
         def answer(self, item, p):
             return self.script[min(self.turn(item["input_ids"]), len(self.script) - 1)]
 
+        awaited = (1, 1)  # (prompt, turn) of the request that prompt 0's answers wait for
+
         def generate(self, batch, sampling):
             (item,) = batch
             p = next(k for k, ids in enumerate(prompts) if tuple(item["input_ids"][:len(ids)]) == ids)
             start = time.monotonic()
-            time.sleep(1.0 if p == 0 else 0.05)
+            if (p, min(self.turn(item["input_ids"]), self.awaited[1])) == self.awaited:
+                came.set()
+            if p == 0:
+                came.wait(30)
             with lock:
                 log.append((p, self.turn(item["input_ids"]), start, time.monotonic()))
                 ids = self.tok.encode(self.answer(item, p)) + [self.im_end]
@@ -350,9 +358,12 @@ def test_episodes_flow_on_their_own_and_dynamic_sampling_redraws_at_once(process
     assert any(p == 1 and turn == 1 and start < slow_first_end for p, turn, start, _ in log), log
 
     class Alternating(Concurrent):  # a prompt's first request is right (\boxed{360}), later ones wrong
+        awaited = (2, 0)  # prompt 2's first request
+
         def answer(self, item, p):
             return ANSWER if sum(q == p for q, *_ in log) == 1 else "\\boxed{1}"
     log.clear()
+    came.clear()
     recs = [dict(recs[0], answer="360"), dict(recs[1], answer="7"), dict(recs[2], answer="360")]
     prompts[:] = encoded(False)
     args = rollout_args(n_samples_per_prompt=2, dynamic_sampling=True, rollout_batch_size=2)
