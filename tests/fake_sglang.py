@@ -247,7 +247,7 @@ class Handler(BaseHTTPRequestHandler):
                 return hold() if n == st["hold"] else wait(st["token_delay"])
             st["running"].add(rid)
             try:
-                queued = hold() if st["hold"] == "queue" else wait(st["delay"])  # --fake-delay: SGLang's queue
+                queued = (st["hold"] == "queue" and hold()) or wait(st["delay"])  # --fake-delay: SGLang's queue
                 ids, lps, finish = ([], [], "abort") if queued else fake_output(prompt, sp["max_new_tokens"],
                                                                                 st["digest"], cut=cut)
             finally:
