@@ -516,6 +516,47 @@ def test_fully_async_update_lands_within_a_turn_and_between_turns(processor, rec
     stale.pause()
 
 
+def test_staleness_judges_a_parked_group_by_its_oldest_token_across_pause_resume_and_checkpoint(processor, records):
+    """--max-weight-staleness K (here 1): a parked group is dropped when its OLDEST model-written token is more than
+    K versions older than the run that would continue it, however fresh its newest is; exactly K old is kept. Record
+    0 writes at version 0 and 1 (newest 1, oldest 0), record 1 at version 1 only; each run is cut by a pause (every
+    request waits for the abort, then answers 2 tokens), the groups go through a checkpoint (pickle, a fresh
+    Rollout), and the run at version 2 drops record 0 (oldest 2 old) and continues record 1 (oldest 1 old)."""
+    import pickle
+    import threading
+    recs = [dict(r, problem=f"{r['problem']} ({i})", index=i, images=[]) for i, r in enumerate(records[:2])]
+    came, go = threading.Semaphore(0), threading.Event()
+
+    class Cut(ScriptedEngine):
+        concurrent = True
+
+        def abort(self):
+            go.set()
+
+        def generate(self, batch, sampling):
+            (item,) = batch
+            ids = item["input_ids"]
+            head = len(ids) - max(i + len(self.header) for i in range(len(ids)) if ids[i:i + len(self.header)] == self.header)
+            came.release()
+            assert go.wait(30)
+            return [{"ids": self.tok.encode(ANSWER)[head:head + 2], "logprobs": [-0.5] * 2, "finish": "abort",
+                     "prompt_tokens": len(ids)}]
+
+    def run(ro, new, version, requests):  # a run cut by a pause once its requests are all at the engine
+        go.clear()
+        ro.resume(new, version)
+        assert all(came.acquire(timeout=30) for _ in range(requests))
+        ro.pause()
+        return {r["index"]: eps[0].sample.versions for r, _, eps in ro.groups.values()}
+    args = rollout_args(n_samples_per_prompt=1)
+    ro = rollout.Rollout(Cut(processor, []), processor, args, cap=2, max_stale=1)
+    assert run(ro, recs[:1], 0, 1) == {0: [0, 0]}
+    assert run(ro, recs[1:], 1, 2) == {0: [0, 0, 1, 1], 1: [1, 1]} and ro.stale == 0
+    later = rollout.Rollout(Cut(processor, []), processor, args, cap=2, max_stale=1)  # a resumed run's
+    later.groups = pickle.loads(pickle.dumps(ro.groups))
+    assert run(later, [], 2, 1) == {1: [1, 1, 2, 2]} and later.stale == 1
+
+
 def test_local_engine_abort_lands_mid_generation_and_greedy_continues_it(engine, processor, records, monkeypatch):
     """LocalEngine.abort() stops a generate at its next token: the rows answer finish "abort" with the
     tokens they had, and a greedy request for the rest continues them into the uninterrupted answer."""
