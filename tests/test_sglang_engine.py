@@ -572,16 +572,23 @@ def test_an_abort_before_any_token_leaves_an_r3_sample_open(ckpt, processor, rec
 def test_a_hung_abort_holds_no_lock_of_the_rollout(ckpt, processor, records, tmp_path):
     """--partial-rollout's abort goes to each server with a short timeout and never under the rollout's lock:
     here the server takes 60 s to answer it (--fake-abort-delay), the abort never lands, and the request it
-    meant to cut (at the server before the parked group's goes) ends on its own; the rollout ends once it has,
-    after one ABORT_TIMEOUT, not after 60 s."""
+    meant to cut (record 1's, held before its token 4 until the abort has come: --fake-hold 4 with a gate) ends on
+    its own; the rollout ends once it has, after one ABORT_TIMEOUT, not after 60 s."""
     args = rollout_args(n_samples_per_prompt=1, rollout_batch_size=1, partial_rollout=True, over_sampling_batch_size=2,
                         rollout_max_response_len=11)
     recs = [dict(r, index=i, images=[]) for i, r in enumerate(records[:2])]  # text: no image processor to load
-    eng, rec = sglang(ckpt, tmp_path, "--fake-abort-delay", "60", "--fake-token-delay", "0.5")
-    try:  # the parked group needs 3 tokens, record 1's group 7: the abort comes while it generates
-        parked_goes_after(eng, lambda: [r for r in read_record(rec) if r["path"] == "/generate"])
+    gate = tmp_path / "gate"
+    gate.touch()
+    eng, rec = sglang(ckpt, tmp_path, "--fake-abort-delay", "60", "--fake-hold", "4", "--fake-gate", str(gate))
+
+    def release():  # the gate goes once the abort has reached the server (which answers it in 60 s)
+        wait_for(lambda: any(r["path"] == "/abort_request" for r in read_record(rec)), "the abort at the server")
+        gate.unlink()
+    try:  # the parked group needs 3 tokens (never its token 4), record 1's group 7: held before its 4th
+        parked_goes_after(eng, lambda: held(rec))
         ro, t = rollout.Rollout(eng, processor, args, target=1, cap=2), time.time()
         ro.groups = {0: parked(processor, recs[0], args, 8)}
+        threading.Thread(target=release, daemon=True).start()
         ro.resume(recs[1:], 0)
         first = ro.take(1)
         ro.pause()
