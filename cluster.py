@@ -1,8 +1,7 @@
 """cluster.py: the trainer's side of the SGLang servers, on every rank (Servers): where they run (one on
 127.0.0.1; a server per node, or per --rollout-num-gpus-per-engine GPUs, behind SGLang's router), and each
 step's moves around training: to_rollout, step_aside, step_back, sync. A step on the servers runs on every
-holder and fails on every rank if it fails on one (on_leaders). Mechanism: docs/cluster.md.
-"""
+holder and fails on every rank if it fails on one (on_leaders). Mechanism: docs/cluster.md."""
 import os
 import secrets
 import shlex
@@ -56,6 +55,8 @@ class Servers:
             if par.rank == 0:
                 print(f"[offload] --offload-train: {self.off.host_bytes() / 2**30:.2f} GiB of host memory per rank "
                       "for the trainer's parameters, more once the optimizer states exist (offload_host_gib)", flush=True)
+        if self.colocate:  # every rank parked or loaded: SGLang's TP ranks compare their GPUs' free memory at start
+            dist.barrier()
         self.per_node, self.group = 1, None  # servers a node; the process group of the ranks one server holds
         self.engine = self.start(args, hf_dir, run_dir, processor)
         # every rank takes part in a sync that serialises on several ranks (sync_plan): rank 0's engine says

@@ -51,6 +51,28 @@ _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth")
 
 
+# config.json fields that shape a tensor, by name (sizes, dims, head and layer counts, layer kinds; not ids or rope)
+SHAPES = re.compile(r"architectures|tie_word_embeddings|layer_types|depth|in_chans|in_channels|"
+                    r"num_(?!experts_per_tok).*|.*_(size|dim|heads|layers|indexes)")
+
+
+def shape_fields(folder):
+    """{name: value} of folder/config.json's SHAPES fields, a nested config's named with its key (text_config.depth)."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    parts = [("", config)] + [(f"{k}.", v) for k, v in config.items() if isinstance(v, dict)]
+    return {p + k: v for p, part in parts for k, v in part.items() if SHAPES.fullmatch(k)}
+
+
+def same_architecture(hf_checkpoint, ckpt):
+    """A resume trains `ckpt`'s weights, built as --hf-checkpoint's config says: one of another shape is refused."""
+    new, run = shape_fields(hf_checkpoint), shape_fields(ckpt)
+    differ = [f"{k} {new.get(k)}, the run's {run.get(k)}" for k in sorted(new | run) if new.get(k) != run.get(k)]
+    if differ:
+        raise SystemExit(f"--hf-checkpoint {hf_checkpoint}: not the architecture of {ckpt} ({'; '.join(differ)}), "
+                         "whose weights a resume trains; resume with the run's --hf-checkpoint, or start a new run "
+                         "from this one in another --save")
+
+
 def weight_files(hf_dir):
     """{HF tensor name: safetensors file} of a checkpoint folder."""
     hf_dir = Path(hf_dir)
@@ -277,10 +299,8 @@ def hf_tensors(model, grad=False):
             if head[0] is None:
                 break
             n, shape, dtype = head[0]
-            if mine is not None:  # on par.device: NCCL refuses a CPU tensor, and `mtp.*` comes from the file
-                x = t.to(par.device).contiguous()
-            else:
-                x = torch.empty(shape, dtype=dtype, device=par.device)
+            # on par.device: NCCL refuses a CPU tensor, and `mtp.*` comes from the file
+            x = torch.empty(shape, dtype=dtype, device=par.device) if mine is None else t.to(par.device).contiguous()
             dist.broadcast(x, src=src, group=par.pp_group)
             yield n, x
 
@@ -291,10 +311,7 @@ def _stage_tensors(model, grad):
     for name, p in model.named_parameters():
         if name == "language_model.output_layer.weight" and model.tie:  # PP: the first stage exports it
             continue
-        if grad:
-            t = p.grad if p.grad is not None else torch.zeros_like(p)
-        else:
-            t = p.detach()
+        t = (p.grad if p.grad is not None else torch.zeros_like(p)) if grad else p.detach()
         kind, hf = rule(model, name)
         if kind in ("fused", "expert"):
             for n, x in _experts(model, name, kind, hf, t, fused):
@@ -326,9 +343,10 @@ def export_hf(model, bucket_bytes=256 << 20):
         yield bucket
 
 
-def write_hf(buckets, out_dir, src_dir):
+def write_hf(buckets, out_dir, src_dir, config=None):
     """Write (HF name, tensor) buckets as a checkpoint folder, a safetensors file a bucket (one: model.safetensors),
-    old weights removed, the source folder's other files copied. -> number of tensors written."""
+    old weights removed, the source folder's other files copied; `config`: config.json's text, when src_dir's may not
+    describe these weights (save_hf). -> number of tensors written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for f in out.iterdir():
@@ -348,15 +366,17 @@ def write_hf(buckets, out_dir, src_dir):
     for f in Path(src_dir).iterdir():
         if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES):
             shutil.copy2(f, out / f.name)
+    if config is not None:
+        (out / "config.json").write_text(config)
     return len(weight_map)
 
 
 def save_hf(model, out_dir, shard_bytes=4 << 30, src_dir=None):
-    """A checkpoint transformers and SGLang load as they are, its other files from `src_dir` (default: the
-    model's own folder). Call on every rank (export gathers); global rank 0 writes."""
+    """A checkpoint transformers and SGLang load as they are: config.json the model's own, its other files from
+    `src_dir` (default: the model's own folder). Call on every rank (export gathers); global rank 0 writes."""
     buckets = export_hf(model, shard_bytes)
     if dist.get_rank() == 0:
-        write_hf(buckets, out_dir, src_dir or model.hf_dir)
+        write_hf(buckets, out_dir, src_dir or model.hf_dir, model.config_json)
     else:
         for _ in buckets:  # take part in the gathers
             pass

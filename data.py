@@ -133,7 +133,7 @@ def _read_rows(source, split):
     raise DataError(f"{source}: no such file or folder")
 
 
-def _record(row, base_dir, input_key, label_key, max_pixels, allow_urls, allow_outside):
+def _record(row, base_dir, input_key, label_key, image_key, max_pixels, allow_urls, allow_outside):
     if "__error__" in row:
         raise ValueError(row["__error__"])
     problem, answer = row.get(input_key), row.get(label_key)  # a column no row has: load_geo3k names it
@@ -142,7 +142,7 @@ def _record(row, base_dir, input_key, label_key, max_pixels, allow_urls, allow_o
     answer = "" if answer is None else str(answer).strip()
     if not answer:
         raise ValueError(f"empty {label_key!r}")
-    raw = row.get("images", row.get("image"))
+    raw = row.get(image_key)
     raw = [] if raw is None else raw if isinstance(raw, list) else [raw]
     if not raw:
         raise ValueError("no image")
@@ -153,26 +153,30 @@ def _record(row, base_dir, input_key, label_key, max_pixels, allow_urls, allow_o
         except Exception as e:  # noqa: BLE001 - PIL raises many types for corrupt bytes
             raise ValueError(f"image {j}: {e}") from None
     # other columns ride along: a `messages` conversation (SFT), the `tools` a row offers, a crop task's `box`
-    rest = {k: v for k, v in row.items() if k not in (input_key, label_key, "images", "image")}
+    rest = {k: v for k, v in row.items() if k not in (input_key, label_key, image_key)}
     return {**rest, "problem": problem, "answer": answer, "images": images}
 
 
-def load_geo3k(source, split=None, input_key="problem", label_key="answer", max_bad_frac=0.01,
-               max_pixels=MAX_PIXELS, verbose=True, check=None, allow_urls=False, allow_outside=False):
+def load_geo3k(source, split=None, input_key="problem", label_key="answer", max_bad_frac=0.01, max_pixels=MAX_PIXELS,
+               verbose=True, check=None, allow_urls=False, allow_outside=False, multimodal_keys=None):
     """Load geo3k-style records; stop when more than `max_bad_frac` of the rows are unusable (each
     named by row and reason). `check(record)` raises ValueError for a bad row, TooLong for one to
-    skip and count."""
+    skip and count. multimodal_keys: slime's {"image": column} (default: `images`, else `image`)."""
     rows, base_dir, name = _read_rows(str(source), split)
     columns = sorted({k for row in rows for k in row} - {"__error__"})
-    for need, flag in ((input_key, "--input-key"), (label_key, "--label-key"), ("images", None)):
-        if columns and need not in columns and not (need == "images" and "image" in columns):
-            raise DataError(f"{name}: no column {need!r}; its columns: {', '.join(columns)}. "
-                            + (f"Name yours with {flag}" if flag else "Images go in 'images' (or 'image')")
-                            + " (docs/data.md)")
+    keys = multimodal_keys or {}
+    if not isinstance(keys, dict) or set(keys) - {"image"}:  # slime's video and audio: no model input for them here
+        raise DataError(f"""--multimodal-keys {json.dumps(keys)}: images only here, '{{"image": "COLUMN"}}'""")
+    images = keys.get("image") or ("image" if "image" in columns and "images" not in columns else "images")
+    for need, flag in ((input_key, "--input-key"), (label_key, "--label-key"),
+                       (images, """--multimodal-keys '{"image": "COLUMN"}'""")):
+        if columns and need not in columns:
+            raise DataError(f"{name}: no column {need!r}; its columns: {', '.join(columns)}. Name yours with {flag} "
+                            "(docs/data.md)")
     records, bad, long = [], [], []
     for i, row in enumerate(rows):
         try:
-            rec = _record(row, base_dir, input_key, label_key, max_pixels, allow_urls, allow_outside)
+            rec = _record(row, base_dir, input_key, label_key, images, max_pixels, allow_urls, allow_outside)
             if check:
                 check(rec)
             records.append(rec)
@@ -233,14 +237,31 @@ def sft_messages(record):
     return prompt_messages(record) + [{"role": "assistant", "content": sft_target(record["answer"])}]
 
 
+def add_column_args(a):
+    """The flags that say how rows read (`a`: a parser's or group's add_argument): show's and both trainers'."""
+    a("--input-key", default="problem", help="column holding the problem text")
+    a("--label-key", default="answer", help="column holding the answer")
+    # slime's flag and form (THUDM/slime 624b824: slime/utils/arguments.py:661-668 `type=json.loads`, a map from
+    # media type to column; slime/utils/data.py:152-160 reads each type's column, one value or a list)
+    a("--multimodal-keys", type=json.loads, default=None,
+      help="""slime's JSON map from media type to column, '{"image": "COLUMN"}' (default: images, else image)""")
+    a("--allow-image-urls", action="store_true", help="fetch http(s) images of data rows (off: such rows are bad)")
+    a("--allow-outside-paths", action="store_true", help="let data rows' image paths leave the data set's folder")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    sh = sub.add_parser("show", help="load a source and print a summary")
+    sh = sub.add_parser("show", help="load a source as the trainers do (their flags for columns) and print a summary")
     sh.add_argument("source")
     sh.add_argument("--split", default=None)
+    add_column_args(sh.add_argument)
     a = p.parse_args(argv)
-    recs = load_geo3k(a.source, a.split)
+    try:
+        recs = load_geo3k(a.source, a.split, a.input_key, a.label_key, allow_urls=a.allow_image_urls,
+                          allow_outside=a.allow_outside_paths, multimodal_keys=a.multimodal_keys)
+    except DataError as e:
+        raise SystemExit(str(e)) from None
     print(f"{len(recs)} records; first: {recs[0]['problem'][:80]!r} -> {recs[0]['answer']!r}, "
           f"images {[im.size for im in recs[0]['images']]}")
 

@@ -7,8 +7,8 @@
 
 A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in strict JSON or Qwen3.5's XML form;
 nothing the model writes is evaluated or executed. A tool: a function and its Tool in TOOLS (docs/extending.md).
-Options read from args: max_turns (required), oracle (default True; evaluation turns it off: calc_score only
-records), rm_type ("math"), min_pixels (crop area floor, default 56*56), max_payload (4096 chars).
+From args: max_turns (required), oracle (default True; off in evaluation: calc_score only records), rm_type ("math"),
+min_pixels (crop area floor, 56*56), max_payload (4096 chars), each tool's own flags (`Tool.flags`: env.flags).
 """
 import dataclasses
 import json
@@ -16,6 +16,7 @@ import math
 import re
 from contextlib import suppress
 
+import flags as F
 import reward
 
 MIN_SIDE = 56      # crops are upscaled until both sides reach this (Qwen's 28-px merge unit x2)
@@ -28,17 +29,20 @@ class ToolError(Exception):
     """Bad tool arguments; the message is shown to the model."""
 
 
+def _need(ok, problem):
+    """ToolError(problem) unless ok: the problem goes back to the model."""
+    if not ok:
+        raise ToolError(problem)
+
+
 def _is_number(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def calc_score(env, arguments):
     """Check an answer against the row's (the --rm-type reward), or only record it (oracle off)."""
-    answer = arguments["answer"]
-    if _is_number(answer):
-        answer = str(answer)
-    if not isinstance(answer, str) or not answer.strip():
-        raise ToolError('"answer" must be a non-empty string such as "5\\\\sqrt{3}" or a number')
+    answer = str(arguments["answer"]) if _is_number(arguments["answer"]) else arguments["answer"]
+    _need(isinstance(answer, str) and answer.strip(), '"answer" must be a non-empty string such as "5\\\\sqrt{3}" or a number')
     answer = re.sub(r"[\b\f\n\r\t](?=[A-Za-z])", lambda m: _LATEX_ESCAPES[m.group()], answer).strip()
     env.answers.append(answer)
     if not env.oracle or env.record.get("answer") is None:
@@ -53,28 +57,23 @@ def calc_score(env, arguments):
 
 def crop(env, arguments):
     """The pixel region `bbox` of image `image` (default 0), enlarged, as a new image."""
-    if not env.images:
-        raise ToolError("this problem has no image to crop")
+    _need(env.images, "this problem has no image to crop")
     i, n = arguments.get("image", 0), len(env.images)
-    if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n:
-        raise ToolError(f'"image" must be an integer from 0 to {n - 1} (images seen so far)')
+    _need(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n,
+          f'"image" must be an integer from 0 to {n - 1} (images seen so far)')
     image = env.images[i]
     w, h = image.size
     bbox = arguments["bbox"]
     valid = f"integers with 0 <= x1 < x2 <= {w} and 0 <= y1 < y2 <= {h} (image {i} is {w}x{h} px)"
-    if not isinstance(bbox, list) or len(bbox) != 4 or not all(_is_number(v) for v in bbox):
-        raise ToolError(f'"bbox" must be a list of 4 numbers [x1, y1, x2, y2]: {valid}')
+    _need(isinstance(bbox, list) and len(bbox) == 4 and all(_is_number(v) for v in bbox),
+          f'"bbox" must be a list of 4 numbers [x1, y1, x2, y2]: {valid}')
     x1, y1, x2, y2 = (round(v) for v in bbox)
-    if not (0 <= x1 < x2 <= w and 0 <= y1 < y2 <= h):
-        raise ToolError(f'"bbox" {[x1, y1, x2, y2]} is out of range, inverted or empty: {valid}')
+    _need(0 <= x1 < x2 <= w and 0 <= y1 < y2 <= h, f'"bbox" {[x1, y1, x2, y2]} is out of range, inverted or empty: {valid}')
     cw, ch = x2 - x1, y2 - y1
-    if max(cw, ch) / min(cw, ch) > MAX_ASPECT:
-        raise ToolError(f'"bbox" {cw}x{ch} px is thinner than 1:{MAX_ASPECT}; take a wider region')
-    # An integer factor with nearest-neighbour keeps every source pixel exact (sharp diagram lines).
+    _need(max(cw, ch) / min(cw, ch) <= MAX_ASPECT, f'"bbox" {cw}x{ch} px is thinner than 1:{MAX_ASPECT}; take a wider region')
     k = max(1, math.ceil(MIN_SIDE / min(cw, ch)), math.ceil(math.sqrt(env.min_pixels / (cw * ch))))
     region = image.convert("RGB").crop((x1, y1, x2, y2))
-    if k > 1:
-        region = region.resize((cw * k, ch * k), resample=0)  # 0 = Image.NEAREST
+    region = region.resize((cw * k, ch * k), resample=0) if k > 1 else region  # NEAREST, k an integer: exact pixels
     text = (f"Crop of image {i} at [{x1}, {y1}, {x2}, {y2}] ({cw}x{ch} px, shown at "
             f"{cw * k}x{ch * k}); it is now image {len(env.images)}.")
     box = env.record.get("box")  # the region a task names (never shown to the model): a crop of image 0 is scored
@@ -88,18 +87,17 @@ def iou(a, b):
     return inter / ((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter)
 
 
-def crop_metrics(ran, rewards):
-    """crop_iou (mean over crops of image 0), crop_hit_frac (episodes with one at IoU >= 0.5), and accuracy_with_crop
-    and accuracy_without_crop over the episodes that did or did not crop."""
+def crop_metrics(ran, correct):
+    """crop_iou (crops of image 0), crop_hit_frac (an episode's best IoU >= 0.5), accuracy_with_crop and _without_crop."""
     m, ious = {}, [[i["iou"] for i in st if "iou" in i] for st in ran]
     if any(ious):
         m["crop_iou"] = sum(map(sum, ious)) / sum(map(len, ious))
         m["crop_hit_frac"] = sum(max(x, default=0) >= 0.5 for x in ious) / len(ran)
     cropped = [any(i["tool"] == "crop" for i in st) for st in ran]
     for key, want in (("accuracy_with_crop", True), ("accuracy_without_crop", False)):
-        part = [r for r, c in zip(rewards, cropped) if c == want and r is not None]
+        part = [r for r, c in zip(correct, cropped) if c == want and r is not None]
         if part:
-            m[key] = sum(r > 0 for r in part) / len(part)
+            m[key] = sum(map(bool, part)) / len(part)
     return m
 
 
@@ -112,7 +110,8 @@ class Tool:
     parameters: dict     # JSON-schema properties; the env refuses arguments not named here
     example: dict        # a call's required arguments (the spec's `required`), shown in the call-format help
     default: bool = True  # offered to a row that names no `tools`
-    metrics: object = None  # (ran: each episode's step infos that ran, rewards) -> its rollout metrics
+    metrics: object = None  # (ran: each episode's step infos that ran, correct) -> its rollout metrics
+    flags: dict = dataclasses.field(default_factory=dict)  # its own flags: {"--name": add_argument's keywords}
 
     def spec(self, name):
         return {"type": "function", "function": {"name": name, "description": self.description, "parameters": {
@@ -162,15 +161,15 @@ def usage(names, xml=False):
     return f"Call one tool exactly like this:\n<tool_call>\n{call}\n</tool_call>\nTools:\n{lines}"
 
 
-def tool_metrics(steps, rewards):
-    """A multi-turn rollout's tool use, from each episode's step infos and reward (None: failed): per
-    episode, tool_calls_<tool> (calls that ran), and each tool's own metrics. {} for single-turn ones."""
+def tool_metrics(steps, correct, tools):
+    """A multi-turn rollout's use of the `tools` some row of the run is offered, from each episode's step infos and
+    correctness (None: failed): tool_calls_<tool> (calls that ran, per episode), each one's metrics; single-turn {}."""
     if not any(steps):
         return {}
     ran, n = [[i for i in st if i.get("ran")] for st in steps], len(steps)
-    m = {f"tool_calls_{t}": sum(i["tool"] == t for st in ran for i in st) / n for t in TOOLS}
-    for tool in TOOLS.values():
-        m.update(tool.metrics(ran, rewards) if tool.metrics else {})
+    m = {f"tool_calls_{t}": sum(i["tool"] == t for st in ran for i in st) / n for t in tools}
+    for t in tools:
+        m.update(TOOLS[t].metrics(ran, correct) if TOOLS[t].metrics else {})
     return m
 
 
@@ -179,11 +178,10 @@ _XML_PARAMETER = re.compile(r"<parameter=([^>\n]*)>\n?(.*?)\n?</parameter>", re.
 
 class Geo3kEnv:
     def __init__(self, record, max_turns, oracle=True, rm_type="math", min_pixels=MIN_SIDE * MIN_SIDE,
-                 max_payload=4096):  # record: the row (its answer, images, tools...); options: the module docstring's
-        self.record, self.tools = record, offered(record.get("tools"))
-        self.problem_images = list(record.get("images") or [])
+                 max_payload=4096, flags=None):  # record: the row (its answer, images, tools...); options: as above
+        self.record, self.tools, self.flags = record, offered(record.get("tools")), flags or {}
+        self.problem_images, self.rm_type = list(record.get("images") or []), rm_type or "math"
         self.max_turns, self.oracle, self.min_pixels, self.max_payload = max_turns, oracle, min_pixels, max_payload
-        self.rm_type = rm_type or "math"
         self.reset()
 
     def reset(self):
@@ -192,15 +190,12 @@ class Geo3kEnv:
         return {"text": "", "images": []}, {"turn": 0}
 
     def parse(self, text, info):
-        """The last <tool_call> of `text` -> (name, arguments), noted in `info` as far as they are
-        valid; ToolError says what is wrong with it."""
+        """The last <tool_call> of `text` -> (name, arguments), noted in `info` as far as valid; ToolError: what is wrong."""
         start = text.rfind("<tool_call>") + len("<tool_call>")
         end = text.find("</tool_call>", start)
-        if end < 0:
-            raise ToolError("unclosed <tool_call> (no </tool_call> after it)")
+        _need(end >= 0, "unclosed <tool_call> (no </tool_call> after it)")
         payload = text[start:end].strip()
-        if len(payload) > self.max_payload:
-            raise ToolError(f"tool call is {len(payload)} characters; the limit is {self.max_payload}")
+        _need(len(payload) <= self.max_payload, f"tool call is {len(payload)} characters; the limit is {self.max_payload}")
         if payload.startswith("<function="):
             return self.parse_xml(payload, info)
         try:
@@ -208,18 +203,14 @@ class Geo3kEnv:
         except ValueError as e:
             raise ToolError(f"invalid JSON in tool call ({e}); use double quotes, no trailing "
                             "commas, and write \\\\ for a backslash") from None
-        if not isinstance(call, dict):
-            raise ToolError(f"tool call must be a JSON object, got {type(call).__name__}")
+        _need(isinstance(call, dict), f"tool call must be a JSON object, got {type(call).__name__}")
         name, arguments = call.get("name"), call.get("arguments")
-        if not isinstance(name, str) or not name:
-            raise ToolError('tool call needs a string "name"')
+        _need(isinstance(name, str) and name, 'tool call needs a string "name"')
         info["tool"] = name
-        if not isinstance(arguments, dict) or not arguments:
-            raise ToolError('tool call needs a non-empty "arguments" object')
+        _need(isinstance(arguments, dict) and arguments, 'tool call needs a non-empty "arguments" object')
         info["arguments"] = arguments
-        extra = sorted(set(call) - {"name", "arguments"})
-        if extra:
-            raise ToolError(f"unexpected key {extra[0][:80]!r} in tool call")
+        extra = min(set(call) - {"name", "arguments"}, default="")
+        _need(not extra, f"unexpected key {extra[:80]!r} in tool call")
         return name, arguments
 
     def parse_xml(self, payload, info):
@@ -227,28 +218,22 @@ class Geo3kEnv:
         writes it: V is text where the tool's spec says string, else JSON (the template writes lists with tojson);
         V that is not JSON stays text, and the tool's own checks say what is wrong with it."""
         m = re.fullmatch(r"<function=([^>\n]*)>(.*)</function>", payload, re.DOTALL)
-        if m is None:
-            raise ToolError("unclosed <function=...> (no </function> at the end of the tool call)")
+        _need(m, "unclosed <function=...> (no </function> at the end of the tool call)")
         name, body = m.group(1).strip(), m.group(2)
-        if not name:
-            raise ToolError("tool call needs a function name: <function=NAME>")
+        _need(name, "tool call needs a function name: <function=NAME>")
         info["tool"] = name
         stray = _XML_PARAMETER.sub(" ", body).strip()  # text outside the <parameter> blocks
-        if stray:
-            raise ToolError(f"unexpected text {stray[:80]!r} in tool call; each argument goes "
-                            "in <parameter=NAME>...</parameter>")
+        _need(not stray, f"unexpected text {stray[:80]!r} in tool call; each argument goes in <parameter=NAME>...</parameter>")
         tool, arguments = TOOLS.get(ALIASES.get(name, name)), {}
         strings = {k for k, p in tool.parameters.items() if p.get("type") == "string"} if tool else set()
         for p in _XML_PARAMETER.finditer(body):
             key, raw = p.group(1).strip(), p.group(2)
-            if key in arguments:
-                raise ToolError(f"parameter {key[:80]!r} given twice")
+            _need(key not in arguments, f"parameter {key[:80]!r} given twice")
             arguments[key] = raw
             if key not in strings:
                 with suppress(ValueError):
                     arguments[key] = reward.strict_json(raw)
-        if not arguments:
-            raise ToolError("tool call needs at least one <parameter=NAME> argument")
+        _need(arguments, "tool call needs at least one <parameter=NAME> argument")
         info["arguments"] = arguments
         return name, arguments
 
@@ -263,15 +248,12 @@ class Geo3kEnv:
         images = []
         try:
             name, arguments = self.parse(response_text, info)
-            if ALIASES.get(name, name) not in self.tools:
-                raise ToolError(f"unknown tool {name[:80]!r}; tools are {', '.join(self.tools)}")
+            _need(ALIASES.get(name, name) in self.tools, f"unknown tool {name[:80]!r}; tools are {', '.join(self.tools)}")
             tool = TOOLS[ALIASES.get(name, name)]
-            missing = [k for k in tool.example if k not in arguments]  # its example's arguments are required
-            if missing:
-                raise ToolError(f"missing argument {missing[0][:80]!r}")
-            extra = [k for k in arguments if k not in tool.parameters]
-            if extra:
-                raise ToolError(f"unexpected argument {extra[0][:80]!r}")
+            missing = next((k for k in tool.example if k not in arguments), "")  # its example's arguments are required
+            _need(not missing, f"missing argument {missing[:80]!r}")
+            extra = next((k for k in arguments if k not in tool.parameters), "")
+            _need(not extra, f"unexpected argument {extra[:80]!r}")
             text, images, gained = tool.run(self, arguments)
             self.images += images  # what a tool shows, later calls can refer to
             info.update(gained, ran=True)
@@ -303,7 +285,6 @@ def build_env(sample=None, args=None, **_):
         record["answer"] = record.get("label")
     if record.get("images") is None:
         record["images"] = (record.get("multimodal_inputs") or {}).get("images")
-    # the recipe's args namespace may hold any of the options, or none but max_turns
-    options = {k: getattr(args, k) for k in ("oracle", "rm_type", "min_pixels", "max_payload")
+    options = {k: getattr(args, k) for k in ("oracle", "rm_type", "min_pixels", "max_payload")  # any, or none
                if getattr(args, k, None) is not None}
-    return Geo3kEnv(record, max_turns, **options)
+    return Geo3kEnv(record, max_turns, **options, flags=F.declared(F.own_flags(TOOLS), args))

@@ -1,13 +1,14 @@
 """The flags both trainers take, in groups, each with its bound (named as in slime / Megatron): a value
-out of bounds (at_least, fraction) is the parser's error naming the flag and the value, before any work."""
+out of bounds (at_least, fraction) is the parser's error naming the flag and the value, before any work. A registry
+entry's own flags (a loss's, a reward term's, a tool's) are declared with it: own_flags, declared."""
 import argparse
 import dataclasses
 
-import reward
+import data
 
 
 class FromArgs:
-    """A frozen dataclass of flag values (model.ModelOptions, rollout.RolloutConfig): each field args has."""
+    """A frozen dataclass of flag values (model.ModelOptions): each field args has."""
     @classmethod
     def from_args(cls, args):
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
@@ -48,7 +49,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def add_train_args(p):
-    """The groups both trainers share; train_grpo.py adds add_rollout_args and its own."""
+    """The groups both trainers share; train_grpo.py adds rollout.add_args and its own."""
     for add in (add_data_args, add_model_args, add_precision_args, add_optimizer_args, add_run_args):
         add(p)
 
@@ -56,12 +57,9 @@ def add_train_args(p):
 def add_data_args(p):
     g = p.add_argument_group("data and evaluation").add_argument
     g("--prompt-data", required=True, help="training data: hub id, .parquet, .jsonl or folder")
-    g("--input-key", default="problem", help="column holding the problem text")
-    g("--label-key", default="answer", help="column holding the answer")
+    data.add_column_args(g)
     g("--split", default=None, help="split of a hub id or folder (default: train)")
     g("--max-bad-frac", type=fraction, default=0.01, help="stop when more data rows than this are unusable")
-    g("--allow-image-urls", action="store_true", help="fetch http(s) images of data rows (off: such rows are bad)")
-    g("--allow-outside-paths", action="store_true", help="let data rows' image paths leave the data set's folder")
     g("--eval-prompt-data", default=None, help="evaluation data (same forms as --prompt-data)")
     g("--eval-split", default="test", help="split of --eval-prompt-data when it is a hub id or folder")
     g("--eval-interval", type=COUNT, default=0, help="evaluate every N steps (0: only at the end)")
@@ -132,25 +130,11 @@ def add_run_args(p):
     g("--exit-duration-in-mins", type=at_least(0.0), default=None, help="save, exit 0 after a step ending past N min")
 
 
-def add_rollout_args(p):
-    g = p.add_argument_group("rollout").add_argument
-    g("--rollout-engine", default="auto", choices=["auto", "sglang", "local"], help="auto: SGLang on CUDA, else local")
-    g("--rollout-batch-size", type=POSITIVE, default=8, help="prompts per rollout")
-    g("--n-samples-per-prompt", type=POSITIVE, default=4, help="responses per prompt (GRPO group)")
-    g("--rollout-max-response-len", type=POSITIVE, default=256, help="tokens of a response, tool observations included")
-    g("--rollout-temperature", type=at_least(0.0), default=1.0, help="0 = greedy")
-    g("--rollout-top-p", type=fraction, default=1.0, help="nucleus sampling")
-    g("--rollout-top-k", type=int, default=-1, help="-1 = off")
-    g("--max-turns", type=POSITIVE, default=1, help="1 = single-turn; >1 drives env_geo3k")
-    g("--n-samples-per-eval-prompt", type=POSITIVE, default=1, help="K > 1: evaluations report pass@K too (slime's)")
-    g("--max-context-len", type=at_least(2), default=8192, help="prompt + response token cap")
-    g("--dynamic-sampling", action="store_true", help="drop groups whose rewards are all equal; draw more prompts")
-    g("--partial-rollout", action="store_true", help="abort the rest at B complete groups; continue them next step")
-    g("--over-sampling-batch-size", type=POSITIVE, default=None, help="groups generating at once (default: the batch)")
-    g("--mask-offpolicy-in-partial-rollout", action="store_true", help="no loss on tokens before a sample's last abort")
-    g("--rm-type", default="math", choices=list(reward.REWARDS), help="the reward (reward.REWARDS)")
-    g("--sglang-server-timeout", type=at_least(1.0), default=900.0, help="seconds to wait for a server's /health")
-    g("--sglang-launch-cmd", default=None,
-      help="the command that starts a server, before its --model-path ... (default: python -m sglang.launch_server)")
-    g("--sglang-router-args", default=None, help="SGLang's router's flags, e.g. \"--balance-abs-threshold 16\"")
-    return p
+def own_flags(registry):
+    """The flags the entries of `registry` declare (their `flags`: {"--name": add_argument's keywords}), each once."""
+    return {n: kw for entry in registry.values() for n, kw in entry.flags.items()}
+
+
+def declared(flags, args):
+    """Declared `flags` as {dest: args' value}, the declared default where args has none."""
+    return {n[2:].replace("-", "_"): getattr(args, n[2:].replace("-", "_"), kw.get("default")) for n, kw in flags.items()}

@@ -1,11 +1,13 @@
-"""The GRPO step's maths as pure tensor functions in registries whose keys are their flags' choices: advantage
-estimators with policy losses (ESTIMATORS), KL estimators (KL), TIS. A policy loss takes a micro-batch's scored
-tokens (logp with gradient, old, adv: each (N,)) and its sequences' token counts `lens` -> each token's loss and
-whether the clip changed it. Per-sequence values under every layout: docs/extending.md, "A loss".
+"""The GRPO step's maths as pure tensor functions in registries keyed by their flags' choices: advantage estimators
+with policy losses (ESTIMATORS), KL estimators (KL), TIS. A policy loss takes a micro-batch's scored tokens (logp with
+gradient, old, adv: each (N,)), its sequences' token counts `lens`, the clip range and its entry's own flags -> each
+token's loss and statistic (the clip's: whether it changed the token: `clipfrac`). Layouts: docs/extending.md, "A loss".
 """
 import collections
 
 import torch
+
+import flags as F
 
 
 def grpo_advantages(r):  # a group's rewards (G,) float64 -> advantages (G,)
@@ -38,15 +40,26 @@ def cispo(logp, old, adv, lens, eps_low, eps_high):
     return -weight * adv * logp, weight != ratio
 
 
-Estimator = collections.namedtuple("Estimator", ["advantage", "policy"])  # (group rewards -> advantages, policy loss)
+def sapo(logp, old, adv, lens, eps_low, eps_high, sapo_tau_pos, sapo_tau_neg):
+    """SAPO (Qwen, arXiv 2511.20347): a soft gate, no clip: -4 / tau sigmoid(tau (r - 1)) A, tau --sapo-tau-pos where A > 0
+    else --sapo-tau-neg, log r clamped to +-20 (verl trainer/ppo/core_algos.py:1330-1388). Its gradient: the policy
+    gradient's times w r, w = 4 p (1 - p), p = sigmoid(tau (r - 1)): the plain one at r = 1. Statistic `gate`: w."""
+    tau = torch.where(adv > 0, sapo_tau_pos, sapo_tau_neg)
+    p = torch.sigmoid(tau * (torch.exp((logp - old).clamp(-20, 20)) - 1))
+    return -4 / tau * p * adv, (4 * p * (1 - p)).detach()
+
+
+Estimator = collections.namedtuple("Estimator", ["advantage", "policy", "flags", "stat"], defaults=({}, "clipfrac"))
 ESTIMATORS = {"grpo": Estimator(grpo_advantages, ppo_clip),
               "dr_grpo": Estimator(lambda r: r - r.mean(), ppo_clip),  # Dr. GRPO: no division by the std
-              "gspo": Estimator(grpo_advantages, gspo), "cispo": Estimator(grpo_advantages, cispo)}
+              "gspo": Estimator(grpo_advantages, gspo), "cispo": Estimator(grpo_advantages, cispo),
+              "sapo": Estimator(grpo_advantages, sapo, {  # the paper's defaults (verl trainer/config/actor/actor.yaml:46-49)
+                  "--sapo-tau-pos": dict(type=F.at_least(1e-3), default=1.0, help="SAPO's gate temperature where A > 0"),
+                  "--sapo-tau-neg": dict(type=F.at_least(1e-3), default=1.05, help="SAPO's temperature where A <= 0")}, "gate")}
 
 
 def advantages(rewards, groups, estimator):
-    """Each sample's advantage within its group (`groups[i]`: sample i's) by ESTIMATORS[estimator]; exactly
-    0.0 for a group of one or of equal rewards."""
+    """Each sample's advantage in its group (groups[i]) by ESTIMATORS[estimator]; exactly 0.0 for one or equal rewards."""
     out = [0.0] * len(rewards)
     for g in set(groups):
         idx = [i for i, x in enumerate(groups) if x == g]

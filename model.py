@@ -21,6 +21,7 @@ with warnings.catch_warnings():  # megatron-core's import, without TE and Apex (
     from megatron.core.transformer import TransformerConfig
     logging.disable(logging.NOTSET)
 from transformers import AutoConfig, AutoModel
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
 import attention
 import context_parallel as C
@@ -31,6 +32,8 @@ import parallel
 import pipeline
 import qwen3_5
 import routing
+
+VISION = {"qwen2_5_vl": Qwen2_5_VisionTransformerPretrainedModel._from_config}  # AutoModel: from transformers 5.19
 
 
 def rope_positions(hf_config, input_ids, image_grid_thw=None):
@@ -302,17 +305,13 @@ class MegatronVLM(torch.nn.Module):
         self.replays = routing.install(self.language_model)  # {local layer: Replay}, R3 (routing.py)
         if self.pre:  # we embed, place the image features and scatter the sequence (SP) ourselves
             self.language_model.embedding.word_embeddings.reduce_scatter_embeddings = False
-        self.visual = AutoModel.from_config(hf_config.vision_config) if self.pre else None
+        self.visual = VISION.get(hf_config.model_type, AutoModel.from_config)(hf_config.vision_config) if self.pre else None
         sum_shared_grads_over_tp(self.language_model, par)
         rp = tc.rope_parameters
         assert rp.get("rope_type", "default") == "default", rp
         d = int(self.head_dim * rp.get("partial_rotary_factor", 1.0))  # Megatron rotates the first d dims
         self.register_buffer("inv_freq", 1.0 / (rp["rope_theta"] ** (
             torch.arange(0, d, 2, dtype=torch.int64).float() / d)), persistent=False)
-
-    def routing_mismatch(self):
-        """(2,) float64: (token, layer) rows whose own top-k differed from the replayed one, rows replayed."""
-        return routing.take_mismatch(self.replays)
 
     def expert_load(self):
         """(decoder layers, experts) tokens routed here since the last call, padding included, or zeros; None: dense."""
@@ -417,6 +416,7 @@ def load_model(hf_dir, opts=ModelOptions(), par=None):
     par = par or parallel.init_distributed()
     model = MegatronVLM(AutoConfig.from_pretrained(hf_dir), hf_dir, par, opts)
     model.names = convert.name_map(model, hf_dir)
+    model.config_json = (Path(hf_dir) / "config.json").read_text()  # what save_hf writes beside these weights
     convert.load_weights(model)
     if model.visual is not None:
         model.visual.requires_grad_(not opts.freeze_vit)

@@ -1,18 +1,20 @@
 """Process hygiene, in one place: children that die with their parent, process groups that end.
 
     proc.die_with_parent(signal.SIGTERM)                        # a torchrun worker (parallel.py)
-    python proc.py PARENT_PID cmd args...                       # launcher: arm, check, exec cmd
+    proc.popen(cmd, log, env)                                   # any thread; runs python proc.py PARENT_PID cmd...
     proc.kill_group(popen)                                      # SIGTERM, then SIGKILL, a group
 
-The launcher is how a parent with threads starts a child that must not outlive it (docs/processes.md).
-"""
+The launcher is how a parent with threads starts a child that must not outlive it (docs/processes.md)."""
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 import time
+from multiprocessing.pool import ThreadPool
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_SPAWNERS = {}  # pid -> the pool of one daemon thread that forks this process's children (popen)
 
 
 def die_with_parent(sig=signal.SIGKILL, parent=None):
@@ -23,6 +25,17 @@ def die_with_parent(sig=signal.SIGKILL, parent=None):
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     if parent is not None and os.getppid() != int(parent):
         os._exit(0)
+
+
+def popen(cmd, log, env=None):
+    """Popen of `cmd` under the launcher (Linux), leading a session of its own, its output to `log`, forked by a thread
+    that lives as long as this process, whichever thread calls: PR_SET_PDEATHSIG follows the THREAD that forked the
+    child (prctl(2)); a server an episode's thread restarted died when Rollout.pause() shut the episodes' pool down."""
+    if sys.platform == "linux":
+        cmd = [sys.executable, os.path.abspath(__file__), str(os.getpid()), *cmd]
+    pool = _SPAWNERS.get(os.getpid()) or _SPAWNERS.setdefault(os.getpid(), ThreadPool(1))  # a fork has no threads
+    return pool.apply(subprocess.Popen, (cmd,), dict(stdout=log, stderr=subprocess.STDOUT, env=env,
+                                                     stdin=subprocess.DEVNULL, start_new_session=True))
 
 
 def kill_group(proc, grace=15.0):

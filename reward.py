@@ -1,11 +1,14 @@
-"""Pure reward functions for geo3k GRPO (--rm-type: REWARDS), the one scoring call, format check.
+"""Rewards for geo3k GRPO: the correctness judges (--rm-type: REWARDS), the terms shaping a reward on top of
+correctness (SHAPING: DAPO's overlong penalty), the one scoring call of each, the format check.
 
-    import reward
     r = reward.score("geo3k", response, {"answer": "5 \\sqrt { 3 }"})   # 1.0 or 0.0, never raises; thread-safe
+    r = reward.rewarded(sample, record, cfg)  # sets sample.correct; -> correct + the SHAPING terms, a float
 
-A reward in REWARDS is (response, record) -> true or false (docs/extending.md); score() makes it 0.0 or 1.0
-within a time bound on any thread (docs/reward.md). Importing changes nothing; the first score() runs init().
+A judge in REWARDS is (response, record) -> bool; a term in SHAPING is (sample, record, cfg) -> float, with its flags
+(docs/extending.md); each within a time bound on any thread, 0.0 on an exception (docs/reward.md). The first score()
+runs init().
 """
+import collections
 import ctypes
 import functools
 import itertools
@@ -21,6 +24,8 @@ from contextlib import contextmanager, suppress
 
 import sympy
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+import flags
 
 MAX_BOX_CHARS = 1000  # a real answer is < 100 chars; longer boxes are junk and slow to parse
 MAX_DEPTH = 8         # geo3k answers nest <= 3 deep; sympy's set/evalf code is exponential in depth
@@ -51,10 +56,6 @@ _FORK_HOOKED = False      # os.register_at_fork(_after_fork) done (a forked chil
 _READY = False            # init() done, here or in the process this one was forked from
 
 
-def _async_raise(tid, exc):  # exc=None clears one set but not yet raised
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), exc)
-
-
 def _watchdog():
     while True:
         time.sleep(0.01)
@@ -64,12 +65,11 @@ def _watchdog():
                 now = time.monotonic()
                 if (clock() > cpu_end or now > wall_end) and now > fired + REFIRE_S:
                     arm[3] = now
-                    _async_raise(tid, ctypes.py_object(_Timeout))
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(_Timeout))
 
 
 def _drop_timeouts(hook):
-    """sys.unraisablehook that logs a _Timeout landed in a __del__ in one line (the call still scores 0.0,
-    see _deadline) and passes on the rest."""
+    """sys.unraisablehook: a _Timeout landed in a __del__ is logged in one line (the call scores 0.0); the rest pass on."""
     def drop(unraisable):
         if unraisable.exc_type is _Timeout:
             logging.getLogger(__name__).warning("a reward time limit cut short %r", unraisable.object)
@@ -95,11 +95,9 @@ def init():
     with _INIT_LOCK:
         if _READY:
             return
-        # its own timeouts (signals: main thread only) are off, so its warning about that is noise
-        logging.getLogger("math_verify").setLevel(logging.ERROR)
+        logging.getLogger("math_verify").setLevel(logging.ERROR)  # its own (signal) timeouts are off: their warning is noise
         sys.unraisablehook = _drop_timeouts(sys.unraisablehook)
-        # sympy imports much of itself on first use (~0.5 s): here, outside any time limit
-        for answer, label in WARM_UP:
+        for answer, label in WARM_UP:  # sympy imports much of itself on first use (~0.5 s): here, outside any time limit
             with suppress(Exception):  # best effort: scoring works without it
                 _judge("\\boxed{%s}" % answer, label, 0.05)
         _READY = True
@@ -129,7 +127,7 @@ def _deadline(cpu_s, wall_s):
                 with _LOCK:
                     arm = _ARMED.pop(tid, None)
                     fired = fired or (arm is not None and arm[3] > -math.inf)
-                    _async_raise(tid, None)
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), None)  # clear one not yet raised
                 break
             except _Timeout:
                 pass
@@ -168,8 +166,7 @@ def last_boxed(text):
 def _clean(s):
     """Light pre-clean math-verify does not do: drop word units with their power
     (`\\text{ cm}^2`), unwrap `\\text{80 degrees}`, drop $ delimiters."""
-    s = _UNIT.sub(" ", s)
-    s = _TEXT_CMD.sub(lambda m: " " + m.group(1) + " ", s.replace("\\$", " "))
+    s = _TEXT_CMD.sub(lambda m: " " + m.group(1) + " ", _UNIT.sub(" ", s).replace("\\$", " "))
     return s.replace("$", " ").replace("\\!", "").strip()
 
 
@@ -213,9 +210,8 @@ def _parse(s):
 
 def _number(parsed):
     """The real float value of the parsed expression (`x = 13` -> 13), else None."""
-    e = parsed[0]  # math-verify puts the sympy object first, its source string after
-    if isinstance(e, sympy.Eq):  # `x = 13`, `m \\angle Q = 120`
-        e = e.rhs
+    e = parsed[0]  # math-verify puts the sympy object first, its source string after; `x = 13`: its right side
+    e = e.rhs if isinstance(e, sympy.Eq) else e
     if not isinstance(e, sympy.Expr) or e.free_symbols:
         return None
     z = complex(sympy.N(e, 20))
@@ -229,13 +225,9 @@ def _judge(response, label, tol):
     if _letter(pred) or _letter(gold):  # a choice letter only ever matches the same letter
         return _letter(pred) == _letter(gold)
     gold_p, pred_p = _parse(gold), _parse(pred)
-    if not gold_p or not pred_p:
-        return False
-    if verify(gold_p, pred_p, timeout_seconds=None):
+    if gold_p and pred_p and verify(gold_p, pred_p, timeout_seconds=None):
         return True
-    if tol is None:
-        return False
-    a, b = _number(pred_p), _number(gold_p)
+    a, b = (_number(pred_p), _number(gold_p)) if gold_p and pred_p and tol is not None else (None, None)
     if a is None or b is None:
         return False
     return a == 0 if b == 0 else abs(a - b) <= tol * abs(b)
@@ -251,15 +243,40 @@ def geo3k_reward(response, record, tol=0.05):
     return _judge(response, record.get("answer"), tol)
 
 
-def score(rm_type, response, record):
-    """The reward of `response` to the data row `record` under --rm-type: 1.0 or 0.0, within the time bound."""
-    if rm_type not in REWARDS:
-        raise ValueError(f"unknown --rm-type {rm_type!r}; choose one of {sorted(REWARDS)}")
+def _bounded(fn, *a):
+    """fn(*a) as a float (None stays None) within the time bound; 0.0 past it or on any exception (never a crash)."""
     try:
         with _deadline(CPU_LIMIT_S, WALL_LIMIT_S):
-            return 1.0 if REWARDS[rm_type](response, record) else 0.0
-    except (Exception, _Timeout):  # a reward must never crash a training step
+            v = fn(*a)
+            return None if v is None else float(v)
+    except (Exception, _Timeout):
         return 0.0
+
+
+def score(rm_type, response, record):
+    """The correctness of `response` to the data row `record` under --rm-type: 1.0 or 0.0, within the time bound."""
+    if rm_type not in REWARDS:
+        raise ValueError(f"unknown --rm-type {rm_type!r}; choose one of {sorted(REWARDS)}")
+    return 1.0 if _bounded(REWARDS[rm_type], response, record) else 0.0
+
+
+def overlong_penalty(sample, record, cfg):
+    """DAPO's soft overlong punishment (arXiv 2503.14476, Eq. 13) times F = --overlong-penalty-factor (0: off), as verl's
+    (workers/reward_manager/dapo.py:116-122): 0 up to L_max - L tokens (L_max --rollout-max-response-len, L
+    --overlong-buffer-len), then -F (|y| - (L_max - L)) / L, -F from L_max on; |y| as the cap counts it (observations too)."""
+    if not cfg.overlong_penalty_factor:
+        return None
+    excess = len(sample.response_ids) - (cfg.rollout_max_response_len - cfg.overlong_buffer_len)
+    return -cfg.overlong_penalty_factor * min(1.0, max(0, excess) / max(1, cfg.overlong_buffer_len))
+
+
+def rewarded(sample, record, cfg):
+    """An ended sample of the data row `record` under the rollout's settings `cfg`: sample.correct (--rm-type's judge)
+    -> its reward, correct (1.0 / 0.0) plus each SHAPING term that is on (none in evaluation), kept in its metadata."""
+    sample.correct = score(cfg.rm_type, sample.response_text, record) > 0
+    terms = {k: _bounded(t.term, sample, record, cfg) for k, t in SHAPING.items()} if cfg.shaping else {}
+    sample.metadata["shaping"] = {k: v for k, v in terms.items() if v is not None}
+    return float(sample.correct) + sum(sample.metadata["shaping"].values())
 
 
 def _reject_constant(name):  # json's parse_constant: NaN / Infinity are not JSON
@@ -276,23 +293,20 @@ def strict_json(text):
 
 
 def format_ok(response):
-    """A non-empty box or a tool call is present, and every <tool_call> holds strict JSON
-    {"name": str, "arguments": {...}}. A metric, not part of the reward."""
+    """A metric: a non-empty box or a tool call, and every <tool_call> strict JSON {"name": str, "arguments": {...}}."""
     try:
-        calls = _TOOL_CALL.findall(response)
-        if response.count("<tool_call>") != len(calls) or response.count("</tool_call>") != len(calls):
-            return False  # an unclosed or stray tag is broken syntax
-        for body in calls:
-            call = strict_json(body)
-            if not (isinstance(call, dict) and isinstance(call.get("name"), str)
-                    and isinstance(call.get("arguments"), dict)):
-                return False
-        return bool(calls) or bool((last_boxed(response) or "").strip())
+        calls = [strict_json(body) for body in _TOOL_CALL.findall(response)]
+        closed = response.count("<tool_call>") == len(calls) == response.count("</tool_call>")  # no stray tag
+        return closed and all(isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(
+            c.get("arguments"), dict) for c in calls) and (bool(calls) or bool((last_boxed(response) or "").strip()))
     except Exception:
         return False
 
 
 REWARDS = {"math": math_reward, "geo3k": geo3k_reward}  # --rm-type's choices
-# init's warm-up: (answer, label) pairs that reach sympy's lazily imported parts
-WARM_UP = [("x = 13", "13"), ("8.66", "5\\sqrt{3}"), ("(1,2]", "\\{1,2\\}"), ("x<3", "3>x"),
+Shaping = collections.namedtuple("Shaping", ["term", "flags"])  # (sample, record, cfg) -> float, None: off; its flags
+SHAPING = {"overlong_penalty": Shaping(overlong_penalty, {  # metrics: overlong_penalty_mean, overlong_penalty_frac
+    "--overlong-buffer-len": dict(type=flags.COUNT, default=0, help="DAPO's: the last L tokens of a response, penalised"),
+    "--overlong-penalty-factor": dict(type=flags.at_least(0.0), default=0.0, help="DAPO's: the most penalty (0: off)")})}
+WARM_UP = [("x = 13", "13"), ("8.66", "5\\sqrt{3}"), ("(1,2]", "\\{1,2\\}"), ("x<3", "3>x"),  # init's: reach sympy's lazy parts
            ("\\sqrt{-9}", "\\frac{5\\pi}{3}")]

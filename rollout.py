@@ -1,12 +1,12 @@
-"""Rollouts: `Sample`, prompts and observations through the chat template, single/multi-turn
-generation with exact token bookkeeping (token in, token out: docs/rollout.md), group sampling and scoring.
+"""Rollouts: the rollout's settings (add_args), `Sample`, prompts and observations through the chat template,
+single/multi-turn generation with exact token bookkeeping (token in, token out: docs/rollout.md), group sampling, scores.
 
-    engine = sglang_engine.make_engine(args, hf_dir, run_dir)   # engines.LocalEngine / SGLangEngine
-    samples = generate_group_samples(engine, processor, records, args)
+    samples = generate_group_samples(engine, processor, records, settings(args))  # engine: sglang_engine.make_engine
 
-A sample failing a check is `failed` with its reason and an all-zero loss mask; neither it nor an `aborted`
-one is trained on.
+A sample failing a check is `failed` with its reason and an all-zero loss mask; neither it nor an `aborted` one is
+trained on.
 """
+import argparse
 import math
 import os
 import sys
@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 import chat
 import env_geo3k
-import flags
+import flags as F
 import reward
 
 
@@ -32,9 +32,9 @@ class Sample:
     loss_mask: list = field(default_factory=list)          # 1 = the model wrote it
     rollout_logprobs: list = field(default_factory=list)   # engine logprob; 0.0 where mask 0
     images: list = field(default_factory=list)             # PIL, in order of their pads
-    image_turns: list = field(default_factory=list)        # turn that brought each image
     label: str = ""
-    reward: float = 0.0
+    reward: float = 0.0              # reward.rewarded's: correctness, plus any SHAPING term
+    correct: bool = False            # --rm-type's judge: what accuracy, pass@K and --dynamic-sampling read
     status: str = "completed"        # completed | truncated | aborted | failed
     fail_reason: str = None
     turns: int = 0
@@ -51,33 +51,44 @@ class Sample:
         return self.prompt_ids + self.response_ids
 
 
-@dataclass(frozen=True)
-class RolloutConfig(flags.FromArgs):
-    """What a rollout reads: the rollout flags of the same names (flags.add_rollout_args), and the
-    env's oracle switch (evaluation turns it off: an oracle tool inflates multi-turn accuracy)."""
-    rollout_batch_size: int = 8
-    n_samples_per_prompt: int = 4
-    rollout_max_response_len: int = 256
-    rollout_temperature: float = 1.0
-    rollout_top_p: float = 1.0
-    rollout_top_k: int = -1
-    max_turns: int = 1
-    max_context_len: int = 8192
-    dynamic_sampling: bool = False
-    rm_type: str = "math"
-    oracle: bool = True
+def add_args(p):
+    """The rollout's flags, with each SHAPING term's and tool's own: the one place the rollout's settings come from."""
+    g = p.add_argument_group("rollout").add_argument
+    g("--rollout-batch-size", type=F.POSITIVE, default=8, help="prompts per rollout")
+    g("--n-samples-per-prompt", type=F.POSITIVE, default=4, help="responses per prompt (GRPO group)")
+    g("--rollout-max-response-len", type=F.POSITIVE, default=256, help="tokens of a response, tool observations included")
+    g("--rollout-temperature", type=F.at_least(0.0), default=1.0, help="0 = greedy")
+    g("--rollout-top-p", type=F.fraction, default=1.0, help="nucleus sampling")
+    g("--rollout-top-k", type=int, default=-1, help="-1 = off")
+    g("--max-turns", type=F.POSITIVE, default=1, help="1 = single-turn; >1 drives env_geo3k")
+    g("--n-samples-per-eval-prompt", type=F.POSITIVE, default=1, help="K > 1: evaluations report pass@K too (slime's)")
+    g("--max-context-len", type=F.at_least(2), default=8192, help="prompt + response token cap")
+    g("--dynamic-sampling", action="store_true", help="drop groups all right or all wrong (DAPO's); draw more prompts")
+    g("--partial-rollout", action="store_true", help="abort the rest at B complete groups; continue them next step")
+    g("--over-sampling-batch-size", type=F.POSITIVE, default=None, help="groups generating at once (default: the batch)")
+    g("--mask-offpolicy-in-partial-rollout", action="store_true", help="no loss on tokens before a sample's last abort")
+    g("--rm-type", default="math", choices=list(reward.REWARDS), help="the correctness judge (reward.REWARDS)")
+    for name, kw in {**F.own_flags(reward.SHAPING), **F.own_flags(env_geo3k.TOOLS)}.items():
+        g(name, **kw)
+    return p
+
+
+def settings(args, evaluation=False, **changes):
+    """What a rollout reads: add_args' flags as `args` has them, `oracle` (calc_score checks answers), `shaping` (SHAPING
+    joins the reward), then `changes`. Evaluation's differ: greedy, no oracle, no shaping, no dynamic sampling."""
+    own = {k: getattr(args, k) for k in vars(add_args(argparse.ArgumentParser()).parse_args([]))}
+    differ = dict(rollout_temperature=0.0, dynamic_sampling=False) if evaluation else {}
+    return argparse.Namespace(**{**own, **differ, "oracle": not evaluation, "shaping": not evaluation, **changes})
 
 
 def _fail(s, reason):
-    s.status, s.fail_reason, s.reward = "failed", reason, 0.0
-    s.loss_mask = [0] * len(s.response_ids)  # never trained on, even by a trainer that forgets
+    s.status, s.fail_reason, s.reward, s.loss_mask = "failed", reason, 0.0, [0] * len(s.response_ids)  # never trained
 
 
 @dataclass
 class Episode:
-    """A sample in the making, with what continues it after an abort (--partial-rollout): its env and
-    `chat` (multi-turn: the conversation as messages, which the chat template renders to frame each
-    observation), where the turn being generated began, whether it is over."""
+    """A sample in the making and what continues it after an abort (--partial-rollout): its env, `chat` (multi-turn: the
+    messages the chat template renders to frame each observation), where its current turn began, whether it is over."""
     sample: Sample
     env: object = None
     chat: dict = None
@@ -87,15 +98,12 @@ class Episode:
 
 def new_episode(processor, rec, args, prompt):
     """`prompt` = (messages, tools, prompt ids): made once per record and shared by its group."""
-    images = list(rec["images"])
     messages, tools, ids = prompt
-    s = Sample(prompt_ids=list(ids), images=images, image_turns=[0] * len(images), label=str(rec["answer"]),
-               index=rec.get("index", 0), metadata={"steps": []})
+    s = Sample(prompt_ids=list(ids), images=list(rec["images"]), label=str(rec["answer"]), index=rec.get("index", 0),
+               metadata={"steps": []})
     if args.max_turns == 1:
         return Episode(s)
-    env = env_geo3k.build_env(rec, args)
-    env.reset()
-    messages = list(messages)  # each episode appends its own turns
+    env, messages = env_geo3k.build_env(rec, args), list(messages)  # each episode appends its own turns
     return Episode(s, env, {"messages": messages, "tools": tools, "opener": chat.assistant_opener(processor, messages, tools)})
 
 
@@ -109,80 +117,71 @@ def _finish_turn(ep, out, processor, args, stops, version=0, ours=False):
     """Append one engine answer to the episode's sample; at the end of a turn run the env and append its
     observation. -> still active? An abort we asked for (`ours`: the run paused) keeps the turn open:
     its tokens so far are the sample's, and the next run continues it. An exception fails the sample."""
-    try:
-        return _turn(ep, out, processor, args, stops, version, ours)
-    except Exception as e:  # noqa: BLE001 - one bad episode must not end the rollout
-        return _fail(ep.sample, f"{type(e).__name__}: {e}")
-
-
-def _turn(ep, out, processor, args, stops, version, ours):
     s, env, conv = ep.sample, ep.env, ep.chat
-    ids, lps = list(out["ids"]), list(out["logprobs"])
-    if out.get("error"):
-        return _fail(s, out["error"])
-    if out.get("prompt_tokens") not in (None, len(s.tokens)):
-        return _fail(s, f"engine saw {out['prompt_tokens']} prompt tokens, was sent {len(s.tokens)} "
-                        "(image tokens expanded twice?)")
-    if len(lps) != len(ids) or not all(math.isfinite(x) and x <= 1e-6 for x in lps):
-        return _fail(s, f"engine returned {len(ids)} ids with {len(lps)} logprobs (or non-finite ones)")
-    routes = out.get("routed_experts")  # R3: the positions from routed_rows(s) to the last but one
-    if routes is not None:
-        if len(routes) != len(s.tokens) + len(ids) - 1 - routed_rows(s):
-            return _fail(s, f"engine returned routes of {len(routes)} tokens, want "
-                            f"{len(s.tokens) + len(ids) - 1 - routed_rows(s)}")
-        s.routed_experts = routes if s.routed_experts is None else np.concatenate([s.routed_experts, routes])
-    s.response_ids += ids
-    s.loss_mask += [1] * len(ids)
-    s.rollout_logprobs += lps
-    s.versions += [version] * len(ids)
-    if out["finish"] == "abort":  # ours: the turn goes on next step; else the server cut it: never trained on
-        if not ours:
-            s.status, s.loss_mask = "aborted", [0] * len(s.response_ids)
-        return ours
-    turn = s.response_ids[ep.turn_start:]
-    s.turns += 1
-    text = processor.tokenizer.decode([t for t in turn if t not in stops], skip_special_tokens=False)
-    s.response_text += ("\n" if s.turns > 1 else "") + text
-    if out["finish"] == "length":
-        s.status = "truncated"
-        return False
-    if env is None:  # single-turn
-        return False
-    obs, done, info = env.step(text)
-    s.metadata["steps"].append(dict(info, observation=obs["text"]))
-    s.tool_calls += int(bool(info.get("ran")))  # calls that ran, not every <tool_call> tag
-    if done:
-        return False
-    im_end = processor.tokenizer.convert_tokens_to_ids(chat.IM_END)
-    close = [] if turn and turn[-1] == im_end else [im_end]  # stopped on another stop token
-    # The model's text continues the generation prompt's opener (Qwen3.5's <think> block), so the
-    # assistant message is opener + text: the template renders it as the tokens the model saw and
-    # wrote (for canonically tokenised text), and a thinking template finds its </think> in it.
-    conv["messages"].append({"role": "assistant", "content": conv["opener"] + text})
-    message = env.format_observation(obs)
-    obs_ids = close + chat.encode_observation(processor, conv["messages"], message, obs["images"], conv["tools"])
-    conv["messages"].append(message)
-    if (len(s.response_ids) + len(obs_ids) >= args.rollout_max_response_len
-            or len(s.tokens) + len(obs_ids) >= args.max_context_len):
-        s.status = "truncated"
-        return False
-    s.response_ids += obs_ids
-    s.loss_mask += [0] * len(obs_ids)
-    s.rollout_logprobs += [0.0] * len(obs_ids)
-    s.versions += [-1] * len(obs_ids)
-    s.images += list(obs["images"])
-    s.image_turns += [s.turns] * len(obs["images"])
-    ep.turn_start = len(s.response_ids)
-    return True
+    try:
+        ids, lps = list(out["ids"]), list(out["logprobs"])
+        if out.get("error"):
+            return _fail(s, out["error"])
+        if out.get("prompt_tokens") not in (None, len(s.tokens)):
+            return _fail(s, f"engine saw {out['prompt_tokens']} prompt tokens, was sent {len(s.tokens)} "
+                            "(image tokens expanded twice?)")
+        if len(lps) != len(ids) or not all(math.isfinite(x) and x <= 1e-6 for x in lps):
+            return _fail(s, f"engine returned {len(ids)} ids with {len(lps)} logprobs (or non-finite ones)")
+        routes = out.get("routed_experts")  # R3: the positions from routed_rows(s) to the last but one
+        if routes is not None:
+            if len(routes) != len(s.tokens) + len(ids) - 1 - routed_rows(s):
+                return _fail(s, f"engine returned routes of {len(routes)} tokens, want "
+                                f"{len(s.tokens) + len(ids) - 1 - routed_rows(s)}")
+            s.routed_experts = routes if s.routed_experts is None else np.concatenate([s.routed_experts, routes])
+        s.response_ids += ids
+        s.loss_mask += [1] * len(ids)
+        s.rollout_logprobs += lps
+        s.versions += [version] * len(ids)
+        if out["finish"] == "abort":  # ours: the turn goes on next step; else the server cut it: never trained on
+            if not ours:
+                s.status, s.loss_mask = "aborted", [0] * len(s.response_ids)
+            return ours
+        turn = s.response_ids[ep.turn_start:]
+        s.turns += 1
+        text = processor.tokenizer.decode([t for t in turn if t not in stops], skip_special_tokens=False)
+        s.response_text += ("\n" if s.turns > 1 else "") + text
+        if out["finish"] == "length" or env is None:  # cut at the length cap, or single-turn: the episode ends
+            s.status = "truncated" if out["finish"] == "length" else s.status
+            return False
+        obs, done, info = env.step(text)
+        s.metadata["steps"].append(dict(info, observation=obs["text"]))
+        s.tool_calls += int(bool(info.get("ran")))  # calls that ran, not every <tool_call> tag
+        if done:
+            return False
+        im_end = processor.tokenizer.convert_tokens_to_ids(chat.IM_END)
+        close = [] if turn and turn[-1] == im_end else [im_end]  # stopped on another stop token
+        # The model's text continues the generation prompt's opener (Qwen3.5's <think>), so the assistant message is
+        # opener + text: rendered as the tokens the model saw and wrote; a thinking template finds its </think> in it.
+        conv["messages"].append({"role": "assistant", "content": conv["opener"] + text})
+        message = env.format_observation(obs)
+        obs_ids = close + chat.encode_observation(processor, conv["messages"], message, obs["images"], conv["tools"])
+        conv["messages"].append(message)
+        if (len(s.response_ids) + len(obs_ids) >= args.rollout_max_response_len
+                or len(s.tokens) + len(obs_ids) >= args.max_context_len):
+            s.status = "truncated"
+            return False
+        s.response_ids += obs_ids
+        s.loss_mask += [0] * len(obs_ids)
+        s.rollout_logprobs += [0.0] * len(obs_ids)
+        s.versions += [-1] * len(obs_ids)
+        s.images += list(obs["images"])
+        ep.turn_start = len(s.response_ids)
+        return True
+    except Exception as e:  # noqa: BLE001 - one bad episode must not end the rollout
+        return _fail(s, f"{type(e).__name__}: {e}")
 
 
 ABORTED = {"ids": [], "logprobs": [], "finish": "abort"}  # the answer to a request never sent: the rollout stopped
 
 
 class _Rounds:
-    """A batch engine (Engine.concurrent False: the local engine, the tests' scripted ones) fed by episodes that
-    each ask on their own: a batch goes once every live episode waits, in episode order: a lockstep rollout's
-    rounds, the samples a serial loop gives. Once the run stops, a round is answered ABORTED (`aborted`)."""
+    """A batch engine (Engine.concurrent False: the local one, the tests') fed by episodes asking on their own: a batch
+    goes once every live episode waits, in episode order (a lockstep rollout's rounds); once the run stops, ABORTED."""
 
     def __init__(self, engine):
         self.engine, self.cond, self.live, self.waiting, self.answers = engine, threading.Condition(), 0, {}, {}
@@ -241,8 +240,8 @@ class _Episodes:
     """Each episode on its own thread: a turn goes to the engine once its env step is done; CPU work in at most as many
     threads as cores. SGLang (Engine.concurrent) takes requests as they come, a batch engine gets _Rounds."""
 
-    def __init__(self, engine, processor, args, reward_fn):
-        self.engine, self.processor, self.args, self.reward_fn = engine, processor, args, reward_fn
+    def __init__(self, engine, processor, args):
+        self.engine, self.processor, self.args = engine, processor, args
         self.cpu, self.cond = threading.Semaphore(len(os.sched_getaffinity(0))), threading.Condition()
         self.stops = processor.tokenizer.convert_tokens_to_ids([chat.IM_END, chat.ENDOFTEXT])
         self.sampling = dict(temperature=args.rollout_temperature, stop_token_ids=self.stops,
@@ -304,7 +303,7 @@ class _Episodes:
                     own += time.perf_counter() - t
             with self.cpu:
                 t = time.perf_counter()
-                _close(ep, self.groups[key][0], self.processor, args, self.reward_fn)
+                _close(ep, self.groups[key][0], self.processor, args)
                 s.metadata.update(engine_s=s.metadata.get("engine_s", 0.0) + engine_s,
                                   own_s=s.metadata.get("own_s", 0.0) + own + time.perf_counter() - t,
                                   end_s=time.perf_counter() - self.t0)
@@ -339,9 +338,9 @@ class Rollout(_Episodes):
     still generates in `groups` ({key: (record, prompt, episodes)}) for the next run; take(n): the first n kept. A
     `target` stops a run once that many are kept; `cap`, `max_stale`, `drawn`: docs/rollout.md."""
 
-    def __init__(self, engine, processor, args, reward_fn=None, target=None, cap=None, max_stale=None, dynamic=False):
-        super().__init__(engine, processor, args, reward_fn)
-        self.target, self.cap, self.max_stale, self.dynamic = target, cap or target, max_stale, dynamic
+    def __init__(self, engine, processor, args, target=None, cap=None, max_stale=None):
+        super().__init__(engine, processor, args)  # args: settings(...); its dynamic_sampling drops all-equal groups
+        self.target, self.cap, self.max_stale = target, cap or target, max_stale
         self.groups, self.pool, self.stale, self.since, self.drawn = {}, None, 0, None, 0  # pool None: paused
         self.aborted = 0  # requests cut since the last take (a pause's too)
 
@@ -374,10 +373,12 @@ class Rollout(_Episodes):
             self.kept = [k for k in self.kept if k not in keys]
             out = [(key, ep.sample) for key in keys for ep in self.groups.pop(key)[2]]
             self._top_up()
-        now, busy = time.perf_counter(), _busy(self.calls, self.since)  # since the last take (or the first run)
+        now, busy, end = time.perf_counter(), 0.0, self.since  # the engine's busy time since the last take (or run):
+        for a, b in sorted(self.calls):  # the union of its requests' (start, end)
+            busy, end = busy + max(0.0, b - max(a, end)), max(end, b)
         stats = dict(wall_s=now - self.t0, engine_busy_s=busy, engine_idle_frac=1 - busy / max(now - self.since, 1e-9),
                      aborted=self.aborted, stale_dropped=self.stale, buffer_groups=len(self.groups),
-                     dropped=self.dropped if self.dynamic else None)
+                     dropped=self.dropped if self.args.dynamic_sampling else None)
         for key, s in out:
             s.group, s.metadata["rollout"] = key, stats
         self.calls, self.stale, self.aborted, self.since = [], 0, 0, now
@@ -395,13 +396,6 @@ class Rollout(_Episodes):
         self.bar.close()
         self.pool = None
         return self.t0, self.ended
-
-    def run(self, records):
-        """One run from start to end -> the first `target` kept groups' samples."""
-        self.resume(records, 0)
-        out = self.take(self.target)
-        self.pause()
-        return out
 
     def _wait(self, ready):
         """Until ready() (read under the lock). A stopping run's abort goes from here, never under the lock: within
@@ -425,7 +419,7 @@ class Rollout(_Episodes):
             self._open(self.records[self.next - 1], None, [None] * self.args.n_samples_per_prompt)
 
     def _complete(self, key):  # under the lock: a group whose every episode is done
-        if self.dynamic and len({ep.sample.reward for ep in self.groups[key][2]}) == 1:
+        if self.args.dynamic_sampling and len({ep.sample.correct for ep in self.groups[key][2]}) == 1:
             del self.groups[key]
             self.dropped += 1
             self._top_up()  # the moment a group is known all-equal, another is drawn
@@ -440,31 +434,25 @@ class Rollout(_Episodes):
             self.rounds.aborted = True  # the rounds still to come answer ABORTED
 
 
-def _busy(calls, since=0.0):
-    """Seconds the engine had a request after `since`: the union of the requests' (start, end)."""
-    busy, end = 0.0, since
-    for a, b in sorted(calls):
-        busy, end = busy + max(0.0, b - max(a, end)), max(end, b)
-    return busy
-
-
-def _close(ep, rec, processor, args, reward_fn):
-    """An ended episode of `rec`: its env closed, its image placeholders checked, its reward (reward_fn False: none)."""
+def _close(ep, rec, processor, args):
+    """An ended episode of `rec`: its env closed, its image placeholders checked, its correctness and reward."""
     ep.done, s = True, ep.sample
     if ep.env is not None:
         ep.env.close()
     reason = None if s.status == "failed" else chat.check_images(processor, s.tokens, s.images)
     if reason:
         _fail(s, reason)
-    if reward_fn is not False and s.status != "failed":  # reward.score under --rm-type, or reward_fn(response, rec)
-        s.reward = float(reward_fn(s.response_text, rec) if reward_fn else reward.score(args.rm_type, s.response_text, rec))
-    s.metadata["format_ok"] = bool(reward.format_ok(s.response_text))
+    s.metadata["format_ok"] = bool(reward.format_ok(s.response_text))  # before the reward: a shaping term may read it
+    if s.status != "failed":
+        s.reward = reward.rewarded(s, rec, args)
 
 
-def generate_group_samples(engine, processor, records, args, reward_fn=None):
-    """records x n_samples_per_prompt scored samples (group = its place in this rollout). With
-    args.dynamic_sampling, a group whose rewards are all equal is dropped and another record started as
-    soon as that is known, until rollout_batch_size groups are kept (the caller passes more records than
-    that: the over-sample). The rollout's own numbers: samples' metadata["rollout"]."""
+def generate_group_samples(engine, processor, records, args):
+    """records x n_samples_per_prompt scored samples, group = the record's place. --dynamic-sampling: a group all right
+    or all wrong is dropped and the next record starts at once, until rollout_batch_size are kept (docs/rollout.md)."""
     target = (args.rollout_batch_size or len(records)) if args.dynamic_sampling else len(records)
-    return Rollout(engine, processor, args, reward_fn, target, dynamic=args.dynamic_sampling).run(records)
+    ro = Rollout(engine, processor, args, target)  # one run from start to end
+    ro.resume(records, 0)
+    out = ro.take(target)
+    ro.pause()
+    return out

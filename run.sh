@@ -31,6 +31,10 @@
 #       On GPUs under 100 GiB, Adam runs on the CPU (--optimizer-cpu-offload; CPU_ADAM=0|1 forces it).
 #       Dense Qwen3.5 (0.8B-27B) takes TP as the other families (sequence parallel when TP > 1).
 #       Extra arguments go to train_grpo.py as they are (e.g. --sglang-mem-fraction-static 0.5).
+#
+#   Preemption (GPU recipe, --exit-signal-handler): a SIGTERM to torchrun reaches every rank, the step in flight
+#       ends and is saved; torchrun kills what still runs SHUTDOWN_TIMEOUT seconds (default 600) after the
+#       signal, then exits 1 even when every rank exited 0. Rerun the same command: it resumes.
 cd "$(dirname "$0")"
 die() { echo "run.sh: $*" >&2; exit 2; }
 if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then sed -n '2,/^[^#]/s/^# \{0,1\}//p' run.sh; exit 0; fi
@@ -130,11 +134,14 @@ if (( ${ROLLOUT_GPUS:-0} > 0 )); then
   (( TRAIN_GPUS > 0 )) || die "ROLLOUT_GPUS=$ROLLOUT_GPUS leaves no training GPU of NUM_GPUS=$NUM_GPUS"
 fi
 [[ -n "${GPUS_PER_ENGINE:-}" ]] && PLACE+=(--rollout-num-gpus-per-engine "$GPUS_PER_ENGINE")
-exec .venv/bin/torchrun --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \
+# torchrun SIGKILLs its workers --shutdown-timeout seconds after passing a SIGTERM on (torch's default 30 s,
+# launcher/api.py:148-151): too short for a step and its checkpoint (tests/test_console.py runs this line)
+TORCHRUN=(.venv/bin/torchrun --shutdown-timeout "${SHUTDOWN_TIMEOUT:-600}")
+exec "${TORCHRUN[@]}" --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \
     --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}" --nproc-per-node "$TRAIN_GPUS" \
   train_grpo.py --hf-checkpoint "$MODEL" --prompt-data "$DATA" --eval-prompt-data "$DATA" --eval-split test \
-    --save "$RUN" --load "$RUN" --rollout-engine sglang "${PLACE[@]}" "${PARALLEL[@]}" "${PRECISION[@]}" \
-    --rollout-batch-size 64 --n-samples-per-prompt 8 --rollout-max-response-len 4096 \
+    --save "$RUN" --load "$RUN" --exit-signal-handler --rollout-engine sglang "${PLACE[@]}" "${PARALLEL[@]}" \
+    "${PRECISION[@]}" --rollout-batch-size 64 --n-samples-per-prompt 8 --rollout-max-response-len 4096 \
     --rollout-temperature "$TEMP" --max-turns "$TURNS" --lr 1e-6 --eps-clip 0.2 --eps-clip-high 0.28 \
     --kl-loss-coef 0 --entropy-coef 0 --adam-beta1 0.9 --adam-beta2 0.98 --weight-decay 0.1 \
     --max-tokens-per-gpu "${MAX_TOKENS:-2048}" --num-rollout "${NUM_ROLLOUT:-300}" --save-interval 20 --eval-interval 10 \

@@ -23,6 +23,14 @@ if [[ "$(cat .venv/.requirements 2>/dev/null)" != "$want" ]]; then
 fi
 want_gpu=$(cat requirements.txt requirements-gpu.txt | sha256sum | cut -c1-16)
 if [[ "${GPU:-0}" == 1 && "$(cat .venv/.requirements-gpu 2>/dev/null)" != "$want_gpu" ]]; then
+  # torch 2.14.1's CUDA 13.0 wheels (cu130) run on an NVIDIA driver of the r580 branch or newer, and its extensions
+  # (TE, causal-conv1d) build only with a CUDA 13 nvcc (torch/utils/cpp_extension.py:650-651: majors must match)
+  drv=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1 || true)
+  nvcc=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
+  cu=$("$nvcc" --version 2>/dev/null | sed -n 's/.*release \([0-9]*\)\..*/\1/p' || true)
+  need=$( (( ${drv%%.*} + 0 >= 580 )) 2>/dev/null || echo -n " an NVIDIA driver >= 580 (found: ${drv:-none});"
+         [[ "$cu" == 13 ]] || echo -n " nvcc 13 (found: ${cu:-none} at $nvcc; set CUDA_HOME);")
+  [[ -z "$need" ]] || { echo "[setup] GPU=1 installs the cu130 stack, which needs:${need%;}"; exit 1; }
   echo "[setup] GPU extras: sglang, then Transformer Engine and causal-conv1d built against this torch (10-30 min)"
   .venv/bin/python -m pip install -q -r requirements-gpu.txt
   # TE's own docs: install after torch, without build isolation, or pip builds it against a newer torch.

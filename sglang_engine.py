@@ -5,8 +5,7 @@ sglang_server.py), and make_engine: the engine, GPUs and server flags that the t
     outs = engine.generate([{"input_ids": ids, "images": [pil]}], sampling)   # engines.Engine API
     engine.release(); ...train...; engine.resume(); engine.update_weights(buckets); engine.shutdown()
 
-The request format, errors and restarts, the weight-sync modes (`weight_sync`), with citations: docs/sglang.md.
-"""
+The request format, errors and restarts, the weight-sync modes (`weight_sync`), with citations: docs/sglang.md."""
 import base64
 import datetime
 import importlib.util
@@ -50,10 +49,7 @@ def read_image_token_id(hf_dir):
 def flag_value(args, names, default):
     """The value after the first of `names` in a flag list, else default."""
     args = list(args)
-    for n in names:
-        if n in args[:-1]:
-            return args[args.index(n) + 1]
-    return default
+    return next((args[args.index(n) + 1] for n in names if n in args[:-1]), default)
 
 
 def server_dtype(hf_dir, server_args):
@@ -131,17 +127,17 @@ class SGLangEngine(Engine):
         self.released = set()  # the server's memory regions freed by release(), not yet resumed
         self.server_tp = int(flag_value(server_args, ("--tp-size", "--tp"), 1))
         self.route_shape = route_shape(hf_dir) if routed_experts else None  # R3: the routes it returns
-        if routed_experts and "--enable-return-routed-experts" not in server_args:
-            server_args = [*server_args, "--enable-return-routed-experts"]
         if weight_sync == "distributed" and int(flag_value(server_args, ("--dp-size", "--dp"), 1)) > 1:
             raise ValueError("weight sync over a process group takes a server with one data-parallel "
                              "replica (rank = 1 + TP rank); use --dp-size 1 or weight_sync disk")
         self.dtype = server_dtype(config_dir or hf_dir, server_args)
         if flag_value(server_args, ("--dtype",), None) is None:  # SGLang's auto serves float32 in float16
             server_args = [*server_args, "--dtype", str(self.dtype).removeprefix("torch.")]
-        env = dict(env or {})  # added to our environment for the server (and its restarts)
-        # its vision cache outlives weight updates: off, unless the user sets its size
-        env.setdefault("SGLANG_VLM_CACHE_SIZE_MB", os.environ.get("SGLANG_VLM_CACHE_SIZE_MB", "0"))
+        # flags we add unless given: R3's routes; a 16-bit server's LM head in fp32 (docs/sglang.md, "LM head")
+        own = {"--enable-return-routed-experts": routed_experts, "--enable-fp32-lm-head": self.dtype.itemsize == 2}
+        server_args = [*server_args, *(f for f, on in own.items() if on and f not in server_args)]
+        # env: added to ours for the server and its restarts; SGLang's vision cache outlives weight updates: size 0
+        env = {"SGLANG_VLM_CACHE_SIZE_MB": os.environ.get("SGLANG_VLM_CACHE_SIZE_MB", "0"), **(env or {})}
         self.server = Server(hf_dir, run_dir, server_args, env, launch_cmd, timeout, request_timeout,
                              max_restarts, on_restart=self._restarted, host=host, api_key=api_key, name=name)
         self.front = self.server  # where generate goes: this server, or the router in front of every node's

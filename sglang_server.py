@@ -1,14 +1,12 @@
 """The SGLang server process (one a node, or several: cluster.py) and the requests to it; Router:
-SGLang's load balancer in front of several, handled the same way. Create a Server in the main thread:
-it dies with the thread that started it. Its process, restarts, API key and the router: docs/sglang.md.
-"""
+SGLang's load balancer in front of several, handled the same way. Its process, restarts, API key and the
+router: docs/sglang.md."""
 import atexit
 import http.client
 import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -21,7 +19,6 @@ from pathlib import Path
 
 import proc
 
-_LAUNCHER = str(Path(__file__).resolve().with_name("proc.py"))  # SGLang's own children arm PDEATHSIG too
 _LIVE = weakref.WeakSet()  # servers that must die with us
 _HANDLERS = []
 
@@ -121,8 +118,6 @@ class Server:
         self.port = self.port if getattr(self, "port", None) and port_free(self.host, self.port) else free_port(self.host)
         self.url = f"http://{self.host}:{self.port}"
         cmd = self.command()
-        if sys.platform == "linux":
-            cmd = [sys.executable, _LAUNCHER, str(os.getpid()), *cmd]
         shown = " ".join(cmd) + (" --api-key ***" if self.api_key else "")
         cmd += ["--api-key", self.api_key] if self.api_key else []
         env = dict(os.environ, **{k: str(v) for k, v in self.env.items()}) if self.env else None
@@ -130,8 +125,7 @@ class Server:
             extra = " ".join(f"{k}={v}" for k, v in self.env.items())
             log.write(f"\n=== {time.strftime('%H:%M:%S')} starting: {extra} {shown}\n".encode())
             log.flush()
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = proc.popen(cmd, log, env)  # from any thread (_recover's); SGLang's children are armed too
             log.write(f"=== pid {self.proc.pid}\n".encode())  # its process group's too
         deadline = time.time() + self.timeout
         while time.time() < deadline:

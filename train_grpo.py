@@ -16,6 +16,7 @@ One step: README, "The algorithm" (a group of equal rewards gets exactly 0 advan
 old logprobs are the engine's own unless --recompute-logprobs).
 """
 import argparse
+import collections
 import dataclasses
 import math
 import random
@@ -37,6 +38,7 @@ import parallel
 import pipeline
 import reward
 import rollout as R
+import routing
 import sglang_engine
 import trainer as T
 
@@ -45,10 +47,12 @@ def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=F.HelpFormatter,
                                 allow_abbrev=False)  # no --sglang-* flag may pass as an abbreviation
     F.add_train_args(p)
-    F.add_rollout_args(p)
+    R.add_args(p)
     a = p.add_argument_group("GRPO").add_argument
     a("--num-rollout", type=F.COUNT, default=100, help="GRPO steps (rollout + update); 0: evaluate only")
     a("--advantage-estimator", default="grpo", choices=list(L.ESTIMATORS), help="loss.py; README, \"The algorithm\"")
+    for name, kw in F.own_flags(L.ESTIMATORS).items():  # each estimator's own (SAPO's temperatures)
+        a(name, **kw)
     a("--eps-clip", type=F.at_least(0.0), default=0.2, help="PPO clip below 1")
     a("--eps-clip-high", type=F.at_least(0.0), default=0.28, help="PPO clip above 1")
     a("--kl-loss-coef", type=F.at_least(0.0), default=0.0, help="KL to the initial policy (0: no reference model)")
@@ -62,9 +66,15 @@ def build_parser():
     g = p.add_argument_group("engine placement")
     a = g.add_mutually_exclusive_group().add_argument  # one or the other: argparse names both
     a("--async-rollout", action="store_true", help="step k+1's rollout runs while step k trains. Not with --colocate")
-    a("--fully-async", action="store_true", help="the rollout never waits for training (miles'). Not with --colocate")
+    a("--fully-async", action="store_true", help="generation never waits for training: a step takes the first "
+      "--rollout-batch-size complete groups; what a weight update cuts goes on with the new weights. Not with --colocate")
     a = g.add_argument
-    a("--max-weight-staleness", type=F.COUNT, default=None, help="drop a group with a token over K versions old")
+    a("--rollout-engine", default="auto", choices=["auto", "sglang", "local"], help="auto: SGLang on CUDA, else local")
+    a("--sglang-server-timeout", type=F.at_least(1.0), default=900.0, help="seconds to wait for a server's /health")
+    a("--sglang-launch-cmd", default=None, help="what starts a server before its --model-path (python -m sglang.launch_server)")
+    a("--sglang-router-args", default=None, help="SGLang's router's flags, e.g. \"--balance-abs-threshold 16\"")
+    a("--max-weight-staleness", type=F.COUNT, default=None, metavar="K", help="with --partial-rollout or --fully-async: "
+      "drop a group with a token over K weight versions old (default: none dropped)")
     a("--colocate", action="store_true", help="SGLang shares the training GPUs, released while training")
     a("--offload-train", action=argparse.BooleanOptionalAction, default=None,
       help="the trainer's state waits in host memory while SGLang generates (default: --colocate on CUDA)")
@@ -83,11 +93,15 @@ def parse_args(argv=None):
     if bad:
         p.error(f"unrecognized arguments: {' '.join(bad)}")
     args.sglang_args = sglang_engine.sglang_server_args(unknown)
+    args.derived = [k for k, unset in (("global_batch_size", args.global_batch_size == 0),  # flags set from others
+                                       ("offload_train", args.offload_train is None)) if unset]
     args.global_batch_size = args.global_batch_size or args.rollout_batch_size * args.n_samples_per_prompt
     if args.offload_train is None:
         args.offload_train = args.colocate and torch.cuda.is_available()
     if args.n_samples_per_prompt == 1 and args.num_rollout:
         p.error("--n-samples-per-prompt 1: a group of one has zero advantage, GRPO would learn nothing")
+    if not (args.num_rollout or args.eval_prompt_data):
+        p.error("--num-rollout 0 only evaluates: give --eval-prompt-data (or steps to train)")
     if (args.fully_async or args.async_rollout) and (args.colocate or args.offload_train):
         p.error(f"{'--fully-async' if args.fully_async else '--async-rollout'}: the rollout runs beside training, so "
                 "the engine needs GPUs of its own (--rollout-num-gpus N), not --colocate or --offload-train")
@@ -95,6 +109,9 @@ def parse_args(argv=None):
                                                            is not None or args.mask_offpolicy_in_partial_rollout):
         p.error("--over-sampling-batch-size, --max-weight-staleness and --mask-offpolicy-in-partial-rollout need "
                 "--partial-rollout or --fully-async")
+    if args.use_rollout_routing_replay and (args.partial_rollout or args.fully_async):  # docs/rollout.md, "R3"
+        p.error(f"--use-rollout-routing-replay with {'--fully-async' if args.fully_async else '--partial-rollout'}: a "
+                "continued sample's prefill routes its prefix anew at the new weights; one forward replays one route")
     if (args.over_sampling_batch_size or args.rollout_batch_size) < args.rollout_batch_size:
         p.error(f"--over-sampling-batch-size {args.over_sampling_batch_size}: at least --rollout-batch-size "
                 f"{args.rollout_batch_size} (the groups a step trains on come from those it samples)")
@@ -109,15 +126,12 @@ def parse_args(argv=None):
     return args
 
 
-def to_item(sample, processor, adv, encoded=None):
-    """A sample as trainer input. `encoded` caches image encodings by the images' identity: a
-    group's samples share their prompt's images, so those are encoded once, and pickled once
-    when rank 0 broadcasts the step (pickle keeps one copy of a shared tensor)."""
-    encoded = {} if encoded is None else encoded
-    key = tuple(map(id, sample.images))
-    if key not in encoded:
-        encoded[key] = chat.encode_images(processor, sample.images)
-    pv, grid = encoded[key]
+def to_item(sample, processor, adv, encoded=None, step=None):
+    """A sample as trainer input, at `step` (the version of the weights trained). `encoded` caches image encodings by
+    the images' identity: a group's samples share their prompt's images, encoded once and pickled once in rank 0's
+    broadcast (one copy of a shared tensor)."""
+    key, encoded = tuple(map(id, sample.images)), {} if encoded is None else encoded
+    pv, grid = encoded[key] if key in encoded else encoded.setdefault(key, chat.encode_images(processor, sample.images))
     mask = [0] * len(sample.prompt_ids) + list(sample.loss_mask)
     old = [0.0] * len(sample.prompt_ids) + list(sample.rollout_logprobs)
     routes = sample.routed_experts  # (T - 1, layers, k): the last token no engine forward saw
@@ -125,7 +139,8 @@ def to_item(sample, processor, adv, encoded=None):
         routes = torch.cat([torch.as_tensor(routes, dtype=torch.int16),
                             torch.full((len(sample.tokens) - len(routes), *routes.shape[1:]), -1, dtype=torch.int16)])
     return T.Item(ids=torch.tensor(sample.tokens), mask=torch.tensor(mask, dtype=torch.bool),
-                  pixel_values=pv, image_grid_thw=grid, adv=adv, routed_experts=routes,
+                  pixel_values=pv, image_grid_thw=grid, adv=adv, routed_experts=routes, same_version=None
+                  if step is None else torch.tensor([v == step for v, m in zip(sample.versions, sample.loss_mask) if m]),
                   rollout_logprobs=torch.tensor([o for o, m in zip(old, mask) if m], dtype=torch.float32))
 
 
@@ -136,11 +151,12 @@ def policy_loss(model, ref, par, items, args, measure):
     n_tok = T.global_sum(sum(int(it.mask.sum()) for it in items), par)
     n_seq = T.global_sum(len(items), par)
     temp = args.rollout_temperature or 1.0  # logprobs under the distribution the engine sampled from
+    est = L.ESTIMATORS[args.advantage_estimator]
     if ref is not None:  # forward-only, before the policy's passes: under PP both are whole schedules
         logprobs_into(ref, items, args, "ref_logprobs", replay=False)  # the initial policy routes as it would
     replay = measure and args.use_rollout_routing_replay
     if replay:
-        model.routing_mismatch()  # from here: the mismatch at the weights the engine sampled with
+        routing.take_mismatch(model.replays)  # from here: the mismatch at the weights the engine sampled with
 
     def loss_of(mb, out):
         logp, ent = out
@@ -150,41 +166,43 @@ def policy_loss(model, ref, par, items, args, measure):
         def cat(field):  # (N,) the micro-batch's per-token `field` of its items
             return torch.cat([getattr(it, field) for it in mb]).to(dev)
         adv = torch.tensor([float(it.adv) for it in mb], device=dev).repeat_interleave(n)
-        # token weights: token-level mean over the global batch, or per-sequence mean then mean
-        w = (torch.full_like(logp, 1.0 / n_tok) if args.loss_agg == "token"
-             else (1.0 / n.clamp(min=1) / n_seq).repeat_interleave(n))
-        pg, clipped = L.ESTIMATORS[args.advantage_estimator].policy(logp, cat("old"), adv, lens, args.eps_clip,
-                                                                     args.eps_clip_high)
+        w = (torch.full_like(logp, 1.0 / n_tok) if args.loss_agg == "token"  # token weights: mean over the batch's tokens,
+             else (1.0 / n.clamp(min=1) / n_seq).repeat_interleave(n))  # or per-sequence mean then mean
+        pg, stat = est.policy(logp, cat("old"), adv, lens, args.eps_clip, args.eps_clip_high, **F.declared(est.flags, args))
         if args.tis_cap and mb[0].recomputed_logprobs is not None:  # truncated importance sampling
             pg = pg * L.tis(cat("old"), cat("rollout_logprobs"), args.tis_cap)
         loss_tok = pg - args.entropy_coef * ent if args.entropy_coef else pg  # without: no entropy backward
         kl = torch.zeros_like(logp) if ref is None else L.KL[args.kl_loss_type](logp, cat("ref_logprobs"))
         loss = ((loss_tok + args.kl_loss_coef * kl) * w).sum()
-        s = dict(loss=loss.item(), kl=(kl.detach() * w).sum().item(), clipfrac=(clipped.float() * w).sum().item(),
-                 entropy=(ent.detach() * w).sum().item(), diff_sum=0.0, diff_max=0.0)  # clipfrac: the clip cut it
-        if measure:  # weights are still those the engine sampled with: logprobs must agree
+        s = {"loss": loss.item(), "kl": (kl.detach() * w).sum().item(), est.stat: (stat.float() * w).sum().item(),
+             "entropy": (ent.detach() * w).sum().item(), "diff_sum": 0.0, "diff_max": 0.0, "same_sum": 0.0,
+             "same_n": 0.0}  # clipfrac: the clip cut it
+        if measure:  # weights are still those the engine sampled with: logprobs must agree on the tokens they wrote
             diff = (logp.detach() - cat("rollout_logprobs")).abs()
-            s.update(diff_sum=diff.sum().item(), diff_max=diff.max().item() if len(diff) else 0.0)
+            same = torch.ones_like(diff) if mb[0].same_version is None else cat("same_version").to(diff.dtype)
+            s.update(diff_sum=diff.sum().item(), diff_max=diff.max().item() if len(diff) else 0.0,
+                     same_sum=(diff * same).sum().item(), same_n=same.sum().item())
         return loss, s
     per_mb = pipeline.run(model, T.micro_batches(items, args.max_tokens_per_gpu, par, args.use_rollout_routing_replay),
                           lambda m, x: m(**x, temperature=temp, with_entropy=True), loss_of)
-    out = {k: T.global_sum(sum(s[k] for s in per_mb), par) for k in ("loss", "clipfrac", "kl", "entropy")}
-    # packing_fill (rank 0's): real tokens / the budget of its micro-batches
-    out["packing_fill"] = sum(len(it.ids) for it in items) / max(1, len(per_mb) * args.max_tokens_per_gpu)
+    out = {k: T.global_sum(sum(s[k] for s in per_mb), par) for k in ("loss", est.stat, "kl", "entropy")}
+    out["packing_fill"] = sum(len(it.ids) for it in items) / max(1, len(per_mb) * args.max_tokens_per_gpu)  # rank 0's
     if measure:
         out["logprob_diff_mean"] = T.global_sum(sum(s["diff_sum"] for s in per_mb), par) / n_tok
         out["logprob_diff_max"] = T.global_sum(max([s["diff_max"] for s in per_mb], default=0.0), par,
                                                op=torch.distributed.ReduceOp.MAX)
+        same_sum, same_n = (T.global_sum(sum(s[k] for s in per_mb), par) for k in ("same_sum", "same_n"))
+        if same_n:  # off-policy sources: the engine check apart from the drift of the policy since older tokens
+            out["logprob_diff_mean_same_version"] = same_sum / same_n
     if replay:  # R3: (token, layer) pairs whose trainer top-k differed from the engine's, before replay
-        differ, replayed = parallel.all_reduce(model.routing_mismatch().to(par.device), None).tolist()
+        differ, replayed = parallel.all_reduce(routing.take_mismatch(model.replays).to(par.device), None).tolist()
         out["routing_mismatch"] = differ / max(replayed, 1)
     return out
 
 
 def logprobs_into(model, items, args, field, replay=True):
-    """Each item's `field` = `model`'s logprobs of its scored tokens (N,), forward only, at the rollout
-    temperature; under PP set on the last stage, where the loss reads them. replay: the routers replay
-    the engine's experts (--use-rollout-routing-replay)."""
+    """Each item's `field` = `model`'s logprobs of its scored tokens (N,), forward only, at the rollout temperature (PP:
+    on the last stage, where the loss reads them); replay: the routers replay the engine's experts (R3)."""
     def keep(mb, out):
         for it, part in zip(mb, out[0].detach().cpu().split([int(it.mask.sum()) for it in mb])):
             setattr(it, field, part)
@@ -196,35 +214,28 @@ def logprobs_into(model, items, args, field, replay=True):
 
 
 def evaluate(engine, processor, records, args, step, run):
-    """Greedy pass@1 and pass@K, single- and multi-turn (oracle off); README, "Evaluating a checkpoint"."""
+    """Correctness, never a reward: pass@1 (greedy), pass@K, single-, multi-turn on settings(args, evaluation=True)."""
     out, rows = {}, []
     for name, turns in [("eval", 1)] + ([("eval_multi_turn", args.max_turns)] if args.max_turns > 1 else []):
         for n in sorted({1, args.n_samples_per_eval_prompt}):
             key, temperature = (f"{name}_accuracy", 0.0) if n == 1 else (f"{name}_pass@{n}", args.rollout_temperature)
-            cfg = dataclasses.replace(R.RolloutConfig.from_args(args), n_samples_per_prompt=n, max_turns=turns,
-                                      rollout_temperature=temperature, oracle=False, dynamic_sampling=False)
+            cfg = R.settings(args, True, n_samples_per_prompt=n, max_turns=turns, rollout_temperature=temperature)
             samples = R.generate_group_samples(engine, processor, records, cfg)
-            out[key] = sum(max(s.reward for s in samples if s.group == g) for g in range(len(records))) / len(records)
+            out[key] = sum(any(s.correct for s in samples if s.group == g) for g in range(len(records))) / len(records)
             rows += [dict(mode=key, index=s.group, problem=records[s.group]["problem"], answer=s.label,
-                          reward=s.reward, status=s.status, response=s.response_text) for s in samples]
+                          correct=s.correct, status=s.status, response=s.response_text) for s in samples]
     path = run.write_rows(f"eval_{step:07d}.jsonl", rows)
     run.log(step, out)
     console.say(f"[eval] step {step}: {', '.join(f'{k} {v:.3f}' for k, v in out.items())} (each response: {path})")
 
 
-@dataclasses.dataclass
-class Batch:
-    """A step's rollout on one rank: its items of each update (None: an update with no sample) and
-    metrics (rank 0's)."""
-    items: list
-    metrics: dict
+Batch = collections.namedtuple("Batch", ["items", "metrics"])  # a rank's items of each update (None: no sample)
 
 
 class Source:
-    """The rollout source of a step (grpo_step's next and settle), on every rank. Rank 0 holds the rollout
-    (rollout.Rollout) over the step's prompts (trainer.draw, or the data stream's next), takes B complete groups,
-    their advantages, and hands each DP rank its share. Where each source pauses the rollout: docs/rollout.md.
-    settle() ends with a barrier: no server takes new weights before the rollout has paused."""
+    """A step's rollout source (grpo_step's next and settle), on every rank. Rank 0 holds the rollout.Rollout over the
+    step's prompts (trainer.draw, or the data stream's next), takes B complete groups, their advantages, and hands each
+    DP rank its share (where it pauses: docs/rollout.md); settle() ends with a barrier, after the rollout has paused."""
 
     def __init__(self, engine, processor, records, args, updates, par, state=None):
         self.processor, self.records, self.args, self.updates, self.par = processor, records, args, updates, par
@@ -232,8 +243,9 @@ class Source:
         B, self.stream = args.rollout_batch_size, args.partial_rollout or args.fully_async
         self.cap, self.rollout = max(args.over_sampling_batch_size or B, B), None  # groups open or kept at once
         if par.rank == 0:
-            self.rollout = R.Rollout(engine, processor, R.RolloutConfig.from_args(args), None, None if args.fully_async
-                                     else B, self.cap, args.max_weight_staleness, args.dynamic_sampling)
+            self.rollout = R.Rollout(engine, processor, R.settings(args), None if args.fully_async else B, self.cap,
+                                     args.max_weight_staleness)
+            self.tools = sorted({t for r in records if args.max_turns > 1 for t in env_geo3k.offered(r.get("tools"))})
             self.rollout.drawn, self.rollout.groups = state or (0, {})
 
     def state(self):
@@ -242,8 +254,7 @@ class Source:
         return (self.rollout.drawn, self.rollout.groups) if keep else None
 
     def next(self, step):
-        """-> this rank's Batch: its DP rank's share of the groups rank 0 took (a group's images, shared in the
-        payload, encoded once on each rank)."""
+        """-> this rank's Batch: its share of the groups rank 0 took (a group's images encoded once on each rank)."""
         t, shares, metrics = time.perf_counter(), None, {}
         if self.par.rank == 0:
             self.resume(step, step)  # the engine holds the weights of `step` updates
@@ -254,16 +265,14 @@ class Source:
                 self.resume(step, step + 1)
             self.trained = time.perf_counter()
         h, encoded = time.perf_counter(), {}
-        items = [None if part is None else [to_item(s, self.processor, a, encoded) for s, a in part]
+        items = [None if part is None else [to_item(s, self.processor, a, encoded, step) for s, a in part]
                  for part in T.hand_out(shares, self.par)]
         return Batch(items, dict(metrics, handoff_s=time.perf_counter() - h, rollout_s=time.perf_counter() - t))
 
     def settle(self):
         """Before the engine takes the step's new weights: the rollout pauses. -> metrics"""
-        out = {}
-        ran = self.rollout.pause() if self.par.rank == 0 else None
-        if ran:  # how long it ran beside this step's training
-            out["rollout_ahead_overlap_s"] = max(0.0, min(ran[1], time.perf_counter()) - max(ran[0], self.trained))
+        ran = self.rollout.pause() if self.par.rank == 0 else None  # (start, end) when it ran beside this step's training
+        out = {"rollout_ahead_overlap_s": max(0.0, min(ran[1], time.perf_counter()) - max(ran[0], self.trained))} if ran else {}
         if self.par.world > 1:
             torch.distributed.barrier()
         return out
@@ -284,7 +293,7 @@ class Source:
         token of an older version than `step`'s policy is off-policy."""
         args = self.args
         samples = self.rollout.take(args.rollout_batch_size)
-        metrics = rollout_metrics(samples)
+        metrics = rollout_metrics(samples, self.tools)
         good = [s for s in samples if s.status not in ("failed", "aborted") and any(s.loss_mask)]
         if args.mask_offpolicy_in_partial_rollout:  # tokens written before the sample's last abort: no loss
             for s in good:
@@ -309,22 +318,21 @@ class Source:
         return split_batch(good, adv, rng, args.global_batch_size, self.updates, self.par.dp), metrics
 
 
-def rollout_metrics(samples):
-    """Means over samples; reward and accuracy over the ones not failed; multi-turn, the env's tool metrics."""
+def rollout_metrics(samples, tools=()):
+    """Means over samples; reward and accuracy (correctness) over the ones not failed, each SHAPING term's mean and the
+    share it touched; multi-turn, the env's metrics of `tools` (those some row of the run is offered)."""
     n = max(len(samples), 1)
     ok = [s for s in samples if s.status != "failed"] or [R.Sample(prompt_ids=[])]
-    m = {"reward": sum(s.reward for s in ok) / len(ok),
-         "accuracy": sum(s.reward > 0 for s in ok) / len(ok),
+    m = {"reward": sum(s.reward for s in ok) / len(ok), "accuracy": sum(s.correct for s in ok) / len(ok),
          "response_len": sum(sum(s.loss_mask) for s in ok) / len(ok),
-         "truncated_frac": sum(s.status == "truncated" for s in samples) / n,
-         "aborted_frac": sum(s.status == "aborted" for s in samples) / n,
-         "failed_frac": sum(s.status == "failed" for s in samples) / n,
-         "turns": sum(s.turns for s in samples) / n,
-         "tool_calls": sum(s.tool_calls for s in samples) / n,
-         "format_ok_frac": sum(bool(s.metadata.get("format_ok")) for s in samples) / n,
-         "samples": len(samples)}
+         **{f"{k}_frac": sum(s.status == k for s in samples) / n for k in ("truncated", "aborted", "failed")},
+         "turns": sum(s.turns for s in samples) / n, "tool_calls": sum(s.tool_calls for s in samples) / n,
+         "format_ok_frac": sum(bool(s.metadata.get("format_ok")) for s in samples) / n, "samples": len(samples)}
+    for k in {k for s in ok for k in s.metadata.get("shaping", {})}:  # overlong_penalty_mean, overlong_penalty_frac
+        v = [s.metadata.get("shaping", {}).get(k, 0.0) for s in ok]
+        m.update({f"{k}_mean": sum(v) / len(v), f"{k}_frac": sum(x != 0 for x in v) / len(v)})
     m.update(env_geo3k.tool_metrics([s.metadata.get("steps", []) for s in samples],  # multi-turn: tool use
-                                    [None if s.status == "failed" else s.reward for s in samples]))
+                                    [None if s.status == "failed" else s.correct for s in samples], tools))
     if samples and "rollout" in samples[0].metadata:  # where the rollout's time went, what it cut and dropped
         ends, stats = [s.metadata["end_s"] for s in samples], samples[0].metadata["rollout"]
         if stats["dropped"] is not None:  # --dynamic-sampling: the share of complete groups kept
@@ -337,11 +345,12 @@ def rollout_metrics(samples):
 
 
 def split_batch(good, adv, rng, global_batch_size, updates, dp):
-    """rank 0: [for each DP rank: its (sample, advantage) pairs of each update (None: an update with
-    no sample)], shuffled by `rng`, each update's global batch strided over the DP ranks. A sample
-    keeps only what to_item reads: token ids, masks, logprobs, routes (R3) and its images (decoded, uint8)."""
+    """rank 0: [for each DP rank: its (sample, advantage) pairs of each update (None: no sample)], shuffled by `rng`,
+    each update's global batch strided over the ranks; a sample keeps what to_item reads (ids, masks, logprobs, versions,
+    routes, images)."""
     pairs = [(R.Sample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, loss_mask=s.loss_mask,
-                       rollout_logprobs=s.rollout_logprobs, images=s.images, routed_experts=s.routed_experts), a)
+                       rollout_logprobs=s.rollout_logprobs, images=s.images, routed_experts=s.routed_experts,
+                       versions=s.versions), a)
              for s, a in zip(good, adv)]
     rng.shuffle(pairs)
     chunks = [pairs[u * global_batch_size:(u + 1) * global_batch_size] for u in range(updates)]
@@ -349,28 +358,22 @@ def split_batch(good, adv, rng, global_batch_size, updates, dp):
 
 
 class Policy:
-    """The trainer of every rank: the model, the reference model of the KL term, the optimizer and its
-    schedule; train() runs a step's updates on this rank's share."""
+    """Every rank's trainer: the model, the KL term's reference, the optimizer and its schedule; train(): a step."""
 
     def __init__(self, model, ref, opt, sched, args, updates):
         self.model, self.ref, self.opt, self.sched, self.args, self.updates = model, ref, opt, sched, args, updates
 
     def train(self, batch):
-        """One optimizer step per update over this rank's items of it; an update with no sample (None on
-        every rank alike) is skipped on every rank in lockstep. -> the last update's stats (logprob_diff_*
-        from the first: the weights the engine sampled with)."""
+        """One optimizer step per update of this rank's items; one with no sample (None on every rank alike) is skipped
+        in lockstep. -> the last update's stats (logprob_diff_* from the first: the weights the engine sampled with)."""
         t, model, par, args = time.perf_counter(), self.model, self.model.par, self.args
         model.train()
         if args.recompute_logprobs:
             logprobs_into(model, [it for part in batch.items if part for it in part], args, "recomputed_logprobs")
-        stats = {"updates_skipped": 0}
-        for part in batch.items:
-            if part is None:
-                stats["updates_skipped"] += 1
-                continue
-            s = policy_loss(model, self.ref, par, part, args, measure="logprob_diff_mean" not in stats)
-            s.update(optim.optimizer_step(model, self.opt, self.sched, par, args))
-            stats.update(s)
+        stats = {"updates_skipped": batch.items.count(None)}
+        for part in (p for p in batch.items if p is not None):  # the loss and its backward, then the step
+            stats.update(policy_loss(model, self.ref, par, part, args, measure="logprob_diff_mean" not in stats),
+                         **optim.optimizer_step(model, self.opt, self.sched, par, args))
         t = time.perf_counter() - t
         return dict(stats, **T.expert_load(model), train_s=t, tokens_per_s=batch.metrics.get("tokens", 0) / max(t, 1e-9))
 
@@ -394,10 +397,19 @@ def grpo_step(step, policy, source, servers, run):
 
 def main(argv=None):
     args = parse_args(argv)
-    par, run = T.start(args, "grpo", fixed=("rollout_batch_size", "partial_rollout", "fully_async"))  # the prompts
-    # of a step: step x the batch, or the data stream's next (--partial-rollout, --fully-async)
+    par, run = T.start(args, "grpo", fixed=("rollout_batch_size", "partial_rollout", "fully_async"))  # fix a step's prompts
     run.nothing_left(args.num_rollout, "--num-rollout")
     processor = AutoProcessor.from_pretrained(args.hf_checkpoint)
+    records = eval_records = None
+    if par.rank == 0:  # rank 0 owns the data (checked here, before any model: docs/data.md) and the rewards
+        reward.init()  # its one-off warm-up here, not in the first rollout
+        fit = dict(measure=lambda r: len(chat.prompt(processor, r, args.max_turns > 1)[2]),
+                   limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len} with room for a response"))
+        records = T.load_data(args, **fit) if args.num_rollout else []  # --num-rollout 0: evaluate only
+        eval_records = T.load_data(args, evaluation=True, **fit)
+        if args.num_rollout and len(records) < args.rollout_batch_size:  # a step's groups: distinct prompts
+            raise SystemExit(f"--rollout-batch-size {args.rollout_batch_size}: --prompt-data has {len(records)} usable "
+                             "prompts, so a step would sample some twice; lower it or add data")
     ckpt, opts = run.ckpt, M.ModelOptions.from_args(args)
     model = M.load_model(ckpt or args.hf_checkpoint, opts, par)
     if args.use_rollout_routing_replay and not getattr(model.hf_config.text_config, "num_experts", None):
@@ -408,13 +420,6 @@ def main(argv=None):
     opt, sched = optim.build_optimizer(model, args, args.num_rollout * updates)
     start = run.load_state(ckpt, opt, sched)["step"] if ckpt else 0
     policy = Policy(model, ref, opt, sched, args, updates)
-    records = eval_records = None
-    if par.rank == 0:  # rank 0 owns the data and the rewards; each node's leader its server (cluster.py)
-        reward.init()  # its one-off warm-up here, not in the first rollout
-        fit = dict(measure=lambda r: len(chat.prompt(processor, r, args.max_turns > 1)[2]),
-                   limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len} with room for a response"))
-        records = T.load_data(args, **fit) if args.num_rollout else []  # --num-rollout 0: evaluate only
-        eval_records = T.load_data(args, evaluation=True, **fit)
     servers = cluster.Servers(args, par, model, opt, ref, str(ckpt or args.hf_checkpoint), str(run.save), processor)
     source = Source(servers.engine, processor, records, args, updates, par,
                     run.load_rollout(ckpt) if ckpt and par.rank == 0 else None)

@@ -37,6 +37,7 @@ class Item:
     recomputed_logprobs: torch.Tensor | None = None  # (N,) --recompute-logprobs: the trainer's, before the update
     ref_logprobs: torch.Tensor | None = None  # (N,) the reference model's (the KL term)
     routed_experts: torch.Tensor | None = None  # (T, layers, k) int16: the engine's experts, -1: none (R3)
+    same_version: torch.Tensor | None = None  # (N,) bool: written by the weights being trained (not older ones)
 
     @property
     def old(self):
@@ -72,7 +73,10 @@ class Run:
         self.wandb, self.lock, self.last, self.stopping, self.signalled = None, None, {}, None, False
         self.t0 = time.time()  # --exit-duration-in-mins counts from here (console.stop_reason)
         if self.rank == 0:
-            self.save.mkdir(parents=True, exist_ok=True)
+            try:
+                self.save.mkdir(parents=True, exist_ok=True)
+            except OSError as e:  # a file on the way, no permission, a read-only disk: one line, not a traceback
+                raise SystemExit(f"--save {self.save}: cannot be made ({e.strerror}: {e.filename})") from None
             self.lock = lock_folder(self.save)
         self.ckpt = find_checkpoint(args.load, self.save)  # the checkpoint to resume from, or None: a fresh start
         # the checkpoint's meta.json (step, TP, PP sizes): what nothing_left and load_state read
@@ -84,6 +88,7 @@ class Run:
                 start_fresh(self.save, args.overwrite, args.load)
                 self.write_config(f"config_{kind}.json")
             else:  # refused or said now; written as the resume happens (load_state), beside the run's first
+                convert.same_architecture(args.hf_checkpoint, self.ckpt)
                 compare(self.ckpt.parent / f"config_{kind}.json", self.config, FIXED + fixed)
             if args.wandb_project:
                 try:
@@ -210,8 +215,9 @@ def compare(saved_path, config, fixed):
     """A resume's flags against its run's first config: a changed `fixed` flag is refused (it cannot act), each
     other change said, one line each."""
     saved = json.loads(saved_path.read_text()) if saved_path.exists() else {}
-    changed = {k: f"--{k.replace('_', '-')} {v} (the run: {saved[k]})" for k, v in config.items()
-               if k in saved and saved[k] != v and k not in ("load", "overwrite", "versions", "world_size")}
+    derived = set(config.get("derived", ())) & set(saved.get("derived", ()))  # flags neither run gave: follow others
+    changed = {k: f"--{k.replace('_', '-')} {v} (the run: {saved[k]})" for k, v in config.items() if k in saved and
+               saved[k] != v and k not in ("load", "overwrite", "versions", "world_size", "derived", *derived)}
     bad = [line for k, line in changed.items() if k in fixed]
     if bad:
         raise SystemExit(f"--load {saved_path.parent}: a resume keeps the run's data order and optimizer state, so "
@@ -294,7 +300,8 @@ def load_data(args, evaluation=False, verbose=True, measure=None, limit=None):
     try:
         records = data.load_geo3k(source, args.eval_split if evaluation else args.split, args.input_key,
                                   args.label_key, args.max_bad_frac, verbose=verbose, check=measure and check,
-                                  allow_urls=args.allow_image_urls, allow_outside=args.allow_outside_paths)
+                                  allow_urls=args.allow_image_urls, allow_outside=args.allow_outside_paths,
+                                  multimodal_keys=args.multimodal_keys)
     except data.DataError as e:
         raise SystemExit(f"--{'eval-' if evaluation else ''}prompt-data: {e}") from None
     return records[:args.eval_samples or None] if evaluation else records

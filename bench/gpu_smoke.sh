@@ -40,6 +40,63 @@ sys.exit(0 if rows and all(r["failed_frac"] == 0 for r in rows) and last.get("gr
 EOF
 }
 
+steps_of() { grep -c '"reward"' "$1/metrics.jsonl" 2>/dev/null; }  # GRPO steps logged in RUN_DIR
+
+preempt_run() {  # preempt_run RUN_DIR ARGS...: run.sh's torchrun SIGTERMed once step 1 is logged, then rerun
+  local run=$1 pid rc k end=$((SECONDS + 600)) TORCHRUN
+  shift
+  eval "$(grep '^TORCHRUN=' run.sh)"
+  "${TORCHRUN[@]}" --standalone --nproc_per_node 1 train_grpo.py "$@" --save "$run" --load "$run" --exit-signal-handler &
+  pid=$!
+  until [ "$(steps_of "$run")" -ge 1 ] || ! kill -0 $pid 2>/dev/null || ((SECONDS > end)); do sleep 0.2; done
+  kill -TERM $pid
+  wait $pid
+  rc=$? k=$(steps_of "$run")
+  echo "torchrun exit $rc after step $k; latest $(cat "$run/latest" 2>/dev/null)"
+  [ "$rc" = 1 ] && [ "$(cat "$run/latest")" = "$(printf 'iter_%07d' "$k")" ] || return 1
+  "${TORCHRUN[@]}" --standalone --nproc_per_node 1 train_grpo.py "$@" --save "$run" --load "$run" --exit-signal-handler \
+    || return 1
+  echo "preempted after step $k (torchrun exit 1, iter_$k saved); resumed: steps $(steps_of "$run") of 3, none twice"
+  [ "$(steps_of "$run")" = 3 ]
+}
+
+restart_run() {  # restart_run RUN_DIR ARGS...: the server's group SIGKILLed in step 2's rollout; one restart in all
+  local run=$1 watcher rc end=$((SECONDS + 600))
+  shift
+  (until [ "$(steps_of "$run")" -ge 1 ] || ((SECONDS > end)); do sleep 0.2; done
+   n=$(grep -c "POST /generate" "$run/sglang.log")  # one of step 2's requests answered: the others generate
+   until [ "$(grep -c "POST /generate" "$run/sglang.log")" -gt "$n" ] || ((SECONDS > end)); do sleep 0.05; done
+   ((SECONDS > end)) || kill -KILL -- "-$(grep -o '=== pid [0-9]*' "$run/sglang.log" | tail -n 1 | cut -d' ' -f3)") &
+  watcher=$!
+  "${TR[@]}" train_grpo.py "$@" --save "$run"
+  rc=$?
+  kill $watcher 2>/dev/null
+  echo "exit $rc; server starts: $(grep -c 'starting:' "$run/sglang.log") (one restart: 2)"
+  [ "$rc" = 0 ] && [ "$(grep -c 'starting:' "$run/sglang.log")" = 2 ]
+}
+
+lm_heads() {  # lm_heads RUN_DIR ARGS...: GRPO with the fp32 LM head (the engine's default), then without it
+  "${TR[@]}" train_grpo.py "${@:2}" --save "$1/fp32_head" || return 1
+  cat > "$1/bf16_head.py" <<'EOF'
+import os, runpy, sys
+sys.path.insert(0, os.getcwd())
+import sglang_engine as E
+S = E.Server  # the same run with the flag taken out of the server's command line
+E.Server = lambda path, run, args, *a, **k: S(path, run, [x for x in args if x != "--enable-fp32-lm-head"], *a, **k)
+runpy.run_path("train_grpo.py", run_name="__main__")
+EOF
+  "${TR[@]}" "$1/bf16_head.py" "${@:2}" --save "$1/bf16_head" || return 1
+  grep -q -- "--enable-fp32-lm-head" "$1/fp32_head/sglang.log" && ! grep -q -- "--enable-fp32-lm-head" \
+    "$1/bf16_head/sglang.log" || { echo "the servers' flags are not as asked"; return 1; }
+  "$PY" - "$1" <<'EOF'
+import json, statistics, sys
+diff = {h: [json.loads(x)["logprob_diff_mean"] for x in open(f"{sys.argv[1]}/{h}_head/metrics.jsonl") if '"reward"' in x]
+        for h in ("fp32", "bf16")}
+print("logprob_diff_mean by step, fp32 LM head:", diff["fp32"], "bf16 LM head:", diff["bf16"])
+sys.exit(0 if statistics.mean(diff["fp32"]) < statistics.mean(diff["bf16"]) else 1)
+EOF
+}
+
 check environment "$PY" -c "
 import torch, transformers, megatron.core
 assert torch.cuda.is_available(), 'no CUDA device'
@@ -105,6 +162,9 @@ check grpo_bf16_distopt_full_recompute "${TR[@]}" train_grpo.py "${GRPO[@]}" --r
 check grpo_bf16_resume "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine local "${BF16[@]}" \
   --recompute-granularity full --num-rollout 4 --save "$DIR/grpo_bf16" --load "$DIR/grpo_bf16"
 check grpo_bf16_metrics metric "$DIR/grpo_bf16"
+# preemption through run.sh's torchrun line (its --shutdown-timeout): SIGTERM to torchrun after step 1, the step in
+# flight saved (the stop agreed over NCCL), torchrun exit 1; the same command resumes with no step lost or twice
+check grpo_preempted_torchrun preempt_run "$DIR/grpo_preempt" "${GRPO[@]}" --rollout-engine local "${BF16[@]}"
 # --offload-train (offload.py): a release frees >= 90% of what the trainer holds (memory_allocated) into
 # host buffers page-locked at their exact size, the restore is bit-exact; then with megatron's CPU Adam
 # (HybridDeviceOptimizer), and a GRPO run with it
@@ -159,29 +219,42 @@ if "$PY" -c "import sglang" 2>/dev/null; then
   # supports fp16, bf16, and fp8_e4m3"); these checkpoints are fp32 and served in fp32, so the trainer-vs-server
   # logprob gap stays at fp32's level: Triton attention and torch's SDPA for the vision tower instead
   SGL=(--rollout-engine sglang --sglang-attention-backend triton --sglang-mm-attention-backend sdpa)
+  # and fp32 products in it: SGLang's Triton attention calls tl.dot without a precision (sglang/kernels/ops/
+  # attention/decode_attention.py:690-762, extend_attention.py), TF32 on NVIDIA unless TRITON_F32_DEFAULT says
+  # otherwise (see check_te_qwen3_5); the server inherits the trainer's environment
+  TRS=(env TRITON_F32_DEFAULT=ieee "${TR[@]}")
   # stock SGLang on the same GPU as training: the memory saver releases it while training; weights
   # go over CUDA IPC (/update_weights_from_tensor, devices named by UUID), then by the disk. --colocate
   # turns --offload-train on: the trainer parks in host memory during rollouts and the server resumes
   # in two parts (weights for the sync, then KV cache and CUDA graphs); the _resident run turns it off
-  check grpo_sglang_colocated "${TR[@]}" train_grpo.py "${GRPO[@]}" "${SGL[@]}" --colocate \
+  check grpo_sglang_colocated "${TRS[@]}" train_grpo.py "${GRPO[@]}" "${SGL[@]}" --colocate \
     --weight-sync tensor --sglang-mem-fraction-static 0.3 --save "$DIR/grpo_sglang"
   # the release -> train -> resume cycle: metrics carry the training peak and what PyTorch still held at the resume
   check grpo_sglang_colocated_metrics metric "$DIR/grpo_sglang"
-  check grpo_sglang_colocated_resident "${TR[@]}" train_grpo.py "${GRPO[@]}" "${SGL[@]}" --colocate \
+  check grpo_sglang_colocated_resident "${TRS[@]}" train_grpo.py "${GRPO[@]}" "${SGL[@]}" --colocate \
     --no-offload-train --weight-sync tensor --sglang-mem-fraction-static 0.3 --save "$DIR/grpo_sglang_resident"
   check grpo_sglang_colocated_resident_metrics metric "$DIR/grpo_sglang_resident"
   # the same image before and after a vision-only weight update: the answer must change (SGLang's
   # vision-feature cache would keep the old features; the engine starts it with SGLANG_VLM_CACHE_SIZE_MB=0)
-  check sglang_vision_update_reaches_seen_image "$PY" bench/vision_cache_check.py --hf-checkpoint "$DIR/tiny" \
+  check sglang_vision_update_reaches_seen_image "${F32[@]}" bench/vision_cache_check.py --hf-checkpoint "$DIR/tiny" \
     --weight-sync tensor --mem-fraction-static 0.3 --attention-backend triton --mm-attention-backend sdpa
   # a float32 checkpoint is served in float32 (the engine passes --dtype; SGLang's auto would pick float16)
   check sglang_dtype_of_fp32_checkpoint grep -m1 -o -- "--dtype float32" "$DIR/grpo_sglang/sglang.log"
-  check grpo_sglang_disk_sync "${TR[@]}" train_grpo.py "${GRPO[@]}" "${SGL[@]}" --colocate \
+  check grpo_sglang_disk_sync "${TRS[@]}" train_grpo.py "${GRPO[@]}" "${SGL[@]}" --colocate \
     --weight-sync disk --sglang-mem-fraction-static 0.3 --save "$DIR/grpo_sglang_disk"
   check grpo_sglang_disk_sync_metrics metric "$DIR/grpo_sglang_disk"
-  check grpo_sglang_multi_turn "${TR[@]}" train_grpo.py "${GRPO[@]}" "${SGL[@]}" --colocate \
+  check grpo_sglang_multi_turn "${TRS[@]}" train_grpo.py "${GRPO[@]}" "${SGL[@]}" --colocate \
     --sglang-mem-fraction-static 0.3 --max-turns 3 --save "$DIR/grpo_sglang_multi"
   check grpo_sglang_multi_turn_metrics metric "$DIR/grpo_sglang_multi"
+  # a bf16 server's LM head in fp32 (the engine passes --enable-fp32-lm-head; SGLang rounds the logits to bf16
+  # without it: docs/sglang.md): the trainer-vs-server gap, logprob_diff_mean, must be lower with it than with
+  # the flag taken out of the server's command line
+  check grpo_sglang_bf16_lm_head lm_heads "$DIR/grpo_sglang_bf16" "${GRPO[@]}" "${SGL[@]}" "${BF16[@]}" --colocate \
+    --sglang-dtype bfloat16 --sglang-mem-fraction-static 0.3
+  # the server's process group SIGKILLed in step 2's rollout: the episode whose request failed restarts it, and the
+  # restarted server outlives the pause that ends the rollout (proc.popen): the run ends with one restart
+  check grpo_sglang_restart restart_run "$DIR/grpo_sglang_restart" "${GRPO[@]}" "${SGL[@]}" --colocate \
+    --weight-sync disk --sglang-mem-fraction-static 0.3
   # R3 against the real server: --enable-return-routed-experts, each turn's routes from where the last
   # stopped (a sample whose routes do not cover it fails: failed_frac 0 says they did); routing_mismatch printed
   check grpo_sglang_moe_r3 "${TR[@]}" train_grpo.py "${MOE[@]/grpo_moe/grpo_sglang_moe_r3}" "${SGL[@]}" \
@@ -234,12 +307,62 @@ print(rows[-1]['expert_load'])"
   if "$PY" -c "import sglang" 2>/dev/null; then
     # --rollout-num-gpus-per-engine 1 on 2 colocated GPUs: two servers (CUDA_VISIBLE_DEVICES 0 and 1)
     # behind SGLang's router, each taking its CUDA IPC sync from the rank on its own GPU
-    check grpo_sglang_two_servers "${TR2[@]}" train_grpo.py "${GRPO[@]}" "${SGL[@]}" --colocate \
+    check grpo_sglang_two_servers env TRITON_F32_DEFAULT=ieee "${TR2[@]}" train_grpo.py "${GRPO[@]}" "${SGL[@]}" --colocate \
       --rollout-num-gpus-per-engine 1 --sglang-mem-fraction-static 0.3 --save "$DIR/grpo_sglang_two"
     check grpo_sglang_two_servers_metrics metric "$DIR/grpo_sglang_two"
   fi
 else
   echo "SKIP cp2, pp2: context and pipeline parallelism need 2 GPUs (this machine has $GPUS)"
+fi
+# ---- issue 59: lines a reading found missing (the preemption, restart and LM-head lines: issue 58's block) ----
+# GSPO (one clipped ratio a sequence) and CISPO (the clipped weight without gradient, --eps-clip 1) in bf16 with the
+# distributed optimizer: each step trains (grad_norm > 0) and the logprob gap stays at the one-GPU level
+for est in gspo cispo; do
+  clip=(); [[ $est == cispo ]] && clip=(--eps-clip 1)
+  check grpo_${est}_bf16 "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine local "${BF16[@]}" \
+    --advantage-estimator $est "${clip[@]}" --save "$DIR/grpo_${est}"
+  check grpo_${est}_bf16_metrics metric "$DIR/grpo_${est}"
+done
+# evaluation only (--num-rollout 0): greedy pass@1 and pass@4 at the rollout temperature, every response in
+# eval_0000000.jsonl: four pass@4 rows a problem after one accuracy row
+check eval_only_pass_at_k "${TR[@]}" train_grpo.py --hf-checkpoint "$DIR/tiny" --prompt-data "$DIR/data" \
+  --eval-prompt-data "$DIR/data" --eval-samples 8 --n-samples-per-eval-prompt 4 --num-rollout 0 \
+  --rollout-engine local --rollout-max-response-len 32 --save "$DIR/eval_only"
+check eval_only_pass_at_k_rows "$PY" -c "
+import json; m = [json.loads(x) for x in open('$DIR/eval_only/metrics.jsonl')][-1]
+rows = [json.loads(x) for x in open('$DIR/eval_only/eval_0000000.jsonl')]
+modes = [r['mode'] for r in rows]
+assert 'eval_accuracy' in m and 'eval_pass@4' in m and modes.count('eval_pass@4') == 4 * modes.count('eval_accuracy') == 32, (m, modes)
+print({k: v for k, v in m.items() if k.startswith('eval_')})"
+# multi-turn GRPO on the crop task after run.sh's SFT on crop episodes (half crop the named box): the model calls
+# crop, the env runs it, its observation (a new image) reaches the next turn: tool_calls_crop > 0 every step
+check crop_data bash -c "$PY tools/synth.py --n 64 --n-test 8 --out $DIR/crop --kinds crop && \
+$PY tools/synth.py --n 256 --n-test 8 --seed 3 --out $DIR/crop_warm --kinds crop --warm-start 0.5 && echo made"
+check sft_crop_format "${TR[@]}" sft.py --hf-checkpoint "$DIR/tiny" --prompt-data "$DIR/crop_warm" --save "$DIR/sft_crop" \
+  --decoupled-lr 1e-2 --lr 3e-4 --lr-warmup-iters 10 --global-batch-size 8 --num-epoch 2 --max-tokens-per-gpu 4096
+check grpo_multi_turn_crop bash -c "${TR[*]} train_grpo.py --hf-checkpoint $DIR/sft_crop/\$(cat $DIR/sft_crop/latest) \
+  --prompt-data $DIR/crop --rollout-engine local --rollout-batch-size 4 --n-samples-per-prompt 4 --max-turns 3 \
+  --rollout-max-response-len 192 --max-tokens-per-gpu 4096 --num-rollout 3 --lr 1e-5 --save $DIR/grpo_crop"
+check grpo_multi_turn_crop_calls "$PY" -c "
+import json; rows = [json.loads(x) for x in open('$DIR/grpo_crop/metrics.jsonl') if '\"reward\"' in x]
+assert rows and all(r.get('tool_calls_crop', 0) > 0 and r['failed_frac'] == 0 for r in rows), rows
+print([round(r['tool_calls_crop'], 2) for r in rows])"
+if [ "$GPUS" -ge 2 ] && "$PY" -c "import sglang" 2>/dev/null; then
+  # SGLang on a GPU of its own (--rollout-num-gpus 1 after the one training GPU): the weights go over an NCCL
+  # group (/init_weights_update_group + /update_weights_from_distributed), then the fully async rollout on it
+  check grpo_nccl_sync "${TR[@]}" train_grpo.py "${GRPO[@]}" "${SGL[@]}" --rollout-num-gpus 1 --weight-sync distributed \
+    --save "$DIR/grpo_nccl"
+  check grpo_nccl_sync_metrics metric "$DIR/grpo_nccl"
+  # --fully-async: the rollout never waits; each weight update cuts what generates, which goes on with the new
+  # weights (metrics staleness_max <= --max-weight-staleness, rollout_engine_idle_frac said)
+  check grpo_fully_async "${TR[@]}" train_grpo.py "${GRPO[@]}" "${SGL[@]}" --rollout-num-gpus 1 --fully-async \
+    --max-weight-staleness 2 --save "$DIR/grpo_fully_async"
+  check grpo_fully_async_metrics "$PY" -c "
+import json; rows = [json.loads(x) for x in open('$DIR/grpo_fully_async/metrics.jsonl') if '\"reward\"' in x]
+assert rows and all(r['failed_frac'] == 0 and r['grad_norm'] > 0 and r['staleness_max'] <= 2 for r in rows), rows
+print([(r['staleness_max'], round(r.get('rollout_engine_idle_frac', -1), 2)) for r in rows])"
+else
+  echo "SKIP grpo_nccl_sync, grpo_fully_async: SGLang on a GPU of its own needs sglang and 2 GPUs (this machine has $GPUS)"
 fi
 echo "$failed check(s) failed; logs in $DIR"
 exit $((failed > 0))

@@ -98,7 +98,7 @@ def main():
                                           "--rollout-batch-size", str(a.prompts), "--rollout-max-response-len", "4096"])
             engine = SimEngine(processor, a)
             t = time.perf_counter()
-            samples = rollout.generate_group_samples(engine, processor, records, args)
+            samples = rollout.generate_group_samples(engine, processor, records, rollout.settings(args))
             wall = time.perf_counter() - t
             if a.dp:  # what the old broadcast sent every rank, and what a scatter sends each one now
                 adv = [float(i % 3 - 1) for i in range(len(samples))]

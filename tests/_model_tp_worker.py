@@ -41,8 +41,8 @@ def grad_errors(model, hf, seqs, pv, grid, temp=0.7, reduce=None):
     reduce(model): applied to our gradients after backward (the trainer's DP reduction)."""
     model.zero_grad(set_to_none=True)
     hf.zero_grad(set_to_none=True)
-    masks = [torch.arange(len(s)) >= 5 for s in seqs]
-    w = torch.randn(sum(int(m.sum()) for m in masks), generator=torch.Generator().manual_seed(0))
+    masks = [torch.arange(len(s), device=s.device) >= 5 for s in seqs]
+    w = torch.randn(sum(int(m.sum()) for m in masks), generator=torch.Generator().manual_seed(0)).to(seqs[0].device)
     lp, ent = model(seqs, pv, grid, masks, temperature=temp, with_entropy=True)
     ((lp * w).sum() + 0.3 * ent.sum()).backward()
     if reduce is not None:

@@ -120,15 +120,20 @@ def records(tmp_path_factory):
     return data.load_geo3k(out, "train")
 
 
-def rollout_args(**kw):
-    """The trainer's own flag defaults (train_grpo.parse_args: one source of defaults), with the
-    rollout tests' small budgets and any `kw` on top. rollout_batch_size None: every record given."""
+def grpo_args(**kw):
+    """train_grpo's own flags and defaults (parse_args: one source of defaults) with any `kw` on top."""
     import train_grpo
     args = train_grpo.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x"])
-    small = dict(n_samples_per_prompt=2, rollout_max_response_len=10, rollout_temperature=0.8,
-                 rollout_batch_size=None)
-    for k, v in {**small, **kw}.items():
+    for k, v in kw.items():
         if not hasattr(args, k):
-            raise AttributeError(f"rollout_args: {k} is not a train_grpo flag")
+            raise AttributeError(f"{k} is not a train_grpo flag")
         setattr(args, k, v)
     return args
+
+
+def rollout_args(**kw):
+    """The rollout's settings as the trainer builds them (rollout.settings of its flags), with the rollout tests'
+    small budgets and any `kw` on top. rollout_batch_size None: every record given."""
+    import rollout
+    small = dict(n_samples_per_prompt=2, rollout_max_response_len=10, rollout_temperature=0.8, rollout_batch_size=None)
+    return rollout.settings(grpo_args(**{**small, **kw}))

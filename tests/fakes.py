@@ -119,6 +119,6 @@ def make_env(max_turns=5, row=None, **opts):
     return env_geo3k.build_env(row, SimpleNamespace(max_turns=max_turns, **opts))
 
 
-def run_episodes(engine, processor, records, args, reward_fn=False):
-    """n_samples_per_prompt episodes per record (group = record position); scored when reward_fn is not False."""
-    return rollout.Rollout(engine, processor, args, reward_fn, len(records)).run(records)
+def run_episodes(engine, processor, records, args):
+    """n_samples_per_prompt episodes per record (group = record position), scored."""
+    return rollout.generate_group_samples(engine, processor, records, args)

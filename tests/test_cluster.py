@@ -15,7 +15,7 @@ import pytest
 
 import launch
 import fakes
-from conftest import ROOT, rollout_args
+from conftest import ROOT, grpo_args, rollout_args
 from sglang_engine import SGLangEngine
 
 FAKE = str(Path(__file__).with_name("fake_sglang.py"))
@@ -296,7 +296,7 @@ def test_the_local_engine_takes_the_trainers_processor(ckpt, processor, tmp_path
     """One processor a GRPO run: the local engine uses the trainer's (another load costs ~2 s of CPU a run)."""
     import types
     import cluster
-    args = rollout_args(rollout_engine="local")
+    args = grpo_args(rollout_engine="local")
     servers = cluster.Servers(args, types.SimpleNamespace(rank=0, world=1, local_rank=0, local_world=1, node=0),
                               None, None, None, ckpt, tmp_path, processor)
     try:

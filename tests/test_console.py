@@ -1,6 +1,6 @@
 """The console and the training loop's ends (issue 50; issue 49's preemption), through the processes' own
-output: what a run prints from its first line to its last, Ctrl-C, SIGTERM with --exit-signal-handler,
---exit-duration-in-mins, and resuming after each with no step lost or repeated."""
+output: what a run prints from its first line to its last, Ctrl-C, SIGTERM with --exit-signal-handler (to the
+ranks, and to run.sh's torchrun), --exit-duration-in-mins, and resuming after each with no step lost or repeated."""
 import json
 import os
 import re
@@ -49,7 +49,7 @@ def test_a_grpo_run_prints_one_line_a_fact(ckpt, d, tmp_path):
     rows = [json.loads(x) for x in (save / "eval_0000003.jsonl").read_text().splitlines()]
     assert [(x["mode"], x["index"]) for x in rows] == [("eval_accuracy", 0), ("eval_accuracy", 1)] + [
         ("eval_pass@2", i) for i in (0, 0, 1, 1)]
-    assert {"problem", "answer", "reward", "status", "response"} <= set(rows[0]) and rows[0]["status"] == "truncated"
+    assert {"problem", "answer", "correct", "status", "response"} <= set(rows[0]) and rows[0]["status"] == "truncated"
     saved = [m.start() for m in re.finditer(r"\[run\] saved checkpoint", out)]
     assert len(saved) == 2 and all(out[i - 1] in "\r\n" for i in saved), [out[i - 60:i + 30] for i in saved]
     assert "rollout: 0it" not in out
@@ -127,3 +127,28 @@ def test_preemption_of_one_rank_stops_every_rank_after_the_same_step_and_resumes
     r = launch.python(*common, "--load", save, nproc=2, env=env, timeout=300)
     assert r.returncode == 0 and steps(save) == list(range(1, 9)), r.stderr[-3000:]
     assert "[run] done: steps 3 -> 8 in" in r.stdout and (save / "latest").read_text() == "iter_0000008"
+
+
+@pytest.mark.cores
+def test_preemption_through_run_shs_torchrun_saves_the_step_and_the_same_command_resumes(ckpt, d, tmp_path):
+    """run.sh's torchrun SIGTERMed (its pid, not the ranks'), as a scheduler preempts a job: torchrun passes the
+    signal on and SIGKILLs its workers a shutdown timeout later (torch's default 30 s, launcher/api.py:148-151 and
+    elastic/multiprocessing/api.py:1023-1053; 2 s here, by TORCH_ELASTIC_SHUTDOWN_TIMEOUT), while the step in
+    flight takes 4 s more once signalled (tests/_slow_stop.py). run.sh's --shutdown-timeout wins: the step's
+    checkpoint is written and torchrun exits 1, as run.sh says (its agent re-raises the signal once the workers
+    are done: elastic/agent/server/api.py:752-756). The same command again resumes: no step lost or repeated."""
+    save = tmp_path / "run"
+    cmd = [ROOT / "tests" / "_slow_stop.py", ROOT / "sft.py", "--hf-checkpoint", ckpt, "--prompt-data", d, "--save",
+           save, "--load", save, "--global-batch-size", "4", "--num-epoch", "1", "--exit-signal-handler"]
+    recipe = 'eval "$(grep "^TORCHRUN=" run.sh)"; "${TORCHRUN[@]}" --standalone --nproc-per-node 2 "$@"'
+    env = dict(ENV, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="2", SLOW_STOP_S="4")
+    r = launch.run(["bash", "-c", f"{recipe} & until [ -s {save}/metrics.jsonl ]; do sleep 0.1; done; kill -TERM $!; "
+                    'wait $!; echo "torchrun exit $?"', "bash", *cmd], timeout=600, env=env)
+    done = steps(save)
+    k = done[-1] if done else 0
+    assert r.stdout.endswith("torchrun exit 1\n") and f"[run] SIGTERM: stopped after step {k} of 4" in r.stdout, (
+        r.stdout[-2000:], r.stderr[-3000:])
+    assert done == list(range(1, k + 1)) and k < 4 and (save / "latest").read_text() == f"iter_{k:07d}", done
+    r = launch.run(["bash", "-c", recipe, "bash", *cmd], timeout=600, env=env)
+    assert r.returncode == 0 and steps(save) == [1, 2, 3, 4], r.stderr[-3000:]
+    assert f"[run] done: steps {k} -> 4 in" in r.stdout

@@ -2,6 +2,7 @@
 episodes encoded as a rollout encodes them, the tool metrics of a rollout, and the blank-crop control.
 The learning check (GRPO learns to crop; the blank control does not): tests/test_learning.py."""
 import json
+import types
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -14,7 +15,7 @@ import env_geo3k
 import chat
 import sft
 import train_grpo
-from conftest import rollout_args
+from conftest import grpo_args, rollout_args
 from fakes import ScriptedEngine
 import fakes
 from test_data import _sides_from_image
@@ -69,15 +70,18 @@ def test_rollout_metrics_count_calls_by_tool_score_crops_against_the_box_and_spl
         [right[2]],                                                             # no call, right
         [call("calc_score", {"answer": "4"}), "\\boxed{9}"]]))                  # a tool not offered, wrong
     args = rollout_args(max_turns=3, n_samples_per_prompt=1, rollout_max_response_len=400)
-    samples = fakes.run_episodes(Planned(processor, plans), processor, recs, args, reward_fn=None)
+    samples = fakes.run_episodes(Planned(processor, plans), processor, recs, args)
     assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 0.0]
     assert "unknown tool 'calc_score'; tools are crop" in samples[3].metadata["steps"][0]["observation"]
-    m = train_grpo.rollout_metrics(samples)
-    assert m["tool_calls_crop"] == 0.75 and m["tool_calls_calc_score"] == 0.0 and m["tool_calls"] == 0.75
+    par = types.SimpleNamespace(rank=0, world=1, dp=1)  # the run's rows offer crop only: no tool_calls_calc_score
+    tools = train_grpo.Source(None, processor, recs, grpo_args(max_turns=3), 1, par).tools
+    m = train_grpo.rollout_metrics(samples, tools)
+    assert tools == ["crop"] and m["tool_calls_crop"] == 0.75 and "tool_calls_calc_score" not in m
+    assert m["tool_calls"] == 0.75
     assert m["crop_iou"] == pytest.approx((1 + 1 / 3 + 1) / 3) and m["crop_hit_frac"] == 0.5
     assert m["accuracy_with_crop"] == 0.5 and m["accuracy_without_crop"] == 0.5
     single = fakes.run_episodes(Planned(processor, plans), processor, recs[2:3], rollout_args(n_samples_per_prompt=1))
-    assert not {k for k in train_grpo.rollout_metrics(single) if k.startswith(("tool_calls_", "crop_", "accuracy_"))}
+    assert not {k for k in train_grpo.rollout_metrics(single, tools) if k.startswith(("tool_calls_", "crop_", "accuracy_"))}
 
 
 def test_sft_encodes_an_episode_as_the_rollout_of_it_does(processor, rows, tmp_path):

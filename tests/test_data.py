@@ -132,6 +132,35 @@ def test_few_bad_rows_are_skipped_aloud(tmp_path, capsys):
         data.load_geo3k(p, max_bad_frac=0.0)
 
 
+def test_a_forks_own_columns_are_named_with_slimes_flags(tmp_path, capsys):
+    """A fork's JSONL (`question`, `image_path`, `gold`): `data.py show` names the missing column in one line
+    with the flag that names it, and takes that flag, as both trainers do: slime's --input-key, --label-key
+    and --multimodal-keys (a JSON map from media type to column; a cell holds one image or a list)."""
+    import sft
+    import train_grpo
+    import trainer
+    (tmp_path / "a.png").write_bytes(_png())
+    p = _write_jsonl(tmp_path / "mine.jsonl", [{"question": "<image>Sides?", "image_path": "a.png", "gold": 4},
+                                               {"question": "Sides?", "image_path": ["a.png", "a.png"], "gold": 3}])
+    with pytest.raises(SystemExit) as e:
+        data.main(["show", str(p)])
+    assert e.value.code == (f"{p}: no column 'problem'; its columns: gold, image_path, question. "
+                            "Name yours with --input-key (docs/data.md)")
+    keys = ["--input-key", "question", "--label-key", "gold"]
+    with pytest.raises(SystemExit) as e:
+        data.main(["show", str(p), *keys])
+    assert e.value.code.endswith("""no column 'images'; its columns: gold, image_path, question. Name yours with """
+                                 """--multimodal-keys '{"image": "COLUMN"}' (docs/data.md)"""), e.value.code
+    keys += ["--multimodal-keys", '{"image": "image_path"}']
+    data.main(["show", str(p), *keys])
+    assert capsys.readouterr().out.startswith("2 records; first: '<image>Sides?' -> '4', images [(40, 30)]")
+    for mod in (train_grpo, sft):
+        args = mod.parse_args(["--hf-checkpoint", "x", "--prompt-data", str(p), "--save", "x", *keys])
+        recs = trainer.load_data(args)
+        assert [len(r["images"]) for r in recs] == [1, 2] and [r["answer"] for r in recs] == ["4", "3"]
+        assert "image_path" not in recs[0]  # the column became `images`; it does not ride along too
+
+
 def test_user_content_places_images_at_markers():
     assert data.user_content("<image>Find x.", 1) == [{"type": "image"}, {"type": "text", "text": "Find x."}]
     assert data.user_content("Find x.", 1) == [{"type": "image"}, {"type": "text", "text": "Find x."}]

@@ -341,7 +341,7 @@ def test_forks_add_a_tool_with_one_declaration(monkeypatch):
     assert env.step(call("echo", {"text": "abc"}))[0]["text"] == "cba"
     assert env.step(xml("echo", text="[1]"))[0]["text"] == "]1["  # its spec's string type keeps XML text
     assert '- echo {"text": "..."}' in env.step(call("nope", {"a": 1}))[0]["text"]
-    assert env_geo3k.tool_metrics([[{"tool": "echo", "ran": True}]], [1.0])["tool_calls_echo"] == 1.0
+    assert env_geo3k.tool_metrics([[{"tool": "echo", "ran": True}]], [True], ["echo"]) == {"tool_calls_echo": 1.0}
 
 
 def test_crop_pixels_match_pil():

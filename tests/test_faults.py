@@ -74,6 +74,9 @@ GRPO = ["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x"]
     ("train_grpo", ["--rollout-engine", "local", "--colocate"], "--colocate: they place or set up an SGLang server"),
     ("train_grpo", ["--rollout-engine", "local", "--rollout-num-gpus", "2", "--weight-sync", "disk"],
      "--rollout-num-gpus --weight-sync: they place"),
+    # issue 58: evaluating nothing, a media type this trainer has no model input for
+    ("train_grpo", ["--num-rollout", "0"], "--num-rollout 0 only evaluates: give --eval-prompt-data"),
+    ("sft", ["--multimodal-keys", "image_path"], "--multimodal-keys: invalid loads value: 'image_path'"),
     ("sft", ["--global-batch-size", "0"], "--global-batch-size: 0:"),
     ("sft", ["--num-epoch", "0"], "--num-epoch: 0:"),
     ("sft", ["--lr", "nan"], "--lr: nan:"),
@@ -458,13 +461,14 @@ def test_a_missing_column_is_named_with_the_files_columns(tmp_path):
         data.load_geo3k(tmp_path / "t.jsonl")
 
 
-def resumable(tmp_path, entry, argv, step=2):
+def resumable(tmp_path, entry, argv, step=2, config="{}"):
     """A run folder as `entry` run with `argv` leaves it after a checkpoint at `step`: its config, its
-    checkpoint's meta (what a resume reads before any model loads). -> the folder."""
+    checkpoint's meta and config.json (what a resume reads before any model loads). -> the folder."""
     import importlib
     mod, save = importlib.import_module(entry), tmp_path / "run"
     state = save / f"iter_{step:07d}" / "train_state"
     state.mkdir(parents=True)
+    (state.parent / "config.json").write_text(config)
     (state / "meta.json").write_text(json.dumps({"step": step, "tp": 1, "pp": 1}))
     (save / "latest").write_text(f"iter_{step:07d}")
     config = dict(vars(mod.parse_args(argv + ["--save", str(save)])), kind=entry.replace("train_", ""),
@@ -496,9 +500,11 @@ def test_a_resume_says_each_changed_flag_and_that_nothing_is_left(tmp_path, caps
     argv = ["--hf-checkpoint", str(tmp_path / "ckpt"), "--prompt-data", "x", "--num-rollout", "4"]
     save = resumable(tmp_path, "train_grpo", argv, step=4)
     with pytest.raises(SystemExit) as e:  # before any model loads: none could, from this checkpoint folder
-        train_grpo.main(argv + ["--save", str(save), "--load", str(save), "--rollout-max-response-len", "64"])
+        train_grpo.main(argv + ["--save", str(save), "--load", str(save), "--rollout-max-response-len", "64",
+                                "--n-samples-per-prompt", "8"])
     out = capsys.readouterr().out
     assert e.value.code == 0 and "[run] resumed with --rollout-max-response-len 64 (the run: 256)" in out, out
+    assert "--n-samples-per-prompt 8 (the run: 4)" in out and "--global-batch-size" not in out, out  # derived
     assert f"[run] {save / 'iter_0000004'} is step 4; --num-rollout asks for 4: nothing to do (raise --num-rollout" in out
     assert sorted(p.name for p in save.glob("config_*")) == ["config_grpo.json"]
 
@@ -584,3 +590,85 @@ def test_report_reads_a_single_run_folder_and_refuses_an_empty_one(tmp_path, cap
     with pytest.raises(SystemExit) as e:
         report.main([str(tmp_path)])
     assert e.value.code == 2 and f"no metrics.jsonl in {tmp_path}, nor in its stage folders" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ issue 58: a fork's data, a resume, a newcomer
+def jsonl(path, rs):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rs))
+    return path
+
+
+@pytest.mark.parametrize("second,extra,said", [
+    ({"image_path": "a.png"}, [], "--prompt-data: {d}/train.jsonl: no column 'images'; its columns: answer, image_path, "
+     "problem. Name yours with --multimodal-keys '{\"image\": \"COLUMN\"}' \\(docs/data.md\\)$"),
+    ({"images": "bad.png"}, [], "(?s)--prompt-data: {d}/train.jsonl: 1 of 2 rows are unusable.*row 1: image 0: cannot"),
+    ({"images": "gone.png"}, [], "(?s)--prompt-data: .*row 1: image 0: image file not found: {d}/gone.png"),
+    ({}, ["--eval-prompt-data", "{d}/eval.jsonl"], "--eval-prompt-data: {d}/eval.jsonl: no column 'answer'"),
+    ({}, ["--rollout-batch-size", "3"], "--rollout-batch-size 3: --prompt-data has 2 usable prompts"),
+    ({}, ["--multimodal-keys", '{"video": "clip"}'], "--prompt-data: --multimodal-keys {\"video\": \"clip\"}: images "
+     "only here"),
+], ids=["image column", "corrupt image", "missing image", "eval label column", "batch above the data", "video"])
+def test_every_data_check_runs_before_any_model_is_built(second, extra, said, ckpt, tmp_path, monkeypatch):
+    """docs/data.md: the data is checked at load, before any model; each case one message naming it."""
+    import model as M
+    import train_grpo
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "a.png").write_bytes(png())
+    (d / "bad.png").write_bytes(b"\x89PNG not an image")
+    good = {"problem": "<image>How many sides?", "answer": "4", "images": "a.png"}
+    if "image_path" in second:  # a fork's column name: every row has it, none has `images`
+        good = {"problem": good["problem"], "answer": "4", "image_path": "a.png"}
+    jsonl(d / "train.jsonl", [good, dict(good, **second)])
+    jsonl(d / "eval.jsonl", [{"problem": good["problem"], "gold": "4", "images": "a.png"}])
+    monkeypatch.setattr(M, "load_model", lambda *a, **k: pytest.fail("a model was built before the data was checked"))
+    argv = ["--hf-checkpoint", ckpt, "--prompt-data", d / "train.jsonl", "--save", tmp_path / "run",
+            "--rollout-batch-size", "1", *extra]
+    with pytest.raises(SystemExit, match=said.replace("{d}", str(d))):
+        train_grpo.main([str(x).replace("{d}", str(d)) for x in argv])
+
+
+def test_a_resume_refuses_a_checkpoint_of_another_architecture(tmp_path, capsys):
+    """--load RUN with an --hf-checkpoint of another size: refused by name before any model loads (the run
+    would train its own weights and write the other model's config.json beside them)."""
+    import sft
+    from tools import tiny
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "config.json").write_text(tiny.tiny_config("qwen3_vl", hidden=128).to_json_string())
+    argv = ["--hf-checkpoint", str(tmp_path / "big"), "--prompt-data", "x"]
+    save = resumable(tmp_path, "sft", argv, config=tiny.tiny_config("qwen3_vl", hidden=64).to_json_string())
+    with pytest.raises(SystemExit) as e:
+        sft.main(argv + ["--save", str(save), "--load", str(save)])
+    said = str(e.value)
+    assert said.startswith(f"--hf-checkpoint {tmp_path / 'big'}: not the architecture of {save / 'iter_0000002'} "
+                           "(text_config.head_dim 32, the run's 16; text_config.hidden_size 128, the run's 64;"), said
+    assert "[model]" not in capsys.readouterr().out and [p.name for p in save.glob("config_*")] == ["config_sft.json"]
+
+
+def test_a_save_folder_that_cannot_be_made_is_named(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as e:
+        T.start(grpo_args(hf_checkpoint=str(tmp_path / "ckpt"), save=str(tmp_path / "file" / "run")), "grpo")
+    assert str(e.value) == f"--save {tmp_path}/file/run: cannot be made (Not a directory: {tmp_path}/file/run)"
+
+
+def test_the_docs_commands_run_without_an_activated_venv():
+    """A bare `python` is the system's, without torch: the README and the docs' commands name .venv's."""
+    import re
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        bare = re.findall(r"^ *(?:`|\$ )?python3? [\w/]+\.py.*|`python3? [\w/]+\.py[^`]*`", doc.read_text(), re.M)
+        assert not bare, (doc.name, bare)
+
+
+def test_help_says_what_fully_async_does_and_what_staleness_needs(capsys):
+    import train_grpo
+    with pytest.raises(SystemExit):
+        train_grpo.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(miles')" not in out
+    assert "--fully-async generation never waits for training: a step takes the first --rollout-batch-size" in out, out
+    assert ("--max-weight-staleness K with --partial-rollout or --fully-async: drop a group with a token over K "
+            "weight versions old (default: none dropped)") in out, out

@@ -242,6 +242,79 @@ def test_policy_loss_aggregation_tis_and_estimators_by_hand(agg, tis, est, budge
     assert stats["clipfrac"] == pytest.approx(clipfrac, abs=1e-6)
 
 
+def test_each_entrys_own_flags_reach_it(monkeypatch):
+    """A registry entry declares its flags with it; the parser takes them and the plumbing hands them over: a loss's
+    to its policy through policy_loss (its statistic reported by its name), a reward term's in the rollout's settings,
+    a tool's in env.flags; SAPO's temperatures, by hand through policy_loss."""
+    import types
+    import env_geo3k
+    import loss as L
+    import parallel
+    import reward
+    import rollout
+    seen = {}
+
+    def spy(logp, old, adv, lens, eps_low, eps_high, spy_x):
+        seen["loss"] = spy_x
+        return -logp * adv, torch.full_like(logp, 0.5)
+
+    def spy_tool(env, arguments):
+        seen["tool"] = env.flags["spy_size"]
+        return "ok", [], {}
+    monkeypatch.setitem(L.ESTIMATORS, "spy", L.Estimator(L.grpo_advantages, spy, {"--spy-x": dict(type=float)}, "spied"))
+    monkeypatch.setitem(reward.SHAPING, "spy", reward.Shaping(lambda s, rec, cfg: cfg.spy_bonus,
+                                                              {"--spy-bonus": dict(type=float, default=0.0)}))
+    monkeypatch.setitem(env_geo3k.TOOLS, "spy", env_geo3k.Tool(spy_tool, "spy", "spy", {"n": {"type": "integer"}},
+                                                               {"n": 1}, flags={"--spy-size": dict(type=int)}))
+    base = ["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--max-turns", "2"]
+    args = G.parse_args(base + ["--advantage-estimator", "spy", "--spy-x", "3.5", "--spy-bonus", "0.25",
+                                "--spy-size", "7"])
+    parallel.init_distributed(1)
+    par = types.SimpleNamespace(dp=1, cp=1, ep=1, pp=1, dp_group=None, device=torch.device("cpu"))
+
+    def stats(args):
+        items = loss_items([[-1.0, -0.5], [-2.0]], [1.0, -1.0])
+        model = FakeModel([-0.6, -0.7, -2.0], par)
+        return G.policy_loss(model, None, par, items, args, measure=False)
+    assert stats(args)["spied"] == pytest.approx(0.5) and seen["loss"] == 3.5
+    cfg = rollout.settings(args)
+    assert reward.rewarded(rollout.Sample(prompt_ids=[]), {"answer": "1"}, cfg) == 0.25
+    env = env_geo3k.build_env({"answer": "1", "images": [], "tools": ["spy"]}, cfg)
+    assert env.step('<tool_call>{"name": "spy", "arguments": {"n": 1}}</tool_call>')[2]["ran"] and seen["tool"] == 7
+    # SAPO: -4 / tau sigmoid(tau (r - 1)) A a token, tau 2 where A > 0 (A's tokens), 3 where not (B's, r = 1)
+    sapo = stats(G.parse_args(base + ["--advantage-estimator", "sapo", "--sapo-tau-pos", "2", "--sapo-tau-neg", "3"]))
+    p = [1 / (1 + math.exp(-2 * (r - 1))) for r in (math.exp(0.4), math.exp(-0.2))]
+    assert sapo["loss"] == pytest.approx((-2 * p[0] - 2 * p[1] + 4 / 3 * 0.5) / 3)
+    assert sapo["gate"] == pytest.approx((4 * p[0] * (1 - p[0]) + 4 * p[1] * (1 - p[1]) + 1) / 3) and "clipfrac" not in sapo
+
+
+def test_evaluation_reports_correctness_on_its_own_settings(monkeypatch):
+    """evaluate: pass@1 greedy and pass@K at the rollout temperature, oracle and shaping off, and its numbers and rows
+    are correctness, never the reward (here a sample rewarded 1.0 but wrong); training's accuracy reads it too."""
+    import types
+    import rollout as R
+    seen = []
+
+    def samples(engine, processor, records, cfg):
+        seen.append(cfg)
+        return [R.Sample(prompt_ids=[], group=g, reward=1.0, correct=g == 0 and j == 2)
+                for g in range(len(records)) for j in range(cfg.n_samples_per_prompt)]
+    monkeypatch.setattr(G.R, "generate_group_samples", samples)
+    logged, rows = {}, []
+    run = types.SimpleNamespace(log=lambda step, m: logged.update(m), write_rows=lambda name, r: rows.extend(r))
+    args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--n-samples-per-eval-prompt",
+                         "3", "--rollout-temperature", "0.7", "--max-turns", "2"])
+    G.evaluate(None, None, [{"problem": "p"}, {"problem": "q"}], args, 0, run)
+    assert logged == {"eval_accuracy": 0.0, "eval_pass@3": 0.5, "eval_multi_turn_accuracy": 0.0,
+                      "eval_multi_turn_pass@3": 0.5}
+    assert [(c.n_samples_per_prompt, c.max_turns, c.rollout_temperature) for c in seen] == [
+        (1, 1, 0.0), (3, 1, 0.7), (1, 2, 0.0), (3, 2, 0.7)]
+    assert not any(c.oracle or c.shaping or c.dynamic_sampling for c in seen)
+    assert "reward" not in rows[0] and [r["correct"] for r in rows[:2]] == [False, False]
+    m = G.rollout_metrics([R.Sample(prompt_ids=[], reward=0.75), R.Sample(prompt_ids=[], reward=1.0, correct=True)])
+    assert m["reward"] == 0.875 and m["accuracy"] == 0.5
+
+
 def test_placement_of_the_sglang_server():
     """--colocate: the training GPUs, memory saver, default memory share; --rollout-num-gpus: GPUs
     after the training ones, never a training GPU; neither on GPUs: an error naming both flags."""
@@ -391,6 +464,27 @@ def test_colocated_engine_steps_aside_for_every_rank(monkeypatch, offload):
         assert events == want, (rank, events)
 
 
+
+def test_a_colocated_server_starts_once_every_rank_has_parked(monkeypatch):
+    """--offload-train: each rank parks the trainer before the server starts, and the server starts only once every
+    rank has (a barrier): SGLang's TP ranks compare their GPUs' free memory before loading and stop on an imbalance
+    over 10% (sglang 0.5.23 srt/distributed/bootstrap.py:207-218, 441-452; SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK)."""
+    import types
+    events = []
+    args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--rollout-engine", "sglang",
+                         "--sglang-launch-cmd", "x", "--colocate", "--offload-train"])  # sglang need not be installed
+    monkeypatch.setattr(cluster.offload, "Offload",
+                        lambda *a: types.SimpleNamespace(release=lambda: events.append("park"), host_bytes=lambda: 0))
+    monkeypatch.setattr(cluster.dist, "barrier", lambda *a, **k: events.append("barrier"))
+    monkeypatch.setattr(cluster.dist, "broadcast_object_list", lambda *a, **k: None)
+    monkeypatch.setattr(cluster.sglang_engine, "make_engine",
+                        lambda *a, **k: events.append("server") or types.SimpleNamespace(sync_plan=lambda: (1, None)))
+    for rank in (0, 1):
+        events.clear()
+        cluster.Servers(args, types.SimpleNamespace(rank=rank, world=2, local_rank=rank, local_world=2, node=0),
+                        None, None, None, "x", "x")
+        assert events == ["park", "barrier", "server"][:3 - rank], (rank, events)
+
 def test_each_rank_builds_todays_items_from_only_its_share(processor, records):
     """What a DP rank receives (split_batch's share, pickled as the scatter sends it) builds exactly
     the items it trained on when rank 0 broadcast every item: ids, masks, logprobs, advantages, pixel
@@ -402,7 +496,7 @@ def test_each_rank_builds_todays_items_from_only_its_share(processor, records):
     from fakes import ANSWER, CROP_CALL, ScriptedEngine
     args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--max-turns", "3",
                          "--n-samples-per-prompt", "4", "--global-batch-size", "6", "--rollout-max-response-len", "400"])
-    good = fakes.run_episodes(ScriptedEngine(processor, [CROP_CALL, ANSWER]), processor, records[:3], args)
+    good = fakes.run_episodes(ScriptedEngine(processor, [CROP_CALL, ANSWER]), processor, records[:3], G.R.settings(args))
     assert all(len(s.images) == 2 and s.tool_calls == 1 for s in good)  # the prompt's image and a crop
     adv = [0.5 * i - 2 for i in range(len(good))]
     encoded = {}  # before: every item on rank 0, broadcast whole, then shuffled, chunked, strided
@@ -452,6 +546,10 @@ def test_partial_rollout_resumes_with_its_buffer(tiny_ckpt, processor, records, 
     full, part = ([m for m in metrics(tmp_path / run) if "reward" in m] for run in ("full", "part"))
     assert [m["step"] for m in part] == [1, 2, 3] and all(m["rollout_buffer_groups"] == 1 for m in full)
     assert full[0]["offpolicy_token_frac"] == 0 and all(m["offpolicy_token_frac"] == 0.5 for m in full[1:])
+    # the engine check apart from the policy's drift: the local engine's logprobs of the tokens the trained weights
+    # wrote are the trainer's; those of the buffered group, one update older, are not (lr 1e-3)
+    assert all(m["logprob_diff_mean_same_version"] <= 1e-5 < m["logprob_diff_mean"] for m in full[1:]), full
+    assert full[0]["logprob_diff_mean_same_version"] == full[0]["logprob_diff_mean"] <= 1e-5, full[0]
     for a, b in zip(part[2:], full[2:]):
         for k in ("response_len", "offpolicy_token_frac", "oldest_token_version", "loss", "grad_norm", "entropy"):
             assert abs(a[k] - b[k]) <= 1e-6 * max(1.0, abs(b[k])), (k, {x: (a[x], b[x]) for x in a if a[x] != b[x]})

@@ -1,4 +1,4 @@
-"""loss.py by hand: advantage estimators, the policy losses (PPO-clip, GSPO, CISPO) with their gradients, KL
+"""loss.py by hand: advantage estimators, the policy losses (PPO-clip, GSPO, CISPO, SAPO) with their gradients, KL
 estimators, TIS, on tiny tensors with no model and no process group; the flags' choices are the registries.
 
     .venv/bin/pytest tests/test_loss.py -q
@@ -55,6 +55,26 @@ def test_cispo_clipped_stop_gradient_weight_by_hand():
     # canonical CISPO (--eps-clip 1): no lower bound; a ratio of e^-3 keeps its weight
     loss, clipped, _ = run(L.cispo, logp=[-4.0, -0.5, -2.0], eps=(1.0, 0.28))
     assert loss[0] == pytest.approx(-math.exp(-3.0) * -4.0) and clipped == [False, False, False]
+
+
+def test_sapo_soft_gate_by_hand():
+    """SAPO (arXiv 2511.20347): loss -4 / tau sigmoid(tau (r - 1)) A, tau_pos where A > 0, tau_neg where not; its
+    gradient is -4 p (1 - p) r A, p = sigmoid(tau (r - 1)): at r = 1 the plain policy gradient -A; statistic 4 p (1 - p)."""
+    def sig(x):
+        return 1 / (1 + math.exp(-x))
+    x = torch.tensor(LOGP, requires_grad=True)
+    out, gate = L.sapo(x, torch.tensor(OLD), torch.tensor(ADV), LENS, 0.2, 0.28, sapo_tau_pos=2.0, sapo_tau_neg=3.0)
+    out.sum().backward()
+    r, tau = [math.exp(a - b) for a, b in zip(LOGP, OLD)], [2.0, 2.0, 3.0]
+    p = [sig(t * (x_ - 1)) for t, x_ in zip(tau, r)]
+    assert out.tolist() == pytest.approx([-4 / t * q * a for t, q, a in zip(tau, p, ADV)])
+    assert x.grad.tolist() == pytest.approx([-4 * q * (1 - q) * x_ * a for q, x_, a in zip(p, r, ADV)])
+    assert gate.tolist() == pytest.approx([4 * q * (1 - q) for q in p]) and not gate.requires_grad
+    assert x.grad[2].item() == pytest.approx(-ADV[2]) and gate[2].item() == 1.0  # B: r = 1, the plain gradient
+    # on policy everywhere: SAPO's gradient is the policy gradient, whatever the temperatures
+    y = torch.tensor(OLD, requires_grad=True)
+    L.sapo(y, torch.tensor(OLD), torch.tensor(ADV), LENS, 0.2, 0.28, 1.0, 1.05)[0].sum().backward()
+    assert y.grad.tolist() == pytest.approx([-a for a in ADV])
 
 
 @pytest.mark.parametrize("rewards,groups,est,want", [

@@ -4,6 +4,7 @@ TP=1 runs in this process (a world of one); TP=2 runs `torchrun --nproc_per_node
 """
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -138,9 +139,13 @@ def test_export_reproduces_checkpoint_bit_exactly(setup, arch, sizes):
 def test_save_hf_loads_in_transformers(setup, arch, tmp_path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
     d, model, hf, (seqs, pv, grid) = setup(arch)
-    convert.save_hf(model, tmp_path / "one")
+    other = tmp_path / "other"  # a --hf-checkpoint of another size (issue 58): its files, but not its config.json
+    shutil.copytree(d, other, ignore=shutil.ignore_patterns("*.safetensors"))
+    (other / "config.json").write_text((d / "config.json").read_text().replace('"hidden_size": 64', '"hidden_size": 128'))
+    convert.save_hf(model, tmp_path / "one", src_dir=other)
     convert.save_hf(model, tmp_path / "sharded", shard_bytes=1 << 20)
     assert (tmp_path / "one" / "model.safetensors").exists()
+    assert (tmp_path / "one" / "config.json").read_text() == (d / "config.json").read_text()
     assert len(json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())["weight_map"]) == len(source_tensors(d))
     AutoProcessor.from_pretrained(tmp_path / "one")  # tokenizer, processor and template came along
     with torch.no_grad():

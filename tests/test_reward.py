@@ -367,3 +367,65 @@ def test_a_timeout_that_lands_in_a_finalizer_still_scores_zero_and_is_not_report
     assert [type(u.exc_value) for u in seen] == [ValueError]  # others still reach the old hook
     time.sleep(0.05)
     assert reward._ARMED == {}
+
+
+def shaped(**flags):
+    """The rollout's settings with the overlong flags on, L_max 20 (what the trainer builds from its flags)."""
+    from conftest import rollout_args
+    return rollout_args(rollout_max_response_len=20, **flags)
+
+
+@pytest.mark.parametrize("length,want", [
+    (0, 0.0), (15, 0.0),     # |y| <= L_max - L: none
+    (16, -0.5 * 1 / 5), (18, -0.5 * 3 / 5),  # in the buffer: linear, -F (|y| - (L_max - L)) / L
+    (20, -0.5),              # at L_max: -F
+    (25, -0.5),              # beyond L_max: -F (Eq. 13's -1), never more
+])
+def test_overlong_penalty_is_dapo_eq_13_by_hand(length, want):
+    """DAPO's soft overlong punishment (arXiv 2503.14476, Eq. 13) times F, with L_max 20, L 5, F 0.5."""
+    s = types.SimpleNamespace(response_ids=[0] * length)
+    assert reward.overlong_penalty(s, {}, shaped(overlong_buffer_len=5, overlong_penalty_factor=0.5)) == \
+        pytest.approx(want, abs=1e-12)
+    assert reward.overlong_penalty(s, {}, shaped(overlong_buffer_len=5)) is None  # F 0: off
+    # no buffer: only a response past L_max is punished
+    assert reward.overlong_penalty(s, {}, shaped(overlong_penalty_factor=0.5)) == (-0.5 if length > 20 else 0.0)
+
+
+def test_rewarded_keeps_correctness_apart_from_the_shaped_reward(monkeypatch):
+    """rewarded: sample.correct is the judge's; the reward is it plus each SHAPING term (kept in the sample's
+    metadata), none where the settings turn shaping off (evaluation); a term that raises or hangs adds 0.0."""
+    import rollout
+    cfg = shaped(overlong_buffer_len=5, overlong_penalty_factor=0.5)
+
+    def sample(text, length):
+        return rollout.Sample(prompt_ids=[], response_ids=[0] * length, response_text=text)
+    right, wrong = sample(B % "13", 18), sample(B % "12", 20)
+    assert reward.rewarded(right, {"answer": "13"}, cfg) == pytest.approx(1 - 0.3) and right.correct is True
+    assert right.metadata["shaping"] == {"overlong_penalty": pytest.approx(-0.3)}
+    assert reward.rewarded(wrong, {"answer": "13"}, cfg) == -0.5 and wrong.correct is False
+    assert reward.rewarded(right, {"answer": "13"}, rollout.settings(cfg, evaluation=True)) == 1.0
+    assert right.metadata["shaping"] == {}
+
+    def forever(s, record, cfg):
+        while True:
+            pass
+    monkeypatch.setitem(reward.SHAPING, "boom", reward.Shaping(lambda s, record, cfg: 1 / 0, {}))
+    monkeypatch.setitem(reward.SHAPING, "forever", reward.Shaping(forever, {}))
+    t = time.perf_counter()
+    assert reward.rewarded(sample(B % "13", 0), {"answer": "13"}, cfg) == 1.0 and time.perf_counter() - t < 3.0
+
+
+def test_equal_float_rewards_give_exactly_zero_advantages():
+    """Shaped rewards are floats: a group whose members got the same one (0.9: every answer right, each penalised
+    alike) has exactly 0 advantage under every estimator, though 0.9 - the group's mean is not 0 in floating point."""
+    import torch
+    import loss as L
+    import rollout
+    cfg = shaped(overlong_buffer_len=10, overlong_penalty_factor=0.1)
+    group = [rollout.Sample(prompt_ids=[], response_ids=[0] * 20, response_text=B % "13") for _ in range(7)]
+    rewards = [reward.rewarded(s, {"answer": "13"}, cfg) for s in group] + [0.9] * 6 + [0.4]
+    r = torch.tensor(rewards[:7], dtype=torch.float64)
+    assert rewards[:7] == [0.9] * 7 and (r - r.mean()).abs().max() > 0  # the residue an equality check must skip
+    for est in L.ESTIMATORS:
+        adv = L.advantages(rewards, [0] * 7 + [1] * 7, est)
+        assert adv[:7] == [0.0] * 7 and adv[7] > 0 > adv[13], est

@@ -3,6 +3,7 @@ weight updates, multi-turn crop episodes (SGLangEngine: tests/test_sglang_engine
 
     .venv/bin/pytest tests/test_rollout.py -q
 """
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import data
 import engines
 import env_geo3k
 import chat
+import reward
 import rollout
 import train_grpo
 from conftest import rollout_args
@@ -75,7 +77,7 @@ def test_single_turn_local_masks_and_logprobs(engine, processor, ckpt, records, 
     assert [s.group for s in samples] == [0, 0, 1, 1]
     for s, rec in zip(samples, [records[0]] * 2 + [records[1]] * 2):
         assert s.status in ("completed", "truncated") and s.fail_reason is None
-        assert s.images == rec["images"] and s.image_turns == [0]
+        assert s.images == rec["images"]
         assert s.prompt_ids == chat.encode_prompt(processor, data.prompt_messages(rec), rec["images"])
         assert len(s.response_ids) == len(s.loss_mask) == len(s.rollout_logprobs) <= 10
         assert s.loss_mask == [1] * len(s.response_ids) and s.turns == 1
@@ -164,7 +166,7 @@ def test_multi_turn_crop_matches_full_render(processor, records):
     args = rollout_args(max_turns=3, n_samples_per_prompt=1, rollout_max_response_len=400)
     (s,) = fakes.run_episodes(eng, processor, [rec], args)
     assert s.status == "completed" and s.turns == 2 and s.tool_calls == 1, s.fail_reason
-    assert len(s.images) == 2 and s.images[1].size == (64, 64) and s.image_turns == [0, 1]
+    assert len(s.images) == 2 and s.images[1].size == (64, 64)
     assert s.metadata["steps"][0]["tool"] == "crop" and s.metadata["steps"][0]["ran"]
     turn2_ids, turn2_images = eng.seen[1]
     assert turn2_ids == s.tokens[:len(turn2_ids)] and turn2_images == s.images
@@ -202,6 +204,24 @@ def test_multi_turn_max_turns_and_context_budget(processor, records):
     assert s.status == "truncated" and len(s.tokens) == P + 5
 
 
+def test_overlong_penalty_counts_what_the_response_cap_counts(processor, records):
+    """--overlong-buffer-len / --overlong-penalty-factor on the tokens --rollout-max-response-len cuts: multi-turn,
+    the tool observation between the model's turns too; logged as overlong_penalty_mean and _frac."""
+    eng = ScriptedEngine(processor, [CROP_CALL, ANSWER])
+    args = rollout_args(max_turns=3, n_samples_per_prompt=1, rollout_max_response_len=400)
+    (s,) = fakes.run_episodes(eng, processor, records[:1], args)
+    n, model = len(s.response_ids), sum(s.loss_mask)
+    assert s.status == "completed" and s.turns == 2 and n > model + 20  # the crop's observation: 20+ tokens
+    cap, buffer = n + 5, n - model  # the buffer starts before the model's tokens reach it alone
+    args = rollout_args(max_turns=3, n_samples_per_prompt=1, rollout_max_response_len=cap, overlong_buffer_len=buffer,
+                        overlong_penalty_factor=0.5)
+    (s,) = fakes.run_episodes(eng, processor, records[:1], args)
+    want = -0.5 * (n - (cap - buffer)) / buffer
+    assert len(s.response_ids) == n and s.metadata["shaping"] == {"overlong_penalty": pytest.approx(want)}
+    m = train_grpo.rollout_metrics([s, dataclasses.replace(s, metadata=dict(s.metadata, shaping={"overlong_penalty": 0.0}))])
+    assert m["overlong_penalty_mean"] == pytest.approx(want / 2) and m["overlong_penalty_frac"] == 0.5
+
+
 def test_tool_calls_counts_calls_that_ran(processor, records):
     unknown = '<tool_call>\n{"name": "nope", "arguments": {"x": 1}}\n</tool_call>'
     eng = ScriptedEngine(processor, [unknown, CROP_CALL, ANSWER])
@@ -217,7 +237,7 @@ def test_multi_turn_local_logprobs(ckpt, processor, records):
     samples = fakes.run_episodes(eng, processor, records[:1], args)
     model, first_turn, later = load_model(ckpt), 0.0, 0.0
     for s in samples:
-        assert s.fail_reason is None and s.turns >= 2 and len(s.images) == 2 and s.image_turns == [0, 1]
+        assert s.fail_reason is None and s.turns >= 2 and len(s.images) == 2
         mask = s.loss_mask
         first = mask.index(0)        # the observation starts after the forced turn
         back = first + mask[first:].index(1)
@@ -264,7 +284,7 @@ def test_truncation_and_failures(processor, records):
     assert s.status == "failed" and "placeholders" in s.fail_reason and set(s.loss_mask) == {0}, s.fail_reason
 
 
-def test_group_samples_rewards_and_dynamic_sampling(processor, records):
+def test_group_samples_rewards_and_dynamic_sampling(processor, records, monkeypatch):
     recs = [dict(r, answer=a) for r, a in zip(records * 2, ["same", "mixed", "same", "mixed", "mixed"])]
     counter = iter(range(10 ** 6))
 
@@ -276,15 +296,19 @@ def test_group_samples_rewards_and_dynamic_sampling(processor, records):
                 outs.append({"ids": ids, "logprobs": [-0.1] * len(ids), "finish": "stop",
                              "prompt_tokens": len(item["input_ids"])})
             return outs
-    fn = lambda response, record: float(record["answer"] == "mixed" and int(response) % 2 == 1)  # noqa: E731
-    args = rollout_args(n_samples_per_prompt=2)
-    plain = rollout.generate_group_samples(Counting(processor, []), processor, recs[:2], args, reward_fn=fn)
+    monkeypatch.setitem(reward.REWARDS, "odd", lambda response, record: record["answer"] == "mixed" and
+                        int(response) % 2 == 1)  # a judge (--rm-type) of this test's own
+    args = rollout_args(n_samples_per_prompt=2, rm_type="odd")
+    plain = rollout.generate_group_samples(Counting(processor, []), processor, recs[:2], args)
     assert [s.group for s in plain] == [0, 0, 1, 1] and [s.reward for s in plain] == [0, 0, 0, 1]
-    args = rollout_args(n_samples_per_prompt=2, dynamic_sampling=True, rollout_batch_size=2)
-    kept = rollout.generate_group_samples(Counting(processor, []), processor, recs, args, reward_fn=fn)
+    # a shaped reward that differs within every group: --dynamic-sampling and accuracy still read correctness
+    monkeypatch.setitem(reward.SHAPING, "tiny", reward.Shaping(lambda s, rec, cfg: int(s.response_text) / 1000, {}))
+    args = rollout_args(n_samples_per_prompt=2, dynamic_sampling=True, rollout_batch_size=2, rm_type="odd")
+    kept = rollout.generate_group_samples(Counting(processor, []), processor, recs, args)
     assert sorted({s.group for s in kept}) == [1, 3] and len(kept) == 4
     m = train_grpo.rollout_metrics(kept)
-    assert m["reward"] == 0.5 and m["accuracy"] == 0.5 and m["ds_keep_frac"] == 0.5
+    assert m["accuracy"] == 0.5 and m["reward"] == pytest.approx(0.5 + m["tiny_mean"]) and m["ds_keep_frac"] == 0.5
+    assert m["tiny_mean"] > 0 and m["tiny_frac"] == 1.0
     assert {"truncated_frac", "aborted_frac", "turns", "tool_calls", "format_ok_frac", "response_len"} <= set(m)
 
 

@@ -110,7 +110,7 @@ def trainer_routing(model, items, replay):
     maps = {}
     hooks = [r.register_forward_hook(lambda mod, i, out, layer=layer: maps.setdefault(layer, []).append(out[1]))
              for layer, r in routing.routers(model.language_model).items()]
-    model.routing_mismatch()
+    routing.take_mismatch(model.replays)
     with torch.no_grad():
         (_, x), = T.micro_batches(items, 1 << 16, model.par, replay)
         logp, _ = model(**x, temperature=rollout_args().rollout_temperature)  # as the engine sampled
@@ -124,7 +124,7 @@ def trainer_routing(model, items, replay):
         differs += int(((m[:len(eng)] != want).any(1) & have).sum())
         rows += int(have.sum())
     gap = (logp - torch.cat([it.rollout_logprobs for it in items])).abs().mean().item()
-    count = model.routing_mismatch().tolist()
+    count = routing.take_mismatch(model.replays).tolist()
     return differs / rows, count[0] / max(count[1], 1), gap
 
 
@@ -226,3 +226,13 @@ def test_grpo_with_replay_logs_the_mismatch_and_refuses_a_dense_model(moe, tiny_
     assert r.returncode == 0, r.stderr[-3000:]
     (m,) = [json.loads(line) for line in (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()]
     assert 0 <= m["routing_mismatch"] < 0.5 and m["grad_norm"] > 0, m
+
+
+@pytest.mark.parametrize("source", ["--partial-rollout", "--fully-async"])
+def test_replay_is_refused_with_a_source_that_continues_samples_at_new_weights(source, capsys):
+    """A sample cut by a pause continues at the next version: that request's prefill routes the whole prefix again at
+    the new weights, while the trainer would replay the old routes (and one forward can replay only one): refused by
+    name at parse time, before any model loads."""
+    with pytest.raises(SystemExit):
+        G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--use-rollout-routing-replay", source])
+    assert f"--use-rollout-routing-replay with {source}: " in capsys.readouterr().err

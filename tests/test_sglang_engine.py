@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-import flags
 import launch
 import chat
+import reward
 import rollout
 import fakes
 from fake_sglang import fake_output, weights_digest
@@ -35,9 +35,9 @@ def test_sglang_server_args():
     with pytest.raises(SystemExit, match="--lr-typo"):
         sglang_server_args(["--lr-typo", "1"])
     import argparse
-    p = flags.add_rollout_args(argparse.ArgumentParser(allow_abbrev=False))
-    a, rest = p.parse_known_args(["--max-turns", "3", "--sglang-tp-size", "2", "--rollout-engine", "local"])
-    assert a.max_turns == 3 and a.rollout_engine == "local" and sglang_server_args(rest) == ["--tp-size", "2"]
+    p = rollout.add_args(argparse.ArgumentParser(allow_abbrev=False))
+    a, rest = p.parse_known_args(["--max-turns", "3", "--sglang-tp-size", "2"])
+    assert a.max_turns == 3 and sglang_server_args(rest) == ["--tp-size", "2"]
 
 
 # ---------------------------------------------------------------------------------- SGLang engine
@@ -158,6 +158,18 @@ def test_sglang_protocol_and_weight_sync(ckpt, processor, records, tmp_path):
         eng.shutdown()
 
 
+
+def test_a_16_bit_server_computes_its_lm_head_in_fp32(ckpt, monkeypatch):
+    """SGLang 0.5.23 multiplies the LM head in the weights' dtype (logits_processor.py:1198-1201): a bf16 or fp16
+    server gets --enable-fp32-lm-head, once if the user gave it; a float32 one needs none."""
+    import sglang_engine
+    made = []
+    monkeypatch.setattr(sglang_engine, "Server", lambda path, run_dir, args, *a, **kw: made.append(args))
+    for args in ([], ["--dtype", "bfloat16"], ["--enable-fp32-lm-head", "--dtype", "float16"]):
+        sglang_engine.SGLangEngine(ckpt, "unused", server_args=args)
+    assert made == [["--dtype", "float32"], ["--dtype", "bfloat16", "--enable-fp32-lm-head"],
+                    ["--enable-fp32-lm-head", "--dtype", "float16"]]
+
 def test_image_pad_id_from_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"image_token_id": 248056}))  # Qwen3.5's
     assert read_image_token_id(tmp_path) == 248056
@@ -270,6 +282,65 @@ def test_a_server_restarted_while_released_is_released_again(ckpt, tmp_path):
     finally:
         eng.shutdown()
 
+
+
+def thread_gone(tid, timeout=30):
+    """Wait until thread `tid` of this process has left the kernel's task list: PR_SET_PDEATHSIG, if armed for
+    it, has been sent by then."""
+    deadline = time.time() + timeout
+    while Path(f"/proc/self/task/{tid}").exists():
+        assert time.time() < deadline, f"thread {tid} still runs"
+        time.sleep(0.05)
+
+
+def test_a_child_started_from_a_pool_thread_outlives_the_pool():
+    """proc.popen: PR_SET_PDEATHSIG follows the THREAD that forked the child (prctl(2)), so the launcher's
+    child, forked by a pool's thread, would be SIGKILLed when that pool shuts down (rc -9); popen forks
+    every child from a thread that lives as long as the process."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+    import proc
+    pool = ThreadPoolExecutor(1)
+    child, tid = pool.submit(lambda: (proc.popen(["sleep", "60"], subprocess.DEVNULL), threading.get_native_id())).result()
+    try:
+        deadline = time.time() + 20  # armed once the launcher has exec'd sleep
+        while Path(f"/proc/{child.pid}/cmdline").read_bytes().split(b"\0")[0] != b"sleep":
+            assert time.time() < deadline and child.poll() is None, child.returncode
+            time.sleep(0.05)
+        pool.shutdown(wait=True)
+        thread_gone(tid)
+        with pytest.raises(subprocess.TimeoutExpired):  # alive: a SIGKILL sent at the thread's exit ends it at once
+            pytest.fail(f"the child ended with its pool's thread: rc {child.wait(1.0)}")
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_server_an_episode_restarted_outlives_the_pause(ckpt, processor, records, tmp_path):
+    """The server killed mid-rollout is restarted by the episode thread whose request failed; Rollout.pause()
+    shuts the episodes' pool down, and the restarted server still serves: one restart in all."""
+    gate = tmp_path / "gate"  # every request held in the queue until the server is killed with one
+    gate.touch()
+    eng, rec = sglang(ckpt, tmp_path, "--fake-hold", "queue", "--fake-gate", str(gate))
+    try:
+        ro = rollout.Rollout(eng, processor, rollout_args(), target=len(records))
+        killed = eng.server.proc.pid
+        ro.resume(records, 0)
+        held(rec)
+        os.killpg(killed, signal.SIGKILL)
+        gate.unlink()
+        assert len(ro.take(len(records))) == 2 * len(records)
+        episodes = [t for t in threading.enumerate() if t.name.startswith("episode")]
+        ro.pause()
+        for t in episodes:
+            t.join(30)
+            thread_gone(t.native_id)
+        assert eng.server.proc.pid != killed and eng.server.proc.poll() is None
+        out = eng.generate([{"input_ids": [151644, 100, 151645], "images": []}], dict(max_new_tokens=16))[0]
+        assert out["finish"] == "stop" and eng.server.restarts == 1, (out, eng.server.log_tail())
+        assert eng.server.log_path.read_text().count("starting:") == 2
+    finally:
+        eng.shutdown()
 
 def test_sglang_start_failures_quote_log_and_leave_nothing(ckpt, tmp_path):
     with pytest.raises(RuntimeError, match="failing to start as asked"):
@@ -511,7 +582,7 @@ def parked(processor, rec, args, n):
     return rec, prompt, [ep]
 
 
-def test_an_abort_that_lands_on_a_turns_last_token_ends_the_turn(ckpt, processor, records, tmp_path):
+def test_an_abort_that_lands_on_a_turns_last_token_ends_the_turn(ckpt, processor, records, tmp_path, monkeypatch):
     """SGLang answers finish "abort" for a request its abort caught one decode step before its end: that step's
     token is kept, and the abort is checked before the stop and length checks (schedule_batch.py:2007-2014).
     The engine reports what ended the turn. Here --partial-rollout stops (a parked group needs one token) while
@@ -524,7 +595,8 @@ def test_an_abort_that_lands_on_a_turns_last_token_ends_the_turn(ckpt, processor
     eng, rec = sglang(ckpt, tmp_path / "stop", "--fake-hold", "6")
     try:
         parked_goes_after(eng, lambda: held(rec))
-        ro = rollout.Rollout(eng, processor, args, lambda text, label: float(len(text)), target=1, cap=2)
+        monkeypatch.setitem(reward.SHAPING, "length", reward.Shaping(lambda s, rec, cfg: len(s.response_text), {}))
+        ro = rollout.Rollout(eng, processor, args, target=1, cap=2)
         ro.groups = {0: parked(processor, recs[0], args, 10)}
         ro.resume(recs[1:], 0)
         first = ro.take(1)
@@ -535,7 +607,7 @@ def test_an_abort_that_lands_on_a_turns_last_token_ends_the_turn(ckpt, processor
         text = processor.tokenizer.decode(ids[:-1], skip_special_tokens=False)
         assert ep.done and ids[-1] == 151645 and (s.status, s.turns, s.response_ids, s.rollout_logprobs) == (
             "completed", 1, ids, lps)
-        assert s.loss_mask == [1] * 7 and s.response_text == text and s.reward == len(text)
+        assert s.loss_mask == [1] * 7 and s.response_text == text and s.metadata["shaping"]["length"] == len(text)
         n = len(read_record(rec))
         ro.resume([], 1)
         assert [x.index for x in ro.take(1)] == [1]
