@@ -74,6 +74,12 @@ DEFECTS = {
     "expert_local_id": ("per-expert names: the EP rank's offset dropped (every rank's experts named 0..L-1)",
                         "convert.py", "return model.names.ep_rank * model.names.local_experts + int(m[1] or m[4])",
                         "return int(m[1] or m[4])", ["tests/test_qwen3_5.py", "tests/test_layouts.py"]),
+    "stale_newest": ("buffer: a parked group judged by its newest token, not its oldest (--max-weight-staleness)",
+                     "rollout.py", "self.max_stale is None or version - min(", "self.max_stale is None or version - max(",
+                     ["tests/test_rollout.py"]),
+    "stop_needs_all": ("preemption: the ranks' stop marks combined by MIN (one rank alone signalled or late is ignored)",
+                       "console.py", "dist.all_reduce(marks, dist.ReduceOp.MAX)",
+                       "dist.all_reduce(marks, dist.ReduceOp.MIN)", ["tests/test_console.py"]),
 }
 
 

@@ -1,6 +1,18 @@
 """Shared fixtures: tiny random Qwen-VL checkpoints (built once a session, offline), the ten
 real geo3k problems shipped in tests/data/geo3k_real (README there names their source), and the
-rollout tests' tiny model, processor and synthetic problems."""
+rollout tests' tiny model, processor and synthetic problems.
+
+Concurrency: `bash test.sh` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`), each
+one torch thread. What a test must do to run beside another:
+- own its files (tmp_path, tmp_path_factory), ports (bind to port 0, as launch.py and the servers do),
+  process groups (start_new_session; stop by pid) and environment (monkeypatch, or env= to a child);
+- `@pytest.mark.cores`: it runs two or more CPU-bound processes at once (multi-rank runs, the learning check):
+  all such tests are one group, run by one worker one after another (the largest groups start first);
+- the tests that share a module-scoped fixture run on one worker, so it is built once;
+- a race is an event the test sets (tests/fake_sglang.py's --fake-hold), never a sleep.
+"""
+import fcntl
+import json
 import os
 import sys
 from pathlib import Path
@@ -16,19 +28,69 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 GEO3K_REAL = ROOT / "tests" / "data" / "geo3k_real"
+GROUPS = "xdist_groups.json"  # nodeid -> group, for the scheduler (pytest_xdist_make_scheduler)
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cores: runs two or more CPU-bound processes at once: such tests run on one "
+                                       "xdist worker, one after another (tests/conftest.py)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist each worker writes the groups (see the module docstring) where the controller's scheduler reads
+    them: xdist's own `xdist_group` needs the group in the test's nodeid, which pytest 9 no longer lets it change."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    module = {}  # test module -> whether it has a module-scoped fixture
+    groups = {item.nodeid: "cores" if item.get_closest_marker("cores") else item.module.__name__ for item in items
+              if item.get_closest_marker("cores") or module.setdefault(item.module.__name__, any(
+                  d.scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs))}
+    out = shared_dir(config._tmp_path_factory) / GROUPS
+    tmp = out.with_suffix(f".{os.getpid()}")
+    tmp.write_text(json.dumps(groups))
+    tmp.replace(out)  # both workers write the same groups: either file is whole
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own (-p no:xdist: not called)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup`: xdist's scheduling by scope, a scope being a test's group, else the test itself."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+    path, groups = config._tmp_path_factory.getbasetemp() / GROUPS, {}
+
+    class Groups(LoadScopeScheduling):
+        def _split_scope(self, nodeid):  # called once every worker has collected, so has written the groups
+            groups or groups.update(json.loads(path.read_text()))
+            return groups.get(nodeid, nodeid)
+    return Groups(config, log)
+
+
+def shared_dir(tmp_path_factory):
+    """A folder of this session that every xdist worker sees (the basetemp itself when serial)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
-    """tiny_ckpt("qwen3_vl") -> path of a tiny random checkpoint, built once per arch."""
+    """tiny_ckpt("qwen3_vl") -> path of a tiny random checkpoint, built once per arch and sizes a session: the
+    first worker that asks builds it under a lock, the others wait for it and share it (read-only: copy to change)."""
     from tools import tiny
-    made = {}
+    made, root = {}, shared_dir(tmp_path_factory) / "tiny"
+    root.mkdir(exist_ok=True)
 
     def get(arch="qwen3_vl", **sizes):
         key = (arch, tuple(sorted(sizes.items())))
         if key not in made:
-            made[key] = tiny.make_tiny(tmp_path_factory.mktemp(arch), arch, **sizes)
+            out = root / "_".join([arch] + [f"{k}{v}" for k, v in key[1]])
+            with open(f"{out}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not Path(f"{out}.done").exists():
+                    tiny.make_tiny(out, arch, **sizes)
+                    Path(f"{out}.done").touch()
+            made[key] = out
         return made[key]
     return get
 

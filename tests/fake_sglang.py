@@ -1,8 +1,8 @@
 """A small local HTTP server that speaks the part of SGLang's protocol the trainer uses.
 
     python tests/fake_sglang.py --model-path DIR --host 127.0.0.1 --port P [--fake-record F.jsonl]
-        [--fake-delay S] [--fake-token-delay S] [--fake-stop-delay S] [--fake-abort-delay S] [--fake-startup S]
-        [any --real-sglang-flag value ...]
+        [--fake-delay S] [--fake-token-delay S] [--fake-hold queue|N [--fake-gate FILE]] [--fake-abort-delay S]
+        [--fake-startup S] [any --real-sglang-flag value ...]
 
 Started by SGLangEngine through its `launch_cmd` in place of `python -m sglang.launch_server`.
 Every request is appended to the --fake-record file as {"path", "json", "pid"}; a request
@@ -21,6 +21,9 @@ the real 0.5.23 server (tests/test_sglang_real.py, ../shared/sglang_cpu):
   (--fake-delay: SGLang's queue) answers no tokens, no routes and no prompt_tokens; one aborted while it
   decodes still writes one more token, whatever it is (a stop token, the max_new_tokens-th), and answers
   finish "abort" (scheduler.py:5797-5811, schedule_batch.py:2007-2014).
+A test makes its races with --fake-hold, never with a delay: each /generate holds in the queue ("queue") or
+before its turn's token N (N = 6: before the <|im_end|>), records {"path": "(held)"} once it holds, and holds
+until an abort names it, or (--fake-gate FILE) until the test deletes FILE.
 /generate answers with deterministic tokens: a function of the expanded input ids and of the
 weights the server loaded (`fake_output`), so a test can predict each answer and see weight
 updates take effect. Unknown flags (the pass-through `--mem-fraction-static 0.7` etc.) are
@@ -82,13 +85,14 @@ def fake_output(input_ids, max_new_tokens, digest, length=6, cut=None):
     """-> (ids, logprobs, finish): `length` tokens from FAKE_IDS, then <|im_end|>, cut at max_new_tokens. Each
     token and logprob is a function of the weights and of every id before it, and the tokens of a turn
     already given (FAKE_IDS at the end of input_ids) count towards `length`: an answer cut short and
-    continued is the uninterrupted answer, as greedy decoding gives. cut(stop): called before each token
-    (stop: it is <|im_end|>); True: an abort came, and as stock's the answer ends after that token, finish "abort"."""
+    continued is the uninterrupted answer, as greedy decoding gives. cut(n): called before each token (the turn's
+    n-th; n == length: the <|im_end|>); True: an abort came, and as stock's the answer ends after that token,
+    finish "abort"."""
     ids, lps = [], []
     done = len(input_ids) - next((i + 1 for i in range(len(input_ids) - 1, -1, -1) if input_ids[i] not in FAKE_IDS), 0)
     while len(ids) < max_new_tokens:
         stop = done + len(ids) >= length
-        aborted = cut is not None and cut(stop)
+        aborted = cut is not None and cut(done + len(ids))
         seed = int(hashlib.sha1(f"{digest}:{input_ids + ids}".encode()).hexdigest(), 16)
         ids.append(STOP if stop else FAKE_IDS.start + seed % len(FAKE_IDS))
         lps.append(-0.05 - (seed >> 16) % 100 / 50.0)
@@ -173,11 +177,11 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def _record(self, body):
+    def _record(self, body, path=None):
         st = self.server.state
         with st["lock"]:
             with open(st["record"], "a") if st["record"] else open(os.devnull, "w") as f:
-                f.write(json.dumps({"path": self.path, "method": self.command, "json": body,
+                f.write(json.dumps({"path": path or self.path, "method": self.command, "json": body,
                                     "pid": os.getpid()}) + "\n")
 
     def _refused(self):
@@ -233,11 +237,17 @@ class Handler(BaseHTTPRequestHandler):
                     time.sleep(0.005)
                 return rid in st["aborted"]
 
-            def cut(stop):  # --fake-token-delay a token at a time, --fake-stop-delay more before <|im_end|>
-                return wait(st["token_delay"] + stop * st["stop_delay"])
+            def hold():  # --fake-hold: until the test's event (an abort, or its gate file deleted) -> aborted?
+                self._record({"rid": rid}, "(held)")
+                while rid not in st["aborted"] and (st["gate"] is None or os.path.exists(st["gate"])):
+                    time.sleep(0.005)
+                return rid in st["aborted"]
+
+            def cut(n):  # before the turn's token n: --fake-token-delay, or the hold
+                return hold() if n == st["hold"] else wait(st["token_delay"])
             st["running"].add(rid)
             try:
-                queued = wait(st["delay"])  # --fake-delay: SGLang's queue
+                queued = (st["hold"] == "queue" and hold()) or wait(st["delay"])  # --fake-delay: SGLang's queue
                 ids, lps, finish = ([], [], "abort") if queued else fake_output(prompt, sp["max_new_tokens"],
                                                                                 st["digest"], cut=cut)
             finally:
@@ -374,7 +384,8 @@ def main():
     p.add_argument("--fake-dump", default=None, help="folder for the tensors of tensor/distributed updates")
     p.add_argument("--fake-delay", type=float, default=0.0, help="seconds per /generate, queued (abortable)")
     p.add_argument("--fake-token-delay", type=float, default=0.0, help="seconds per generated token (abortable)")
-    p.add_argument("--fake-stop-delay", type=float, default=0.0, help="seconds before an <|im_end|> (abortable)")
+    p.add_argument("--fake-hold", default=None, help="queue, or N: each /generate holds there (module docstring)")
+    p.add_argument("--fake-gate", default=None, help="a held request goes on once this file is gone")
     p.add_argument("--fake-abort-delay", type=float, default=0.0, help="seconds before an /abort_request acts")
     p.add_argument("--fake-startup", type=float, default=0.0, help="seconds before listening")
     p.add_argument("--fake-children", type=int, default=0,
@@ -397,7 +408,8 @@ def main():
                     "digest": weights_digest(a.model_path), "model_path": a.model_path,
                     "image_pad": config.get("image_token_id"), "image_processor": None, "dump": a.fake_dump,
                     "api_key": a.api_key, "info_delay": a.fake_info_delay, "released": set(),
-                    "token_delay": a.fake_token_delay, "stop_delay": a.fake_stop_delay, "aborted": set(),
+                    "token_delay": a.fake_token_delay, "aborted": set(), "gate": a.fake_gate,
+                    "hold": a.fake_hold if a.fake_hold in (None, "queue") else int(a.fake_hold),
                     "running": set(), "abort_delay": a.fake_abort_delay}
     tc = config.get("text_config") or config  # R3: a dense checkpoint's routes are made up (2 of 8 experts)
     server.state["routes"] = ((tc["num_hidden_layers"], tc.get("num_experts_per_tok", 2), tc.get("num_experts", 8))

@@ -81,34 +81,55 @@ def test_ctrl_c_ends_with_the_command_that_resumes(ckpt, d, tmp_path):
                                              f"--global-batch-size 4 --num-epoch 50 --load {save}")
 
 
-def test_preemption_saves_the_step_in_flight_and_resumes_with_none_lost(ckpt, d, tmp_path):
-    """Two ranks (DP 2) with --exit-signal-handler, each SIGTERMed during a step, as a cluster's scheduler
-    does: the step finishes, its checkpoint is written, both ranks exit 0. Resumed with --load and
-    --exit-duration-in-mins (its time up after one more step): the same, saying why. Resumed again: it
-    ends. Every step logged once, in order."""
-    save = tmp_path / "run"
-    common = [ROOT / "sft.py", "--hf-checkpoint", ckpt, "--prompt-data", d, "--save", save, "--global-batch-size",
+# sft.py as each rank runs it, with the test's event: ONE rank (ALONE) SIGTERMs itself as step SIGNAL_AT begins, or
+# is the only one whose --exit-duration-in-mins (LATE) is up; the other rank's is a day
+ONE_RANK = """
+import os, runpy, signal, sys
+sys.path.insert(0, os.environ["ROOT"])
+import console
+alone, plain = os.environ["RANK"] == os.environ["ALONE"], console.steps
+if os.environ.get("LATE"):
+    sys.argv += ["--exit-duration-in-mins", os.environ["LATE"] if alone else "1440"]
+
+def steps(run, start, total):
+    for step in plain(run, start, total):
+        if alone and str(step) == os.environ.get("SIGNAL_AT"):
+            os.kill(os.getpid(), signal.SIGTERM)  # its handler marks the run; the step goes on
+        yield step
+console.steps = steps
+sys.argv[0] = os.environ["SFT"]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.cores
+def test_preemption_of_one_rank_stops_every_rank_after_the_same_step_and_resumes_with_none_lost(ckpt, d, tmp_path):
+    """Two ranks (DP 2) with --exit-signal-handler, rank 1 alone SIGTERMed during step 2, as a cluster's scheduler
+    may: the stop is one decision for both ranks, so both finish step 2, its checkpoint is written once, both exit 0.
+    Resumed with --load and --exit-duration-in-mins, its time up on rank 1 alone (rank 0's a day): the same after
+    one more step, saying why. Resumed again: it ends. Every step logged once, in order; no other checkpoint.
+    A stop decided per rank leaves the other rank in the next step's collectives (a hang); one that needs every
+    rank's mark runs on."""
+    save, script = tmp_path / "run", tmp_path / "one_rank.py"
+    script.write_text(ONE_RANK)
+    common = [script, "--hf-checkpoint", ckpt, "--prompt-data", d, "--save", save, "--global-batch-size",
               "4", "--num-epoch", "2", "--save-interval", "0", "--exit-signal-handler"]
-    job = launch.start(*common, nproc=2, env=ENV)
-    deadline = time.time() + 300
-    while not (save / "metrics.jsonl").exists():
-        assert job.poll() is None and time.time() < deadline, job.wait(5).stderr[-3000:]
-        time.sleep(0.1)
-    job.kill(signal.SIGTERM)
-    r = job.wait(300)
+    env = dict(ENV, ROOT=str(ROOT), SFT=str(ROOT / "sft.py"), ALONE="1")
+    r = launch.python(*common, nproc=2, env=dict(env, SIGNAL_AT="1"), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    done = steps(save)
-    k = done[-1]
-    assert done == list(range(1, k + 1)) and k < 8 and (save / "latest").read_text() == f"iter_{k:07d}", (done, r.stdout)
-    assert f"[run] SIGTERM: stopped after step {k} of 8, saved {save / f'iter_{k:07d}'}; resume: " in r.stdout
-    r = launch.python(*common, "--load", save, "--exit-duration-in-mins", "1e-6", nproc=2, env=ENV, timeout=300)
-    assert r.returncode == 0 and steps(save) == list(range(1, k + 2)), r.stderr[-3000:]
-    assert f"[run] --exit-duration-in-mins 1e-06: stopped after step {k + 1} of 8" in r.stdout, r.stdout
-    r = launch.python(*common, "--load", save, nproc=2, env=ENV, timeout=300)
+    assert steps(save) == [1, 2] and (save / "latest").read_text() == "iter_0000002", (steps(save), r.stdout)
+    assert sorted(p.name for p in save.glob("iter_*")) == ["iter_0000002"]
+    assert f"[run] SIGTERM: stopped after step 2 of 8, saved {save / 'iter_0000002'}; resume: " in r.stdout
+    r = launch.python(*common, "--load", save, nproc=2, env=dict(env, LATE="1e-6"), timeout=300)
+    assert r.returncode == 0 and steps(save) == [1, 2, 3], r.stderr[-3000:]
+    assert sorted(p.name for p in save.glob("iter_*")) == ["iter_0000002", "iter_0000003"]
+    assert "[run] --exit-duration-in-mins 1440.0: stopped after step 3 of 8" in r.stdout, r.stdout
+    r = launch.python(*common, "--load", save, nproc=2, env=env, timeout=300)
     assert r.returncode == 0 and steps(save) == list(range(1, 9)), r.stderr[-3000:]
-    assert f"[run] done: steps {k + 1} -> 8 in" in r.stdout and (save / "latest").read_text() == "iter_0000008"
+    assert "[run] done: steps 3 -> 8 in" in r.stdout and (save / "latest").read_text() == "iter_0000008"
 
 
+@pytest.mark.cores
 def test_preemption_through_run_shs_torchrun_saves_the_step_and_the_same_command_resumes(ckpt, d, tmp_path):
     """run.sh's torchrun SIGTERMed (its pid, not the ranks'), as a scheduler preempts a job: torchrun passes the
     signal on and SIGKILLs its workers a shutdown timeout later (torch's default 30 s, launcher/api.py:148-151 and

@@ -2,6 +2,7 @@
 transformers through the user's command. The gradients at CP2 (dense with the vision tower, and
 Qwen3.5-MoE's Gated DeltaNet and experts at CP2 x EP2) are test_layouts.py's; SFT and GRPO steps at
 CP2 are test_sft.py's and test_grpo.py's."""
+import pytest
 import torch
 
 import context_parallel as C
@@ -26,6 +27,7 @@ def test_zigzag_chunks_balance_the_ranks_and_come_back_in_token_order():
         assert len({work(r) for r in range(cp)}) == 1, [work(r) for r in range(cp)]
 
 
+@pytest.mark.cores
 def test_cp2_check_command(tiny_ckpt):
     """Qwen3.5's logits at CP=2 over gloo against transformers' (sequences of 34, 35 and 38 tokens,
     padded to multiples of 4; Gated DeltaNet head-parallel, gated attention over gathered keys). The

@@ -34,6 +34,7 @@ def saved(run):
     return load_file(Path(run) / "final" / "model.safetensors")
 
 
+@pytest.mark.cores
 def test_two_updates_equal_at_tp2_dp2_and_cp2(tiny_ckpt, geo3k_real, tmp_path):
     """Two updates (the second from AdamW's sharded state, decoupled lr on the split embedding and
     output layer), with the KL term's reference model: the same losses, grad norms and final weights at
@@ -56,6 +57,7 @@ def test_two_updates_equal_at_tp2_dp2_and_cp2(tiny_ckpt, geo3k_real, tmp_path):
         assert_same_weights(saved(tmp_path / name), w_one, name)
 
 
+@pytest.mark.cores
 def test_two_updates_equal_at_pp2(tiny_ckpt, geo3k_real, tmp_path):
     """PP2 (Qwen3-VL's tied head: the last stage's copy of the embedding; 2 + 2 layers), the KL's
     reference model a pipeline too and the old logprobs recomputed through it: the same two updates
@@ -88,6 +90,7 @@ def saved_start(ckpt):
     return load_file(Path(ckpt) / "model.safetensors")
 
 
+@pytest.mark.cores
 def test_dp_rank_without_samples_takes_the_same_step(tiny_ckpt, geo3k_real, tmp_path):
     """One sample at DP=2: rank 1 has nothing to train on, yet joins the all-reduce with zero
     gradients (it used to call torch.cat([])) and ends with the same weights as one process."""

@@ -19,6 +19,8 @@ import _grad_worker
 import launch
 from conftest import GEO3K_REAL, ROOT
 
+pytestmark = pytest.mark.cores  # every test here runs two to seven ranks at once
+
 # Per tensor (L2 over its elements): |g_layout - g_one| <= REL |g_one| + ABS |whole gradient|.
 # Measured: 3.3e-6 relative at worst for dense tensors (a QK-norm scale at TP=2). Qwen3.5's first
 # Gated DeltaNet decay gate (A_log, dt_bias: a sum over every token's decay, mostly cancelling, ~1e-5

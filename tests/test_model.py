@@ -188,6 +188,7 @@ def torchrun2(*args):
     return r.stdout.strip().splitlines()
 
 
+@pytest.mark.cores
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tp2_check_command(tiny_ckpt, arch):
     """Logits and the export round trip at TP=2 over gloo, through the user's command."""
@@ -197,6 +198,7 @@ def test_tp2_check_command(tiny_ckpt, arch):
     assert lines[-1].startswith("max_abs_logit_diff=") and float(lines[-1].split("=")[1]) <= 1e-4
 
 
+@pytest.mark.cores
 def test_tp2_grads_match_transformers(tiny_ckpt, tmp_path):
     out = tmp_path / "grads.json"
     torchrun2("tests/_model_tp_worker.py", "--out", out, tiny_ckpt("qwen3_vl"), tiny_ckpt("qwen2_5_vl"))
@@ -230,6 +232,7 @@ def test_transformer_engine_is_never_a_silent_fallback(monkeypatch):
 REAL_MODELS = ROOT.parent / "shared" / "real_models"
 
 
+@pytest.mark.cores
 @pytest.mark.parametrize("name", ["Qwen3-VL-2B-Instruct", "Qwen2.5-VL-3B-Instruct"])
 def test_tiny_with_a_real_configs_structure(tiny_ckpt, name):
     """A tiny checkpoint built like the real config (tied head, its GQA ratio: 2 and 8 query heads

@@ -14,6 +14,7 @@ from test_model import torchrun2
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.cores
 @pytest.mark.parametrize("arch", ["qwen3_vl", "qwen3_5", "qwen3_5_moe"])
 def test_pp2_check_command(tiny_ckpt, arch):
     """Qwen3-VL with a tied head (the last stage's copy) and deepstack on the first stage; Qwen3.5's
@@ -25,6 +26,7 @@ def test_pp2_check_command(tiny_ckpt, arch):
     assert lines[-1].startswith("max_abs_logit_diff=") and float(lines[-1].split("=")[1]) <= 1e-4
 
 
+@pytest.mark.cores
 def test_layouts_pp_cannot_split_are_refused_with_the_rule(tiny_ckpt):
     """2 Qwen3-VL layers with deepstack features after both: a first stage of one layer cannot hold them."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")

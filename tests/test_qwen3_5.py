@@ -218,6 +218,7 @@ def gdn_collectives():
             print("collectives", json.dumps({"sp": sp, "forward": forward, "backward": dict(calls)}))
 
 
+@pytest.mark.cores
 def test_gated_deltanet_communicates_once():
     """TP2 + SP: one all-gather of the input for the four input projections (backward: its one
     reduce-scatter), plus out_proj's reduce-scatter (backward: its all-gather); each projection gathering
@@ -238,6 +239,7 @@ def test_gated_deltanet_communicates_once():
                                         ("qwen3_5_moe", ["--sequence-parallel"]),
                                         ("qwen3_5_moe", ["--tensor-model-parallel-size", "1",
                                                          "--expert-model-parallel-size", "2"])])
+@pytest.mark.cores
 def test_two_process_check_command(tiny_ckpt, arch, flags):
     """TP2 + SP (dense, MoE) and EP2: logits within 1e-4 of transformers and the export round trip.
     The packed batch has 107 tokens: SP pads it to 108 and drops the pad again."""
@@ -266,6 +268,7 @@ def assert_grads_match(f):
     assert f["grad_norm_rel_err"] <= 1e-6, f  # 4e-9 measured at EP2; experts reduced over DP instead: 2x
 
 
+@pytest.mark.cores
 def test_ep2_grads_match_transformers(tiny_ckpt):
     """EP2 (each rank holds 2 of the 4 experts, DP 2): after the trainer's reduction (dense over DP,
     experts over expert-DP), / DP, every gradient equals transformers' single-process one, and the

@@ -337,7 +337,9 @@ def test_prompt_encoded_once_per_group(processor, records, monkeypatch):
 def test_episodes_flow_on_their_own_and_dynamic_sampling_redraws_at_once(processor, records):
     """With a concurrent engine (SGLang's kind) an episode's next turn goes out while another episode
     is still generating, and a group known to be all-equal is replaced at once, not after the batch;
-    the samples are the ones a lockstep batch engine gives."""
+    the samples are the ones a lockstep batch engine gives. The slow request is the test's: prompt 0's
+    answer waits for the event it must not block (another's next turn, a redrawn group's first request),
+    30 s at most, so a rollout that waits for it fails here instead of hanging."""
     import threading
     import time
     recs = [dict(r, problem=f"{r['problem']} ({i})") for i, r in enumerate(records[:3])]  # distinct prompts
@@ -350,6 +352,7 @@ def test_episodes_flow_on_their_own_and_dynamic_sampling_redraws_at_once(process
         return out
     prompts = encoded(True)
     log, lock = [], threading.Lock()  # (prompt index, turn, start, end) of every request
+    came = threading.Event()  # the request prompt 0's waits for has started
 
     class Concurrent(ScriptedEngine):
         concurrent = True
@@ -357,11 +360,16 @@ def test_episodes_flow_on_their_own_and_dynamic_sampling_redraws_at_once(process
         def answer(self, item, p):
             return self.script[min(self.turn(item["input_ids"]), len(self.script) - 1)]
 
+        awaited = (1, 1)  # (prompt, turn) of the request that prompt 0's answers wait for
+
         def generate(self, batch, sampling):
             (item,) = batch
             p = next(k for k, ids in enumerate(prompts) if tuple(item["input_ids"][:len(ids)]) == ids)
             start = time.monotonic()
-            time.sleep(1.0 if p == 0 else 0.05)
+            if (p, min(self.turn(item["input_ids"]), self.awaited[1])) == self.awaited:
+                came.set()
+            if p == 0:
+                came.wait(30)
             with lock:
                 log.append((p, self.turn(item["input_ids"]), start, time.monotonic()))
                 ids = self.tok.encode(self.answer(item, p)) + [self.im_end]
@@ -374,9 +382,12 @@ def test_episodes_flow_on_their_own_and_dynamic_sampling_redraws_at_once(process
     assert any(p == 1 and turn == 1 and start < slow_first_end for p, turn, start, _ in log), log
 
     class Alternating(Concurrent):  # a prompt's first request is right (\boxed{360}), later ones wrong
+        awaited = (2, 0)  # prompt 2's first request
+
         def answer(self, item, p):
             return ANSWER if sum(q == p for q, *_ in log) == 1 else "\\boxed{1}"
     log.clear()
+    came.clear()
     recs = [dict(recs[0], answer="360"), dict(recs[1], answer="7"), dict(recs[2], answer="360")]
     prompts[:] = encoded(False)
     args = rollout_args(n_samples_per_prompt=2, dynamic_sampling=True, rollout_batch_size=2)
@@ -527,6 +538,47 @@ def test_fully_async_update_lands_within_a_turn_and_between_turns(processor, rec
     stale.resume([], 2)  # two versions after their oldest token
     assert stale.stale == 2 and stale.take(2) == []
     stale.pause()
+
+
+def test_staleness_judges_a_parked_group_by_its_oldest_token_across_pause_resume_and_checkpoint(processor, records):
+    """--max-weight-staleness K (here 1): a parked group is dropped when its OLDEST model-written token is more than
+    K versions older than the run that would continue it, however fresh its newest is; exactly K old is kept. Record
+    0 writes at version 0 and 1 (newest 1, oldest 0), record 1 at version 1 only; each run is cut by a pause (every
+    request waits for the abort, then answers 2 tokens), the groups go through a checkpoint (pickle, a fresh
+    Rollout), and the run at version 2 drops record 0 (oldest 2 old) and continues record 1 (oldest 1 old)."""
+    import pickle
+    import threading
+    recs = [dict(r, problem=f"{r['problem']} ({i})", index=i, images=[]) for i, r in enumerate(records[:2])]
+    came, go = threading.Semaphore(0), threading.Event()
+
+    class Cut(ScriptedEngine):
+        concurrent = True
+
+        def abort(self):
+            go.set()
+
+        def generate(self, batch, sampling):
+            (item,) = batch
+            ids = item["input_ids"]
+            head = len(ids) - max(i + len(self.header) for i in range(len(ids)) if ids[i:i + len(self.header)] == self.header)
+            came.release()
+            assert go.wait(30)
+            return [{"ids": self.tok.encode(ANSWER)[head:head + 2], "logprobs": [-0.5] * 2, "finish": "abort",
+                     "prompt_tokens": len(ids)}]
+
+    def run(ro, new, version, requests):  # a run cut by a pause once its requests are all at the engine
+        go.clear()
+        ro.resume(new, version)
+        assert all(came.acquire(timeout=30) for _ in range(requests))
+        ro.pause()
+        return {r["index"]: eps[0].sample.versions for r, _, eps in ro.groups.values()}
+    args = rollout_args(n_samples_per_prompt=1)
+    ro = rollout.Rollout(Cut(processor, []), processor, args, cap=2, max_stale=1)
+    assert run(ro, recs[:1], 0, 1) == {0: [0, 0]}
+    assert run(ro, recs[1:], 1, 2) == {0: [0, 0, 1, 1], 1: [1, 1]} and ro.stale == 0
+    later = rollout.Rollout(Cut(processor, []), processor, args, cap=2, max_stale=1)  # a resumed run's
+    later.groups = pickle.loads(pickle.dumps(ro.groups))
+    assert run(later, [], 2, 1) == {1: [1, 1, 2, 2]} and later.stale == 1
 
 
 def test_local_engine_abort_lands_mid_generation_and_greedy_continues_it(engine, processor, records, monkeypatch):

@@ -107,6 +107,7 @@ def test_pixels_reach_the_loss(trained, tiny_ckpt, geo3k_real, tmp_path):
     assert all(torch.equal(before[k], v) for k, v in vision(frozen / "iter_0000002").items())
 
 
+@pytest.mark.cores
 def test_tp2_and_dp2_equal_one_process(tiny_ckpt, geo3k_real, tmp_path):
     """Four steps (two epochs of 10 problems, batches of 8): every step's loss and grad norm and the
     final weights agree at TP=1, TP=2, DP=2 and CP=2, so the sharded AdamW state and the decoupled lr of
@@ -133,6 +134,7 @@ def test_tp2_and_dp2_equal_one_process(tiny_ckpt, geo3k_real, tmp_path):
         assert_same_weights(load_file(tmp_path / name / "iter_0000004" / "model.safetensors"), final, name)
 
 
+@pytest.mark.cores
 def test_pp2_equals_one_process(tiny_ckpt, geo3k_real, tmp_path):
     """PP (megatron's 1F1B over two stages of a 4-layer model with a tied head, split evenly and 3 + 1):
     every step's loss and grad norm and the final weights agree with one process, so the tied

@@ -62,6 +62,33 @@ def read_record(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()] if Path(path).exists() else []
 
 
+def wait_for(ready, what, timeout=60):
+    """Until ready() (the test's event: read every 10 ms); failing after `timeout` s, naming `what`."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        time.sleep(0.01)
+
+
+def held(rec, n=1, pid=None):
+    """Until the fake server holds `n` requests (--fake-hold; of server `pid`, if given) -> their records."""
+    def now():
+        return [r for r in read_record(rec) if r["path"] == "(held)" and pid in (None, r["pid"])]
+    wait_for(lambda: len(now()) >= n, f"{n} requests held by the fake server")
+    return now()
+
+
+def parked_goes_after(eng, ready):
+    """eng.generate, but a parked group's request (its ids end with parked()'s 100s) goes only once ready()."""
+    plain = eng.generate
+
+    def generate(batch, sp):
+        if batch[0]["input_ids"][-1] == 100:
+            wait_for(ready, "the test's event before the parked group's request")
+        return plain(batch, sp)
+    eng.generate = generate
+
+
 def sglang(ckpt, run_dir, *extra, **kw):
     from sglang_engine import SGLangEngine
     rec = Path(run_dir) / "requests.jsonl"
@@ -203,7 +230,9 @@ def test_failed_weight_update_raises_the_servers_message(ckpt, tmp_path):
 
 
 def test_sglang_killed_mid_rollout_restarts_and_retries(ckpt, tmp_path):
-    eng, rec = sglang(ckpt, tmp_path, "--fake-delay", "1.5", "--fake-children", "2",
+    gate = tmp_path / "gate"
+    gate.touch()  # the first server holds every request in its queue until it is killed
+    eng, rec = sglang(ckpt, tmp_path, "--fake-hold", "queue", "--fake-gate", str(gate), "--fake-children", "2",
                       env={"CUDA_VISIBLE_DEVICES": "1"})
     pgids = [eng.server.proc.pid]
     try:
@@ -211,7 +240,11 @@ def test_sglang_killed_mid_rollout_restarts_and_retries(ckpt, tmp_path):
         eng.update_weights([items])
         digest = weights_digest(tmp_path / "weights" / "a")
         batch = [{"input_ids": [151644, 100 + i, 151645], "images": []} for i in range(8)]
-        killer = threading.Timer(0.6, lambda: os.killpg(pgids[0], signal.SIGKILL))
+        def kill():
+            held(rec, 8)
+            os.killpg(pgids[0], signal.SIGKILL)
+            gate.unlink()
+        killer = threading.Thread(target=kill)
         killer.start()
         outs = eng.generate(batch, dict(temperature=1.0, max_new_tokens=16))
         killer.join()
@@ -220,7 +253,7 @@ def test_sglang_killed_mid_rollout_restarts_and_retries(ckpt, tmp_path):
         for item, out in zip(batch, outs):  # every request answered once, in order, by the new weights
             assert out["ids"] == fake_output(item["input_ids"], 16, digest)[0] and out["finish"] == "stop"
         gens = [r for r in read_record(rec) if r["path"] == "/generate"]
-        assert len({r["pid"] for r in gens}) == 2 and 8 < len(gens) <= 16  # retried on the new server
+        assert len({r["pid"] for r in gens}) == 2 and len(gens) == 16  # every one retried on the new server
         assert eng.server.model_path == str(tmp_path / "weights" / "a")  # restarted from the synced weights
         assert b"CUDA_VISIBLE_DEVICES=1" in Path(f"/proc/{eng.server.proc.pid}/environ").read_bytes().split(b"\0")
     finally:
@@ -286,16 +319,16 @@ def test_a_child_started_from_a_pool_thread_outlives_the_pool():
 def test_a_server_an_episode_restarted_outlives_the_pause(ckpt, processor, records, tmp_path):
     """The server killed mid-rollout is restarted by the episode thread whose request failed; Rollout.pause()
     shuts the episodes' pool down, and the restarted server still serves: one restart in all."""
-    eng, rec = sglang(ckpt, tmp_path, "--fake-delay", "1.0")
+    gate = tmp_path / "gate"  # every request held in the queue until the server is killed with one
+    gate.touch()
+    eng, rec = sglang(ckpt, tmp_path, "--fake-hold", "queue", "--fake-gate", str(gate))
     try:
         ro = rollout.Rollout(eng, processor, rollout_args(), target=len(records))
         killed = eng.server.proc.pid
         ro.resume(records, 0)
-        deadline = time.time() + 60
-        while not [r for r in read_record(rec) if r["path"] == "/generate"]:
-            assert time.time() < deadline
-            time.sleep(0.05)
+        held(rec)
         os.killpg(killed, signal.SIGKILL)
+        gate.unlink()
         assert len(ro.take(len(records))) == 2 * len(records)
         episodes = [t for t in threading.enumerate() if t.name.startswith("episode")]
         ro.pause()
@@ -474,6 +507,7 @@ if eng:
 """
 
 
+@pytest.mark.cores
 @pytest.mark.parametrize("world,servers", [(2, 1), (4, 2)], ids=["one_server", "two_servers"])
 def test_tensor_sync_to_a_tp2_server_sends_each_ranks_own_copy(ckpt, tmp_path, world, servers):
     """Server TP rank i opens only blob i (sglang tp_worker.py:194-201): trainer rank i serialises its
@@ -508,20 +542,17 @@ def test_an_abort_lands_mid_generation_and_the_rest_continues_it(ckpt, processor
     """--partial-rollout's abort is SGLang's abort_all (AbortReq); the server answers each /generate in flight
     with what it had (finish "abort"), and a request for the rest continues it into the answer the server
     gives uninterrupted (the fake's, like greedy decoding's, a function of the ids before each token)."""
-    eng, rec = sglang(ckpt, tmp_path, "--fake-token-delay", "0.2")
+    eng, rec = sglang(ckpt, tmp_path, "--fake-hold", "3")  # each request holds before its turn's token 3
     try:
         messages, _, _ = chat.prompt(processor, records[0])
         prompt = chat.encode_prompt(processor, messages, records[0]["images"])
         item, sp, box = {"input_ids": prompt, "images": records[0]["images"]}, dict(max_new_tokens=16), []
-        eng.generate([item], dict(max_new_tokens=1))  # the fake loads its image processor on first use
         t = threading.Thread(target=lambda: box.append(eng.generate([item, item], sp)))
         t.start()
-        while len([r for r in read_record(rec) if r["path"] == "/generate"]) < 3:
-            time.sleep(0.05)
-        time.sleep(1.0)  # ~5 tokens of 16 in (fewer on a loaded machine: 0.5 s once gave none)
+        held(rec, 2)
         eng.abort()
-        t.join(30)
-        assert [c["finish"] for c in box[0]] == ["abort"] * 2 and all(1 <= len(c["ids"]) < 16 for c in box[0]), box
+        t.join(60)
+        assert [c["finish"] for c in box[0]] == ["abort"] * 2 and [len(c["ids"]) for c in box[0]] == [4, 4], box
         cut = box[0][0]
         rest = eng.generate([dict(item, input_ids=prompt + cut["ids"])], sp)[0]
         ids, lps, finish = fake_output(prompt, 16, weights_digest(ckpt))
@@ -532,15 +563,13 @@ def test_an_abort_lands_mid_generation_and_the_rest_continues_it(ckpt, processor
 
 
 def aborted_answer(eng, rec, item, sp):
-    """The engine's answer to `item` once the server holds it and an abort comes, repeated as the rollout does."""
+    """The engine's answer to `item` once the server holds it (--fake-hold) and an abort comes."""
     box = []
     t = threading.Thread(target=lambda: box.append(eng.generate([item], sp)[0]))
     t.start()
-    while not [r for r in read_record(rec) if r["path"] == "/generate"]:
-        time.sleep(0.05)
-    while t.is_alive():
-        eng.abort()
-        t.join(1.0)
+    held(rec)
+    eng.abort()
+    t.join(60)
     return box[0]
 
 
@@ -557,13 +586,15 @@ def test_an_abort_that_lands_on_a_turns_last_token_ends_the_turn(ckpt, processor
     """SGLang answers finish "abort" for a request its abort caught one decode step before its end: that step's
     token is kept, and the abort is checked before the stop and length checks (schedule_batch.py:2007-2014).
     The engine reports what ended the turn. Here --partial-rollout stops (a parked group needs one token) while
-    record 1's sample waits before its <|im_end|> (--fake-stop-delay): its turn ends there, decoded and scored,
-    every token trained, and the next rollout sends nothing more for it. At the length cap: "length"."""
+    record 1's sample is held before its <|im_end|> (--fake-hold 6; the parked group's request goes once it is):
+    its turn ends there, decoded and scored, every token trained, and the next rollout sends nothing more for it.
+    At the length cap: "length"."""
     args = rollout_args(n_samples_per_prompt=1, rollout_batch_size=1, partial_rollout=True, over_sampling_batch_size=2,
                         rollout_max_response_len=11)
     recs = [dict(r, index=i, images=[]) for i, r in enumerate(records[:2])]  # text: no image processor to load
-    eng, rec = sglang(ckpt, tmp_path / "stop", "--fake-stop-delay", "60")
+    eng, rec = sglang(ckpt, tmp_path / "stop", "--fake-hold", "6")
     try:
+        parked_goes_after(eng, lambda: held(rec))
         monkeypatch.setitem(reward.SHAPING, "length", reward.Shaping(lambda s, rec, cfg: len(s.response_text), {}))
         ro = rollout.Rollout(eng, processor, args, target=1, cap=2)
         ro.groups = {0: parked(processor, recs[0], args, 10)}
@@ -584,7 +615,7 @@ def test_an_abort_that_lands_on_a_turns_last_token_ends_the_turn(ckpt, processor
         assert len(read_record(rec)) == n and ro.groups == {}  # nothing generated after its <|im_end|>
     finally:
         eng.shutdown()
-    eng, rec = sglang(ckpt, tmp_path / "length", "--fake-token-delay", "60")
+    eng, rec = sglang(ckpt, tmp_path / "length", "--fake-hold", "0")
     try:
         item = {"input_ids": [151644, 100, 151645], "images": []}
         out = aborted_answer(eng, rec, item, dict(max_new_tokens=1))
@@ -597,7 +628,7 @@ def test_an_abort_before_any_token_leaves_an_r3_sample_open(ckpt, processor, rec
     """R3 + --partial-rollout: a request aborted in SGLang's queue (or mid chunked prefill) answers no tokens and no
     routed_experts (scheduler.py:5685-5702, 3807-3827): nothing generated yet, not an error; the sample stays
     open and its continuation asks routes from where they end (routed_rows)."""
-    eng, rec = sglang(ckpt, tmp_path, "--fake-delay", "60", "--enable-return-routed-experts")
+    eng, rec = sglang(ckpt, tmp_path, "--fake-hold", "queue", "--enable-return-routed-experts")
     try:
         eng.route_shape = (json.loads((Path(ckpt) / "config.json").read_text())["text_config"]["num_hidden_layers"], 2)
         out = aborted_answer(eng, rec, {"input_ids": [151644, 100, 151645], "images": []}, dict(max_new_tokens=8))
@@ -613,14 +644,23 @@ def test_an_abort_before_any_token_leaves_an_r3_sample_open(ckpt, processor, rec
 def test_a_hung_abort_holds_no_lock_of_the_rollout(ckpt, processor, records, tmp_path):
     """--partial-rollout's abort goes to each server with a short timeout and never under the rollout's lock:
     here the server takes 60 s to answer it (--fake-abort-delay), the abort never lands, and the request it
-    meant to cut ends on its own; the rollout ends once it has, after one ABORT_TIMEOUT, not after 60 s."""
+    meant to cut (record 1's, held before its token 4 until the abort has come: --fake-hold 4 with a gate) ends on
+    its own; the rollout ends once it has, after one ABORT_TIMEOUT, not after 60 s."""
     args = rollout_args(n_samples_per_prompt=1, rollout_batch_size=1, partial_rollout=True, over_sampling_batch_size=2,
                         rollout_max_response_len=11)
     recs = [dict(r, index=i, images=[]) for i, r in enumerate(records[:2])]  # text: no image processor to load
-    eng, rec = sglang(ckpt, tmp_path, "--fake-abort-delay", "60", "--fake-token-delay", "0.5")
-    try:  # the parked group needs 3 tokens, record 1's group 7: the abort comes while it generates
+    gate = tmp_path / "gate"
+    gate.touch()
+    eng, rec = sglang(ckpt, tmp_path, "--fake-abort-delay", "60", "--fake-hold", "4", "--fake-gate", str(gate))
+
+    def release():  # the gate goes once the abort has reached the server (which answers it in 60 s)
+        wait_for(lambda: any(r["path"] == "/abort_request" for r in read_record(rec)), "the abort at the server")
+        gate.unlink()
+    try:  # the parked group needs 3 tokens (never its token 4), record 1's group 7: held before its 4th
+        parked_goes_after(eng, lambda: held(rec))
         ro, t = rollout.Rollout(eng, processor, args, target=1, cap=2), time.time()
         ro.groups = {0: parked(processor, recs[0], args, 8)}
+        threading.Thread(target=release, daemon=True).start()
         ro.resume(recs[1:], 0)
         first = ro.take(1)
         ro.pause()
