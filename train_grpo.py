@@ -205,6 +205,9 @@ def evaluate(engine, processor, records, args, step, run):
                                       rollout_temperature=temperature, oracle=False, dynamic_sampling=False)
             samples = R.generate_group_samples(engine, processor, records, cfg)
             out[key] = sum(max(s.reward for s in samples if s.group == g) for g in range(len(records))) / len(records)
+            if n == 1:  # greedy multi-turn: the tools' use beside it (eval_multi_turn_tool_calls_crop, ..._crop_hit_frac)
+                out.update({f"{name}_{k}": v for k, v in env_geo3k.tool_metrics(
+                    [s.metadata.get("steps", []) for s in samples], [s.reward for s in samples]).items()})
             rows += [dict(mode=key, index=s.group, problem=records[s.group]["problem"], answer=s.label,
                           reward=s.reward, status=s.status, response=s.response_text) for s in samples]
     path = run.write_rows(f"eval_{step:07d}.jsonl", rows)
