@@ -94,6 +94,8 @@ def entry(main, parse_args):
         sys.exit(main())
     except KeyboardInterrupt:
         if os.environ.get("RANK", "0") == "0":
-            print(f"\n[run] interrupted; resume from the last checkpoint: "
-                  f"{resume_command(sys.argv, parse_args(sys.argv[1:]))}", file=sys.stderr)
+            args = parse_args(sys.argv[1:])
+            latest = os.path.join(args.save, "latest")  # the last checkpoint, if any: the step in flight is lost
+            how = f"resume from {open(latest).read().strip()}" if os.path.exists(latest) else "no checkpoint yet, start over"
+            print(f"\n[run] interrupted; {how}: {resume_command(sys.argv, args)}", file=sys.stderr)
         sys.exit(130)
