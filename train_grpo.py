@@ -113,11 +113,8 @@ def to_item(sample, processor, adv, encoded=None):
     """A sample as trainer input. `encoded` caches image encodings by the images' identity: a
     group's samples share their prompt's images, so those are encoded once, and pickled once
     when rank 0 broadcasts the step (pickle keeps one copy of a shared tensor)."""
-    encoded = {} if encoded is None else encoded
-    key = tuple(map(id, sample.images))
-    if key not in encoded:
-        encoded[key] = chat.encode_images(processor, sample.images)
-    pv, grid = encoded[key]
+    encoded, key = {} if encoded is None else encoded, tuple(map(id, sample.images))
+    pv, grid = encoded[key] = encoded.get(key) or chat.encode_images(processor, sample.images)
     mask = [0] * len(sample.prompt_ids) + list(sample.loss_mask)
     old = [0.0] * len(sample.prompt_ids) + list(sample.rollout_logprobs)
     routes = sample.routed_experts  # (T - 1, layers, k): the last token no engine forward saw
