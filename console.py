@@ -64,9 +64,8 @@ def no_signal(m, args, step, quiet):
     if m.get("zero_adv_frac", 0) < 1 and m.get("grad_norm", 1) != 0:
         return 0
     if quiet + 1 == STALL:
-        why = "the gradient was zero (grad_norm 0)"
-        if m.get("zero_adv_frac") == 1:
-            why = f"in every group the rewards were equal (mean reward {m.get('reward', 0):.3f}): zero advantage"
+        why = (f"in every group the rewards were equal (mean reward {m.get('reward', 0):.3f}): zero advantage"
+               if m.get("zero_adv_frac") == 1 else "the gradient was zero (grad_norm 0)")
         if m.get("truncated_frac") == 1:  # why they were equal, when every response was cut short
             why = f"every response was cut at --rollout-max-response-len {args.rollout_max_response_len}: raise it"
         say(f"[grpo] steps {step + 2 - STALL}-{step + 1} learnt nothing: {why}")
@@ -94,6 +93,8 @@ def entry(main, parse_args):
         sys.exit(main())
     except KeyboardInterrupt:
         if os.environ.get("RANK", "0") == "0":
-            print(f"\n[run] interrupted; resume from the last checkpoint: "
-                  f"{resume_command(sys.argv, parse_args(sys.argv[1:]))}", file=sys.stderr)
+            args = parse_args(sys.argv[1:])
+            latest = os.path.join(args.save, "latest")  # the last checkpoint, if any: the step in flight is lost
+            how = f"resume from {open(latest).read().strip()}" if os.path.exists(latest) else "no checkpoint yet, start over"
+            print(f"\n[run] interrupted; {how}: {resume_command(sys.argv, args)}", file=sys.stderr)
         sys.exit(130)

@@ -50,43 +50,67 @@ if [[ "$NUM_GPUS" == 0 ]]; then
   done
   (( $# == 0 )) || die "$*: arguments go to train_grpo.py in the GPU recipe only; the CPU demo takes none (bash run.sh --help)"
   RUN=${RUN:-runs/${NAME:-cpu-demo}}   # RUN: any folder (tests/test_learning.py)
+  SEED=${SEED:-1234} DATA_SEED=${DATA_SEED:-0}   # GRPO's seed; the data's and SFT's (bench/RESULTS.md: both varied)
+  [[ "${OVERWRITE:-0}" == 1 ]] && rm -rf "$RUN"
+  # A stage is done once it is in $RUN/stages.tsv (name, seconds); a rerun on the folder skips it, and the stage
+  # that was in flight resumes from its checkpoint (each trainer runs with --load its own folder) or restarts.
+  next_stage() {  # what a rerun does with the first stage not done
+    local s
+    for s in data sft grpo sft_crop grpo_mt report; do
+      grep -q "^$s	" "$RUN/stages.tsv" 2>/dev/null && continue
+      [[ -f "$RUN/$s/latest" ]] && echo "$s resumes from $RUN/$s/$(cat "$RUN/$s/latest")" || echo "$s starts from its beginning"
+      return
+    done
+    echo "nothing: the demo is finished"
+  }
   if [[ -n "$(ls -A "$RUN" 2>/dev/null)" ]]; then
-    [[ "${OVERWRITE:-0}" == 1 ]] || die "$RUN holds a run; NAME=<other> writes runs/<other>, OVERWRITE=1 deletes it first"
-    rm -rf "$RUN"
+    [[ "$(cat "$RUN/seeds" 2>/dev/null)" == "SEED=$SEED DATA_SEED=$DATA_SEED" ]] || die "$RUN holds a run of $(cat \
+      "$RUN/seeds" 2>/dev/null || echo "no CPU demo") (here SEED=$SEED DATA_SEED=$DATA_SEED): NAME=<other> writes runs/<other>, OVERWRITE=1 deletes it first"
+    echo "run.sh: $RUN holds this demo; done: $(cut -f1 "$RUN/stages.tsv" 2>/dev/null | xargs echo) (kept); $(next_stage)"
   fi
+  mkdir -p "$RUN" && echo "SEED=$SEED DATA_SEED=$DATA_SEED" > "$RUN/seeds"
+  STAGE=
+  trap 'echo "run.sh: interrupted in stage $STAGE; \`bash run.sh\` on $RUN (same seeds) goes on: $(next_stage)" >&2; exit 130' INT
+  stage() {  # stage NAME COMMAND...: COMMAND, unless NAME is done; its seconds to stages.tsv (summary.md shows them)
+    grep -q "^$1	" "$RUN/stages.tsv" 2>/dev/null && return
+    STAGE=$1 && shift && local t=$SECONDS
+    "$@" || die "stage $STAGE failed (exit $?); \`bash run.sh\` on $RUN goes on: $(next_stage)"
+    printf '%s\t%s\n' "$STAGE" $((SECONDS - t)) >> "$RUN/stages.tsv"
+  }
   source setup.sh
   export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-  mkdir -p "$RUN"
   PY=.venv/bin/python
-  SEED=${SEED:-1234} DATA_SEED=${DATA_SEED:-0}   # GRPO's seed; the data's and SFT's (bench/RESULTS.md: both varied)
-  $PY tools/synth.py --n 1024 --n-test 64 --seed "$DATA_SEED" --out "$RUN/data" --kinds sides   # regular 3-6-gons: how many sides?
-  $PY tools/synth.py --n 384 --seed $((DATA_SEED + 1)) --out "$RUN/warmup" --kinds sides      # other problems, for SFT
-  # the crop task: two polygons on a 1,024-px canvas, the question names one's box (bench/RESULTS.md, "Tool learning")
-  $PY tools/synth.py --n 512 --n-test 64 --seed $((DATA_SEED + 2)) --out "$RUN/crop" --kinds crop
-  $PY tools/synth.py --n 512 --n-test 8 --seed $((DATA_SEED + 3)) --out "$RUN/crop_warm" --kinds crop --warm-start 0.5
-  $PY tools/tiny.py --arch qwen3_vl --out "$RUN/base"                        # random weights, real tokenizer
+  data() {
+    $PY tools/synth.py --n 1024 --n-test 64 --seed "$DATA_SEED" --out "$RUN/data" --kinds sides &&  # regular 3-6-gons: how many sides?
+    $PY tools/synth.py --n 384 --seed $((DATA_SEED + 1)) --out "$RUN/warmup" --kinds sides &&     # other problems, for SFT
+    # the crop task: two polygons on a 1,024-px canvas, the question names one's box (bench/RESULTS.md, "Tool learning")
+    $PY tools/synth.py --n 512 --n-test 64 --seed $((DATA_SEED + 2)) --out "$RUN/crop" --kinds crop &&
+    $PY tools/synth.py --n 512 --n-test 8 --seed $((DATA_SEED + 3)) --out "$RUN/crop_warm" --kinds crop --warm-start 0.5 &&
+    $PY tools/tiny.py --arch qwen3_vl --out "$RUN/base"                        # random weights, real tokenizer
+  }
+  stage data data
   EVAL=(--eval-prompt-data "$RUN/data" --eval-split test --eval-samples 64)
-  $PY train_grpo.py --hf-checkpoint "$RUN/base" --prompt-data "$RUN/data" --save "$RUN/base_eval" \
-      "${EVAL[@]}" --num-rollout 0 --rollout-engine local --rollout-max-response-len 48  # the random model
   # SFT warm-up, 24 steps: the format. A random tiny model wants a fast embedding/output layer and
   # a slow body (README, "Known limits"); it reads the picture only after ~60 steps of SFT.
   SFT=(--decoupled-lr 1e-2 --seed $((1234 + DATA_SEED)))
-  $PY sft.py --hf-checkpoint "$RUN/base" --prompt-data "$RUN/warmup" --save "$RUN/sft" "${EVAL[@]}" "${SFT[@]}" \
-      --lr 1e-4 --lr-warmup-iters 3 --lr-decay-style constant --global-batch-size 16 --num-epoch 1 --max-tokens-per-gpu 1024
+  stage sft $PY sft.py --hf-checkpoint "$RUN/base" --prompt-data "$RUN/warmup" --save "$RUN/sft" --load "$RUN/sft" \
+      "${EVAL[@]}" "${SFT[@]}" --lr 1e-4 --lr-warmup-iters 3 --lr-decay-style constant --global-batch-size 16 \
+      --num-epoch 1 --max-tokens-per-gpu 1024
   GRPO=(--rollout-engine local --rollout-batch-size 8 --n-samples-per-prompt 8 --rollout-temperature 1.0
         --lr 1e-4 --decoupled-lr 3e-3 --seed "$SEED")
-  $PY train_grpo.py --hf-checkpoint "$RUN/sft/$(cat "$RUN/sft/latest")" --save "$RUN/grpo" --prompt-data "$RUN/data" \
-      "${EVAL[@]}" "${GRPO[@]}" --rollout-max-response-len 48 --max-tokens-per-gpu 1024 --num-rollout 100 \
-      --eval-interval 20 --save-interval 20 --dynamic-sampling   # all-equal groups replaced: bench/RESULTS.md, "CPU demo"
+  stage grpo $PY train_grpo.py --hf-checkpoint "$RUN/sft/iter_0000024" --save "$RUN/grpo" --load "$RUN/grpo" \
+      --prompt-data "$RUN/data" "${EVAL[@]}" "${GRPO[@]}" --rollout-max-response-len 48 --max-tokens-per-gpu 1024 \
+      --num-rollout 100 --eval-interval 20 --save-interval 20 --dynamic-sampling   # all-equal groups replaced: bench/RESULTS.md, "CPU demo"
   # the tool call's format: SFT on crop episodes, half of which crop the named box (tools/synth.py --warm-start)
-  $PY sft.py --hf-checkpoint "$RUN/grpo/$(cat "$RUN/grpo/latest")" --prompt-data "$RUN/crop_warm" --save "$RUN/sft_crop" \
-      "${SFT[@]}" --lr 3e-4 --lr-warmup-iters 10 --lr-decay-style cosine --global-batch-size 8 --num-epoch 2 --max-tokens-per-gpu 4096
+  stage sft_crop $PY sft.py --hf-checkpoint "$RUN/grpo/iter_0000100" --prompt-data "$RUN/crop_warm" --save "$RUN/sft_crop" \
+      --load "$RUN/sft_crop" "${SFT[@]}" --lr 3e-4 --lr-warmup-iters 10 --lr-decay-style cosine --global-batch-size 8 \
+      --num-epoch 2 --max-tokens-per-gpu 4096
   # multi-turn GRPO on the crop task, lr warmed up (bench/RESULTS.md, "CPU demo"): it learns to call crop
-  $PY train_grpo.py --hf-checkpoint "$RUN/sft_crop/$(cat "$RUN/sft_crop/latest")" --save "$RUN/grpo_mt" \
+  stage grpo_mt $PY train_grpo.py --hf-checkpoint "$RUN/sft_crop/iter_0000128" --save "$RUN/grpo_mt" --load "$RUN/grpo_mt" \
       --prompt-data "$RUN/crop" --eval-prompt-data "$RUN/crop" --eval-split test --eval-samples 64 "${GRPO[@]}" \
       --max-turns 3 --rollout-max-response-len 192 --max-tokens-per-gpu 4096 --num-rollout 30 \
       --lr-warmup-iters 10 --eval-interval 30 --save-interval 30
-  $PY tools/report.py "$RUN"
+  stage report $PY tools/report.py "$RUN"
   echo "final Hugging Face checkpoint: $RUN/grpo_mt/$(cat "$RUN/grpo_mt/latest")"
   exit 0
 fi

@@ -59,7 +59,8 @@ def test_a_grpo_run_prints_one_line_a_fact(ckpt, d, tmp_path):
 
 def test_ctrl_c_ends_with_the_command_that_resumes(ckpt, d, tmp_path):
     """SIGINT, as a terminal's Ctrl-C sends it (the process's SIGINT at its default even where the test runner
-    ignores it): exit 130, one line with the command that resumes, no traceback."""
+    ignores it), at step 1, before any checkpoint: exit 130, one line saying the run starts over and the command
+    that does it, no traceback."""
     save = tmp_path / "run"
     cmd = [sys.executable, ROOT / "sft.py", "--hf-checkpoint", ckpt, "--prompt-data", d, "--save", save,
            "--global-batch-size", "4", "--num-epoch", "50", "--overwrite"]
@@ -76,7 +77,7 @@ def test_ctrl_c_ends_with_the_command_that_resumes(ckpt, d, tmp_path):
     finally:
         p.kill()
     assert p.returncode == 130 and "Traceback" not in err, err[-3000:]
-    assert err.rstrip().splitlines()[-1] == (f"[run] interrupted; resume from the last checkpoint: {sys.executable} "
+    assert err.rstrip().splitlines()[-1] == (f"[run] interrupted; no checkpoint yet, start over: {sys.executable} "
                                              f"{ROOT / 'sft.py'} --hf-checkpoint {ckpt} --prompt-data {d} --save {save} "
                                              f"--global-batch-size 4 --num-epoch 50 --load {save}")
 

@@ -84,6 +84,30 @@ def test_rollout_metrics_count_calls_by_tool_score_crops_against_the_box_and_spl
     assert not {k for k in train_grpo.rollout_metrics(single, tools) if k.startswith(("tool_calls_", "crop_", "accuracy_"))}
 
 
+def test_the_greedy_multi_turn_eval_logs_crop_calls_and_hits_beside_accuracy(processor, rows, tmp_path):
+    """train_grpo.evaluate on rows that offer crop: greedy multi-turn accuracy, crop calls per episode and the share
+    of episodes whose crop hit the named box (IoU >= 0.5), each as an eval_multi_turn_ key; single-turn has none."""
+    pq.write_table(pa.Table.from_pylist(rows[:4]), tmp_path / "train.parquet")
+    recs = data.load_geo3k(tmp_path, "train")
+    boxes, right = [r["box"] for r in recs], [f"\\boxed{{{r['answer']}}}" for r in recs]
+    other = [[448 - b[2], b[1], 512 - b[0], b[3]] for b in boxes]  # the other polygon's box
+    plans = dict(zip([id(r["images"][0]) for r in recs], [
+        [call("crop", {"bbox": boxes[0]}), right[0]], [call("crop", {"bbox": other[1]}), "\\boxed{9}"], [right[2]],
+        [call("crop", {"bbox": boxes[3]}), "\\boxed{9}"]]))
+    logged = {}
+
+    class Run:
+        def write_rows(self, name, rows):
+            return tmp_path / name
+
+        def log(self, step, metrics):
+            logged.update(metrics)
+    train_grpo.evaluate(Planned(processor, plans), processor, recs, rollout_args(max_turns=3, rollout_max_response_len=400),
+                        0, Run())
+    assert logged["eval_multi_turn_accuracy"] == 0.5 and logged["eval_multi_turn_tool_calls_crop"] == 0.75
+    assert logged["eval_multi_turn_crop_hit_frac"] == 0.5 and not [k for k in logged if k.startswith("eval_tool")]
+
+
 def test_sft_encodes_an_episode_as_the_rollout_of_it_does(processor, rows, tmp_path):
     """A warm-start row (read back from parquet) encodes to exactly the tokens, loss mask and pixels of a
     rollout whose model writes the row's assistant turns: with a crop call and without one."""
@@ -131,9 +155,11 @@ def test_blank_crop_returns_a_white_image_of_the_crops_size_and_runs_the_real_tr
 
 
 def test_the_demo_report_shows_each_stage_on_its_own_evals_and_the_crop_calls_and_hits(tmp_path):
-    """tools/report.py on a run.sh folder: an SFT stage ends where the next stage's eval begins, and begins where
-    the last ended if it evaluated on that set (the first, eval_loss), else nowhere (the crop SFT does not borrow the
-    sides set's 1.0); the crop stage's calls and box hits per 10 steps reach summary.md and the curve."""
+    """tools/report.py on a run.sh folder: each stage's seconds and its own test set's greedy evals (the crop stages:
+    multi-turn accuracy, the share whose crop hit the named box, crop calls; single-turn only as "without the tool");
+    an SFT stage ends where the next stage's eval begins, and begins where the last ended if it is on the same set,
+    else nowhere (the crop SFT does not borrow the sides set's 1.0); an eval that cropped nothing hit nothing; the
+    crop stage's calls and hits per 10 steps reach summary.md and the curve."""
     def stage(name, rows):
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -144,16 +170,29 @@ def test_the_demo_report_shows_each_stage_on_its_own_evals_and_the_crop_calls_an
     stage("sft_crop", [{"step": 1, "loss": 1.0}])
     steps = [{"step": i + 1, "reward": 0.5, "tool_calls_crop": 0.2 if i < 10 else 0.9, "crop_hit_frac": 0.1 if i < 10
               else 0.5} for i in range(20)]
-    stage("grpo_mt", [{"step": 0, "eval_accuracy": 0.25, "eval_multi_turn_accuracy": 0.22}, *steps,
-                      {"step": 20, "eval_accuracy": 0.25, "eval_multi_turn_accuracy": 0.6}])
+    stage("grpo_mt", [{"step": 0, "eval_accuracy": 0.25, "eval_multi_turn_accuracy": 0.22,
+                       "eval_multi_turn_tool_calls_crop": 0.0}, *steps, {"step": 20, "eval_accuracy": 0.25,
+                       "eval_multi_turn_accuracy": 0.6, "eval_multi_turn_tool_calls_crop": 1.0,
+                       "eval_multi_turn_crop_hit_frac": 0.8}])
+    (tmp_path / "stages.tsv").write_text("data\t9\nsft\t30\ngrpo\t200\nsft_crop\t60\ngrpo_mt\t300\n")
     report.main([str(tmp_path)])
-    rows, _ = report.stage_rows(tmp_path)
-    assert [(t, acc) for t, _, _, acc in rows] == [
-        ("SFT", {"eval_accuracy": [0.0, 0.3], "eval_multi_turn_accuracy": [None, None]}),
-        ("GRPO single-turn", {"eval_accuracy": [0.3, 1.0], "eval_multi_turn_accuracy": [None, 0.9]}),
-        ("SFT crop calls", {"eval_accuracy": [None, 0.25], "eval_multi_turn_accuracy": [None, 0.22]}),
-        ("GRPO crop task", {"eval_accuracy": [0.25, 0.25], "eval_multi_turn_accuracy": [0.22, 0.6]})]
+    rows, _, _ = report.stage_rows(tmp_path)
+    hit, calls, multi = "crop hits the named box", "crop calls / episode", "multi-turn accuracy"
+    assert [(t, s, evals) for t, s, _, _, evals in rows] == [
+        ("SFT", "30", {"eval_accuracy": ["accuracy", 0.0, 0.3]}),
+        ("GRPO single-turn", "200", {"eval_accuracy": ["accuracy", 0.3, 1.0]}),
+        ("SFT crop calls", "60", {"eval_multi_turn_accuracy": [multi, None, 0.22],
+                                  "eval_multi_turn_crop_hit_frac": [hit, None, 0.0],
+                                  "eval_multi_turn_tool_calls_crop": [calls, None, 0.0]}),
+        ("GRPO crop task", "300", {"eval_multi_turn_accuracy": [multi, 0.22, 0.6],
+                                   "eval_multi_turn_crop_hit_frac": [hit, 0.0, 0.8],
+                                   "eval_multi_turn_tool_calls_crop": [calls, 0.0, 1.0],
+                                   "eval_accuracy": ["single-turn, without the tool", 0.25, 0.25]})]
     summary = (tmp_path / "summary.md").read_text()
+    assert ("| GRPO crop task | 300 | 0.500 -> 0.500 | multi-turn accuracy 0.220 -> 0.600; crop hits the named box "
+            "0.000 -> 0.800; crop calls / episode 0.000 -> 1.000; single-turn, without the tool 0.250 -> 0.250 |"
+            in summary), summary
+    assert "whole run: 599 s (data 9 s, sft 30 s, grpo 200 s, sft_crop 60 s, grpo_mt 300 s)" in summary
     assert ("GRPO crop task, per 10 steps: crop calls / episode 0.20, 0.90; share whose crop hit the box 0.10, 0.50"
             in summary), summary
     assert summary.count("per 10 steps") == 1 and (tmp_path / "reward_curve.png").stat().st_size > 0

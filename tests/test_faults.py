@@ -570,8 +570,89 @@ def test_run_sh_says_what_it_takes_and_keeps_a_finished_run(tmp_path):
     (tmp_path / "demo").mkdir()
     (tmp_path / "demo" / "summary.md").write_text("a finished run")
     r = bash_run(RUN=str(tmp_path / "demo"))
-    assert r.returncode == 2 and "holds a run; NAME=<other>" in r.stderr and "OVERWRITE=1" in r.stderr, r.stderr
+    assert r.returncode == 2 and "holds a run of no CPU demo" in r.stderr and "OVERWRITE=1" in r.stderr, r.stderr
     assert (tmp_path / "demo" / "summary.md").read_text() == "a finished run"
+
+
+# run.sh's python in the resume test: each stage's folder and checkpoint at once; the stage FAKE_STOP (with a
+# checkpoint if FAKE_CKPT) waits for a Ctrl-C and ends as the trainers do (exit 130)
+FAKE_PY = """#!{exe}
+import os, pathlib, sys, time
+args = sys.argv[1:]
+open(os.environ["FAKE_LOG"], "a").write(" ".join(args) + "\\n")
+out = pathlib.Path(args[args.index("--save") + 1] if "--save" in args else args[args.index("--out") + 1]
+                   if "--out" in args else args[1])
+out.mkdir(parents=True, exist_ok=True)
+if out.name == os.environ.get("FAKE_STOP"):
+    if os.environ.get("FAKE_CKPT"):
+        (out / "iter_0000002").mkdir()
+        (out / "latest").write_text("iter_0000002")
+    (out / "waiting").touch()
+    try:
+        time.sleep(60)
+    except KeyboardInterrupt:
+        sys.exit(130)
+(out / "iter_0000009").mkdir(exist_ok=True)
+(out / "latest").write_text("iter_0000009")
+"""
+
+
+def test_an_interrupted_demo_goes_on_where_it_stopped(tmp_path):
+    """run.sh's CPU demo with a fake python: a Ctrl-C in a stage says what a rerun will do; the rerun (plain `bash
+    run.sh` on the folder) says it in one line, keeps the stages done, resumes the stage in flight from its
+    checkpoint (--load) or starts it again; a rerun with other seeds is refused and deletes nothing."""
+    repo, demo, log = tmp_path / "repo", tmp_path / "demo", tmp_path / "calls"
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    shutil.copy(ROOT / "run.sh", repo)
+    (repo / "setup.sh").write_text("")
+    (repo / ".venv" / "bin" / "python").write_text(FAKE_PY.format(exe=PY))
+    (repo / ".venv" / "bin" / "python").chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if k not in ("NAME", "SEED", "DATA_SEED", "NUM_GPUS", "OVERWRITE")}
+
+    def run_sh(stop=None, **env):  # -> (exit code, stdout, stderr); stop: the stage that waits for Ctrl-C
+        p = subprocess.Popen(["bash", str(repo / "run.sh")], env=dict(base, RUN=str(demo), FAKE_LOG=str(log),
+                             FAKE_STOP=stop or "", **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            deadline = time.time() + 60
+            while stop and not (demo / stop / "waiting").exists():
+                assert p.poll() is None and time.time() < deadline, p.communicate()
+                time.sleep(0.05)
+            if stop:
+                os.killpg(p.pid, signal.SIGINT)  # as a terminal's Ctrl-C: to the whole foreground group
+            out, err = p.communicate(timeout=60)
+        finally:
+            p.kill()
+        return p.returncode, out, err
+
+    def stages():
+        return [line.split("\t")[0] for line in (demo / "stages.tsv").read_text().splitlines()]
+
+    code, _, err = run_sh("grpo", FAKE_CKPT="1")
+    assert code == 130 and err.splitlines()[-1] == (f"run.sh: interrupted in stage grpo; `bash run.sh` on {demo} "
+                                                    f"(same seeds) goes on: grpo resumes from {demo}/grpo/iter_0000002")
+    assert stages() == ["data", "sft"]
+    log.unlink()
+    code, out, err = run_sh()
+    assert code == 0, err
+    assert out.splitlines()[0] == f"run.sh: {demo} holds this demo; done: data sft (kept); grpo resumes from {demo}/grpo/iter_0000002"
+    calls = log.read_text().splitlines()
+    assert [c.split()[0] for c in calls] == ["train_grpo.py", "sft.py", "train_grpo.py", "tools/report.py"], calls
+    assert f"--save {demo}/grpo --load {demo}/grpo" in calls[0] and stages()[2:] == ["grpo", "sft_crop", "grpo_mt", "report"]
+    code, _, err = run_sh("sft_crop", OVERWRITE="1")  # a fresh demo, stopped before the stage's first checkpoint
+    assert code == 130 and err.splitlines()[-1].endswith("goes on: sft_crop starts from its beginning"), err
+    code, _, err = run_sh(SEED="7")
+    assert code == 2 and f"{demo} holds a run of SEED=1234 DATA_SEED=0 (here SEED=7 DATA_SEED=0)" in err, err
+    assert stages() == ["data", "sft", "grpo"]
+
+
+def test_the_tools_run_sh_calls_print_no_megatron_notes():
+    """tools/synth.py, tiny.py and report.py (run.sh's) never import megatron-core: without TE and Apex its import
+    prints "Transformer Engine and Apex are not installed" notes (docs/model.md) that would only alarm a new user."""
+    r = launch.run([PY, "-W", "always", "-c", "import sys, tools.synth, tools.tiny, tools.report; "
+                    "print(sorted({m.split('.')[0] for m in sys.modules} & {'megatron', 'optim', 'model', 'trainer'}))"],
+                   timeout=120, env=ENV)
+    assert r.returncode == 0 and r.stdout == "[]\n" and "not installed" not in r.stderr, (r.stdout, r.stderr[-2000:])
 
 
 def test_report_reads_a_single_run_folder_and_refuses_an_empty_one(tmp_path, capsys):
@@ -585,8 +666,9 @@ def test_report_reads_a_single_run_folder_and_refuses_an_empty_one(tmp_path, cap
         (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
         report.main([str(run)])
     out = capsys.readouterr().out
-    assert "| my_grpo (grpo) | 0.100 | 0.500 | 0.250 | 0.750 |   -   |   -   |" in out, out
-    assert "| my_sft (sft) | 0.100 | 0.500 |   -   | 0.750 |" in out and (tmp_path / "my_grpo" / "reward_curve.png").exists()
+    assert "| my_grpo (grpo) | - | 0.100 -> 0.500 | single-turn accuracy 0.250 -> 0.750 |" in out, out
+    assert "| my_sft (sft) | - | 0.100 -> 0.500 | single-turn accuracy - -> 0.750 |" in out, out
+    assert (tmp_path / "my_grpo" / "reward_curve.png").exists()
     with pytest.raises(SystemExit) as e:
         report.main([str(tmp_path)])
     assert e.value.code == 2 and f"no metrics.jsonl in {tmp_path}, nor in its stage folders" in capsys.readouterr().err

