@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The test command: sets up .venv on first use, then runs the CPU test suite on two pytest-xdist workers, one
-# torch thread each (tests/conftest.py: OMP_NUM_THREADS=1 unless set; which tests share a worker).
-#   bash test.sh                 # the suite CI runs: 610 tests, 1,539 s on 2 cores shared with a training run (load
-#                                # 14-44, 2026-12-05); quiet not yet measured (bench/RESULTS.md, "Test suite")
+# The test command: sets up .venv on first use, then runs the CPU test suite on four pytest-xdist workers, one
+# torch thread each (tests/conftest.py: OMP_NUM_THREADS=1 unless set; which tests share a worker, and why four).
+#   bash test.sh                 # the suite CI runs: 613 tests, 663 s of pytest on a quiet 2-core machine
+#                                # (2026-12-06; serial: bench/RESULTS.md, "Test suite")
 #   bash test.sh -n 0            # the same tests one at a time (debugging; -s and --pdb imply it)
 #   bash test.sh -m slow         # the long learning checks
 #   bash test.sh tests/test_data.py -x   # any pytest arguments
 source "$(dirname "$0")/setup.sh"
 export HF_HUB_OFFLINE=1
-workers=(-n 2 --dist loadgroup)
+workers=(-n 4 --dist loadgroup)
 for a in "$@"; do [[ $a == -s || $a == --capture=no || $a == --pdb ]] && workers=(-n 0); done  # xdist hides both
 exec .venv/bin/python -m pytest "${workers[@]}" "$@"

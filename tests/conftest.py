@@ -2,12 +2,15 @@
 real geo3k problems shipped in tests/data/geo3k_real (README there names their source), and the
 rollout tests' tiny model, processor and synthetic problems.
 
-Concurrency: `bash test.sh` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`), each
-one torch thread. What a test must do to run beside another:
+Concurrency: `bash test.sh` runs the suite on four pytest-xdist workers (`-n 4 --dist loadgroup`), each one
+torch thread: much of a test's time is waiting (process starts, imports, servers), which the others fill.
+What a test must do to run beside another:
 - own its files (tmp_path, tmp_path_factory), ports (bind to port 0, as launch.py and the servers do),
   process groups (start_new_session; stop by pid) and environment (monkeypatch, or env= to a child);
 - `@pytest.mark.cores`: it runs two or more CPU-bound processes at once (multi-rank runs, the learning check):
-  all such tests are one group, run by one worker one after another (the largest groups start first);
+  such tests run in two lanes, each lane on one worker one after another, so at most two at once: the longest
+  pin theirs (`cores(lane=N)`), the rest alternate in collection order; the lanes start first (they are the
+  suite's longest path), then the largest groups;
 - the tests that share a module-scoped fixture run on one worker, so it is built once;
 - a race is an event the test sets (tests/fake_sglang.py's --fake-hold), never a sleep.
 """
@@ -28,6 +31,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 GEO3K_REAL = ROOT / "tests" / "data" / "geo3k_real"
+LANES = 2  # `cores` tests at once: 2 ranks each on 2 cores, so the suite's waits overlap (bench/RESULTS.md)
 GROUPS = "xdist_groups.json"  # nodeid -> group, for the scheduler (pytest_xdist_make_scheduler)
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
@@ -42,8 +46,11 @@ def pytest_collection_modifyitems(config, items):
     them: xdist's own `xdist_group` needs the group in the test's nodeid, which pytest 9 no longer lets it change."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    module = {}  # test module -> whether it has a module-scoped fixture
-    groups = {item.nodeid: "cores" if item.get_closest_marker("cores") else item.module.__name__ for item in items
+    module, lane = {}, {}  # test module -> whether it has a module-scoped fixture; a `cores` test's lane
+    for item in items:  # `cores`: the longest pin their lane (cores(lane=N)), the rest alternate
+        if mark := item.get_closest_marker("cores"):
+            lane[item.nodeid] = f"cores{mark.kwargs.get('lane', len(lane) % LANES)}"
+    groups = {item.nodeid: lane.get(item.nodeid, item.module.__name__) for item in items
               if item.get_closest_marker("cores") or module.setdefault(item.module.__name__, any(
                   d.scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs))}
     out = shared_dir(config._tmp_path_factory) / GROUPS
@@ -64,6 +71,11 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid):  # called once every worker has collected, so has written the groups
             groups or groups.update(json.loads(path.read_text()))
             return groups.get(nodeid, nodeid)
+
+        def _assign_work_unit(self, node):  # a lane of `cores` tests before anything else
+            for scope in [s for s in self.workqueue if s.startswith("cores")][:1]:
+                self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
     return Groups(config, log)
 
 

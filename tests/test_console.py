@@ -130,7 +130,7 @@ def test_preemption_of_one_rank_stops_every_rank_after_the_same_step_and_resumes
     assert "[run] done: steps 3 -> 8 in" in r.stdout and (save / "latest").read_text() == "iter_0000008"
 
 
-@pytest.mark.cores
+@pytest.mark.cores(lane=1)  # the longest two: one a lane
 def test_preemption_through_run_shs_torchrun_saves_the_step_and_the_same_command_resumes(ckpt, d, tmp_path):
     """run.sh's torchrun SIGTERMed (its pid, not the ranks'), as a scheduler preempts a job: torchrun passes the
     signal on and SIGKILLs its workers a shutdown timeout later (torch's default 30 s, launcher/api.py:148-151 and

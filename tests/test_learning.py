@@ -224,7 +224,7 @@ def fast_grpo_check(ckpt, out, *flags, grpo_flags=(), sft_timeout=900, grpo_time
     return rows
 
 
-@pytest.mark.cores
+@pytest.mark.cores(lane=0)  # the longest two: one a lane
 def test_grpo_reward_rises_from_a_picture_blind_start_and_the_shuffled_control_does_not(tiny_ckpt, tmp_path):
     """The fast learning check (~4 min on 2 cores): SFT on shuffled images teaches the answer
     format only; from there GRPO on the right images lifts the reward off chance (1 in 4) within

@@ -295,6 +295,7 @@ DEADLINE = {
 
 def _timed_call(response, label, where):
     def timed():
+        geo3k_reward(B % "1", "1")  # math-verify's first call imports sympy: ~0.4 s CPU, seconds of wall under load
         t, c = time.perf_counter(), time.thread_time()
         r = geo3k_reward(response, label)
         return r, time.perf_counter() - t, time.thread_time() - c
@@ -307,9 +308,11 @@ def _timed_call(response, label, where):
 @pytest.mark.parametrize("name", list(GUARDED))
 @pytest.mark.parametrize("where", ["main", "thread"])
 def test_bounded_time_guarded(name, where):
+    """A guard answers in well under the deadline's 0.4 s of CPU time (so it is the guard, not the deadline,
+    that answers); wall time, which a loaded machine stretches, gets a hang detector's bound."""
     response, label, want = GUARDED[name]
-    r, wall, _ = _timed_call(response, label, where)
-    assert r == want and wall < 1.0, (r, wall)
+    r, wall, cpu = _timed_call(response, label, where)
+    assert r == want and cpu < 0.2 and wall < 3.0, (r, cpu, wall)
 
 
 @pytest.mark.parametrize("name", list(DEADLINE))
