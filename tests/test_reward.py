@@ -17,6 +17,15 @@ import reward
 from reward import format_ok, last_boxed
 
 
+@pytest.fixture(autouse=True)
+def _no_wall_cap(request, monkeypatch):
+    """What a reward matches must not depend on the machine's load: the 0.8 s wall-clock cap binds under heavy CPU
+    contention (a right answer, 0.013 s of CPU quiet, scored 0.0 in a serial suite at load ~30). Only the tests of
+    the time bound keep it."""
+    if "time" not in request.node.name:
+        monkeypatch.setattr(reward, "WALL_LIMIT_S", 60.0)
+
+
 def math_reward(response, label):
     return reward.score("math", response, {"answer": label})
 
