@@ -51,7 +51,7 @@ def pytest_collection_modifyitems(config, items):
         if mark := item.get_closest_marker("cores"):
             lane[item.nodeid] = f"cores{mark.kwargs.get('lane', len(lane) % LANES)}"
     groups = {item.nodeid: lane.get(item.nodeid, item.module.__name__) for item in items
-              if item.get_closest_marker("cores") or module.setdefault(item.module.__name__, any(
+              if item.nodeid in lane or module.setdefault(item.module.__name__, any(
                   d.scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs))}
     out = shared_dir(config._tmp_path_factory) / GROUPS
     tmp = out.with_suffix(f".{os.getpid()}")
