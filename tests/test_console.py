@@ -130,6 +130,27 @@ def test_preemption_of_one_rank_stops_every_rank_after_the_same_step_and_resumes
     assert "[run] done: steps 3 -> 8 in" in r.stdout and (save / "latest").read_text() == "iter_0000008"
 
 
+RUN_SH_TORCHRUN = "sed -n '/^TORCHRUN=/,/^exec /{/^exec /!p}' run.sh"  # the lines run.sh builds its torchrun with
+
+
+@pytest.mark.parametrize("has_flag", [True, False])
+def test_run_shs_torchrun_line_works_on_a_torchrun_with_and_without_shutdown_timeout(tmp_path, has_flag):
+    """torch < 2.13's torchrun has no --shutdown-timeout (argparse exits 2 on it): run.sh passes it only where
+    `torchrun --help` lists it, and says what the other gives (30 s). A fake .venv/bin/torchrun of each kind."""
+    fake = tmp_path / ".venv" / "bin" / "torchrun"
+    fake.parent.mkdir(parents=True)
+    flag = "[--shutdown-timeout SHUTDOWN_TIMEOUT] " if has_flag else ""
+    fake.write_text(f'#!/bin/bash\n[[ $1 == --help ]] && {{ echo "usage: torchrun [-h] {flag}[--standalone]"; exit 0; }}\n'
+                    f'[[ " $* " == *" --shutdown-timeout "* && -z "{flag}" ]] && {{ echo "unrecognized arguments" >&2; exit 2; }}\n'
+                    'echo "ran: $*"\n')
+    fake.chmod(0o755)
+    r = subprocess.run(["bash", "-c", f'eval "$({RUN_SH_TORCHRUN.replace("run.sh", str(ROOT / "run.sh"))})"; '
+                        '"${TORCHRUN[@]}" --standalone x.py'], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == ("ran: --shutdown-timeout 600 --standalone x.py\n" if has_flag else "ran: --standalone x.py\n")
+    assert ("no --shutdown-timeout (torch < 2.13): a preempted step has 30 s" in r.stderr) != has_flag, r.stderr
+
+
 @pytest.mark.cores(lane=1)  # the longest two: one a lane
 def test_preemption_through_run_shs_torchrun_saves_the_step_and_the_same_command_resumes(ckpt, d, tmp_path):
     """run.sh's torchrun SIGTERMed (its pid, not the ranks'), as a scheduler preempts a job: torchrun passes the
@@ -141,7 +162,7 @@ def test_preemption_through_run_shs_torchrun_saves_the_step_and_the_same_command
     save = tmp_path / "run"
     cmd = [ROOT / "tests" / "_slow_stop.py", ROOT / "sft.py", "--hf-checkpoint", ckpt, "--prompt-data", d, "--save",
            save, "--load", save, "--global-batch-size", "4", "--num-epoch", "1", "--exit-signal-handler"]
-    recipe = 'eval "$(grep "^TORCHRUN=" run.sh)"; "${TORCHRUN[@]}" --standalone --nproc-per-node 2 "$@"'
+    recipe = f'eval "$({RUN_SH_TORCHRUN})"; "${{TORCHRUN[@]}}" --standalone --nproc-per-node 2 "$@"'
     env = dict(ENV, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="2", SLOW_STOP_S="4")
     r = launch.run(["bash", "-c", f"{recipe} & until [ -s {save}/metrics.jsonl ]; do sleep 0.1; done; kill -TERM $!; "
                     'wait $!; echo "torchrun exit $?"', "bash", *cmd], timeout=600, env=env)
