@@ -23,11 +23,11 @@ class PackedCoreAttention(torch.nn.Module):
         cu = packed_seq_params.cu_seqlens_q.tolist()
         if self.cp > 1:
             return self._context_parallel(query, key, value, cu)
-        out = []
+        out = []  # 4-D (1, heads, T_i, dim): torch's flash, efficient and cuDNN kernels take no 3-D (sdp_utils)
         for a, b in zip(cu[:-1], cu[1:]):
-            q, k, v = (x[a:b].transpose(0, 1) for x in (query, key, value))  # (heads, T_i, dim)
+            q, k, v = (x[None, a:b].transpose(1, 2) for x in (query, key, value))
             out.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                                      enable_gqa=True).transpose(0, 1))
+                                                      enable_gqa=True)[0].transpose(0, 1))
         return torch.cat(out).reshape(query.shape[0], -1)  # (T, heads * dim)
 
     def _context_parallel(self, query, key, value, cu):
@@ -39,10 +39,10 @@ class PackedCoreAttention(torch.nn.Module):
         out, lo = [], 0
         for a, b in zip(cu[:-1], cu[1:]):
             n = (b - a) // self.cp  # this rank's queries of the sequence
-            q, k, v = query[lo:lo + n].transpose(0, 1), key[a:b].transpose(0, 1), value[a:b].transpose(0, 1)
+            q, (k, v) = query[None, lo:lo + n].transpose(1, 2), (x[None, a:b].transpose(1, 2) for x in (key, value))
             see = torch.arange(a, b, device=query.device)[None] <= qpos[lo:lo + n, None]  # (n, b - a)
             out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=see, scale=self.scale,
-                                                      enable_gqa=True).transpose(0, 1))
+                                                      enable_gqa=True)[0].transpose(0, 1))
             lo += n
         return torch.cat(out).reshape(query.shape[0], -1)
 

@@ -61,3 +61,37 @@ def test_check_command_in_bf16(tiny_ckpt):
     from tools import check
     parallel.init_distributed(1)
     assert 0 < check.check(tiny_ckpt("qwen3_5"), bf16=True) <= check.BF16_TOL
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_local_attention_calls_sdpa_in_4d_with_the_same_outputs(monkeypatch, cp):
+    """torch's flash, efficient and cuDNN SDPA kernels take 4-D (batch, heads, T, dim) only (sdp_utils'
+    check_tensor_shapes): a 3-D call runs the math kernel on CUDA. Both paths, CP 1 and CP 2 (rank 0's zigzag
+    queries over gathered keys), call it 4-D, and give a per-head causal softmax's outputs (GQA 4 heads on 2)."""
+    import types
+    import attention
+    from megatron.core import parallel_state as ps
+    lens, heads, groups, dim = (8, 12), 4, 2, 8  # multiples of 2 CP: zigzag chunks
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(lens), h, dim, generator=g) for h in (heads, groups, groups))
+    want = []  # (T, heads, dim): each sequence's causal attention, each head over its group's keys
+    for a, b in zip((0, lens[0]), (lens[0], sum(lens))):
+        kk, vv = (x[a:b].repeat_interleave(heads // groups, 1) for x in (k, v))
+        s = torch.einsum("thd,shd->hts", q[a:b], kk) / dim ** 0.5
+        s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+        want.append(torch.einsum("hts,shd->thd", s.softmax(-1), vv))
+    want = torch.cat(want)
+    real, dims = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(q, *a, **kw):
+        dims.append(q.dim())
+        return real(q, *a, **kw)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(attention.C, "gather_sequence", lambda x, *_: x)  # the keys given whole: one process
+    monkeypatch.setattr(ps, "get_context_parallel_group", lambda: None)
+    monkeypatch.setattr(ps, "get_context_parallel_rank", lambda: 0)
+    core = attention.PackedCoreAttention(types.SimpleNamespace(context_parallel_size=cp), 1, None, None)
+    rows = C.held(lens, cp, 0) if cp > 1 else torch.arange(sum(lens))
+    cu = types.SimpleNamespace(cu_seqlens_q=torch.tensor([0, lens[0], sum(lens)]))
+    out = core(q[rows], k, v, None, packed_seq_params=cu)
+    assert dims == [4, 4] and torch.allclose(out, want[rows].reshape(len(rows), -1), atol=1e-5)
