@@ -55,7 +55,8 @@ class Servers:
             if par.rank == 0:
                 print(f"[offload] --offload-train: {self.off.host_bytes() / 2**30:.2f} GiB of host memory per rank "
                       "for the trainer's parameters, more once the optimizer states exist (offload_host_gib)", flush=True)
-        if self.colocate:  # every rank parked or loaded: SGLang's TP ranks compare their GPUs' free memory at start
+        if self.colocate:  # every rank parked or loaded, its cache emptied: SGLang's TP ranks compare free memory
+            torch.cuda.empty_cache()  # at start (docs/sglang.md, "Where the server runs"); a no-op without CUDA
             dist.barrier()
         self.per_node, self.group = 1, None  # servers a node; the process group of the ranks one server holds
         self.engine = self.start(args, hf_dir, run_dir, processor)

@@ -372,9 +372,10 @@ def sglang_placement(args, cuda, n_gpus, local_world, visible=None, index=0):
         if args.colocate:
             raise SystemExit("--colocate needs CUDA (SGLang's memory release kills a CPU server); on CPU leave it out")
         return flags, {}
-    ids = visible.split(",") if visible else [str(i) for i in range(n_gpus)]
-    if args.colocate:
-        gpus = ids[:local_world]
+    ids, env = visible.split(",") if visible else [str(i) for i in range(n_gpus)], {}
+    if args.colocate:  # released, no /health token; a restart meets the trainer's memory (docs/sglang.md, "Where")
+        gpus, env = ids[:local_world], {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0",
+                                        "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "0"}
         if "--enable-memory-saver" not in flags:
             flags.append("--enable-memory-saver")
         if "--mem-fraction-static" not in flags:
@@ -392,7 +393,7 @@ def sglang_placement(args, cuda, n_gpus, local_world, visible=None, index=0):
         gpus = gpus[index * k:(index + 1) * k]
     if not {"--tp-size", "--tp", "--dp-size", "--dp"} & set(flags):
         flags += ["--tp-size", str(len(gpus))]
-    return flags, {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
+    return flags, {**env, "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
 
 
 def engine_kind(args):

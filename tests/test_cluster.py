@@ -303,3 +303,25 @@ def test_the_local_engine_takes_the_trainers_processor(ckpt, processor, tmp_path
         assert servers.engine.processor is processor
     finally:
         servers.shutdown()
+
+
+@pytest.mark.parametrize("offload_train", [True, False])
+def test_a_colocated_start_empties_each_ranks_cuda_cache_before_the_servers_start(monkeypatch, offload_train):
+    """SGLang's TP ranks compare their GPUs' free memory at start and stop on a 10% gap (0.5.23's
+    distributed/bootstrap.py:207-218): every rank parks its trainer (--offload-train) and empties PyTorch's cache
+    before the barrier that precedes the start, with and without --offload-train."""
+    import types
+    import cluster
+    import train_grpo as G
+    calls = []
+    monkeypatch.setattr(cluster.torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(cluster.dist, "barrier", lambda *a, **k: calls.append("barrier"))
+    monkeypatch.setattr(cluster.Servers, "start", lambda self, *a: calls.append("start"))
+    monkeypatch.setattr(cluster.offload, "Offload", lambda *a: types.SimpleNamespace(
+        release=lambda: calls.append("park"), host_bytes=lambda: 0))
+    args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--rollout-engine", "sglang",
+                         "--sglang-launch-cmd", "x", "--colocate",
+                         "--offload-train" if offload_train else "--no-offload-train"])
+    cluster.Servers(args, types.SimpleNamespace(rank=0, world=1, local_rank=0, local_world=1, node=0),
+                    None, None, None, "x", "x")
+    assert calls == (["park"] if offload_train else []) + ["empty_cache", "barrier", "start"]

@@ -60,6 +60,19 @@ def harness_env():
     return {name: after[name] for name in names}
 
 
+def test_the_env_of_a_colocated_server_is_sglangs_own(harness_env):
+    """The variables sglang_placement sets for a colocated server are fields of this SGLang's `envs`, default on
+    (a name SGLang does not define would be ignored in silence): read from the harness's sglang/srt/environ.py."""
+    import train_grpo as G
+    from sglang_engine import sglang_placement
+    args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--rollout-engine", "sglang",
+                         "--sglang-launch-cmd", "x", "--colocate"])
+    names = sorted(k for k in sglang_placement(args, True, 1, 1)[1] if k.startswith("SGLANG_"))
+    code = "import sglang.srt.environ as e; print(open(e.__file__).read())"
+    text = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=dict(os.environ, **harness_env)).stdout
+    assert len(names) == 2 and all(f"{n} = EnvBool(True)" in text for n in names), names
+
+
 class Recording(SGLangEngine):
     """Keeps every (path, body) its server is sent, for the check against sglang's request classes."""
 
