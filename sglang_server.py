@@ -180,9 +180,10 @@ class Server:
                 if p is not None and p.poll() is not None:
                     try:
                         self._recover(epoch, f"exited with code {p.returncode}")
-                    except RuntimeError as e:  # out of restarts: the next call raises it for the step
+                    except RuntimeError as e:  # its start failed: again next tick, while restarts are left
                         print(f"[sglang] {e}", file=sys.stderr, flush=True)
-                        return
+                        if self.restarts >= self.max_restarts:  # the next call raises it for the step
+                            return
         threading.Thread(target=loop, daemon=True, name=f"sglang-watch-{self.name}").start()
 
     def stop(self):

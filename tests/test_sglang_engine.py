@@ -685,3 +685,33 @@ def test_rollout_engine_sglang_without_sglang_stops_before_anything_loads(tmp_pa
     assert e.value.code == ("--rollout-engine sglang: sglang is not installed in this python (`GPU=1 bash setup.sh` "
                             "installs it); or --rollout-engine local")
     assert not (tmp_path / "run").exists()  # stopped at the arguments: no run folder, no model
+
+
+def test_watch_tries_again_after_a_failed_restart_while_restarts_are_left():
+    """Server.watch(): a restart whose start fails (_recover raises RuntimeError: the new process died starting) is
+    tried again at the next tick while restarts are left (a server only the router calls has no other restarter);
+    out of restarts the watch ends, having said why."""
+    import types
+    from sglang_server import Server
+    for max_restarts, fails in ((3, 2), (2, 5)):
+        s = object.__new__(Server)
+        s.name, s.epoch, s.restarts, s.max_restarts = f"t{max_restarts}", 0, 0, max_restarts
+        s.proc = types.SimpleNamespace(poll=lambda: 1, returncode=1)  # dead
+        up = threading.Event()
+
+        def recover(epoch, error, s=s, fails=fails):
+            if s.restarts >= s.max_restarts:
+                raise RuntimeError("out of restarts")
+            s.restarts += 1
+            if s.restarts <= fails:
+                raise RuntimeError("SGLang server exited with code 1 while starting")
+            s.proc = types.SimpleNamespace(poll=lambda: None)  # up: the loop watches it from now on
+            up.set()
+        s._recover = recover
+        s.watch(every=0.01)
+        watcher = next(t for t in threading.enumerate() if t.name == f"sglang-watch-{s.name}")
+        if fails < max_restarts:
+            assert up.wait(30) and s.restarts == fails + 1
+            s.proc = None  # stop(): the loop ends
+        watcher.join(30)
+        assert not watcher.is_alive() and s.restarts == min(fails + 1, max_restarts)
