@@ -159,16 +159,31 @@ def test_sglang_protocol_and_weight_sync(ckpt, processor, records, tmp_path):
 
 
 
-def test_a_16_bit_server_computes_its_lm_head_in_fp32(ckpt, monkeypatch):
-    """SGLang 0.5.23 multiplies the LM head in the weights' dtype (logits_processor.py:1198-1201): a bf16 or fp16
-    server gets --enable-fp32-lm-head, once if the user gave it; a float32 one needs none."""
+def test_a_16_bit_server_computes_its_lm_head_in_fp32(ckpt, tmp_path, monkeypatch):
+    """SGLang 0.5.23 multiplies the LM head in the weights' dtype (logits_processor.py:1198-1201): every 16-bit
+    server (bf16 and fp16, each spelling --dtype takes, or the checkpoint's own dtype) gets --enable-fp32-lm-head,
+    once if the user gave it; a float32 one needs none."""
+    import torch
     import sglang_engine
     made = []
     monkeypatch.setattr(sglang_engine, "Server", lambda path, run_dir, args, *a, **kw: made.append(args))
-    for args in ([], ["--dtype", "bfloat16"], ["--enable-fp32-lm-head", "--dtype", "float16"]):
-        sglang_engine.SGLangEngine(ckpt, "unused", server_args=args)
-    assert made == [["--dtype", "float32"], ["--dtype", "bfloat16", "--enable-fp32-lm-head"],
-                    ["--enable-fp32-lm-head", "--dtype", "float16"]]
+    spellings = {"bfloat16": ["bf16"], "float16": ["half", "fp16"], "float32": ["float"]}
+    for dtype, names in spellings.items():
+        fp32_head = ["--enable-fp32-lm-head"] if getattr(torch, dtype).itemsize == 2 else []
+        for name in (dtype, *names):
+            made.clear()
+            sglang_engine.SGLangEngine(ckpt, "unused", server_args=["--dtype", name])
+            sglang_engine.SGLangEngine(ckpt, "unused", server_args=["--enable-fp32-lm-head", "--dtype", name])
+            assert made[0] == ["--dtype", name, *fp32_head], made
+            assert made[1] == ["--enable-fp32-lm-head", "--dtype", name], made
+        cfg = json.loads((Path(ckpt) / "config.json").read_text())
+        (tmp_path / dtype).mkdir()
+        (tmp_path / dtype / "config.json").write_text(json.dumps(dict(cfg, torch_dtype=dtype, dtype=dtype)))
+        made.clear()
+        sglang_engine.SGLangEngine(tmp_path / dtype, "unused")  # no --dtype: the checkpoint's
+        assert made == [["--dtype", dtype, *fp32_head]], (dtype, made)
+    assert {d for d in spellings if getattr(torch, d).itemsize == 2} == {"bfloat16", "float16"}
+
 
 def test_image_pad_id_from_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"image_token_id": 248056}))  # Qwen3.5's
