@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device check (issue 59): one command for the one-GPU machine this project is sometimes lent (Python 3.12,
 # torch 2.11, transformers 5.17, no network): installs the wheels bench/device_bundle.sh carried, then runs
-# bench/device_checks.py (six checks on CUDA, each against something that is not itself, each under its own time
+# bench/device_checks.py (seven checks on CUDA, each against something that is not itself, each under its own time
 # limit), and ends within 8 minutes. One JSON line a check in $OUT/checks.jsonl, every check's output in
 # $OUT/device_check.log ($OUT: the folder the machine hands back; elsewhere a new temporary one).
 #   bash bench/device_bundle.sh              # here, first: the wheels and the real config, bench/device_wheels/
@@ -32,10 +32,14 @@ if [[ -d bench/device_wheels && ( -z "${DRY[*]}" || "${INSTALL:-0}" == 1 ) ]]; t
 elif [[ -z "${DRY[*]}" ]]; then
   echo "no bench/device_wheels: run bash bench/device_bundle.sh here first, and carry it"; exit 1
 fi
-echo "device check: $($PY --version 2>&1), results $OUT/checks.jsonl, log $OUT/device_check.log"
-# the driver's own budget (device_checks.BUDGET_S, x3 dry) ends it; this outer limit only backs that up
-LIMIT=460; [[ -n "${DRY[*]}" ]] && LIMIT=1360
-timeout -k 10 $LIMIT "$PY" bench/device_checks.py --out "$OUT" --work "$WORK" "${DRY[@]}" "$@" 2>>"$OUT/device_check.log"
+# the driver's own budget (device_checks.BUDGET_S, DRY_SCALE x dry) ends it; this outer limit backs that up with
+# MARGIN_S for the driver's start and its last check's end; its SIGTERM ends the check in flight with its processes
+# (device_checks.stop_with_me: launch's SIGTERM, 10 s, SIGKILL), before timeout's SIGKILL 30 s later
+const() { sed -n "s/^$1 = \([0-9]*\).*/\1/p" bench/device_checks.py; }
+SCALE=1; [[ -n "${DRY[*]}" ]] && SCALE=$(const DRY_SCALE)
+LIMIT=$(( $(const BUDGET_S) * SCALE + $(const MARGIN_S) ))
+echo "device check: $($PY --version 2>&1), results $OUT/checks.jsonl, log $OUT/device_check.log, limit $LIMIT s"
+timeout -k 30 $LIMIT "$PY" bench/device_checks.py --out "$OUT" --work "$WORK" "${DRY[@]}" "$@" 2>>"$OUT/device_check.log"
 code=$?
 [[ -z "${DEVICE_WORK:-}" ]] && rm -rf "$WORK"
 exit $code

@@ -3,6 +3,7 @@ script and code, so that it cannot rot between the loans of a GPU. Each check ru
 FLA's kernels and the CUDA cache, say they did not run) and reports the numbers RESULTS.md's "GPU" section takes."""
 import json
 import os
+from pathlib import Path
 
 import launch
 from conftest import ROOT
@@ -30,3 +31,95 @@ def test_dry_run_passes_every_check_with_its_numbers(tmp_path):
     assert rows["ckpt"]["exact"] and rows["ckpt"]["max_abs_logit_diff"] <= 1e-4
     assert rows["preempt"]["stopped_after"] > 0 and rows["preempt"]["steps_after_resume"] == rows["preempt"]["stopped_after"] + 1
     assert "===== preempt (PASS" in (out / "device_check.log").read_text()
+
+
+def test_the_cheap_checks_run_first_and_the_outer_limit_is_the_budget_and_a_margin(tmp_path):
+    """The checks past the budget are the last ones: setup and the cheap three (whose limits fit the budget, so
+    they always get them) come first; device_check.sh's own limit is the driver's budget plus MARGIN_S, which
+    covers the driver's start (~15 s) and its last check's end (launch's SIGTERM, KILL_GRACE_S, SIGKILL, 5 s),
+    before timeout's SIGKILL; with the wheels (~20 s) a GPU run ends within 8 minutes."""
+    import re
+    import subprocess
+    D = device_checks
+    assert list(D.CHECKS)[:4] == ["setup", "preempt", "ckpt", "offload"]
+    assert set(D.LIMITS) == set(D.CHECKS) == set(D.device_verdicts.VERDICTS)
+    assert sum(D.LIMITS[c] for c in list(D.CHECKS)[:4]) <= D.BUDGET_S
+    assert D.MARGIN_S >= 15 + launch.KILL_GRACE_S + 5 and D.BUDGET_S + D.MARGIN_S + 20 <= 8 * 60
+    r = subprocess.run(["bash", ROOT / "bench" / "device_check.sh", "--dry-run"], capture_output=True, text=True,
+                       env=dict(os.environ, PY="true", OUT=str(tmp_path)), timeout=60)
+    assert r.stdout.strip().endswith(f"limit {D.DRY_SCALE * D.BUDGET_S + D.MARGIN_S} s"), r.stdout + r.stderr
+    kill_after = int(re.search(r"timeout -k (\d+) ", (ROOT / "bench" / "device_check.sh").read_text()).group(1))
+    assert kill_after > launch.KILL_GRACE_S + 5
+
+
+def test_a_check_in_flight_dies_with_the_driver(tmp_path):
+    """device_check.sh's outer limit SIGTERMs the driver: the check it runs (a process group of its own, as launch
+    starts it) dies too, not left holding the GPU into a rerun."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    pid_file = tmp_path / "pid"
+    code = ("import device_checks, launch; device_checks.stop_with_me(); "
+            f"launch.run(['bash', '-c', 'sleep 600 & echo $! > {pid_file}; wait'], timeout=600)")
+    driver = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT / "bench", stderr=subprocess.PIPE, text=True)
+    pid = None
+    try:
+        deadline = time.monotonic() + 120
+        while not (pid_file.exists() and pid_file.read_text().strip()) and time.monotonic() < deadline:
+            assert driver.poll() is None, driver.stderr.read()
+            time.sleep(0.1)
+        pid = int(pid_file.read_text())
+        driver.send_signal(signal.SIGTERM)
+        driver.wait(60)
+        stat = Path(f"/proc/{pid}/stat")
+        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z", "the check's process lives on"
+        assert "the check in flight and its processes stopped" in driver.stderr.read()
+    finally:
+        driver.kill()
+        if pid is not None and Path(f"/proc/{pid}").exists():
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_each_checks_verdict_fails_on_a_planted_mismatch():
+    """Each device check seen to FAIL: its verdict (bench/device_verdicts.py) on numbers that pass, then on each with
+    one mismatch planted; a comparison of several tensors reports and judges the WORST (a check that looked at the
+    best one passed everything)."""
+    V = device_checks.device_verdicts
+    bound = device_checks.BOUNDS["fp32"]
+    rel = {"embedding": 1e-6, "layers.0.mlp": 0.5, "layers.0.A_log": 1e-7}  # one tensor's gradient far off
+    row = V.parity_row(1e-5, rel, 1e-5, bound)
+    assert row["worst"] == "layers.0.mlp" and row["grad"] == 0.5 and not row["passed"]
+    assert not V.parity_row(1e-5, dict(rel, **{"layers.0.mlp": 1e-6, "layers.1.dt_bias": 0.1}), 1e-5, bound)["passed"]
+    assert V.parity_row(1e-5, dict(rel, **{"layers.0.mlp": 1e-6}), 1e-5, bound)["passed"]
+    gdn = dict(out=1e-5, dq=1e-5, dk=1e-5, dv=1e-5, dg=1e-5, dbeta=1e-5)
+    assert V.gdn_row(gdn, device_checks.GDN_BOUNDS["fp32"])["passed"]
+    for k in gdn:
+        assert not V.gdn_row(dict(gdn, **{k: 0.5}), device_checks.GDN_BOUNDS["fp32"])["passed"], k
+    rows = dict(qwen3_vl_fp32={"passed": True}, qwen3_vl_bf16={"passed": True}, bounds={}, dry=False)
+    good = {"setup": dict(gpu="H100", dry=False),
+            "preempt": dict(said=True, stopped_after=2, steps=[1, 2], latest="iter_0000002", resume_exit=0,
+                            resumed_steps=[1, 2, 3]),
+            "ckpt": dict(exact=True, max_abs_logit_diff=1e-4, logit_scale=2.0),
+            "offload": dict(freed_frac=0.95, exact=True, pinned=True, returned_frac=0.92),
+            "parity": dict(rows, sdpa={"passed": True}), "gdn": dict(rows, fla_fp32={"passed": True}),
+            "gdn_tf32": dict(fla_bf16={"passed": True}, dry=False),
+            "grpo": dict(steps=2, failed_frac=0, grad_norm=0.3, logprob_diff_mean=0.01, trainer_peak_over_estimate=1.1)}
+    planted = {"setup": [dict(gpu=None)],
+               "preempt": [dict(said=False), dict(stopped_after=0, steps=[], latest=None, resumed_steps=[1]),
+                           dict(steps=[1, 1]), dict(latest="iter_0000001"), dict(resume_exit=1),
+                           dict(resumed_steps=[1, 2, 3, 4]), dict(resumed_steps=[3])],
+               "ckpt": [dict(exact=False), dict(max_abs_logit_diff=3e-4)],
+               "offload": [dict(freed_frac=0.5), dict(exact=False), dict(pinned=False), dict(returned_frac=0.1)],
+               "parity": [dict(qwen3_vl_bf16={"passed": False}), dict(sdpa={"passed": False}),
+                          dict(sdpa="not run: CPU")],
+               "gdn": [dict(fla_fp32={"passed": False}), dict(fla_fp32="not run: FLA missing")],
+               "gdn_tf32": [dict(fla_bf16={"passed": False}), dict(fla_bf16="not run: FLA missing")],
+               "grpo": [dict(steps=1), dict(failed_frac=0.1), dict(grad_norm=float("nan")), dict(grad_norm=0.0),
+                        dict(logprob_diff_mean=0.2), dict(trainer_peak_over_estimate=1.5)]}
+    assert set(good) == set(planted) == set(device_checks.CHECKS)  # a new check comes with its planted failures
+    for name, row in good.items():
+        assert V.VERDICTS[name](row), name
+        for bad in planted[name]:
+            assert not V.VERDICTS[name](dict(row, **bad)), (name, bad)
+    assert V.VERDICTS["gdn"](dict(good["gdn"], fla_fp32="not run: CPU", dry=True))  # a dry run says it, passes
