@@ -45,7 +45,7 @@ steps_of() { grep -c '"reward"' "$1/metrics.jsonl" 2>/dev/null; }  # GRPO steps 
 preempt_run() {  # preempt_run RUN_DIR ARGS...: run.sh's torchrun SIGTERMed once step 1 is logged, then rerun
   local run=$1 pid rc k end=$((SECONDS + 600)) TORCHRUN
   shift
-  eval "$(grep '^TORCHRUN=' run.sh)"
+  eval "$(sed -n '/^TORCHRUN=/,/^exec /{/^exec /!p}' run.sh)"  # its --shutdown-timeout where torchrun has it
   "${TORCHRUN[@]}" --standalone --nproc_per_node 1 train_grpo.py "$@" --save "$run" --load "$run" --exit-signal-handler &
   pid=$!
   until [ "$(steps_of "$run")" -ge 1 ] || ! kill -0 $pid 2>/dev/null || ((SECONDS > end)); do sleep 0.2; done
@@ -363,6 +363,63 @@ assert rows and all(r['failed_frac'] == 0 and r['grad_norm'] > 0 and r['stalenes
 print([(r['staleness_max'], round(r.get('rollout_engine_idle_frac', -1), 2)) for r in rows])"
 else
   echo "SKIP grpo_nccl_sync, grpo_fully_async: SGLang on a GPU of its own needs sglang and 2 GPUs (this machine has $GPUS)"
+fi
+# ---- issue 68 ----
+# the local spec's attention reaches a fused SDPA kernel (4-D calls: flash, cuDNN or efficient; 3-D ran the math one)
+check local_attention_fused_sdpa "$PY" -c "
+import sys; sys.path[:0] = ['bench']
+import device_checks as D
+r = D.sdpa_backends(); print(r); sys.exit(0 if r['passed'] else 1)"
+# Gated DeltaNet in bf16 as training runs it: no TRITON_F32_DEFAULT, FLA's fp32 dots in TF32, against the bf16 bounds
+check gdn_bf16_as_training bash -c "mkdir -p $DIR/gdn && env -u TRITON_F32_DEFAULT $PY bench/device_checks.py --one gdn_tf32 \
+  --work $DIR/gdn && cat $DIR/gdn/gdn_tf32.json && grep -q '\"passed\": true' $DIR/gdn/gdn_tf32.json"
+if "$PY" -c "import sglang" 2>/dev/null; then
+  # a released colocated server answers /health from its status (SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0, the
+  # placement's env): five checks, as the router's every 60 s, leave it alive and serving after its resume; then the
+  # same with generation on (SGLang's default), said, not judged: what the router's checks did before
+  check sglang_released_health env TRITON_F32_DEFAULT=ieee "$PY" - "$DIR/tiny" "$DIR/released" <<'EOF'
+import sys, time, urllib.request
+sys.path.insert(0, ".")
+import sglang_engine as E, train_grpo as G
+args = G.parse_args(["--hf-checkpoint", sys.argv[1], "--prompt-data", "x", "--save", "x", "--rollout-engine", "sglang",
+                     "--colocate", "--sglang-attention-backend", "triton", "--sglang-mm-attention-backend", "sdpa",
+                     "--sglang-mem-fraction-static", "0.3"])
+flags, env = E.sglang_placement(args, True, 1, 1)
+seen = {}
+for gen in ("0", "1"):
+    eng = E.SGLangEngine(sys.argv[1], f"{sys.argv[2]}_{gen}", server_args=flags,
+                         env=dict(env, SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=gen), max_restarts=0)
+    try:
+        eng.release()
+        codes = []
+        for _ in range(5):
+            try:
+                codes.append(urllib.request.urlopen(eng.server.url + "/health", timeout=30).status)
+            except Exception as e:
+                codes.append(type(e).__name__)
+            time.sleep(1)
+        alive = eng.server.proc.poll() is None
+        ids = []
+        if alive:
+            eng.resume()
+            ids = eng.generate([{"input_ids": [1, 2, 3]}], {"max_new_tokens": 4, "temperature": 0.0})[0]["ids"]
+        seen[gen] = (codes, alive, len(ids))
+    finally:
+        eng.shutdown()
+print("generation off / on: /health codes on released memory, alive, tokens after resume:", seen)
+sys.exit(0 if seen["0"] == ([200] * 5, True, 4) else 1)
+EOF
+fi
+if [ "$GPUS" -ge 2 ] && "$PY" -c "import sglang" 2>/dev/null; then
+  # a colocated TP-2 server SIGKILLed in step 2's rollout, the trainer holding its optimizer states on both GPUs
+  # (--no-offload-train): its restart (no barrier) meets uneven free memory; SGLang's balance check warns
+  # (SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0, the placement's env) and the run ends with one restart
+  TR_ONE=("${TR[@]}"); TR=("${TR2[@]}")
+  check grpo_sglang_colocated_tp2_restart restart_run "$DIR/grpo_tp2_restart" "${GRPO[@]}" "${SGL[@]}" --colocate \
+    --no-offload-train --weight-sync disk --sglang-mem-fraction-static 0.3
+  TR=("${TR_ONE[@]}")
+  check grpo_sglang_colocated_tp2_restart_log bash -c "grep -c 'memory capacity is unbalanced' \
+    $DIR/grpo_tp2_restart/sglang.log; ! grep -q 'RuntimeError: The memory capacity' $DIR/grpo_tp2_restart/sglang.log"
 fi
 echo "$failed check(s) failed; logs in $DIR"
 exit $((failed > 0))
