@@ -14,8 +14,7 @@ class PackedCoreAttention(torch.nn.Module):
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None):
         super().__init__()
-        self.cp = config.context_parallel_size
-        self.scale = softmax_scale  # None: 1 / sqrt(head dim), Megatron's default too
+        self.cp, self.scale = config.context_parallel_size, softmax_scale  # scale None: 1 / sqrt(head dim), as Megatron
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):

@@ -226,9 +226,8 @@ class SGLangEngine(Engine):
         -> number of tensors. A load the server refuses raises RuntimeError with its message."""
         # "tensor" shares copies: each CUDA IPC share wraps the storage in one more ref-counted context, freed with it
         # (torch/csrc/StorageSharing.cpp THPStorage_shareCuda): a parameter's would grow a chain every sync
-        copy = self.weight_sync == "tensor"
-        buckets = (b if isinstance(b, Serialized) else [(k, v.to(self.dtype, copy=copy)) for k, v in b]
-                   for b in buckets)
+        buckets = (b if isinstance(b, Serialized) else [(k, v.to(self.dtype, copy=self.weight_sync == "tensor"))
+                                                       for k, v in b] for b in buckets)
         if self.weight_sync == "disk":
             return sync_disk(self.server, buckets, self.hf_dir)
         weight_update(self.server, "/begin_weight_update", {})

@@ -171,8 +171,7 @@ class Server:
             self.on_restart()
 
     def watch(self, every=2.0):
-        """Restart the server as soon as it dies (a daemon thread), not at our next request: for one that
-        only a router calls, and that comes back with the weights it had."""
+        """Restart the server when it dies (a daemon thread): for one only a router calls, its weights on disk."""
         def loop():
             while self.proc is not None:
                 time.sleep(every)
@@ -195,8 +194,7 @@ class Server:
 
     def post(self, path, payload, timeout=None, url=None):
         """POST to this server (or to `url`, another server of the job's: the same key)."""
-        key = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        headers = {"Content-Type": "application/json", **key}
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})}
         req = urllib.request.Request((url or self.url) + path, data=json.dumps(payload).encode(), headers=headers,
                                      method="POST")
         try:
