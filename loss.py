@@ -1,7 +1,8 @@
-"""The GRPO step's maths as pure tensor functions in registries keyed by their flags' choices: advantage estimators
-with policy losses (ESTIMATORS), KL estimators (KL), TIS. A policy loss takes a micro-batch's scored tokens (logp with
-gradient, old, adv: each (N,)), its sequences' token counts `lens`, the clip range and its entry's own flags -> each
-token's loss and statistic (the clip's: whether it changed the token: `clipfrac`). Layouts: docs/extending.md, "A loss".
+"""The GRPO step's maths as pure tensor functions in registries keyed by their flags' choices, chosen apart: advantage
+estimators (ESTIMATORS), policy losses (LOSSES), KL estimators (KL), TIS. A policy loss takes a micro-batch's scored
+tokens (logp with gradient, old, adv: each (N,)), its sequences' token counts `lens`, the clip range and its entry's own
+flags -> (each token's loss, {name: each token's statistic}), its entry's `stats` (the clip's `clipfrac`: whether it
+changed the token). Layouts: docs/extending.md, "A loss".
 """
 import collections
 
@@ -16,7 +17,7 @@ def grpo_advantages(r):  # a group's rewards (G,) float64 -> advantages (G,)
 
 def _clip(ratio, adv, eps_low, eps_high):
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
-    return -torch.minimum(ratio * adv, clipped * adv), clipped * adv < ratio * adv
+    return -torch.minimum(ratio * adv, clipped * adv), {"clipfrac": clipped * adv < ratio * adv}
 
 
 def ppo_clip(logp, old, adv, lens, eps_low, eps_high):
@@ -37,7 +38,7 @@ def cispo(logp, old, adv, lens, eps_low, eps_high):
     clipped IS weight takes no gradient, so a clipped token still learns (canonically --eps-clip 1: no lower bound)."""
     ratio = torch.exp(logp - old).detach()
     weight = ratio.clamp(1 - eps_low, 1 + eps_high)
-    return -weight * adv * logp, weight != ratio
+    return -weight * adv * logp, {"clipfrac": weight != ratio}
 
 
 def sapo(logp, old, adv, lens, eps_low, eps_high, sapo_tau_pos, sapo_tau_neg):
@@ -46,16 +47,15 @@ def sapo(logp, old, adv, lens, eps_low, eps_high, sapo_tau_pos, sapo_tau_neg):
     gradient's times w r, w = 4 p (1 - p), p = sigmoid(tau (r - 1)): the plain one at r = 1. Statistic `gate`: w."""
     tau = torch.where(adv > 0, sapo_tau_pos, sapo_tau_neg)
     p = torch.sigmoid(tau * (torch.exp((logp - old).clamp(-20, 20)) - 1))
-    return -4 / tau * p * adv, (4 * p * (1 - p)).detach()
+    return -4 / tau * p * adv, {"gate": (4 * p * (1 - p)).detach()}
 
 
-Estimator = collections.namedtuple("Estimator", ["advantage", "policy", "flags", "stat"], defaults=({}, "clipfrac"))
-ESTIMATORS = {"grpo": Estimator(grpo_advantages, ppo_clip),
-              "dr_grpo": Estimator(lambda r: r - r.mean(), ppo_clip),  # Dr. GRPO: no division by the std
-              "gspo": Estimator(grpo_advantages, gspo), "cispo": Estimator(grpo_advantages, cispo),
-              "sapo": Estimator(grpo_advantages, sapo, {  # the paper's defaults (verl trainer/config/actor/actor.yaml:46-49)
-                  "--sapo-tau-pos": dict(type=F.at_least(1e-3), default=1.0, help="SAPO's gate temperature where A > 0"),
-                  "--sapo-tau-neg": dict(type=F.at_least(1e-3), default=1.05, help="SAPO's temperature where A <= 0")}, "gate")}
+ESTIMATORS = {"grpo": grpo_advantages, "dr_grpo": lambda r: r - r.mean()}  # Dr. GRPO: no division by the std
+Loss = collections.namedtuple("Loss", ["policy", "stats", "flags"], defaults=(("clipfrac",), {}))  # stats: its names
+LOSSES = {"ppo_clip": Loss(ppo_clip), "gspo": Loss(gspo), "cispo": Loss(cispo),  # verl's policy_loss.loss_mode
+          "sapo": Loss(sapo, ("gate",), {  # the paper's defaults (verl trainer/config/actor/actor.yaml:46-49)
+              "--sapo-tau-pos": dict(type=F.at_least(1e-3), default=1.0, help="SAPO's gate temperature where A > 0"),
+              "--sapo-tau-neg": dict(type=F.at_least(1e-3), default=1.05, help="SAPO's temperature where A <= 0")})}
 
 
 def advantages(rewards, groups, estimator):
@@ -65,7 +65,7 @@ def advantages(rewards, groups, estimator):
         idx = [i for i, x in enumerate(groups) if x == g]
         r = torch.tensor([rewards[i] for i in idx], dtype=torch.float64)
         if len(idx) > 1 and not bool((r == r[0]).all()):
-            for i, v in zip(idx, ESTIMATORS[estimator].advantage(r).tolist()):
+            for i, v in zip(idx, ESTIMATORS[estimator](r).tolist()):
                 out[i] = v
     return out
 
