@@ -1,9 +1,7 @@
-"""The GRPO step's maths as pure tensor functions in registries keyed by their flags' choices, chosen apart: advantage
-estimators (ESTIMATORS), policy losses (LOSSES), KL estimators (KL), TIS. A policy loss takes a micro-batch's scored
-tokens (logp with gradient, old, adv: each (N,)), its sequences' token counts `lens`, the clip range and its entry's own
-flags -> (each token's loss, {name: each token's statistic}), its entry's `stats` (the clip's `clipfrac`: whether it
-changed the token). Layouts: docs/extending.md, "A loss".
-"""
+"""The GRPO step's maths as pure tensor functions in registries keyed by their flags' choices: advantage estimators
+(ESTIMATORS) and policy losses (LOSSES), chosen apart, KL estimators (KL), TIS. A policy loss takes a micro-batch's
+scored tokens (logp with gradient, old, adv: each (N,)), its sequences' token counts `lens`, the clip range and its own
+flags -> (each token's loss, {each of its entry's `stats`: per token}). Layouts: docs/extending.md, "A loss"."""
 import collections
 
 import torch
@@ -11,26 +9,18 @@ import torch
 import flags as F
 
 
-def grpo_advantages(r):  # a group's rewards (G,) float64 -> advantages (G,)
-    return (r - r.mean()) / (r.std() + 1e-6)
-
-
-def _clip(ratio, adv, eps_low, eps_high):
+def ppo_clip(logp, old, adv, lens, eps_low, eps_high):
+    """PPO-clip per token: ratio = exp(logp - old), loss -min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A)."""
+    ratio = torch.exp(logp - old)
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     return -torch.minimum(ratio * adv, clipped * adv), {"clipfrac": clipped * adv < ratio * adv}
 
 
-def ppo_clip(logp, old, adv, lens, eps_low, eps_high):
-    """PPO-clip per token: ratio = exp(logp - old), loss -min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A)."""
-    return _clip(torch.exp(logp - old), adv, eps_low, eps_high)
-
-
 def gspo(logp, old, adv, lens, eps_low, eps_high):
-    """GSPO (Qwen, arXiv 2507.18071): one ratio a sequence, exp(mean over its tokens of logp - old), clipped per
-    sequence; each of its tokens carries it."""
+    """GSPO (Qwen, arXiv 2507.18071): PPO-clip of one log-ratio a sequence, the mean over its tokens of logp - old,
+    which each of its tokens carries."""
     per_seq = torch.stack([d.sum() / max(1, len(d)) for d in (logp - old).split(lens)])
-    ratio = per_seq.exp().repeat_interleave(torch.tensor(lens, device=logp.device))
-    return _clip(ratio, adv, eps_low, eps_high)
+    return ppo_clip(per_seq.repeat_interleave(torch.tensor(lens, device=logp.device)), 0, adv, lens, eps_low, eps_high)
 
 
 def cispo(logp, old, adv, lens, eps_low, eps_high):
@@ -50,7 +40,8 @@ def sapo(logp, old, adv, lens, eps_low, eps_high, sapo_tau_pos, sapo_tau_neg):
     return -4 / tau * p * adv, {"gate": (4 * p * (1 - p)).detach()}
 
 
-ESTIMATORS = {"grpo": grpo_advantages, "dr_grpo": lambda r: r - r.mean()}  # Dr. GRPO: no division by the std
+# A group's rewards (G,) float64 -> advantages (G,); Dr. GRPO's: no division by the std
+ESTIMATORS = {"grpo": lambda r: (r - r.mean()) / (r.std() + 1e-6), "dr_grpo": lambda r: r - r.mean()}
 Loss = collections.namedtuple("Loss", ["policy", "stats", "flags"], defaults=(("clipfrac",), {}))  # stats: its names
 LOSSES = {"ppo_clip": Loss(ppo_clip), "gspo": Loss(gspo), "cispo": Loss(cispo),  # verl's policy_loss.loss_mode
           "sapo": Loss(sapo, ("gate",), {  # the paper's defaults (verl trainer/config/actor/actor.yaml:46-49)

@@ -50,8 +50,7 @@ def build_parser():
     R.add_args(p)
     a = p.add_argument_group("GRPO").add_argument
     a("--num-rollout", type=F.COUNT, default=100, help="GRPO steps (rollout + update); 0: evaluate only")
-    a("--advantage-estimator", default="grpo", choices=[*L.ESTIMATORS, *L.LOSSES], help="loss.py; README, \"The "
-      "algorithm\". A --policy-loss name (slime's gspo): grpo with that loss")
+    a("--advantage-estimator", default="grpo", choices=[*L.ESTIMATORS, *L.LOSSES], help="a --policy-loss: grpo with it")
     a("--policy-loss", default="ppo_clip", choices=list(L.LOSSES), help="loss.py (verl's policy_loss.loss_mode)")
     for name, kw in F.own_flags(L.LOSSES).items():  # each loss's own (SAPO's temperatures)
         a(name, **kw)
