@@ -1,8 +1,7 @@
 """The GRPO step's maths as pure tensor functions in registries keyed by their flags' choices: advantage estimators
-with policy losses (ESTIMATORS), KL estimators (KL), TIS. A policy loss takes a micro-batch's scored tokens (logp with
-gradient, old, adv: each (N,)), its sequences' token counts `lens`, the clip range and its entry's own flags -> each
-token's loss and statistic (the clip's: whether it changed the token: `clipfrac`). Layouts: docs/extending.md, "A loss".
-"""
+(ESTIMATORS) and policy losses (LOSSES), chosen apart, KL estimators (KL), TIS. A policy loss takes a micro-batch's
+scored tokens (logp with gradient, old, adv: each (N,)), its sequences' token counts `lens`, the clip range and its own
+flags -> (each token's loss, {each of its entry's `stats`: per token}). Layouts: docs/extending.md, "A loss"."""
 import collections
 
 import torch
@@ -10,26 +9,18 @@ import torch
 import flags as F
 
 
-def grpo_advantages(r):  # a group's rewards (G,) float64 -> advantages (G,)
-    return (r - r.mean()) / (r.std() + 1e-6)
-
-
-def _clip(ratio, adv, eps_low, eps_high):
-    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
-    return -torch.minimum(ratio * adv, clipped * adv), clipped * adv < ratio * adv
-
-
 def ppo_clip(logp, old, adv, lens, eps_low, eps_high):
     """PPO-clip per token: ratio = exp(logp - old), loss -min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A)."""
-    return _clip(torch.exp(logp - old), adv, eps_low, eps_high)
+    ratio = torch.exp(logp - old)
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+    return -torch.minimum(ratio * adv, clipped * adv), {"clipfrac": clipped * adv < ratio * adv}
 
 
 def gspo(logp, old, adv, lens, eps_low, eps_high):
-    """GSPO (Qwen, arXiv 2507.18071): one ratio a sequence, exp(mean over its tokens of logp - old), clipped per
-    sequence; each of its tokens carries it."""
+    """GSPO (Qwen, arXiv 2507.18071): PPO-clip of one log-ratio a sequence, the mean over its tokens of logp - old,
+    which each of its tokens carries."""
     per_seq = torch.stack([d.sum() / max(1, len(d)) for d in (logp - old).split(lens)])
-    ratio = per_seq.exp().repeat_interleave(torch.tensor(lens, device=logp.device))
-    return _clip(ratio, adv, eps_low, eps_high)
+    return ppo_clip(per_seq.repeat_interleave(torch.tensor(lens, device=logp.device)), 0, adv, lens, eps_low, eps_high)
 
 
 def cispo(logp, old, adv, lens, eps_low, eps_high):
@@ -37,7 +28,7 @@ def cispo(logp, old, adv, lens, eps_low, eps_high):
     clipped IS weight takes no gradient, so a clipped token still learns (canonically --eps-clip 1: no lower bound)."""
     ratio = torch.exp(logp - old).detach()
     weight = ratio.clamp(1 - eps_low, 1 + eps_high)
-    return -weight * adv * logp, weight != ratio
+    return -weight * adv * logp, {"clipfrac": weight != ratio}
 
 
 def sapo(logp, old, adv, lens, eps_low, eps_high, sapo_tau_pos, sapo_tau_neg):
@@ -46,16 +37,16 @@ def sapo(logp, old, adv, lens, eps_low, eps_high, sapo_tau_pos, sapo_tau_neg):
     gradient's times w r, w = 4 p (1 - p), p = sigmoid(tau (r - 1)): the plain one at r = 1. Statistic `gate`: w."""
     tau = torch.where(adv > 0, sapo_tau_pos, sapo_tau_neg)
     p = torch.sigmoid(tau * (torch.exp((logp - old).clamp(-20, 20)) - 1))
-    return -4 / tau * p * adv, (4 * p * (1 - p)).detach()
+    return -4 / tau * p * adv, {"gate": (4 * p * (1 - p)).detach()}
 
 
-Estimator = collections.namedtuple("Estimator", ["advantage", "policy", "flags", "stat"], defaults=({}, "clipfrac"))
-ESTIMATORS = {"grpo": Estimator(grpo_advantages, ppo_clip),
-              "dr_grpo": Estimator(lambda r: r - r.mean(), ppo_clip),  # Dr. GRPO: no division by the std
-              "gspo": Estimator(grpo_advantages, gspo), "cispo": Estimator(grpo_advantages, cispo),
-              "sapo": Estimator(grpo_advantages, sapo, {  # the paper's defaults (verl trainer/config/actor/actor.yaml:46-49)
-                  "--sapo-tau-pos": dict(type=F.at_least(1e-3), default=1.0, help="SAPO's gate temperature where A > 0"),
-                  "--sapo-tau-neg": dict(type=F.at_least(1e-3), default=1.05, help="SAPO's temperature where A <= 0")}, "gate")}
+# A group's rewards (G,) float64 -> advantages (G,); Dr. GRPO's: no division by the std
+ESTIMATORS = {"grpo": lambda r: (r - r.mean()) / (r.std() + 1e-6), "dr_grpo": lambda r: r - r.mean()}
+Loss = collections.namedtuple("Loss", ["policy", "stats", "flags"], defaults=(("clipfrac",), {}))  # stats: its names
+LOSSES = {"ppo_clip": Loss(ppo_clip), "gspo": Loss(gspo), "cispo": Loss(cispo),  # verl's policy_loss.loss_mode
+          "sapo": Loss(sapo, ("gate",), {  # the paper's defaults (verl trainer/config/actor/actor.yaml:46-49)
+              "--sapo-tau-pos": dict(type=F.at_least(1e-3), default=1.0, help="SAPO's gate temperature where A > 0"),
+              "--sapo-tau-neg": dict(type=F.at_least(1e-3), default=1.05, help="SAPO's temperature where A <= 0")})}
 
 
 def advantages(rewards, groups, estimator):
@@ -65,7 +56,7 @@ def advantages(rewards, groups, estimator):
         idx = [i for i, x in enumerate(groups) if x == g]
         r = torch.tensor([rewards[i] for i in idx], dtype=torch.float64)
         if len(idx) > 1 and not bool((r == r[0]).all()):
-            for i, v in zip(idx, ESTIMATORS[estimator].advantage(r).tolist()):
+            for i, v in zip(idx, ESTIMATORS[estimator](r).tolist()):
                 out[i] = v
     return out
 

@@ -32,6 +32,7 @@ class Sample:
     rollout_logprobs: list = field(default_factory=list)   # engine logprob; 0.0 where mask 0
     images: list = field(default_factory=list)             # PIL, in order of their pads
     label: str = ""
+    tools: list = field(default_factory=list)              # the tools its row offers (multi-turn): rewards read it
     reward: float = 0.0              # reward.rewarded's: correctness, plus any SHAPING term
     correct: bool = False            # --rm-type's judge: what accuracy, pass@K and --dynamic-sampling read
     status: str = "completed"        # completed | truncated | aborted | failed
@@ -99,7 +100,7 @@ def new_episode(processor, rec, args, prompt):
     """`prompt` = (messages, tools, prompt ids): made once per record and shared by its group."""
     messages, tools, ids = prompt
     s = Sample(prompt_ids=list(ids), images=list(rec["images"]), label=str(rec["answer"]), index=rec.get("index", 0),
-               metadata={"steps": []})
+               metadata={"steps": []}, tools=env_geo3k.offered(rec.get("tools")) if args.max_turns > 1 else [])
     if args.max_turns == 1:
         return Episode(s)
     env, messages = env_geo3k.build_env(rec, args), list(messages)  # each episode appends its own turns

@@ -50,8 +50,9 @@ def build_parser():
     R.add_args(p)
     a = p.add_argument_group("GRPO").add_argument
     a("--num-rollout", type=F.COUNT, default=100, help="GRPO steps (rollout + update); 0: evaluate only")
-    a("--advantage-estimator", default="grpo", choices=list(L.ESTIMATORS), help="loss.py; README, \"The algorithm\"")
-    for name, kw in F.own_flags(L.ESTIMATORS).items():  # each estimator's own (SAPO's temperatures)
+    a("--advantage-estimator", default="grpo", choices=[*L.ESTIMATORS, *L.LOSSES], help="a --policy-loss: grpo with it")
+    a("--policy-loss", default="ppo_clip", choices=list(L.LOSSES), help="loss.py (verl's policy_loss.loss_mode)")
+    for name, kw in F.own_flags(L.LOSSES).items():  # each loss's own (SAPO's temperatures)
         a(name, **kw)
     a("--eps-clip", type=F.at_least(0.0), default=0.2, help="PPO clip below 1")
     a("--eps-clip-high", type=F.at_least(0.0), default=0.28, help="PPO clip above 1")
@@ -97,6 +98,10 @@ def parse_args(argv=None):
     args.global_batch_size = args.global_batch_size or args.rollout_batch_size * args.n_samples_per_prompt
     if args.offload_train is None:
         args.offload_train = args.colocate and torch.cuda.is_available()
+    if args.advantage_estimator in L.LOSSES:  # as slime's `--advantage-estimator gspo`, and this trainer's before
+        if args.policy_loss not in ("ppo_clip", args.advantage_estimator):
+            p.error(f"--advantage-estimator {args.advantage_estimator} names a loss: give it as --policy-loss")
+        args.advantage_estimator, args.policy_loss = "grpo", args.advantage_estimator
     if args.n_samples_per_prompt == 1 and args.num_rollout:
         p.error("--n-samples-per-prompt 1: a group of one has zero advantage, GRPO would learn nothing")
     if not (args.num_rollout or args.eval_prompt_data):
@@ -144,12 +149,12 @@ def to_item(sample, processor, adv, encoded=None, step=None):
 
 
 def policy_loss(model, ref, par, items, args, measure):
-    """The --advantage-estimator's policy loss (loss.py) over a global batch held as this rank's `items`, through
+    """The --policy-loss (loss.py) with its statistics over a global batch held as this rank's `items`, through
     the pipeline schedule (backward per micro-batch; under PP the loss is the last stage's, its stats reach every
     rank), with the KL, entropy and TIS terms, each token weighted by --loss-agg."""
     n_tok, n_seq = T.global_sum(sum(int(it.mask.sum()) for it in items), par), T.global_sum(len(items), par)
     temp = args.rollout_temperature or 1.0  # logprobs under the distribution the engine sampled from
-    est = L.ESTIMATORS[args.advantage_estimator]
+    fn = L.LOSSES[args.policy_loss]
     if ref is not None:  # forward-only, before the policy's passes: under PP both are whole schedules
         logprobs_into(ref, items, args, "ref_logprobs", replay=False)  # the initial policy routes as it would
     replay = measure and args.use_rollout_routing_replay
@@ -166,15 +171,14 @@ def policy_loss(model, ref, par, items, args, measure):
         adv = torch.tensor([float(it.adv) for it in mb], device=dev).repeat_interleave(n)
         w = (torch.full_like(logp, 1.0 / n_tok) if args.loss_agg == "token"  # token weights: mean over the batch's tokens,
              else (1.0 / n.clamp(min=1) / n_seq).repeat_interleave(n))  # or per-sequence mean then mean
-        pg, stat = est.policy(logp, cat("old"), adv, lens, args.eps_clip, args.eps_clip_high, **F.declared(est.flags, args))
+        pg, stat = fn.policy(logp, cat("old"), adv, lens, args.eps_clip, args.eps_clip_high, **F.declared(fn.flags, args))
         if args.tis_cap and mb[0].recomputed_logprobs is not None:  # truncated importance sampling
             pg = pg * L.tis(cat("old"), cat("rollout_logprobs"), args.tis_cap)
         loss_tok = pg - args.entropy_coef * ent if args.entropy_coef else pg  # without: no entropy backward
         kl = torch.zeros_like(logp) if ref is None else L.KL[args.kl_loss_type](logp, cat("ref_logprobs"))
         loss = ((loss_tok + args.kl_loss_coef * kl) * w).sum()
-        s = {"loss": loss.item(), "kl": (kl.detach() * w).sum().item(), est.stat: (stat.float() * w).sum().item(),
-             "entropy": (ent.detach() * w).sum().item(), "diff_sum": 0.0, "diff_max": 0.0, "same_sum": 0.0,
-             "same_n": 0.0}  # clipfrac: the clip cut it
+        s = {"loss": loss.item(), "kl": (kl.detach() * w).sum().item(), "entropy": (ent.detach() * w).sum().item(),
+             **{k: (stat[k].float() * w).sum().item() for k in fn.stats}}  # clipfrac: the clip cut it
         if measure:  # weights are still those the engine sampled with: logprobs must agree on the tokens they wrote
             diff = (logp.detach() - cat("rollout_logprobs")).abs()
             same = torch.ones_like(diff) if mb[0].same_version is None else cat("same_version").to(diff.dtype)
@@ -183,7 +187,7 @@ def policy_loss(model, ref, par, items, args, measure):
         return loss, s
     per_mb = pipeline.run(model, T.micro_batches(items, args.max_tokens_per_gpu, par, args.use_rollout_routing_replay),
                           lambda m, x: m(**x, temperature=temp, with_entropy=True), loss_of)
-    out = {k: T.global_sum(sum(s[k] for s in per_mb), par) for k in ("loss", est.stat, "kl", "entropy")}
+    out = {k: T.global_sum(sum(s[k] for s in per_mb), par) for k in ("loss", "kl", "entropy", *fn.stats)}
     out["packing_fill"] = sum(len(it.ids) for it in items) / max(1, len(per_mb) * args.max_tokens_per_gpu)  # rank 0's
     if measure:
         out["logprob_diff_mean"] = T.global_sum(sum(s["diff_sum"] for s in per_mb), par) / n_tok

@@ -320,7 +320,7 @@ fi
 for est in gspo cispo; do
   clip=(); [[ $est == cispo ]] && clip=(--eps-clip 1)
   check grpo_${est}_bf16 "${TR[@]}" train_grpo.py "${GRPO[@]}" --rollout-engine local "${BF16[@]}" \
-    --advantage-estimator $est "${clip[@]}" --save "$DIR/grpo_${est}"
+    --policy-loss $est "${clip[@]}" --save "$DIR/grpo_${est}"
   check grpo_${est}_bf16_metrics metric "$DIR/grpo_${est}"
 done
 # evaluation only (--num-rollout 0): greedy pass@1 and pass@4 at the rollout temperature, every response in

@@ -2,7 +2,7 @@
 as one process or under torchrun (TP, DP, CP, EP, PP). Each LAYOUT is NAME or NAME=FLAGS (FLAGS: its parallel sizes
 and options, below); for each, in turn, the worker sets up Megatron's parallel state anew, loads the model (and the
 --ref model) on it, and for each term (pg: advantages only; entropy: --entropy-coef alone; kl: --kl-loss-coef alone
-against --ref; gspo, with --gspo: pg under --advantage-estimator gspo) runs train_grpo.policy_loss over this rank's
+against --ref; gspo, with --gspo: pg under --policy-loss gspo) runs train_grpo.policy_loss over this rank's
 share, sums the gradients over data-parallel ranks as the optimizer step does, and rank 0 writes every parameter's
 full gradient under its HF name to <out>/NAME/<term>.safetensors, with the loss in <out>/NAME/<term>.json, and the
 layout it ran (each parallel size) in <out>/NAME/layout.json. The samples come made (SAMPLES: torch.save of samples()'s
@@ -72,7 +72,7 @@ def layout_flags():
     p.add_argument("--freeze-vit", action="store_true")
     p.add_argument("--max-tokens-per-gpu", default="700")
     p.add_argument("--replay", action="store_true", help="R3: the routers replay fixed random experts at half the tokens")
-    p.add_argument("--gspo", action="store_true", help="also the term gspo: --advantage-estimator gspo's policy "
+    p.add_argument("--gspo", action="store_true", help="also the term gspo: --policy-loss gspo's "
                    "gradient (one ratio a sequence: under CP its tokens are on two ranks)")
     return p
 
@@ -106,7 +106,7 @@ def gradients(a, lay, base, out):
     if ref is not None:
         terms["kl"] = dict(kl_loss_coef=1.0)
     if lay.gspo:
-        terms["gspo"] = dict(advantage_estimator="gspo")
+        terms["gspo"] = dict(policy_loss="gspo")
     if par.rank == 0:
         out.mkdir(parents=True)
         sizes = {k: getattr(par, k) for k in ("tp", "cp", "pp", "ep", "dp")}

@@ -210,10 +210,10 @@ def loss_items(old, adv, rollout_old=None):
 @pytest.mark.parametrize("agg,tis,est,budget,want,clipfrac", [
     # sample A: old [-1.0, -0.5], new [-0.6, -0.7], adv +1; sample B: old [-2.0], new [-2.0], adv -1
     # ratios e^0.4 = 1.4918 (clipped to 1.28: A's first token), e^-0.2 = 0.8187, e^0 = 1
-    ("token", 0, "grpo", 1, (-1.28 - math.exp(-0.2) + 1.0) / 3, 1 / 3),     # mean over the 3 tokens
-    ("sequence", 0, "grpo", 1, ((-1.28 - math.exp(-0.2)) / 2 + 1.0) / 2, 0.25),  # mean per sample, then over 2
+    ("token", 0, "ppo_clip", 1, (-1.28 - math.exp(-0.2) + 1.0) / 3, 1 / 3),     # mean over the 3 tokens
+    ("sequence", 0, "ppo_clip", 1, ((-1.28 - math.exp(-0.2)) / 2 + 1.0) / 2, 0.25),  # mean per sample, then over 2
     # TIS, rollout logprobs A [-1.5, -0.5], B [-1.0]: weights exp(old - rollout) = e^0.5 -> cap 1.2, 1, e^-1
-    ("token", 1.2, "grpo", 1, (-1.28 * 1.2 - math.exp(-0.2) * 1.0 + 1.0 * math.exp(-1.0)) / 3, 1 / 3),
+    ("token", 1.2, "ppo_clip", 1, (-1.28 * 1.2 - math.exp(-0.2) * 1.0 + 1.0 * math.exp(-1.0)) / 3, 1 / 3),
     # both samples in one micro-batch, split by lens: GSPO's ratio of A is e^((0.4 - 0.2) / 2), B's e^0
     ("token", 0, "gspo", 64, (-2 * math.exp(0.1) + 1.0) / 3, 0.0),
     # CISPO: -sg(clip(ratio)) A logp: A's tokens 1.28 * 0.6 and e^-0.2 * 0.7, B's -(1 * -1 * -2.0)
@@ -224,7 +224,7 @@ def test_policy_loss_aggregation_tis_and_estimators_by_hand(agg, tis, est, budge
     import parallel
     parallel.init_distributed(1)
     args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--loss-agg", agg,
-                         "--tis-cap", str(tis), "--max-tokens-per-gpu", str(budget), "--advantage-estimator", est])
+                         "--tis-cap", str(tis), "--max-tokens-per-gpu", str(budget), "--policy-loss", est])
     par = types.SimpleNamespace(dp=1, cp=1, ep=1, pp=1, dp_group=None, device=torch.device("cpu"))
     items = loss_items([[-1.0, -0.5], [-2.0]], [1.0, -1.0], [[-1.5, -0.5], [-1.0]] if tis else None)
     model = FakeModel([-0.6, -0.7, -2.0], par)
@@ -256,18 +256,18 @@ def test_each_entrys_own_flags_reach_it(monkeypatch):
 
     def spy(logp, old, adv, lens, eps_low, eps_high, spy_x):
         seen["loss"] = spy_x
-        return -logp * adv, torch.full_like(logp, 0.5)
+        return -logp * adv, {"spied": torch.full_like(logp, 0.5), "clipfrac": torch.zeros_like(logp)}
 
     def spy_tool(env, arguments):
         seen["tool"] = env.flags["spy_size"]
         return "ok", [], {}
-    monkeypatch.setitem(L.ESTIMATORS, "spy", L.Estimator(L.grpo_advantages, spy, {"--spy-x": dict(type=float)}, "spied"))
+    monkeypatch.setitem(L.LOSSES, "spy", L.Loss(spy, ("spied", "clipfrac"), {"--spy-x": dict(type=float)}))
     monkeypatch.setitem(reward.SHAPING, "spy", reward.Shaping(lambda s, rec, cfg: cfg.spy_bonus,
                                                               {"--spy-bonus": dict(type=float, default=0.0)}))
     monkeypatch.setitem(env_geo3k.TOOLS, "spy", env_geo3k.Tool(spy_tool, "spy", "spy", {"n": {"type": "integer"}},
                                                                {"n": 1}, flags={"--spy-size": dict(type=int)}))
     base = ["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--max-turns", "2"]
-    args = G.parse_args(base + ["--advantage-estimator", "spy", "--spy-x", "3.5", "--spy-bonus", "0.25",
+    args = G.parse_args(base + ["--policy-loss", "spy", "--spy-x", "3.5", "--spy-bonus", "0.25",
                                 "--spy-size", "7"])
     parallel.init_distributed(1)
     par = types.SimpleNamespace(dp=1, cp=1, ep=1, pp=1, dp_group=None, device=torch.device("cpu"))
@@ -276,13 +276,13 @@ def test_each_entrys_own_flags_reach_it(monkeypatch):
         items = loss_items([[-1.0, -0.5], [-2.0]], [1.0, -1.0])
         model = FakeModel([-0.6, -0.7, -2.0], par)
         return G.policy_loss(model, None, par, items, args, measure=False)
-    assert stats(args)["spied"] == pytest.approx(0.5) and seen["loss"] == 3.5
+    assert stats(args)["spied"] == pytest.approx(0.5) and stats(args)["clipfrac"] == 0.0 and seen["loss"] == 3.5
     cfg = rollout.settings(args)
     assert reward.rewarded(rollout.Sample(prompt_ids=[]), {"answer": "1"}, cfg) == 0.25
     env = env_geo3k.build_env({"answer": "1", "images": [], "tools": ["spy"]}, cfg)
     assert env.step('<tool_call>{"name": "spy", "arguments": {"n": 1}}</tool_call>')[2]["ran"] and seen["tool"] == 7
     # SAPO: -4 / tau sigmoid(tau (r - 1)) A a token, tau 2 where A > 0 (A's tokens), 3 where not (B's, r = 1)
-    sapo = stats(G.parse_args(base + ["--advantage-estimator", "sapo", "--sapo-tau-pos", "2", "--sapo-tau-neg", "3"]))
+    sapo = stats(G.parse_args(base + ["--policy-loss", "sapo", "--sapo-tau-pos", "2", "--sapo-tau-neg", "3"]))
     p = [1 / (1 + math.exp(-2 * (r - 1))) for r in (math.exp(0.4), math.exp(-0.2))]
     assert sapo["loss"] == pytest.approx((-2 * p[0] - 2 * p[1] + 4 / 3 * 0.5) / 3)
     assert sapo["gate"] == pytest.approx((4 * p[0] * (1 - p[0]) + 4 * p[1] * (1 - p[1]) + 1) / 3) and "clipfrac" not in sapo

@@ -101,7 +101,7 @@ def probe(out_path):
                 before, t = _state(torch, calls), time.perf_counter()
                 importlib.import_module(name)
                 result = {"import_s": round(time.perf_counter() - t, 2),
-                          "changes": _changes(before, _state(torch, calls))}
+                          "changes": _changes(before, _state(torch, calls)), "core": sorted(set(MODULES) & set(sys.modules))}
             except BaseException as e:  # noqa: B036 (a failed import is a result too)
                 result = {"changes": {"import failed": repr(e)}}
             with os.fdopen(write, "w") as f:
@@ -127,6 +127,12 @@ def report(tmp_path_factory):
 @pytest.mark.parametrize("name", MODULES)
 def test_import_changes_nothing(report, name):
     assert report[name]["changes"] == {}, json.dumps(report[name]["changes"], indent=1)
+
+
+def test_rewards_need_no_env(report):
+    """A reward or shaping term reads the tools a row is offered from its sample (rollout.Sample.tools): reward.py
+    imports no env_geo3k, even through another module (env_geo3k imports reward: a circle)."""
+    assert "env_geo3k" not in report["reward"]["core"] and "reward" in report["env_geo3k"]["core"]
 
 
 # In a fresh process: the first scoring calls, with reward._judge wrapped to record what it imports
