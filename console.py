@@ -32,11 +32,11 @@ def steps(run, start, total):
             break
     bar.close()
     if run.rank == 0:
-        latest, first = run.save / (run.save / "latest").read_text().strip(), {}
-        for line in reversed((run.save / "metrics.jsonl").read_text().splitlines()):  # each eval's first, resumes too
-            first.update(json.loads(line))
-        shown = [f"{k} {run.last[k]:.3f}" for k in shown] + [f"{k} {first[k]:.3f} -> {v:.3f}" for k, v in run.last.items()
-                                                             if k.startswith("eval_") and isinstance(v, float)]
+        latest = run.save / (run.save / "latest").read_text().strip()
+        rows = [json.loads(x) for x in (run.save / "metrics.jsonl").read_text().splitlines()]  # resumes' steps too
+        evals = [k for k, v in run.last.items() if k.startswith("eval_") and isinstance(v, float)]  # first -> last
+        shown = [f"{k} {run.last[k]:.3f}" for k in shown] + [f"{k} {next(r[k] for r in rows if k in r):.3f} -> "
+                                                             f"{run.last[k]:.3f}" for k in evals]
         if run.stopping:
             say(f"[run] {run.stopping}: stopped after step {step + 1} of {total}, saved {latest}; resume: "
                 f"{resume_command(sys.argv, run.args)}")

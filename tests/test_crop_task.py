@@ -19,7 +19,8 @@ from conftest import grpo_args, rollout_args
 from fakes import ScriptedEngine
 import fakes
 from test_data import _sides_from_image
-from tools import blank_crop, report, synth
+from bench import blank_crop
+from tools import report, synth
 
 
 @pytest.fixture(scope="module")

@@ -417,7 +417,8 @@ def test_killing_torchrun_stops_its_workers(ckpt, synth, tmp_path):
 def test_help_shows_defaults_and_each_tool_its_own(capsys):
     import sft
     import train_grpo
-    from tools import blank_crop, report
+    from bench import blank_crop
+    from tools import report
     for mod in (train_grpo, sft):
         with pytest.raises(SystemExit):
             mod.parse_args(["--help"])

@@ -1,12 +1,10 @@
-"""report.py: did it learn? the summary of a run folder (run.sh's stages, or one run of train_grpo.py or sft.py) as
-summary.md and a PNG: each stage's seconds, train reward (SFT: loss) as the mean of its first and last 5 steps, every
-greedy eval, the 95% band of its start for n eval problems (binomial), chance where known (synth.json), a verdict.
+"""report.py: did it learn? the summary of a run folder (run.sh's stages, or one train_grpo.py or sft.py run): seconds,
+train reward (SFT: loss), every greedy eval, its start's 95% band, chance where known, a verdict; summary.md and a PNG.
 
     python tools/report.py runs/cpu-demo            # or any run's folder (its metrics.jsonl)
 """
 import argparse
 import json
-import math
 from pathlib import Path
 from statistics import fmean
 
@@ -30,8 +28,7 @@ def read(path):
 
 
 def eval_set(folder):
-    """(problems in the stage's first eval (its eval_*.jsonl), a uniform guess's accuracy on its eval data (the
-    synth.json tools/synth.py writes beside it) or None): the band's n and the chance level."""
+    """(n: the problems of its first eval_*.jsonl, chance: its eval data's synth.json (tools/synth.py) or None)."""
     files, cfg = sorted(folder.glob("eval_*.jsonl")), sorted(folder.glob("config_*.json"))[:1]
     meta = [Path(str(json.loads(c.read_text()).get("eval_prompt_data")), "synth.json") for c in cfg]
     return (len({json.loads(x)["index"] for x in files[0].read_text().splitlines()}) or None if files else None,
@@ -40,15 +37,14 @@ def eval_set(folder):
 
 def band(p, n, z=1.96):
     """The 95% Wilson score interval of a share p of n problems (binomial): (low, high)."""
-    mid, half = (p + z * z / (2 * n)) / (1 + z * z / n), z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    mid, half = (p + z * z / (2 * n)) / (1 + z * z / n), z / (1 + z * z / n) * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5
     return mid - half, mid + half
 
 
 def stage_rows(run):
     """[(title, seconds, first 5 steps' mean reward (SFT: loss), last 5's, {eval key: [label, before, after, [(step,
-    value) of each eval it ran]]}, eval_set)], [(title, reward curve, {tool curve: points})]. A stage without an eval on
-    its set begins where the last stage on that set ended and ends where the next begins (the crop SFT: no before;
-    base_eval: the random model, SFT's before)."""
+    value) of each eval]]}, eval_set)], [(title, reward curve, {tool curve: points})]. A stage without an eval on its set
+    begins where the last on that set ended, ends where the next begins (base_eval: the random model, SFT's before)."""
     tsv = run / "stages.tsv"  # run.sh's stage\tseconds
     seconds = dict(x.split("\t") for x in tsv.read_text().splitlines()) if tsv.exists() else {}
     one = [(".", f"{run.name} ({kind})", "run") for kind in ("grpo", "sft") if (run / f"config_{kind}.json").exists()]
