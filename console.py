@@ -31,18 +31,14 @@ def steps(run, start, total):
         if run.stopping:
             break
     bar.close()
-    if run.rank == 0:
+    if run.rank == 0:  # each eval's first value (metrics.jsonl: resumed runs' earlier steps too) -> its last
         latest = run.save / (run.save / "latest").read_text().strip()
-        rows = [json.loads(x) for x in (run.save / "metrics.jsonl").read_text().splitlines()]  # resumes' steps too
-        evals = [k for k, v in run.last.items() if k.startswith("eval_") and isinstance(v, float)]  # first -> last
-        shown = [f"{k} {run.last[k]:.3f}" for k in shown] + [f"{k} {next(r[k] for r in rows if k in r):.3f} -> "
-                                                             f"{run.last[k]:.3f}" for k in evals]
-        if run.stopping:
-            say(f"[run] {run.stopping}: stopped after step {step + 1} of {total}, saved {latest}; resume: "
-                f"{resume_command(sys.argv, run.args)}")
-        else:
-            say(f"[run] done: steps {start} -> {total} in {(time.time() - t) / 60:.1f} min; last {', '.join(shown)}; "
-                f"checkpoint {latest}")
+        first = {k: v for x in reversed((run.save / "metrics.jsonl").read_text().splitlines()) for k, v in json.loads(x).items()}
+        shown = [f"{k} {run.last[k]:.3f}" for k in shown] + [f"{k} {first[k]:.3f} -> {v:.3f}" for k, v in run.last.items()
+                                                             if k.startswith("eval_") and isinstance(v, float)]
+        done = f"done: steps {start} -> {total} in {(time.time() - t) / 60:.1f} min; last {', '.join(shown)}; checkpoint"
+        say(f"[run] {run.stopping}: stopped after step {step + 1} of {total}, saved {latest}; resume: "
+            f"{resume_command(sys.argv, run.args)}" if run.stopping else f"[run] {done} {latest}")
 
 
 def stop_reason(run):
