@@ -49,7 +49,7 @@ def test_the_report_lists_and_draws_every_eval_with_its_band_and_chance_and_says
     assert "| rising (grpo) | - | 0.120 -> 0.800 | single-turn accuracy 0.300 -> 0.950 |" in summary, summary
     assert ("rising (grpo) learnt: single-turn accuracy 0.300 -> 0.950, above the 95% band of its start "
             "(0.202-0.421 for 64 problems; chance 0.250)") in summary, summary  # Wilson's, z 1.96
-    assert ("rising (grpo), single-turn accuracy at each greedy eval (step value): 0 0.300, 10 0.550, 20 0.110, "
+    assert ("- rising (grpo), single-turn accuracy at each greedy eval (step value): 0 0.300, 10 0.550, 20 0.110, "
             "30 0.800, 40 0.950") in summary, summary
     acc = figures[0].axes[1]  # every eval drawn, the start's band shaded, chance dashed
     assert [list(line.get_ydata()) for line in acc.lines] == [[0.3, 0.55, 0.11, 0.8, 0.95]]

@@ -97,7 +97,7 @@ def main(argv=None):
             odds = f"; chance {chance:.3f}" if chance is not None and k.endswith("accuracy") else ""
             lines.append(f"\n{t} {'learnt' if where == 'above' else 'did not learn'}: {label} {before:.3f} -> {after:.3f}, "
                          f"{where} the 95% band of its start ({low:.3f}-{high:.3f} for {n} problems{odds})")
-        lines += [f"{t}, {e[1]} at each greedy eval (step value): " + ", ".join(f"{s} {v:.3f}" for s, v in e[4]) for e in own]
+        lines += [f"- {t}, {e[1]} at each greedy eval (step value): " + ", ".join(f"{s} {v:.3f}" for s, v in e[4]) for e in own]
     text = "\n".join(lines)
     print(text)
     (run / "summary.md").write_text(text + "\n")
