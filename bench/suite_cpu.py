@@ -7,13 +7,13 @@ many Python interpreters it started (each one imports its stack again).
 How, and what it cannot see:
 - total: this process is a child subreaper (prctl(2) PR_SET_CHILD_SUBREAPER), so a process the suite started whose
   parent died first (a server, a torchrun worker) is re-parented here, not to PID 1; once pytest has ended, every one
-  is reaped and getrusage(RUSAGE_CHILDREN) holds them all. A process still running 60 s after pytest ended is listed
-  (a leak) and not counted. `machine` beside it: /proc/stat's busy time of every CPU over the run (everything on the
-  machine: the same on a quiet one).
+  is reaped as it ends (wait4: their share is said apart) and getrusage(RUSAGE_CHILDREN) holds them all. A process
+  still running 60 s after pytest ended is listed (a leak) and not counted. `machine` beside it: /proc/stat's busy
+  time of every CPU over the run (everything on the machine: the same on a quiet one).
 - per test (tests/conftest.py, under SUITE_CPU_DIR): around each test, in its worker, getrusage of the worker and of
   the children it reaped, plus /proc/<pid>/stat's utime, stime, cutime and cstime of its live children (the forkserver
   of tests/launch.py: its ranks count once it reaped them). A test's share of a module fixture is the first test's;
-  what a re-parented orphan used counts in the total only.
+  what a re-parented orphan used (e.g. a forkserver whose parent exited) is in no test's figure, only in the total.
 - interpreters: a sitecustomize.py first on PYTHONPATH writes each new interpreter's command line; one started
   without PYTHONPATH (an env= built from nothing, -I, -S) is not counted. A forked child (the forkserver's ranks) is
   not a new interpreter, rightly.
@@ -90,15 +90,22 @@ def main(argv):
     if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
         raise SystemExit(f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(ctypes.get_errno())}")
     machine, t = busy(), time.monotonic()
-    rc = subprocess.call([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *(argv or ["-n", "4", "--dist",
-                                                                                                "loadgroup"])], cwd=ROOT, env=env)
-    wall, machine = time.monotonic() - t, busy() - machine
-    deadline, left = time.monotonic() + 60, []
-    while True:  # the re-parented orphans: reap them all (their CPU joins RUSAGE_CHILDREN), or list who still runs
+    pytest = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                               *(argv or ["-n", "4", "--dist", "loadgroup"])], cwd=ROOT, env=env)
+    orphans, rc, left = 0.0, None, []
+    while rc is None:  # reap as they end: an orphan left a zombie would keep its process group alive (killpg(g, 0))
+        pid, status, usage = os.wait4(-1, 0)
+        if pid == pytest.pid:
+            rc = pytest.returncode = os.waitstatus_to_exitcode(status)
+        else:
+            orphans += usage.ru_utime + usage.ru_stime
+    wall, machine, deadline = time.monotonic() - t, busy() - machine, time.monotonic() + 60
+    while True:  # the orphans still running: reaped within 60 s, else listed (a leak) and not counted
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            pid, _, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
             break
+        orphans += usage.ru_utime + usage.ru_stime if pid else 0
         if pid == 0 and time.monotonic() > deadline:
             left = [Path(p).read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
                     for p in glob.glob("/proc/[0-9]*/cmdline") if _parent(p) == os.getpid()]
@@ -109,10 +116,11 @@ def main(argv):
     tests = [json.loads(x) for f in sorted(out.glob("tests.*.jsonl")) for x in f.read_text().splitlines()]
     interpreters = (out / "interpreters").read_text().splitlines() if (out / "interpreters").exists() else []
     summary = {"pytest_exit": rc, "wall_s": round(wall), "cpu_s": round(child.ru_utime + child.ru_stime),
-               "machine_busy_s": round(machine), "tests": len(tests), "tests_cpu_s": round(sum(x["cpu_s"] for x in tests)),
-               "interpreters": len(interpreters), "left_running": left}
+               "orphans_cpu_s": round(orphans), "machine_busy_s": round(machine), "tests": len(tests),
+               "tests_cpu_s": round(sum(x["cpu_s"] for x in tests)), "interpreters": len(interpreters), "left_running": left}
     print(f"\n[suite_cpu] pytest exit {rc}, {wall:.0f} s wall; CPU: {summary['cpu_s']} s in every process it started "
-          f"(the machine's CPUs were busy {machine:.0f} s); {len(tests)} tests, {summary['tests_cpu_s']} s of it in them")
+          f"(the machine's CPUs were busy {machine:.0f} s); {len(tests)} tests, {summary['tests_cpu_s']} s of it in them; "
+          f"{orphans:.0f} s in processes whose parent ended first (in no test's figure)")
     print("[suite_cpu] the 20 tests with the most CPU (s, with what they started; wall s):")
     for x in sorted(tests, key=lambda x: -x["cpu_s"])[:20]:
         print(f"  {x['cpu_s']:8.1f} {x['wall_s']:8.1f}  {x['test']}")
