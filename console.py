@@ -2,6 +2,7 @@
 bar, one line a fact that never splices into it (say), the end-of-run summary, a stop for preemption
 (--exit-signal-handler, --exit-duration-in-mins: Megatron's flags) and Ctrl-C (entry), each with the
 command that resumes. Mechanism: docs/training.md, "The loop's ends"."""
+import json
 import os
 import shlex
 import signal
@@ -30,15 +31,14 @@ def steps(run, start, total):
         if run.stopping:
             break
     bar.close()
-    if run.rank == 0:
+    if run.rank == 0:  # each eval's first value (metrics.jsonl: resumed runs' earlier steps too) -> its last
         latest = run.save / (run.save / "latest").read_text().strip()
-        shown += [k for k, v in run.last.items() if k.startswith("eval_") and isinstance(v, float)]
-        if run.stopping:
-            say(f"[run] {run.stopping}: stopped after step {step + 1} of {total}, saved {latest}; resume: "
-                f"{resume_command(sys.argv, run.args)}")
-        else:
-            say(f"[run] done: steps {start} -> {total} in {(time.time() - t) / 60:.1f} min; last "
-                f"{', '.join(f'{k} {run.last[k]:.3f}' for k in shown)}; checkpoint {latest}")
+        first = {k: v for x in reversed((run.save / "metrics.jsonl").read_text().splitlines()) for k, v in json.loads(x).items()}
+        shown = [f"{k} {run.last[k]:.3f}" for k in shown] + [f"{k} {first[k]:.3f} -> {v:.3f}" for k, v in run.last.items()
+                                                             if k.startswith("eval_") and isinstance(v, float)]
+        done = f"done: steps {start} -> {total} in {(time.time() - t) / 60:.1f} min; last {', '.join(shown)}; checkpoint"
+        say(f"[run] {run.stopping}: stopped after step {step + 1} of {total}, saved {latest}; resume: "
+            f"{resume_command(sys.argv, run.args)}" if run.stopping else f"[run] {done} {latest}")
 
 
 def stop_reason(run):

@@ -14,6 +14,9 @@ import sys
 import time
 from pathlib import Path
 
+# the files that were tests/test_rollout.py and tests/test_sglang_engine.py before they were split by concern
+ROLLOUT = ["tests/test_rollout.py", "tests/test_episodes.py", "tests/test_rollout_groups.py"]
+SGLANG = ["tests/test_sglang_engine.py", "tests/test_sglang_processes.py", "tests/test_sglang_abort.py"]
 # id: (the slip, file, text as written, text with the slip, the test files that should catch it)
 DEFECTS = {
     "clip_max": ("PPO clip: max instead of min of the two surrogates", "loss.py",
@@ -28,10 +31,10 @@ DEFECTS = {
                    "ratio = torch.exp(logp - old).detach()", "ratio = torch.exp(logp - old)", ["tests/test_loss.py"]),
     "mask_last": ("rollout: the model's last token (its stop) gets loss mask 0", "rollout.py",
                   "s.loss_mask += [1] * len(ids)", "s.loss_mask += [1] * (len(ids) - 1) + [0] * min(1, len(ids))",
-                  ["tests/test_rollout.py"]),
+                  ROLLOUT),
     "obs_mask": ("rollout: tool observation tokens trained (mask 1)", "rollout.py",
                  "s.loss_mask += [0] * len(obs_ids)", "s.loss_mask += [1] * len(obs_ids)",
-                 ["tests/test_rollout.py"]),
+                 ROLLOUT),
     "tp_gather_order": ("TP export: column shards joined in the wrong rank order", "convert.py",
                         "return [torch.cat(parts, 1)]", "return [torch.cat(parts[::-1], 1)]",
                         ["tests/test_model.py", "tests/test_layouts.py"]),
@@ -48,7 +51,7 @@ DEFECTS = {
                    ["tests/test_grpo.py", "tests/test_layouts.py"]),
     "no_image_check": ("rollout: image placeholders no longer checked against the grids", "rollout.py",
                        'reason = None if s.status == "failed" else chat.check_images(processor, s.tokens, s.images)',
-                       "reason = None", ["tests/test_rollout.py", "tests/test_sglang_engine.py"]),
+                       "reason = None", ROLLOUT + SGLANG),
     "k3_wrong": ("KL k3 estimator missing its -1", "loss.py",
                  "return torch.exp(d) - d - 1\n", "return torch.exp(d) - d\n",
                  ["tests/test_loss.py"]),
@@ -61,13 +64,13 @@ DEFECTS = {
                  ["tests/test_context_parallel.py", "tests/test_layouts.py"]),
     "version_lost": ("rollout: a token's version is the first run's, not the one that wrote it", "rollout.py",
                      "_finish_turn(ep, out, self.processor, args, self.stops, self.version, ours)",
-                     "_finish_turn(ep, out, self.processor, args, self.stops, 0, ours)", ["tests/test_rollout.py"]),
+                     "_finish_turn(ep, out, self.processor, args, self.stops, 0, ours)", ROLLOUT),
     "parked_not_saved": ("checkpoint: the rollout's parked groups are not saved (in-flight work lost on resume)",
                          "train_grpo.py", "return (self.rollout.drawn, self.rollout.groups) if keep else None",
                          "return (self.rollout.drawn, {}) if keep else None", ["tests/test_grpo.py"]),
     "stale_off_by_one": ("buffer: a parked group exactly K versions old dropped (--max-weight-staleness off by one)",
                          "rollout.py", "default=version) <= self.max_stale]", "default=version) < self.max_stale]",
-                         ["tests/test_rollout.py"]),
+                         ROLLOUT),
     "crop_hit_worst": ("crop metrics: an episode's hit judged by its worst crop, not its best", "env_geo3k.py",
                        'sum(max(x, default=0) >= 0.5 for x in ious)', 'sum(min(x, default=0) >= 0.5 for x in ious)',
                        ["tests/test_crop_task.py", "tests/test_env.py"]),
@@ -76,7 +79,7 @@ DEFECTS = {
                         "return int(m[1] or m[4])", ["tests/test_qwen3_5.py", "tests/test_layouts.py"]),
     "stale_newest": ("buffer: a parked group judged by its newest token, not its oldest (--max-weight-staleness)",
                      "rollout.py", "self.max_stale is None or version - min(", "self.max_stale is None or version - max(",
-                     ["tests/test_rollout.py"]),
+                     ROLLOUT),
     "stop_needs_all": ("preemption: the ranks' stop marks combined by MIN (one rank alone signalled or late is ignored)",
                        "console.py", "dist.all_reduce(marks, dist.ReduceOp.MAX)",
                        "dist.all_reduce(marks, dist.ReduceOp.MIN)", ["tests/test_console.py"]),

@@ -18,6 +18,7 @@ import fcntl
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ GEO3K_REAL = ROOT / "tests" / "data" / "geo3k_real"
 LANES = 2  # `cores` tests at once: 2 ranks each on 2 cores, so the suite's waits overlap (bench/RESULTS.md)
 GROUPS = "xdist_groups.json"  # nodeid -> group, for the scheduler (pytest_xdist_make_scheduler)
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+from bench import suite_cpu  # noqa: E402  (ROOT on sys.path first)
 
 
 def pytest_configure(config):
@@ -57,6 +59,18 @@ def pytest_collection_modifyitems(config, items):
     tmp = out.with_suffix(f".{os.getpid()}")
     tmp.write_text(json.dumps(groups))
     tmp.replace(out)  # both workers write the same groups: either file is whole
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under bench/suite_cpu.py (SUITE_CPU_DIR): each test's CPU seconds, with what it started, and its wall time."""
+    out = os.environ.get("SUITE_CPU_DIR")
+    if not out:
+        yield
+        return
+    cpu, t = suite_cpu.cpu_seconds(), time.monotonic()
+    yield
+    suite_cpu.record(out, item.nodeid, suite_cpu.cpu_seconds() - cpu, time.monotonic() - t)
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own (-p no:xdist: not called)

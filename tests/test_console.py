@@ -53,8 +53,8 @@ def test_a_grpo_run_prints_one_line_a_fact(ckpt, d, tmp_path):
     saved = [m.start() for m in re.finditer(r"\[run\] saved checkpoint", out)]
     assert len(saved) == 2 and all(out[i - 1] in "\r\n" for i in saved), [out[i - 60:i + 30] for i in saved]
     assert "rollout: 0it" not in out
-    assert re.search(rf"\n\[run\] done: steps 0 -> 3 in [0-9.]+ min; last reward 0.000, eval_accuracy 0.000, "
-                     rf"eval_pass@2 0.000; checkpoint {save / 'iter_0000003'}\n$", out), out[-500:]
+    assert re.search(rf"\n\[run\] done: steps 0 -> 3 in [0-9.]+ min; last reward 0.000, eval_accuracy 0.000 -> 0.000, "
+                     rf"eval_pass@2 0.000 -> 0.000; checkpoint {save / 'iter_0000003'}\n$", out), out[-500:]
 
 
 def test_ctrl_c_ends_with_the_command_that_resumes(ckpt, d, tmp_path):

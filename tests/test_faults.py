@@ -417,7 +417,8 @@ def test_killing_torchrun_stops_its_workers(ckpt, synth, tmp_path):
 def test_help_shows_defaults_and_each_tool_its_own(capsys):
     import sft
     import train_grpo
-    from tools import blank_crop, report
+    from bench import blank_crop
+    from tools import report
     for mod in (train_grpo, sft):
         with pytest.raises(SystemExit):
             mod.parse_args(["--help"])
@@ -666,8 +667,8 @@ def test_report_reads_a_single_run_folder_and_refuses_an_empty_one(tmp_path, cap
         (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
         report.main([str(run)])
     out = capsys.readouterr().out
-    assert "| my_grpo (grpo) | - | 0.100 -> 0.500 | single-turn accuracy 0.250 -> 0.750 |" in out, out
-    assert "| my_sft (sft) | - | 0.100 -> 0.500 | single-turn accuracy - -> 0.750 |" in out, out
+    assert "| my_grpo (grpo) | - | 0.300 -> 0.500 | single-turn accuracy 0.250 -> 0.750 |" in out, out  # 5 steps' means
+    assert "| my_sft (sft) | - | 0.300 -> 0.500 | single-turn accuracy - -> 0.750 |" in out, out
     assert (tmp_path / "my_grpo" / "reward_curve.png").exists()
     with pytest.raises(SystemExit) as e:
         report.main([str(tmp_path)])

@@ -155,7 +155,7 @@ def test_grpo_learns_the_picture_from_chance_and_the_shuffled_control_does_not(w
 # Issue 43, the crop task (tools/synth.py kind "crop"): two polygons on a 1024-px canvas, the question names
 # one's box; the whole canvas reaches the model at 256 px, the env's crop of the box at its own 128 px. From
 # the `sides` reader above, an SFT warm start (192 steps) on episodes of which 30% crop the named box, then
-# multi-turn GRPO with the real crop and with tools/blank_crop.py's white one (the control). Measured at GRPO
+# multi-turn GRPO with the real crop and with bench/blank_crop.py's white one (the control). Measured at GRPO
 # seeds 1234 and 1 (bench/RESULTS.md, "Tool learning"), per-10-step means first -> last: crop calls an episode
 # 0.38-0.40 -> 0.90-0.94 (blank 0.20-0.21 -> 0.00), reward 0.35-0.36 -> 0.58-0.61 (blank 0.23-0.24 -> 0.19-0.29),
 # greedy multi-turn 0.27 -> 0.56 at both (blank 0.27 -> 0.25). The bounds leave a margin below those.
@@ -179,7 +179,7 @@ def test_grpo_learns_to_call_crop_and_the_blank_crop_control_does_not(warm, tmp_
     common = ["--hf-checkpoint", tmp_path / "sft" / "iter_0000192", "--prompt-data", task, "--eval-prompt-data", task,
               "--num-rollout", CROP_STEPS, "--eval-interval", CROP_STEPS, "--seed", SLOW_GRPO_SEED, *CROP_GRPO]
     runs = tmp_path / "real", tmp_path / "blank"
-    finish(launch("train_grpo.py", runs[0], *common), launch("tools/blank_crop.py", runs[1], *common))
+    finish(launch("train_grpo.py", runs[0], *common), launch("bench/blank_crop.py", runs[1], *common))
 
     def per10(rows, key):
         xs = [m.get(key, 0.0) for m in rows if "reward" in m]

@@ -1,5 +1,5 @@
-"""report.py: the summary of a run folder (run.sh's stages, or one run of train_grpo.py or sft.py) as summary.md and a
-PNG: each stage's seconds, training reward (SFT: loss), and what its greedy evals show before and after it.
+"""report.py: did it learn? the summary of a run folder (run.sh's stages, or one train_grpo.py or sft.py run): seconds,
+train reward (SFT: loss), every greedy eval, its start's 95% band, chance where known, a verdict; summary.md and a PNG.
 
     python tools/report.py runs/cpu-demo            # or any run's folder (its metrics.jsonl)
 """
@@ -27,30 +27,45 @@ def read(path):
     return rows
 
 
+def eval_set(folder):
+    """(n: the problems of its first eval_*.jsonl, chance: its eval data's synth.json (tools/synth.py) or None)."""
+    files, cfg = sorted(folder.glob("eval_*.jsonl")), sorted(folder.glob("config_*.json"))[:1]
+    meta = [Path(str(json.loads(c.read_text()).get("eval_prompt_data")), "synth.json") for c in cfg]
+    return (len({json.loads(x)["index"] for x in files[0].read_text().splitlines()}) or None if files else None,
+            json.loads(meta[0].read_text())["chance"] if meta and meta[0].is_file() else None)
+
+
+def band(p, n, z=1.96):
+    """The 95% Wilson score interval of a share p of n problems (binomial): (low, high)."""
+    mid, half = (p + z * z / (2 * n)) / (1 + z * z / n), z / (1 + z * z / n) * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5
+    return mid - half, mid + half
+
+
 def stage_rows(run):
-    """[(title, seconds, first reward (SFT: loss), last 5's mean, {eval key: [label, before, after]})], [(title, reward
-    curve, {tool curve: points})]. A stage without an eval on its set begins where the last stage on that set ended
-    and ends where the next begins (the crop SFT: no before; base_eval: the random model, SFT's before)."""
+    """[(title, seconds, first 5 steps' mean reward (SFT: loss), last 5's, {eval key: [label, before, after, [(step,
+    value) of each eval]]}, eval_set)], [(title, reward curve, {tool curve: points})]. A stage without an eval on its set
+    begins where the last on that set ended, ends where the next begins (base_eval: the random model, SFT's before)."""
     tsv = run / "stages.tsv"  # run.sh's stage\tseconds
     seconds = dict(x.split("\t") for x in tsv.read_text().splitlines()) if tsv.exists() else {}
     one = [(".", f"{run.name} ({kind})", "run") for kind in ("grpo", "sft") if (run / f"config_{kind}.json").exists()]
     rows, curves, last, prev = [], [], dict((read(run / "base_eval" / "metrics.jsonl") or [{}])[0]), "sides"
     for name, title, group in one[:1] if (run / "metrics.jsonl").exists() else STAGES:
-        if not (m := read(run / name / "metrics.jsonl")):
+        m = read(run / name / "metrics.jsonl")
+        if not m:
             continue
         key = "reward" if any("reward" in x for x in m) else "loss"  # the curve: GRPO's reward, or SFT's loss
         curve = [(x["step"], x[key]) for x in m if key in x]
         last = last if group.rstrip("+") == prev.rstrip("+") else {}
         evals = {}
         for k, label in EVALS[group].items():
-            if not (seen := [x for x in m if k in x]) and group == "run":
-                continue
-            evals[k] = [label, seen[0][k] if seen and seen[0]["step"] == 0 else last.get(k), seen[-1][k] if seen else None]
-            if rows and k in rows[-1][4] and rows[-1][4][k][2] is None and seen and seen[0]["step"] == 0:
+            seen = [(x["step"], x[k]) for x in m if k in x]
+            if seen or group != "run":
+                evals[k] = [label, seen[0][1] if seen and seen[0][0] == 0 else last.get(k), seen[-1][1] if seen else None, seen]
+            if rows and k in rows[-1][4] and rows[-1][4][k][2] is None and seen and seen[0][0] == 0:
                 rows[-1][4][k][2] = evals[k][1]  # a stage without this eval (SFT) ends where the next begins
-        last, prev = {k: a if a is not None else b for k, (_, b, a) in evals.items()}, group
-        rows.append((title, seconds.get(name), curve[0][1] if curve else None,
-                     fmean(r for _, r in curve[-5:]) if curve else None, evals))
+        last, prev, ys = {k: a if a is not None else b for k, (_, b, a, _) in evals.items()}, group, [r for _, r in curve]
+        rows.append((title, seconds.get(name), fmean(ys[:5]) if ys else None, fmean(ys[-5:]) if ys else None, evals,
+                     eval_set(run / name)))
         if curve and key == "reward":  # with a multi-turn stage's tool curves
             curves.append((title, curve, {k: [(x["step"], x[k]) for x in m if k in x] for k in TOOL_CURVES}))
     return rows, curves, seconds
@@ -65,25 +80,45 @@ def main(argv=None):
         p.error(f"no metrics.jsonl in {run}, nor in its stage folders ({', '.join(n for n, *_ in STAGES)})")
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     per10 = lambda pts: ", ".join(f"{fmean(y for _, y in pts[i:i + 10]):.2f}" for i in range(0, len(pts), 10))  # noqa
-    lines = ["| stage | seconds | train reward (SFT: loss), first step -> last 5 | greedy eval on its test set, before -> "
-             "after |", "| --- | --- | --- | --- |"]
-    lines += [f"| {t} | {s or '-'} | {fmt(a)} -> {fmt(b)} | " + "; ".join(f"{lab} {fmt(x)} -> {fmt(y)}" for lab, x, y
-                                                                        in evals.values()) + " |" for t, s, a, b, evals in rows]
+    lines = ["| stage | seconds | train reward (SFT: loss), mean of the first 5 steps -> the last 5 | greedy eval on its "
+             "test set, before -> after |", "| --- | --- | --- | --- |"]
+    lines += [f"| {t} | {s or '-'} | {fmt(a)} -> {fmt(b)} | " + "; ".join(f"{e[0]} {fmt(e[1])} -> {fmt(e[2])}" for e
+                                                                        in evals.values()) + " |" for t, s, a, b, evals, _ in rows]
     lines += [f"\nwhole run: {sum(map(int, seconds.values()))} s (" + ", ".join(f"{k} {v} s" for k, v in seconds.items())
               + ")"] if seconds else []
     lines += [f"\n{t}, per 10 steps: " + "; ".join(f"{TOOL_CURVES[k]} {per10(pts)}" for k, pts in tools.items() if pts)
               for t, _, tools in curves if any(tools.values())]
-    print(text := "\n".join(lines))
+    for t, _, _, _, evals, (n, chance) in rows:  # did it learn: its first eval above the 95% band of its start?
+        own = [(k, *e) for k, e in evals.items() if e[3]]  # [(key, label, before, after, [(step, value)])]
+        if own and n and own[0][2] is not None:
+            k, label, before, after, _ = own[0]
+            low, high = band(before, n)
+            where = "above" if after > high else "below" if after < low else "within"
+            odds = f"; chance {chance:.3f}" if chance is not None and k.endswith("accuracy") else ""
+            lines.append(f"\n{t} {'learnt' if where == 'above' else 'did not learn'}: {label} {before:.3f} -> {after:.3f}, "
+                         f"{where} the 95% band of its start ({low:.3f}-{high:.3f} for {n} problems{odds})")
+        lines += [f"- {t}, {e[1]} at each greedy eval (step value): " + ", ".join(f"{s} {v:.3f}" for s, v in e[4]) for e in own]
+    text = "\n".join(lines)
+    print(text)
     (run / "summary.md").write_text(text + "\n")
     if curves:
         ax, acc = Figure(figsize=(11, 4)).subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})  # no pyplot: no GUI
         first = {}  # each eval's first stage: its legend entry
-        for i, (*_, evals) in enumerate(rows):  # each stage's before -> after, on its own eval set
-            for k, (label, *ys) in evals.items():
-                acc.plot([i, i + 1], ys, marker="o", color=f"C{list(EVALS['run']).index(k)}",
-                         label=label if first.setdefault(k, i) == i else None)
+        for i, (*_, evals, (n, chance)) in enumerate(rows):  # each stage on [i, i + 1]: its start, every eval, its end
+            for k, (label, before, after, seen) in evals.items():
+                pts = [(i + s / max(seen[-1][0], 1), v) for s, v in seen]
+                if before is not None and not (seen and seen[0][0] == 0):
+                    pts.insert(0, (i, before))
+                if after is not None and not seen:
+                    pts.append((i + 1, after))
+                colour = f"C{list(EVALS['run']).index(k)}"
+                acc.plot(*zip(*pts), marker="o", color=colour, label=label if first.setdefault(k, i) == i else None)
+                if n and before is not None and "tool_calls" not in k:  # the start's noise: above it, it learnt
+                    acc.fill_between([i, i + 1], *band(before, n), color=colour, alpha=0.1)
+            if chance is not None:
+                acc.hlines(chance, i, i + 1, colors="grey", linestyles="--")
         acc.set_xticks(range(len(rows) + 1), ["start"] + [t.replace(" ", "\n", 1) for t, *_ in rows], fontsize=7)
-        acc.set(ylabel="greedy eval", ylim=(-0.02, 1.02), title="each stage, before -> after")
+        acc.set(ylabel="greedy eval", ylim=(-0.02, 1.02), title="every eval; its start's 95% band; chance --")
         for title, pts, tools in curves:
             line, = ax.plot(*zip(*pts), marker=".", label=title)
             for (k, got), style in zip(tools.items(), ("--", ":")):  # none in a single-turn stage: no line

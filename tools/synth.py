@@ -94,6 +94,7 @@ def _boxed(rng, size, jitter, canvas=8):
 
 KINDS = {"sides": lambda rng, size, jitter: _polygon(rng, size, jitter, SIDES_QUESTIONS),
          "polygon": _polygon, "triangle": _triangle, "crop": _boxed}  # easiest first: one-token answers, 4 classes
+CHOICES = {"sides": 4, "polygon": 4, "triangle": 10, "crop": 4}  # answers a kind's question can have: report.py's chance
 
 
 def _png(img):
@@ -146,9 +147,10 @@ def warm_start(rows, share, seed=0):
 
 
 def write_synth(out, n, n_test=64, seed=0, kinds=("polygon",), size=128, jitter=0.0, view=None, warm=None):
-    """view "crop": crop_view's rows; warm (a share): warm_start's episodes."""
+    """view "crop": crop_view's rows; warm (a share): warm_start's episodes; synth.json: a uniform guess's accuracy."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "synth.json").write_text(json.dumps({"kinds": list(kinds), "chance": sum(1 / CHOICES[k] for k in kinds) / len(kinds)}))
     for split, count, s in (("train", n, seed), ("test", n_test, seed + 1_000_003)):
         rows = synth_records(count, s, kinds, size, jitter)
         rows = crop_view(rows) if view == "crop" else warm_start(rows, warm, s) if warm is not None else rows

@@ -2,7 +2,7 @@
 blank (white) image of the size the real crop would show, with the same text. If the policy gains from
 the real crop what it does not gain here, it learnt from what the crop shows, not from calling it.
 
-    python tools/blank_crop.py <train_grpo.py flags>          # one process (the local engine)
+    python bench/blank_crop.py <train_grpo.py flags>          # one process (the local engine)
 """
 import dataclasses
 import sys

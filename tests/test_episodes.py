@@ -1,0 +1,118 @@
+"""rollout.py's episodes on CPU with scripted engines: a multi-turn crop episode's tokens against the whole
+conversation rendered at once, its turn and context budgets, the overlong penalty, tool calls counted, truncation
+and failed samples (logprobs against the model: tests/test_rollout.py; groups and scheduling: test_rollout_groups.py).
+
+    .venv/bin/pytest tests/test_episodes.py -q
+"""
+import dataclasses
+
+import pytest
+
+import data
+import env_geo3k
+import chat
+import train_grpo
+from conftest import rollout_args
+from fakes import ANSWER, CROP_CALL, ScriptedEngine
+import fakes
+
+
+def test_multi_turn_crop_matches_full_render(processor, records):
+    """The trainer-side tokens of a crop episode are exactly the processor's tokens for the whole
+    conversation rendered at once, with both images, and the crop reaches turn 2's request."""
+    rec = records[0]
+    eng = ScriptedEngine(processor, [CROP_CALL, ANSWER])
+    args = rollout_args(max_turns=3, n_samples_per_prompt=1, rollout_max_response_len=400)
+    (s,) = fakes.run_episodes(eng, processor, [rec], args)
+    assert s.status == "completed" and s.turns == 2 and s.tool_calls == 1, s.fail_reason
+    assert len(s.images) == 2 and s.images[1].size == (64, 64)
+    assert s.metadata["steps"][0]["tool"] == "crop" and s.metadata["steps"][0]["ran"]
+    turn2_ids, turn2_images = eng.seen[1]
+    assert turn2_ids == s.tokens[:len(turn2_ids)] and turn2_images == s.images
+    observation = s.metadata["steps"][0]["observation"]
+    assert observation.startswith("Crop of image 0 at [0, 0, 64, 64]")
+    messages = data.prompt_messages(rec, multi_turn=True) + [
+        {"role": "assistant", "content": CROP_CALL},
+        {"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": observation}]},
+        {"role": "assistant", "content": ANSWER}]
+    # tools/tiny.py's template renders tools=, so the specs go there, in its format, not in the system text
+    text = processor.apply_chat_template(messages, tools=env_geo3k.specs(env_geo3k.offered()), tokenize=False)
+    assert '"name": "crop"' in text and "<tools>" in text
+    full = processor(text=[text.removesuffix("\n")], images=s.images)["input_ids"][0]
+    assert s.tokens == list(full)
+    model_tokens = [t for t, m in zip(s.response_ids, s.loss_mask) if m]
+    tok = processor.tokenizer
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert model_tokens == tok.encode(CROP_CALL) + [im_end] + tok.encode(ANSWER) + [im_end]
+    assert s.response_text == CROP_CALL + "\n" + ANSWER
+
+
+def test_multi_turn_max_turns_and_context_budget(processor, records):
+    eng = ScriptedEngine(processor, [CROP_CALL])  # calls a tool every turn
+    (s,) = fakes.run_episodes(eng, processor, records[:1], rollout_args(max_turns=2, n_samples_per_prompt=1,
+                                                                      rollout_max_response_len=400))
+    assert s.status == "completed" and s.turns == 2 and s.tool_calls == 2 and len(s.images) == 2
+    assert s.loss_mask[-1] == 1  # no observation after the last allowed turn
+    (s,) = fakes.run_episodes(eng, processor, records[:1], rollout_args(max_turns=4, n_samples_per_prompt=1,
+                                                                      rollout_max_response_len=60))
+    assert s.status == "truncated" and s.turns == 1 and len(s.response_ids) <= 60  # observation would not fit
+    P = len(s.prompt_ids)
+    (s,) = fakes.run_episodes(eng, processor, records[:1], rollout_args(max_turns=4, n_samples_per_prompt=1,
+                                                                      rollout_max_response_len=400,
+                                                                      max_context_len=P + 5))
+    assert s.status == "truncated" and len(s.tokens) == P + 5
+
+
+def test_overlong_penalty_counts_what_the_response_cap_counts(processor, records):
+    """--overlong-buffer-len / --overlong-penalty-factor on the tokens --rollout-max-response-len cuts: multi-turn,
+    the tool observation between the model's turns too; logged as overlong_penalty_mean and _frac."""
+    eng = ScriptedEngine(processor, [CROP_CALL, ANSWER])
+    args = rollout_args(max_turns=3, n_samples_per_prompt=1, rollout_max_response_len=400)
+    (s,) = fakes.run_episodes(eng, processor, records[:1], args)
+    n, model = len(s.response_ids), sum(s.loss_mask)
+    assert s.status == "completed" and s.turns == 2 and n > model + 20  # the crop's observation: 20+ tokens
+    cap, buffer = n + 5, n - model  # the buffer starts before the model's tokens reach it alone
+    args = rollout_args(max_turns=3, n_samples_per_prompt=1, rollout_max_response_len=cap, overlong_buffer_len=buffer,
+                        overlong_penalty_factor=0.5)
+    (s,) = fakes.run_episodes(eng, processor, records[:1], args)
+    want = -0.5 * (n - (cap - buffer)) / buffer
+    assert len(s.response_ids) == n and s.metadata["shaping"] == {"overlong_penalty": pytest.approx(want)}
+    m = train_grpo.rollout_metrics([s, dataclasses.replace(s, metadata=dict(s.metadata, shaping={"overlong_penalty": 0.0}))])
+    assert m["overlong_penalty_mean"] == pytest.approx(want / 2) and m["overlong_penalty_frac"] == 0.5
+
+
+def test_tool_calls_counts_calls_that_ran(processor, records):
+    unknown = '<tool_call>\n{"name": "nope", "arguments": {"x": 1}}\n</tool_call>'
+    eng = ScriptedEngine(processor, [unknown, CROP_CALL, ANSWER])
+    (s,) = fakes.run_episodes(eng, processor, records[:1], rollout_args(max_turns=4, n_samples_per_prompt=1,
+                                                                      rollout_max_response_len=1000))
+    assert s.status == "completed" and s.turns == 3, s.fail_reason
+    assert [step["ran"] for step in s.metadata["steps"]] == [False, True, False] and s.tool_calls == 1
+
+
+def test_truncation_and_failures(processor, records):
+    eng = ScriptedEngine(processor, ["word " * 50])
+    (s,) = fakes.run_episodes(eng, processor, records[:1], rollout_args(n_samples_per_prompt=1))
+    assert s.status == "truncated" and len(s.response_ids) == 10
+
+    class DoubleExpander(ScriptedEngine):  # a server that expanded the image tokens again
+        def generate(self, batch, sampling):
+            outs = super().generate(batch, sampling)
+            for o, item in zip(outs, batch):
+                o["prompt_tokens"] = len(item["input_ids"]) + 15
+            return outs
+    samples = fakes.run_episodes(DoubleExpander(processor, ["hi"]), processor, records[:1], rollout_args())
+    assert all(s.status == "failed" and "expanded twice" in s.fail_reason for s in samples)
+    assert all(set(s.loss_mask) <= {0} for s in samples)
+    m = train_grpo.rollout_metrics(samples)
+    assert m["failed_frac"] == 1.0 and m["samples"] == 2
+
+    tokens = list(samples[0].prompt_ids)
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    tokens.remove(pad)                                # one placeholder lost
+    assert "placeholders" in chat.check_images(processor, tokens, samples[0].images)
+    assert chat.check_images(processor, samples[0].prompt_ids, samples[0].images * 2) is not None
+    # a model that writes an image placeholder itself: the sample's runs no longer match its grids
+    (s,) = fakes.run_episodes(ScriptedEngine(processor, ["<|image_pad|> 4"]), processor, records[:1],
+                                rollout_args(n_samples_per_prompt=1))
+    assert s.status == "failed" and "placeholders" in s.fail_reason and set(s.loss_mask) == {0}, s.fail_reason
