@@ -38,12 +38,12 @@ def encode_prompt(processor, messages, images, tools=None):
     return list(processor(text=[text], images=list(images) or None)["input_ids"][0])
 
 
-def prompt(processor, record, multi_turn=False):
+def prompt(processor, record, multi_turn=False, instruction=data.INSTRUCTION):
     """-> (messages, tools, token ids) of a record's prompt as a rollout encodes it (the processor checks its images);
     multi-turn, its tools as the template's `tools=` or as usage lines in the system prompt (docs/rollout.md)."""
     tools = template_tools(processor, record) if multi_turn else None
     usage = env_geo3k.usage(env_geo3k.offered(record.get("tools"))) if multi_turn and tools is None else None
-    messages = data.prompt_messages(record, multi_turn, usage)
+    messages = data.prompt_messages(record, multi_turn, usage, instruction)
     return messages, tools, encode_prompt(processor, messages, list(record["images"]), tools)
 
 

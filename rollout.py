@@ -73,9 +73,9 @@ def add_args(p):
 
 
 def settings(args, evaluation=False, **changes):
-    """What a rollout reads: add_args' flags as `args` has them, `oracle` (calc_score checks answers), `shaping` (SHAPING
-    joins the reward), then `changes`. Evaluation's differ: greedy, no oracle, no shaping, no dynamic sampling."""
-    own = {k: getattr(args, k) for k in vars(add_args(argparse.ArgumentParser()).parse_args([]))}
+    """What a rollout reads: add_args' flags and --prompt-instruction as `args` has them, `oracle` (calc_score checks
+    answers), `shaping` (SHAPING joins the reward), then `changes`. Evaluation: greedy; no oracle, shaping, dynamic sampling."""
+    own = {k: getattr(args, k) for k in [*vars(add_args(argparse.ArgumentParser()).parse_args([])), "prompt_instruction"]}
     differ = dict(rollout_temperature=0.0, dynamic_sampling=False) if evaluation else {}
     return argparse.Namespace(**{**own, **differ, "oracle": not evaluation, "shaping": not evaluation, **changes})
 
@@ -267,7 +267,7 @@ class _Episodes:
         rec = self.groups[key][0]
         try:
             with self.cpu:  # the chat template and the processor once per prompt, not per sample
-                prompt = chat.prompt(self.processor, rec, self.args.max_turns > 1)
+                prompt = chat.prompt(self.processor, rec, self.args.max_turns > 1, self.args.prompt_instruction)
                 eps = [new_episode(self.processor, rec, self.args, prompt) for _ in range(self.args.n_samples_per_prompt)]
             with self.cond:
                 self.groups[key] = (rec, prompt, eps)

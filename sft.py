@@ -50,13 +50,13 @@ def _n_images(messages):
     return sum(p.get("type") == "image" for m in messages if not isinstance(m["content"], str) for p in m["content"])
 
 
-def encode(processor, record):
+def encode(processor, record, instruction=data.INSTRUCTION):
     """-> the trainer's Item, tokens exactly as a rollout of the same conversation makes them (assistant turns:
     loss mask 1; tool turns: 0). The conversation: the record's `messages` (slime's SFT form, a list or its JSON;
-    docs/data.md), else the prompt and `Answer: \\boxed{..}`."""
+    docs/data.md), else the prompt (ending with `instruction`: --prompt-instruction's) and `Answer: \\boxed{..}`."""
     images, messages, tools = list(record["images"]), record.get("messages"), None
     if messages is None:
-        messages = data.sft_messages(record)
+        messages = data.sft_messages(record, instruction)
     else:
         messages = json.loads(messages) if isinstance(messages, str) else messages
         messages = [{"role": m["role"], "content": _parts(m["content"])} for m in messages]
@@ -104,10 +104,10 @@ def main(argv=None):
     args = parse_args(argv)
     par, run = T.start(args, "sft", fixed=("global_batch_size",))  # a step's data: step x the batch
     processor = AutoProcessor.from_pretrained(args.hf_checkpoint)
-    fit = dict(verbose=par.rank == 0, measure=lambda r: len(encode(processor, r).ids),
+    fit = dict(verbose=par.rank == 0, measure=lambda r: len(encode(processor, r, args.prompt_instruction).ids),
                limit=(args.max_tokens_per_gpu, f"--max-tokens-per-gpu {args.max_tokens_per_gpu}"))
-    train = [encode(processor, r) for r in T.load_data(args, **fit)]
-    evals = [encode(processor, r) for r in T.load_data(args, evaluation=True, **fit)]
+    train = [encode(processor, r, args.prompt_instruction) for r in T.load_data(args, **fit)]
+    evals = [encode(processor, r, args.prompt_instruction) for r in T.load_data(args, evaluation=True, **fit)]
     per_epoch = math.ceil(len(train) / args.global_batch_size)
     total = per_epoch * args.num_epoch
     run.nothing_left(total, "--num-epoch")

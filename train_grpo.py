@@ -403,7 +403,7 @@ def main(argv=None):
     records = eval_records = None
     if par.rank == 0:  # rank 0 owns the data (checked here, before any model: docs/data.md) and the rewards
         reward.init()  # its one-off warm-up here, not in the first rollout
-        fit = dict(measure=lambda r: len(chat.prompt(processor, r, args.max_turns > 1)[2]),
+        fit = dict(measure=lambda r: len(chat.prompt(processor, r, args.max_turns > 1, args.prompt_instruction)[2]),
                    limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len} with room for a response"))
         records = T.load_data(args, **fit) if args.num_rollout else []  # --num-rollout 0: evaluate only
         eval_records = T.load_data(args, evaluation=True, **fit)

@@ -231,6 +231,24 @@ def test_tool_calls_counts_calls_that_ran(processor, records):
     assert [step["ran"] for step in s.metadata["steps"]] == [False, True, False] and s.tool_calls == 1
 
 
+def test_the_prompt_instruction_is_the_runs(processor, records):
+    """--prompt-instruction ends the user turn of every prompt, a rollout's single- and multi-turn (GRPO) and SFT's
+    encode; "" gives none; the multi-turn system prompt names no task (a fork's counting task is told nothing of
+    geometry). data.py show: tests/test_data.py."""
+    import sft
+    problem = records[0]["problem"].split("<image>")[-1].strip()
+    for instruction in ("Count the sides.", ""):
+        args = sft.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--prompt-instruction", instruction])
+        ids = [list(sft.encode(processor, records[0], args.prompt_instruction).ids)]
+        for turns in (1, 2):
+            eng = ScriptedEngine(processor, ["\\boxed{3}"])
+            cfg = rollout_args(max_turns=turns, n_samples_per_prompt=1, prompt_instruction=instruction)
+            ids.append(fakes.run_episodes(eng, processor, records[:1], cfg)[0].prompt_ids)
+        for prompt in map(processor.tokenizer.decode, ids):
+            user = prompt.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+            assert user.endswith(problem + ("\n" + instruction if instruction else "")) and "geometry" not in prompt
+
+
 def test_multi_turn_local_logprobs(ckpt, processor, records):
     eng = ForcedFirstTurnEngine(ckpt, processor=processor)
     args = rollout_args(max_turns=3, n_samples_per_prompt=2, rollout_max_response_len=160)
