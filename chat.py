@@ -22,8 +22,7 @@ def encode_images(processor, images):
 
 def render(processor, messages, tools=None, add_generation_prompt=False):
     """The chat template's text for `messages` (tools reach only templates that render them)."""
-    return processor.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                         tokenize=False)
+    return processor.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False)
 
 
 def template_tools(processor, record):
@@ -101,5 +100,4 @@ def check_images(processor, ids, images):
     total = sum(t == pad for t in ids)
     _, grid = encode_images(processor, images)
     want = [] if grid is None else model.image_tokens(grid, processor.image_processor.merge_size)
-    ok = runs == want and total == sum(want)
-    return None if ok else f"image placeholders {runs} (total {total}) != grids imply {want}"
+    return None if runs == want and total == sum(want) else f"image placeholders {runs} (total {total}) != grids imply {want}"

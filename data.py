@@ -20,12 +20,9 @@ from PIL import Image
 MAX_PIXELS = 1 << 20  # decoded images above this are downscaled (the processor resizes again)
 URL_MAX_BYTES, URL_TIMEOUT = 32 << 20, 20  # with allow_urls: one image's body, seconds per read
 
-INSTRUCTION = ("Solve the geometry problem shown in the diagram. Think briefly, then "  # --prompt-instruction's default
-               "give the final answer as \\boxed{<answer>}.")
-# Multi-turn's system prompt: the episode, task-neutral (the task's words are the instruction's) and naming no tool:
-# those a row offers reach the model as chat.prompt decides (the template's `tools=`, or their usage lines after it).
-MULTI_TURN_SYSTEM = ("You may call one of your tools, then stop and wait for its result. When you are done, reply "
-                     "without a tool call.")
+# --prompt-instruction's default (geo3k's); multi-turn's system prompt: the episode alone, no task, no tool (chat.prompt)
+INSTRUCTION = "Solve the geometry problem shown in the diagram. Think briefly, then give the final answer as \\boxed{<answer>}."
+MULTI_TURN_SYSTEM = "You may call a tool, then stop and wait for its result. When you are done, reply without a tool call."
 
 
 class DataError(ValueError):
@@ -230,10 +227,6 @@ def sft_target(answer):
     return f"Answer: \\boxed{{{answer}}}"
 
 
-def sft_messages(record, instruction=INSTRUCTION):
-    return prompt_messages(record, instruction=instruction) + [{"role": "assistant", "content": sft_target(record["answer"])}]
-
-
 def add_column_args(a):
     """The flags that say how rows read (`a`: a parser's or group's add_argument): show's and both trainers'."""
     a("--input-key", default="problem", help="column holding the problem text")
@@ -244,8 +237,7 @@ def add_column_args(a):
       help="""slime's JSON map from media type to column, '{"image": "COLUMN"}' (default: images, else image)""")
     a("--allow-image-urls", action="store_true", help="fetch http(s) images of data rows (off: such rows are bad)")
     a("--allow-outside-paths", action="store_true", help="let data rows' image paths leave the data set's folder")
-    a("--prompt-instruction", default=INSTRUCTION, help="what every prompt's user turn ends with, single- and multi-turn "
-      "(default: geo3k's, data.INSTRUCTION; '': none)")
+    a("--prompt-instruction", default=INSTRUCTION, help="what every prompt's user turn ends with (default: geo3k's; '': none)")
 
 
 def main(argv=None):

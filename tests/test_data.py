@@ -180,8 +180,7 @@ def test_user_content_places_images_at_markers():
     assert data.prompt_messages(rec, instruction="")[0]["content"] == [{"type": "image"}, {"type": "text", "text": "Q"}]
     listed = data.prompt_messages(rec, multi_turn=True, tool_list="- crop: zoom")[0]["content"]
     assert listed == data.MULTI_TURN_SYSTEM + "\n\n- crop: zoom"
-    sft = data.sft_messages({"problem": "<image>Q", "answer": "5 \\sqrt { 3 }", "images": [None]})
-    assert sft[-1] == {"role": "assistant", "content": "Answer: \\boxed{5 \\sqrt { 3 }}"}
+    assert data.sft_target("5 \\sqrt { 3 }") == "Answer: \\boxed{5 \\sqrt { 3 }}"  # SFT's target (sft.encode)
 
 
 def _sides_from_image(img):
