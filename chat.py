@@ -22,8 +22,7 @@ def encode_images(processor, images):
 
 def render(processor, messages, tools=None, add_generation_prompt=False):
     """The chat template's text for `messages` (tools reach only templates that render them)."""
-    return processor.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                         tokenize=False)
+    return processor.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False)
 
 
 def template_tools(processor, record):
@@ -38,12 +37,12 @@ def encode_prompt(processor, messages, images, tools=None):
     return list(processor(text=[text], images=list(images) or None)["input_ids"][0])
 
 
-def prompt(processor, record, multi_turn=False):
+def prompt(processor, record, multi_turn=False, instruction=data.INSTRUCTION):
     """-> (messages, tools, token ids) of a record's prompt as a rollout encodes it (the processor checks its images);
     multi-turn, its tools as the template's `tools=` or as usage lines in the system prompt (docs/rollout.md)."""
     tools = template_tools(processor, record) if multi_turn else None
     usage = env_geo3k.usage(env_geo3k.offered(record.get("tools"))) if multi_turn and tools is None else None
-    messages = data.prompt_messages(record, multi_turn, usage)
+    messages = data.prompt_messages(record, multi_turn, usage, instruction)
     return messages, tools, encode_prompt(processor, messages, list(record["images"]), tools)
 
 
@@ -101,5 +100,4 @@ def check_images(processor, ids, images):
     total = sum(t == pad for t in ids)
     _, grid = encode_images(processor, images)
     want = [] if grid is None else model.image_tokens(grid, processor.image_processor.merge_size)
-    ok = runs == want and total == sum(want)
-    return None if ok else f"image placeholders {runs} (total {total}) != grids imply {want}"
+    return None if runs == want and total == sum(want) else f"image placeholders {runs} (total {total}) != grids imply {want}"

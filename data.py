@@ -20,13 +20,9 @@ from PIL import Image
 MAX_PIXELS = 1 << 20  # decoded images above this are downscaled (the processor resizes again)
 URL_MAX_BYTES, URL_TIMEOUT = 32 << 20, 20  # with allow_urls: one image's body, seconds per read
 
-SINGLE_TURN_INSTRUCTION = ("Solve the geometry problem shown in the diagram. Think briefly, then "
-                           "give the final answer as \\boxed{<answer>}.")
-# Names no tool: those a row offers reach the model as chat.prompt decides (the template's `tools=`,
-# or their usage lines appended here).
-MULTI_TURN_SYSTEM = (
-    "You solve geometry problems from diagrams. You may call one of your tools, then stop and wait for "
-    "its result. When you are done, reply without a tool call and give the final answer as \\boxed{<answer>}.")
+# --prompt-instruction's default (geo3k's); multi-turn's system prompt: the episode alone, no task, no tool (chat.prompt)
+INSTRUCTION = "Solve the geometry problem shown in the diagram. Think briefly, then give the final answer as \\boxed{<answer>}."
+MULTI_TURN_SYSTEM = "You may call a tool, then stop and wait for its result. When you are done, reply without a tool call."
 
 
 class DataError(ValueError):
@@ -217,23 +213,18 @@ def user_content(problem, n_images):
     return parts
 
 
-def prompt_messages(record, multi_turn=False, tool_list=None):
-    """The prompt as chat messages: single-turn asks for a box, multi-turn explains the episode;
-    `tool_list` (text) is appended to its system prompt for templates that render no tools."""
+def prompt_messages(record, multi_turn=False, tool_list=None, instruction=INSTRUCTION):
+    """The prompt as chat messages: the problem, then the run's `instruction` (--prompt-instruction; "": none); multi-turn,
+    MULTI_TURN_SYSTEM first, `tool_list` (text) appended to it for templates that render no tools."""
     content = user_content(record["problem"], len(record["images"]))
-    if not multi_turn:
-        content.append({"type": "text", "text": "\n" + SINGLE_TURN_INSTRUCTION})
-        return [{"role": "user", "content": content}]
-    system = MULTI_TURN_SYSTEM if not tool_list else MULTI_TURN_SYSTEM + "\n\n" + tool_list
-    return [{"role": "system", "content": system}, {"role": "user", "content": content}]
+    if instruction:
+        content.append({"type": "text", "text": "\n" + instruction})
+    system = [{"role": "system", "content": MULTI_TURN_SYSTEM + ("\n\n" + tool_list if tool_list else "")}]
+    return (system if multi_turn else []) + [{"role": "user", "content": content}]
 
 
 def sft_target(answer):
     return f"Answer: \\boxed{{{answer}}}"
-
-
-def sft_messages(record):
-    return prompt_messages(record) + [{"role": "assistant", "content": sft_target(record["answer"])}]
 
 
 def add_column_args(a):
@@ -246,6 +237,7 @@ def add_column_args(a):
       help="""slime's JSON map from media type to column, '{"image": "COLUMN"}' (default: images, else image)""")
     a("--allow-image-urls", action="store_true", help="fetch http(s) images of data rows (off: such rows are bad)")
     a("--allow-outside-paths", action="store_true", help="let data rows' image paths leave the data set's folder")
+    a("--prompt-instruction", default=INSTRUCTION, help="what every prompt's user turn ends with (default: geo3k's; '': none)")
 
 
 def main(argv=None):
@@ -261,7 +253,8 @@ def main(argv=None):
                           allow_outside=a.allow_outside_paths, multimodal_keys=a.multimodal_keys)
     except DataError as e:
         raise SystemExit(str(e)) from None
-    print(f"{len(recs)} records; first: {recs[0]['problem'][:80]!r} -> {recs[0]['answer']!r}, "
+    turn = prompt_messages(recs[0], instruction=a.prompt_instruction)[-1]["content"]  # the user turn, as the trainers'
+    print(f"{len(recs)} records; first: {''.join(p.get('text', '<image>') for p in turn)!r} -> {recs[0]['answer']!r}, "
           f"images {[im.size for im in recs[0]['images']]}")
 
 

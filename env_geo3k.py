@@ -257,6 +257,9 @@ class Geo3kEnv:
             info["error"] = str(e)
             xml = "<function=" in response_text[response_text.rfind("<tool_call>"):]
             text = f"Error: {e}.\n{usage(self.tools, xml)}"
+        except Exception as e:  # noqa: BLE001 - the tool's own bug, not the model's mistake: counted, the episode goes on
+            info.update(raised=reward.raised(info["tool"], self.record), error=f"the tool failed ({type(e).__name__}: {e})")
+            text = f"Error: {info['error']}."  # the model's call was fine; rollout metrics: <tool>_errors
         if self.turn == self.max_turns - 1:  # every tool's feedback warns, not only calc_score's
             text += "\nThis is your last turn: give your final answer now as \\boxed{...}."
         return {"text": text, "images": images}, self.turn >= self.max_turns, info

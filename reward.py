@@ -5,8 +5,8 @@ correctness (SHAPING: DAPO's overlong penalty), the one scoring call of each, th
     r = reward.rewarded(sample, record, cfg)  # sets sample.correct; -> correct + the SHAPING terms, a float
 
 A judge in REWARDS is (response, record) -> bool; a term in SHAPING is (sample, record, cfg) -> float, with its flags
-(docs/extending.md); each within a time bound on any thread, 0.0 on an exception (docs/reward.md). The first score()
-runs init()."""
+(docs/extending.md); each within a time bound on any thread, 0.0 on an exception, which is counted and printed once
+(raised; docs/reward.md). The first score() runs init()."""
 import collections
 import ctypes
 import functools
@@ -19,6 +19,7 @@ import re
 import sys
 import threading
 import time
+import traceback
 from contextlib import contextmanager, suppress
 
 import sympy
@@ -53,6 +54,7 @@ REFIRE_S = 0.2            # fire again this long after a _Timeout that some code
 _INIT_LOCK = threading.Lock()
 _FORK_HOOKED = False      # os.register_at_fork(_after_fork) done (a forked child inherits it)
 _READY = False            # init() done, here or in the process this one was forked from
+_TOLD = {}                # entry name -> the message of its first exception here (raised: printed once)
 
 
 def _watchdog():
@@ -138,14 +140,11 @@ def _box_end(text, start):
     """Index of the brace closing the box whose content begins at start; None if unclosed or too long."""
     i, depth = start, 1
     while i < len(text) and i - start <= MAX_BOX_CHARS:
-        c = text[i]
-        if c == "\\":  # skip the escaped char: \{ and \} do not count as grouping
-            i += 2
-            continue
-        depth += (c == "{") - (c == "}")
-        if depth == 0:
-            return i
-        i += 1
+        if text[i] != "\\":
+            depth += (text[i] == "{") - (text[i] == "}")
+            if depth == 0:
+                return i
+        i += 2 if text[i] == "\\" else 1  # past a backslash's char: \{ and \} do not count as grouping
     return None
 
 
@@ -201,16 +200,14 @@ def _parse(s):
         return []
     parsed = parse("$" + s + "$", _PARSE_CFG, parsing_timeout=None)
     for p in parsed:  # a matrix is not a sympy Basic: check its entries
-        if any(_bits(e) > MAX_BITS for e in (p if isinstance(p, sympy.MatrixBase) else [p])
-               if isinstance(e, sympy.Basic)):
+        if any(_bits(e) > MAX_BITS for e in (p if isinstance(p, sympy.MatrixBase) else [p]) if isinstance(e, sympy.Basic)):
             return []
     return parsed
 
 
 def _number(parsed):
     """The real float value of the parsed expression (`x = 13` -> 13), else None."""
-    e = parsed[0]  # math-verify puts the sympy object first, its source string after; `x = 13`: its right side
-    e = e.rhs if isinstance(e, sympy.Eq) else e
+    e = parsed[0].rhs if isinstance(parsed[0], sympy.Eq) else parsed[0]  # the sympy object (then its source); `x = 13`: 13
     if not isinstance(e, sympy.Expr) or e.free_symbols:
         return None
     z = complex(sympy.N(e, 20))
@@ -227,9 +224,7 @@ def _judge(response, label, tol):
     if gold_p and pred_p and verify(gold_p, pred_p, timeout_seconds=None):
         return True
     a, b = (_number(pred_p), _number(gold_p)) if gold_p and pred_p and tol is not None else (None, None)
-    if a is None or b is None:
-        return False
-    return a == 0 if b == 0 else abs(a - b) <= tol * abs(b)
+    return a is not None and b is not None and (a == 0 if b == 0 else abs(a - b) <= tol * abs(b))
 
 
 def math_reward(response, record):
@@ -242,21 +237,31 @@ def geo3k_reward(response, record, tol=0.05):
     return _judge(response, record.get("answer"), tol)
 
 
-def _bounded(fn, *a):
-    """fn(*a) as a float (None stays None) within the time bound; 0.0 past it or on any exception (never a crash)."""
+def _bounded(fn, *a, errors=None, name=None):
+    """fn(*a) as a float (None stays None) within the time bound; 0.0 past it, or on an exception: errors[name] (raised)."""
     try:
         with _deadline(CPU_LIMIT_S, WALL_LIMIT_S):
             v = fn(*a)
             return None if v is None else float(v)
-    except (Exception, _Timeout):
+    except (Exception, _Timeout) as e:
+        if errors is not None and not isinstance(e, _Timeout):  # a time-out is no bug of fn's: not counted
+            errors[name] = raised(name, a[1])  # a[1]: the data row, of a judge as of a term
         return 0.0
 
 
-def score(rm_type, response, record):
+def raised(name, record):
+    """In an except block: entry `name`'s exception on the data row `record` as a message, printed once per entry here."""
+    message = f"{name} raised on the row {str(record)[:500]}:\n{traceback.format_exc()}"
+    if _TOLD.setdefault(name, message) is message:  # dict.setdefault is atomic: printed by one thread
+        print(f"[error] {message}(counted as {name}_errors; later ones are not printed)", file=sys.stderr, flush=True)
+    return message
+
+
+def score(rm_type, response, record, errors=None):
     """The correctness of `response` to the data row `record` under --rm-type: 1.0 or 0.0, within the time bound."""
     if rm_type not in REWARDS:
         raise ValueError(f"unknown --rm-type {rm_type!r}; choose one of {sorted(REWARDS)}")
-    return 1.0 if _bounded(REWARDS[rm_type], response, record) else 0.0
+    return 1.0 if _bounded(REWARDS[rm_type], response, record, errors=errors, name=rm_type) else 0.0
 
 
 def overlong_penalty(sample, record, cfg):
@@ -272,8 +277,9 @@ def overlong_penalty(sample, record, cfg):
 def rewarded(sample, record, cfg):
     """An ended sample of the data row `record` under the rollout's settings `cfg`: sample.correct (--rm-type's judge)
     -> its reward, correct (1.0 / 0.0) plus each SHAPING term that is on (none in evaluation), kept in its metadata."""
-    sample.correct = score(cfg.rm_type, sample.response_text, record) > 0
-    terms = {k: _bounded(t.term, sample, record, cfg) for k, t in SHAPING.items()} if cfg.shaping else {}
+    errors = sample.metadata.setdefault("errors", {})
+    sample.correct = score(cfg.rm_type, sample.response_text, record, errors) > 0
+    terms = {k: _bounded(t.term, sample, record, cfg, errors=errors, name=k) for k, t in SHAPING.items()} if cfg.shaping else {}
     sample.metadata["shaping"] = {k: v for k, v in terms.items() if v is not None}
     return float(sample.correct) + sum(sample.metadata["shaping"].values())
 

@@ -74,9 +74,9 @@ def add_args(p):
 
 
 def settings(args, evaluation=False, **changes):
-    """What a rollout reads: add_args' flags as `args` has them, `oracle` (calc_score checks answers), `shaping` (SHAPING
-    joins the reward), then `changes`. Evaluation's differ: greedy, no oracle, no shaping, no dynamic sampling."""
-    own = {k: getattr(args, k) for k in vars(add_args(argparse.ArgumentParser()).parse_args([]))}
+    """What a rollout reads: add_args' flags and --prompt-instruction as `args` has them, `oracle` (calc_score checks
+    answers), `shaping` (SHAPING joins the reward), then `changes`. Evaluation: greedy; no oracle, shaping, dynamic sampling."""
+    own = {k: getattr(args, k) for k in [*vars(add_args(argparse.ArgumentParser()).parse_args([])), "prompt_instruction"]}
     differ = dict(rollout_temperature=0.0, dynamic_sampling=False) if evaluation else {}
     return argparse.Namespace(**{**own, **differ, "oracle": not evaluation, "shaping": not evaluation, **changes})
 
@@ -153,16 +153,15 @@ def _finish_turn(ep, out, processor, args, stops, version=0, ours=False):
         s.tool_calls += int(bool(info.get("ran")))  # calls that ran, not every <tool_call> tag
         if done:
             return False
-        im_end = processor.tokenizer.convert_tokens_to_ids(chat.IM_END)
-        close = [] if turn and turn[-1] == im_end else [im_end]  # stopped on another stop token
+        close = [] if turn and turn[-1] == stops[0] else stops[:1]  # stops[0]: <|im_end|>; stopped on another stop token
         # The model's text continues the generation prompt's opener (Qwen3.5's <think>), so the assistant message is
         # opener + text: rendered as the tokens the model saw and wrote; a thinking template finds its </think> in it.
         conv["messages"].append({"role": "assistant", "content": conv["opener"] + text})
         message = env.format_observation(obs)
         obs_ids = close + chat.encode_observation(processor, conv["messages"], message, obs["images"], conv["tools"])
         conv["messages"].append(message)
-        if (len(s.response_ids) + len(obs_ids) >= args.rollout_max_response_len
-                or len(s.tokens) + len(obs_ids) >= args.max_context_len):
+        # the response cap counts observations too; the context cap, prompt and all
+        if len(s.tokens) + len(obs_ids) >= min(args.max_context_len, len(s.prompt_ids) + args.rollout_max_response_len):
             s.status = "truncated"
             return False
         s.response_ids += obs_ids
@@ -203,8 +202,7 @@ class _Rounds:
             batch = self._take()
         self._run(batch)
         with self.cond:
-            while key not in self.answers and self.broken is None:
-                self.cond.wait()
+            self.cond.wait_for(lambda: key in self.answers or self.broken is not None)
             out = self.answers.pop(key, self.broken)
         if isinstance(out, BaseException):
             raise out
@@ -268,7 +266,7 @@ class _Episodes:
         rec = self.groups[key][0]
         try:
             with self.cpu:  # the chat template and the processor once per prompt, not per sample
-                prompt = chat.prompt(self.processor, rec, self.args.max_turns > 1)
+                prompt = chat.prompt(self.processor, rec, self.args.max_turns > 1, self.args.prompt_instruction)
                 eps = [new_episode(self.processor, rec, self.args, prompt) for _ in range(self.args.n_samples_per_prompt)]
             with self.cond:
                 self.groups[key] = (rec, prompt, eps)
@@ -358,8 +356,7 @@ class Rollout(_Episodes):
         self.rounds = None if getattr(self.engine, "concurrent", False) else _Rounds(self.engine)
         size = self.cap * (self.args.n_samples_per_prompt + 1)  # a thread an episode (a round waits for all)
         self.pool = ThreadPoolExecutor(size if self.rounds else min(size, 1024), thread_name_prefix="episode")
-        self.bar = tqdm(total=0, desc="rollout", unit="sample", file=sys.stderr, mininterval=1.0, delay=2.0,
-                        leave=False)  # shown once it has a total
+        self.bar = tqdm(total=0, desc="rollout", unit="sample", file=sys.stderr, mininterval=1.0, delay=2.0, leave=False)
         with self.cond:
             for rec, prompt, eps in fresh:
                 self._open(rec, prompt, eps)
@@ -382,6 +379,9 @@ class Rollout(_Episodes):
         for key, s in out:
             s.group, s.metadata["rollout"] = key, stats
         self.calls, self.stale, self.aborted, self.since = [], 0, 0, now
+        judged = [s.metadata.get("errors", {}).get(self.args.rm_type) for _, s in out if s.status != "failed"]
+        if judged and all(judged):  # scored 0.0 for nothing: a bug of the judge's (a column the data lacks), not the model's
+            raise SystemExit(f"--rm-type {self.args.rm_type} raised on every sample of this rollout; the first:\n{judged[0]}")
         return [s for _, s in out]
 
     def pause(self):

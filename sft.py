@@ -50,13 +50,13 @@ def _n_images(messages):
     return sum(p.get("type") == "image" for m in messages if not isinstance(m["content"], str) for p in m["content"])
 
 
-def encode(processor, record):
+def encode(processor, record, instruction=data.INSTRUCTION):
     """-> the trainer's Item, tokens exactly as a rollout of the same conversation makes them (assistant turns:
     loss mask 1; tool turns: 0). The conversation: the record's `messages` (slime's SFT form, a list or its JSON;
-    docs/data.md), else the prompt and `Answer: \\boxed{..}`."""
-    images, messages, tools = list(record["images"]), record.get("messages"), None
+    docs/data.md), else the prompt (ending with `instruction`: --prompt-instruction's) and `Answer: \\boxed{..}`."""
+    images, messages, tools, target = list(record["images"]), record.get("messages"), None, data.sft_target(record["answer"])
     if messages is None:
-        messages = data.sft_messages(record)
+        messages = data.prompt_messages(record, instruction=instruction) + [{"role": "assistant", "content": target}]
     else:
         messages = json.loads(messages) if isinstance(messages, str) else messages
         messages = [{"role": m["role"], "content": _parts(m["content"])} for m in messages]
@@ -64,13 +64,12 @@ def encode(processor, record):
     roles = [m["role"] for m in messages]
     if "assistant" not in roles or roles[-1] != "assistant" or not set(roles) <= {"system", "user", "assistant", "tool"}:
         raise ValueError(f"messages with roles {roles}: want system, user, assistant and tool turns, the last an assistant's")
-    first = roles.index("assistant")
-    seen = _n_images(messages[:first])
-    ids = chat.encode_prompt(processor, messages[:first], images[:seen], tools)
-    mask, history = [False] * len(ids), messages[:first]
-    opener = chat.assistant_opener(processor, history, tools)
+    history = messages[:roles.index("assistant")]  # the prompt
+    seen = _n_images(history)
+    ids = chat.encode_prompt(processor, history, images[:seen], tools)
+    mask, opener = [False] * len(ids), chat.assistant_opener(processor, history, tools)
     stops = processor.tokenizer.convert_tokens_to_ids([chat.IM_END, chat.ENDOFTEXT])
-    for m in messages[first:]:
+    for m in messages[len(history):]:
         if m["role"] == "assistant":  # a rollout keeps what the model wrote after the opener, decoded
             text = m["content"] if isinstance(m["content"], str) else "".join(p.get("text", "") for p in m["content"])
             turn = chat.encode_target(processor, history, text, tools)
@@ -95,8 +94,7 @@ def batch_loss(model, par, items, max_tokens, backward):
     def nll(_, out):  # on the last PP stage
         loss = -out[0].sum() / n_tokens
         return loss, {"loss": loss.item()}
-    stats = pipeline.run(model, T.micro_batches(items, max_tokens, par), lambda m, x: m(**x),
-                         nll, forward_only=not backward)
+    stats = pipeline.run(model, T.micro_batches(items, max_tokens, par), lambda m, x: m(**x), nll, forward_only=not backward)
     return T.global_sum(sum(s["loss"] for s in stats), par), n_tokens
 
 
@@ -104,10 +102,10 @@ def main(argv=None):
     args = parse_args(argv)
     par, run = T.start(args, "sft", fixed=("global_batch_size",))  # a step's data: step x the batch
     processor = AutoProcessor.from_pretrained(args.hf_checkpoint)
-    fit = dict(verbose=par.rank == 0, measure=lambda r: len(encode(processor, r).ids),
+    fit = dict(verbose=par.rank == 0, measure=lambda r: len(encode(processor, r, args.prompt_instruction).ids),
                limit=(args.max_tokens_per_gpu, f"--max-tokens-per-gpu {args.max_tokens_per_gpu}"))
-    train = [encode(processor, r) for r in T.load_data(args, **fit)]
-    evals = [encode(processor, r) for r in T.load_data(args, evaluation=True, **fit)]
+    train = [encode(processor, r, args.prompt_instruction) for r in T.load_data(args, **fit)]
+    evals = [encode(processor, r, args.prompt_instruction) for r in T.load_data(args, evaluation=True, **fit)]
     per_epoch = math.ceil(len(train) / args.global_batch_size)
     total = per_epoch * args.num_epoch
     run.nothing_left(total, "--num-epoch")

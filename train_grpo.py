@@ -44,8 +44,8 @@ import trainer as T
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=F.HelpFormatter,
-                                allow_abbrev=False)  # no --sglang-* flag may pass as an abbreviation
+    # allow_abbrev: no --sglang-* flag may pass as an abbreviation
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=F.HelpFormatter, allow_abbrev=False)
     F.add_train_args(p)
     R.add_args(p)
     a = p.add_argument_group("GRPO").add_argument
@@ -127,6 +127,9 @@ def parse_args(argv=None):
     if sglang_engine.engine_kind(args) == "local" and placing + args.sglang_args:  # in rank 0's process: nothing to place
         p.error(f"{' '.join(placing + args.sglang_args)}: they place or set up an SGLang server, but the rollout engine "
                 "is local (--rollout-engine sglang, or auto on CUDA with SGLang installed)")
+    for kind, reg in (("ESTIMATORS", L.ESTIMATORS), ("SHAPING", reward.SHAPING), ("TOOLS", env_geo3k.TOOLS)):  # own flags
+        for name, flag in ((n, f) for n, e in reg.items() for f in e.flags if not hasattr(args, f[2:].replace("-", "_"))):
+            p.error(f"{kind} entry {name!r} declares {flag}, which args lacks: add flags.own_flags({kind}) to the parser")
     return args
 
 
@@ -137,7 +140,6 @@ def to_item(sample, processor, adv, encoded=None, step=None):
     key, encoded = tuple(map(id, sample.images)), {} if encoded is None else encoded
     pv, grid = encoded[key] if key in encoded else encoded.setdefault(key, chat.encode_images(processor, sample.images))
     mask = [0] * len(sample.prompt_ids) + list(sample.loss_mask)
-    old = [0.0] * len(sample.prompt_ids) + list(sample.rollout_logprobs)
     routes = sample.routed_experts  # (T - 1, layers, k): the last token no engine forward saw
     if routes is not None:
         routes = torch.cat([torch.as_tensor(routes, dtype=torch.int16),
@@ -145,7 +147,8 @@ def to_item(sample, processor, adv, encoded=None, step=None):
     return T.Item(ids=torch.tensor(sample.tokens), mask=torch.tensor(mask, dtype=torch.bool),
                   pixel_values=pv, image_grid_thw=grid, adv=adv, routed_experts=routes, same_version=None
                   if step is None else torch.tensor([v == step for v, m in zip(sample.versions, sample.loss_mask) if m]),
-                  rollout_logprobs=torch.tensor([o for o, m in zip(old, mask) if m], dtype=torch.float32))
+                  rollout_logprobs=torch.tensor([o for o, m in zip(sample.rollout_logprobs, sample.loss_mask) if m],
+                                                dtype=torch.float32))
 
 
 def policy_loss(model, ref, par, items, args, measure):
@@ -337,6 +340,9 @@ def rollout_metrics(samples, tools=()):
     for k in {k for s in ok for k in s.metadata.get("shaping", {})}:  # overlong_penalty_mean, overlong_penalty_frac
         v = [s.metadata.get("shaping", {}).get(k, 0.0) for s in ok]
         m.update({f"{k}_mean": sum(v) / len(v), f"{k}_frac": sum(x != 0 for x in v) / len(v)})
+    for s in samples:  # <name>_errors: the samples in which a judge, a shaping term or a tool raised (reward.raised)
+        for k in {*s.metadata.get("errors", ()), *(i["tool"] for i in s.metadata.get("steps", ()) if i.get("raised"))}:
+            m[f"{k}_errors"] = m.get(f"{k}_errors", 0) + 1
     m.update(env_geo3k.tool_metrics([s.metadata.get("steps", []) for s in samples],  # multi-turn: tool use
                                     [None if s.status == "failed" else s.correct for s in samples], tools))
     if samples and "rollout" in samples[0].metadata:  # where the rollout's time went, what it cut and dropped
@@ -407,7 +413,7 @@ def main(argv=None):
     records = eval_records = None
     if par.rank == 0:  # rank 0 owns the data (checked here, before any model: docs/data.md) and the rewards
         reward.init()  # its one-off warm-up here, not in the first rollout
-        fit = dict(measure=lambda r: len(chat.prompt(processor, r, args.max_turns > 1)[2]),
+        fit = dict(measure=lambda r: len(chat.prompt(processor, r, args.max_turns > 1, args.prompt_instruction)[2]),
                    limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len} with room for a response"))
         records = T.load_data(args, **fit) if args.num_rollout else []  # --num-rollout 0: evaluate only
         eval_records = T.load_data(args, evaluation=True, **fit)

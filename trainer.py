@@ -168,8 +168,7 @@ class Run:
 
     def eval_due(self, step, total):
         """An evaluation after `step`: every --eval-interval steps and after the last, not on the way out."""
-        every = self.args.eval_interval
-        return not self.stopping and (step == total or bool(every and step % every == 0))
+        return not self.stopping and (step == total or bool(self.args.eval_interval and step % self.args.eval_interval == 0))
 
     def nothing_left(self, total, flag):
         """A resumed run already at its last step ends here, saying so (exit 0), before any model loads."""
@@ -275,8 +274,7 @@ def trim_metrics(save, step):
         except (ValueError, KeyError, TypeError):
             torn.append(i + 1)
     if torn:
-        print(f"[run] {log}: dropped unreadable line(s) {torn[:5]} (torn by a crash or a full disk)",
-              file=sys.stderr, flush=True)
+        print(f"[run] {log}: dropped unreadable line(s) {torn[:5]} (a crash or a full disk)", file=sys.stderr, flush=True)
     atomic_write(log, "".join(line + "\n" for line in keep))
 
 
@@ -384,17 +382,15 @@ def global_sum(value, par, op=dist.ReduceOp.SUM):
 
 def pack(lengths, max_tokens):
     """Indices grouped into micro-batches of at most `max_tokens` tokens, first-fit decreasing (a longer one alone)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    bins, room = [], []
-    for i in order:
-        for b, free in enumerate(room):
-            if lengths[i] <= free:
-                bins[b].append(i)
-                room[b] -= lengths[i]
-                break
-        else:
+    bins, room = [], []  # room: each bin's free tokens
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        k = next((k for k, free in enumerate(room) if lengths[i] <= free), None)  # the first bin it fits in
+        if k is None:
             bins.append([i])
             room.append(max_tokens - lengths[i])
+        else:
+            bins[k].append(i)
+            room[k] -= lengths[i]
     return [sorted(b) for b in bins]
 
 

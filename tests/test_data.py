@@ -152,10 +152,16 @@ def test_a_forks_own_columns_are_named_with_slimes_flags(tmp_path, capsys):
     assert e.value.code.endswith("""no column 'images'; its columns: gold, image_path, question. Name yours with """
                                  """--multimodal-keys '{"image": "COLUMN"}' (docs/data.md)"""), e.value.code
     keys += ["--multimodal-keys", '{"image": "image_path"}']
+    data.main(["show", str(p), *keys])  # the user turn as the trainers make it: the problem, then the instruction
+    assert capsys.readouterr().out.startswith("2 records; first: '<image>Sides?\\nSolve the geometry problem shown")
+    keys += ["--prompt-instruction", "Count the sides."]  # a fork's own task (rollout, SFT: tests/test_rollout.py)
     data.main(["show", str(p), *keys])
-    assert capsys.readouterr().out.startswith("2 records; first: '<image>Sides?' -> '4', images [(40, 30)]")
+    assert capsys.readouterr().out.startswith("2 records; first: '<image>Sides?\\nCount the sides.' -> '4', images [(40, 30)]")
+    data.main(["show", str(p), *keys[:-1], ""])
+    assert capsys.readouterr().out.startswith("2 records; first: '<image>Sides?' -> '4'")  # "": none
     for mod in (train_grpo, sft):
         args = mod.parse_args(["--hf-checkpoint", "x", "--prompt-data", str(p), "--save", "x", *keys])
+        assert args.prompt_instruction == "Count the sides."
         recs = trainer.load_data(args)
         assert [len(r["images"]) for r in recs] == [1, 2] and [r["answer"] for r in recs] == ["4", "3"]
         assert "image_path" not in recs[0]  # the column became `images`; it does not ride along too
@@ -167,13 +173,14 @@ def test_user_content_places_images_at_markers():
     assert data.user_content("A <image> B <image>", 2) == [
         {"type": "text", "text": "A"}, {"type": "image"}, {"type": "text", "text": "B"}, {"type": "image"}]
     rec = {"problem": "<image>Q", "answer": "1", "images": [None]}
-    assert data.prompt_messages(rec)[0]["content"][-1]["text"] == "\n" + data.SINGLE_TURN_INSTRUCTION
-    system = data.prompt_messages(rec, multi_turn=True)[0]
-    assert system == {"role": "system", "content": data.MULTI_TURN_SYSTEM} and "\\boxed{" in system["content"]
+    assert data.prompt_messages(rec)[0]["content"][-1]["text"] == "\n" + data.INSTRUCTION
+    system, user = data.prompt_messages(rec, multi_turn=True)
+    assert system == {"role": "system", "content": data.MULTI_TURN_SYSTEM} and "geometry" not in system["content"]
+    assert user["content"][-1]["text"] == "\n" + data.INSTRUCTION  # the task's words: the instruction's, in both modes
+    assert data.prompt_messages(rec, instruction="")[0]["content"] == [{"type": "image"}, {"type": "text", "text": "Q"}]
     listed = data.prompt_messages(rec, multi_turn=True, tool_list="- crop: zoom")[0]["content"]
     assert listed == data.MULTI_TURN_SYSTEM + "\n\n- crop: zoom"
-    sft = data.sft_messages({"problem": "<image>Q", "answer": "5 \\sqrt { 3 }", "images": [None]})
-    assert sft[-1] == {"role": "assistant", "content": "Answer: \\boxed{5 \\sqrt { 3 }}"}
+    assert data.sft_target("5 \\sqrt { 3 }") == "Answer: \\boxed{5 \\sqrt { 3 }}"  # SFT's target (sft.encode)
 
 
 def _sides_from_image(img):

@@ -10,6 +10,7 @@ import pytest
 
 import data
 import env_geo3k
+import reward
 import chat
 import train_grpo
 from conftest import rollout_args
@@ -116,3 +117,48 @@ def test_truncation_and_failures(processor, records):
     (s,) = fakes.run_episodes(ScriptedEngine(processor, ["<|image_pad|> 4"]), processor, records[:1],
                                 rollout_args(n_samples_per_prompt=1))
     assert s.status == "failed" and "placeholders" in s.fail_reason and set(s.loss_mask) == {0}, s.fail_reason
+
+
+def test_the_prompt_instruction_is_the_runs(processor, records):
+    """--prompt-instruction ends the user turn of every prompt, a rollout's single- and multi-turn (GRPO) and SFT's
+    encode; "" gives none; the multi-turn system prompt names no task (a fork's counting task is told nothing of
+    geometry). data.py show: tests/test_data.py."""
+    import sft
+    problem = records[0]["problem"].split("<image>")[-1].strip()
+    for instruction in ("Count the sides.", ""):
+        args = sft.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--prompt-instruction", instruction])
+        ids = [list(sft.encode(processor, records[0], args.prompt_instruction).ids)]
+        for turns in (1, 2):
+            eng = ScriptedEngine(processor, ["\\boxed{3}"])
+            cfg = rollout_args(max_turns=turns, n_samples_per_prompt=1, prompt_instruction=instruction)
+            ids.append(fakes.run_episodes(eng, processor, records[:1], cfg)[0].prompt_ids)
+        for prompt in map(processor.tokenizer.decode, ids):
+            user = prompt.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+            assert user.endswith(problem + ("\n" + instruction if instruction else "")) and "geometry" not in prompt
+
+
+def test_what_raises_is_counted_printed_once_and_a_judge_raising_on_every_sample_stops(processor, records, monkeypatch,
+                                                                                        capsys):
+    """A judge reading a column some rows lack (KeyError) scores them 0.0, counted in the step's metrics as
+    <name>_errors, its first traceback printed once with the row; a tool's own bug is counted too, and the episode goes
+    on with an error observation; a rollout whose judge raised on every sample stops the run with that traceback."""
+    def broken(env, arguments):
+        raise RuntimeError("a bug of the tool's")
+    monkeypatch.setattr(reward, "_TOLD", {})
+    monkeypatch.setitem(reward.REWARDS, "choice", lambda response, record: record["choices"][0] in response)
+    monkeypatch.setitem(env_geo3k.TOOLS, "broken", env_geo3k.Tool(broken, "broken", "broken", {"n": {"type": "integer"}},
+                                                                  {"n": 1}))
+    call = '<tool_call>{"name": "broken", "arguments": {"n": 1}}</tool_call>'
+    recs = [dict(records[0], choices=["3"], tools=["broken"]), dict(records[1], tools=["broken"])]
+    cfg = rollout_args(max_turns=2, rm_type="choice", rollout_max_response_len=400)
+    samples = fakes.run_episodes(ScriptedEngine(processor, [call, "\\boxed{3}"]), processor, recs, cfg)
+    assert [(s.status, s.turns, s.correct) for s in samples] == [("completed", 2, True)] * 2 + [("completed", 2, False)] * 2
+    step = samples[0].metadata["steps"][0]
+    assert step["observation"].startswith("Error: the tool failed (RuntimeError: a bug of the tool's)") and step["tool"] == "broken"
+    m = train_grpo.rollout_metrics(samples)
+    assert m["choice_errors"] == 2 and m["broken_errors"] == 4
+    err = capsys.readouterr().err  # each entry's first, with its row
+    assert err.count("Traceback") == 2 and "KeyError: 'choices'" in err and "RuntimeError: a bug" in err
+    assert f"choice raised on the row {{'problem': {records[1]['problem']!r}" in err
+    with pytest.raises(SystemExit, match="(?s)--rm-type choice raised on every sample of this rollout.*KeyError: 'ch"):
+        fakes.run_episodes(ScriptedEngine(processor, ["\\boxed{3}"]), processor, records[1:2], rollout_args(rm_type="choice"))

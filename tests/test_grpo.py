@@ -288,6 +288,24 @@ def test_each_entrys_own_flags_reach_it(monkeypatch):
     assert sapo["gate"] == pytest.approx((4 * p[0] * (1 - p[0]) + 4 * p[1] * (1 - p[1]) + 1) / 3) and "clipfrac" not in sapo
 
 
+def test_a_declared_flag_args_lacks_is_an_error_naming_the_entry(monkeypatch, capsys):
+    """An entry's flag that the parser did not take is an error at start naming the entry and the flag (train_grpo's
+    parse_args checks every registry's), never its default in silence; a tool's where build_env's args lack it too."""
+    import argparse
+    import env_geo3k
+    import flags as F
+    import reward
+    own = F.own_flags
+    monkeypatch.setattr(F, "own_flags", lambda registry: {} if registry is reward.SHAPING else own(registry))
+    with pytest.raises(SystemExit):  # a parser that did not take SHAPING's flags
+        G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x"])
+    assert ("error: SHAPING entry 'overlong_penalty' declares --overlong-buffer-len, which args lacks: add "
+            "flags.own_flags(SHAPING) to the parser") in capsys.readouterr().err
+    monkeypatch.setitem(env_geo3k.TOOLS, "spy", env_geo3k.Tool(None, "spy", "spy", {}, {}, flags={"--spy-size": {}}))
+    with pytest.raises(AttributeError, match="spy_size"):
+        env_geo3k.build_env({"answer": "1", "images": []}, argparse.Namespace(max_turns=2))
+
+
 def test_evaluation_reports_correctness_on_its_own_settings(monkeypatch):
     """evaluate: pass@1 greedy and pass@K at the rollout temperature, oracle and shaping off, and its numbers and rows
     are correctness, never the reward (here a sample rewarded 1.0 but wrong); training's accuracy reads it too."""

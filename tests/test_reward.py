@@ -403,9 +403,10 @@ def test_overlong_penalty_is_dapo_eq_13_by_hand(length, want):
     assert reward.overlong_penalty(s, {}, shaped(overlong_penalty_factor=0.5)) == (-0.5 if length > 20 else 0.0)
 
 
-def test_rewarded_keeps_correctness_apart_from_the_shaped_reward(monkeypatch):
+def test_rewarded_keeps_correctness_apart_from_the_shaped_reward(monkeypatch, capsys):
     """rewarded: sample.correct is the judge's; the reward is it plus each SHAPING term (kept in the sample's
-    metadata), none where the settings turn shaping off (evaluation); a term that raises or hangs adds 0.0."""
+    metadata), none where the settings turn shaping off (evaluation); a term that raises or hangs adds 0.0, one that
+    raises counted (metadata["errors"]: <name>_errors), its first traceback printed once with the row."""
     import rollout
     cfg = shaped(overlong_buffer_len=5, overlong_penalty_factor=0.5)
 
@@ -423,8 +424,14 @@ def test_rewarded_keeps_correctness_apart_from_the_shaped_reward(monkeypatch):
             pass
     monkeypatch.setitem(reward.SHAPING, "boom", reward.Shaping(lambda s, record, cfg: 1 / 0, {}))
     monkeypatch.setitem(reward.SHAPING, "forever", reward.Shaping(forever, {}))
-    t = time.perf_counter()
-    assert reward.rewarded(sample(B % "13", 0), {"answer": "13"}, cfg) == 1.0 and time.perf_counter() - t < 3.0
+    monkeypatch.setattr(reward, "_TOLD", {})
+    t, s = time.perf_counter(), sample(B % "13", 0)
+    assert reward.rewarded(s, {"answer": "13"}, cfg) == 1.0 and time.perf_counter() - t < 3.0
+    assert list(s.metadata["errors"]) == ["boom"] and "ZeroDivisionError" in s.metadata["errors"]["boom"]  # a time-out: not
+    monkeypatch.delitem(reward.SHAPING, "forever")
+    assert reward.rewarded(sample(B % "13", 0), {"answer": "13"}, cfg) == 1.0
+    err = capsys.readouterr().err
+    assert err.count("Traceback") == 1 and "boom raised on the row {'answer': '13'}" in err and "ZeroDivisionError" in err
 
 
 def test_equal_float_rewards_give_exactly_zero_advantages():

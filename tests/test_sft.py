@@ -77,7 +77,7 @@ def test_pixels_reach_the_loss(trained, tiny_ckpt, geo3k_real, tmp_path):
     def losses(images):
         out = []
         for rec, imgs in zip(recs, images):
-            msgs = data.sft_messages(rec)
+            msgs = data.prompt_messages(rec) + [{"role": "assistant", "content": data.sft_target(rec["answer"])}]
             prompt = proc.apply_chat_template(msgs[:1], add_generation_prompt=True, tokenize=False)
             full = prompt + msgs[1]["content"] + "<|im_end|>"
             enc = proc(text=[full], images=imgs, return_tensors="pt")
