@@ -127,7 +127,7 @@ def parse_args(argv=None):
     if sglang_engine.engine_kind(args) == "local" and placing + args.sglang_args:  # in rank 0's process: nothing to place
         p.error(f"{' '.join(placing + args.sglang_args)}: they place or set up an SGLang server, but the rollout engine "
                 "is local (--rollout-engine sglang, or auto on CUDA with SGLang installed)")
-    for kind, reg in (("ESTIMATORS", L.ESTIMATORS), ("SHAPING", reward.SHAPING), ("TOOLS", env_geo3k.TOOLS)):  # own flags
+    for kind, reg in (("LOSSES", L.LOSSES), ("SHAPING", reward.SHAPING), ("TOOLS", env_geo3k.TOOLS)):  # own flags
         for name, flag in ((n, f) for n, e in reg.items() for f in e.flags if not hasattr(args, f[2:].replace("-", "_"))):
             p.error(f"{kind} entry {name!r} declares {flag}, which args lacks: add flags.own_flags({kind}) to the parser")
     return args
