@@ -3,6 +3,8 @@ out of bounds (at_least, fraction) is the parser's error naming the flag and the
 entry's own flags (a loss's, a reward term's, a tool's) are declared with it: own_flags, declared."""
 import argparse
 import dataclasses
+import math
+import re
 
 import data
 
@@ -15,13 +17,13 @@ class FromArgs:
 
 
 def at_least(low):
-    """argparse type: a number (int when `low` is an int, else float) >= low."""
+    """argparse type: a finite number (int when `low` is an int, else float) >= low."""
     kind = type(low)
 
     def parse(text):
         v = kind(text)
-        if not v >= low:  # NaN fails too
-            raise argparse.ArgumentTypeError(f"{text}: must be >= {low}")
+        if not low <= v < math.inf:  # NaN fails too
+            raise argparse.ArgumentTypeError(f"{text}: must be a finite number >= {low}")
         return v
     parse.__name__ = kind.__name__  # argparse's "invalid int value" wording for a non-number
     return parse
@@ -50,6 +52,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 def add_train_args(p):
     """The groups both trainers share; train_grpo.py adds rollout.add_args and its own."""
+    # `--lr -1e-4` is the value, not an option: Python 3.11's argparse.py:1381 takes only -1 / -1.5 as numbers
+    p._negative_number_matcher = re.compile(r"^-(\.?\d|inf$|nan$)")
     g = p.add_argument_group("data and evaluation").add_argument
     g("--prompt-data", required=True, help="training data: hub id, .parquet, .jsonl or folder")
     data.add_column_args(g)

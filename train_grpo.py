@@ -97,8 +97,9 @@ def parse_args(argv=None):
     args.global_batch_size = args.global_batch_size or args.rollout_batch_size * args.n_samples_per_prompt
     if args.offload_train is None:
         args.offload_train = args.colocate and torch.cuda.is_available()
-    if args.n_samples_per_prompt == 1 and args.num_rollout:
-        p.error("--n-samples-per-prompt 1: a group of one has zero advantage, GRPO would learn nothing")
+    if args.num_rollout and (args.n_samples_per_prompt == 1 or args.rollout_temperature == 0):
+        p.error(("--n-samples-per-prompt 1: a group of one" if args.n_samples_per_prompt == 1 else "--rollout-temperature"
+                 " 0: greedy, a group's responses are one") + " has zero advantage, GRPO would learn nothing")
     if not (args.num_rollout or args.eval_prompt_data):
         p.error("--num-rollout 0 only evaluates: give --eval-prompt-data (or steps to train)")
     if (args.fully_async or args.async_rollout) and (args.colocate or args.offload_train):

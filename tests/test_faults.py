@@ -80,6 +80,9 @@ GRPO = ["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x"]
     ("sft", ["--global-batch-size", "0"], "--global-batch-size: 0:"),
     ("sft", ["--num-epoch", "0"], "--num-epoch: 0:"),
     ("sft", ["--lr", "nan"], "--lr: nan:"),
+    # issue 68: a negative number without `=` is the flag's value, refused by its bound; greedy GRPO learns nothing
+    ("sft", ["--lr", "-1e-4"], "--lr: -1e-4: must be a finite number >= 0.0"),
+    ("train_grpo", ["--rollout-temperature", "0"], "--rollout-temperature 0: greedy, a group's responses are one"),
 ])
 def test_bad_numeric_flags_fail_at_parse_time_naming_the_flag(entry, flags, named, capsys):
     mod = __import__(entry)
@@ -100,6 +103,21 @@ def test_every_numeric_flag_declares_its_bound():
         groups = [g.title for g in parser._action_groups if g._group_actions]
         assert {"data and evaluation", "model and parallelism", "precision and memory", "optimizer",
                 "run folder"} <= set(groups), groups
+
+
+def test_every_float_flag_refuses_what_is_not_a_finite_number():
+    """Issue 68: `--lr inf` trained to NaN weights. Every flag a float parses (both trainers, each registry entry's
+    own) refuses inf, -inf and nan at parse time."""
+    import argparse
+    import sft
+    import train_grpo
+    floats = [a for mod in (train_grpo, sft) for a in mod.build_parser()._actions
+              if getattr(a.type, "__name__", None) == "float"]  # float, flags.at_least(0.0), flags.fraction
+    assert {"--lr", "--rollout-top-p", "--sapo-tau-pos", "--overlong-penalty-factor"} <= {a.option_strings[0] for a in floats}
+    for a in floats:
+        for text in ("inf", "-inf", "nan"):
+            with pytest.raises(argparse.ArgumentTypeError, match=f"^{text}: must be"):
+                a.type(text)
 
 
 def test_a_checkpoint_is_periodic_by_default():
@@ -726,6 +744,32 @@ def test_a_resume_refuses_a_checkpoint_of_another_architecture(tmp_path, capsys)
     assert said.startswith(f"--hf-checkpoint {tmp_path / 'big'}: not the architecture of {save / 'iter_0000002'} "
                            "(text_config.head_dim 32, the run's 16; text_config.hidden_size 128, the run's 64;"), said
     assert "[model]" not in capsys.readouterr().out and [p.name for p in save.glob("config_*")] == ["config_sft.json"]
+
+
+def test_weights_that_are_not_finite_are_not_saved_and_the_step_is_named(tmp_path):
+    """Issue 68: a run whose weights went NaN ended "done", rc 0, every saved tensor NaN. Now the checkpoint is
+    refused naming the step and a tensor, nothing is written and the last checkpoint stays the latest."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    par, run = T.start(grpo_args(hf_checkpoint=str(tmp_path / "ckpt"), save=str(tmp_path / "run")), "grpo")
+    model = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        model.bias[1] = float("inf")
+    with pytest.raises(SystemExit, match=r"^\[run\] step 3: weights not finite \(NaN or inf: bias\); not saved, "
+                                         f"earlier checkpoints kept: lower --lr and resume with --load {tmp_path}/run$"):
+        run.save_checkpoint(model, None, None, 3)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".lock", "config_grpo.json"]
+
+
+@pytest.mark.parametrize("buckets", [1, 2], ids=["model.safetensors", "shards"])
+def test_a_checkpoints_weights_have_the_mode_of_its_other_files(buckets, tmp_path):
+    """Issue 68: model.safetensors was written 0600 (safetensors' temporary file), config.json 0644."""
+    import convert
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "config.json").write_text("{}")
+    convert.write_hf([[(f"w{i}", torch.zeros(2))] for i in range(buckets)], tmp_path / "out", tmp_path / "src")
+    modes = {f.name: oct(f.stat().st_mode & 0o777) for f in (tmp_path / "out").iterdir()}
+    assert len(modes) == 2 + buckets - (buckets == 1) and len(set(modes.values())) == 1, modes
 
 
 def test_a_save_folder_that_cannot_be_made_is_named(tmp_path):
