@@ -479,6 +479,20 @@ def test_a_missing_column_is_named_with_the_files_columns(tmp_path):
         data.load_geo3k(tmp_path / "t.jsonl")
 
 
+@pytest.mark.parametrize("evaluation", [False, True], ids=["train", "eval"])
+def test_training_and_eval_data_read_the_columns_the_flags_name(evaluation, tmp_path):
+    """Issue 68: eval answers were read from `answer` whatever --label-key said. Each column flag names its column
+    in both data sets; the default columns sit beside them with other values, so a flag not followed shows."""
+    (tmp_path / "a.png").write_bytes(png((32, 32)))
+    (tmp_path / "b.png").write_bytes(png((48, 40)))
+    row = {"problem": "<image>wrong", "answer": "wrong", "images": "b.png", "q": "<image>right?", "gold": "7", "pic": "a.png"}
+    jsonl(tmp_path / "d.jsonl", [row])
+    args = grpo_args(prompt_data=str(tmp_path / "d.jsonl"), eval_prompt_data=str(tmp_path / "d.jsonl"), input_key="q",
+                     label_key="gold", multimodal_keys={"image": "pic"})
+    [rec] = T.load_data(args, evaluation=evaluation)
+    assert (rec["problem"], rec["answer"], rec["images"][0].size) == ("<image>right?", "7", (32, 32)), rec
+
+
 def resumable(tmp_path, entry, argv, step=2, config="{}"):
     """A run folder as `entry` run with `argv` leaves it after a checkpoint at `step`: its config, its
     checkpoint's meta and config.json (what a resume reads before any model loads). -> the folder."""
