@@ -786,6 +786,33 @@ def test_a_checkpoints_weights_have_the_mode_of_its_other_files(buckets, tmp_pat
     assert len(modes) == 2 + buckets - (buckets == 1) and len(set(modes.values())) == 1, modes
 
 
+REAL = ROOT.parent / "shared" / "real_models"
+
+
+@pytest.mark.parametrize("family", ["Qwen2.5-VL-3B-Instruct", "Qwen3-VL-2B-Instruct", "Qwen3.5-0.8B", "Qwen3.5-35B-A3B"])
+def test_a_resume_refuses_another_size_in_every_part_of_the_config(family, tmp_path):
+    """Issue 68: the check ignored vision_config (a ViT of another depth or patch size resumed). Each family nests
+    its config its own way (Qwen2.5-VL's text fields at the top); every size of every part must be refused."""
+    import convert
+    if not (REAL / family / "config.json").exists():
+        pytest.skip("../shared/real_models not beside the repo")
+    config = json.loads((REAL / family / "config.json").read_text())
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(json.dumps(config))
+    parts = {"": config, **{f"{k}.": v for k, v in config.items() if isinstance(v, dict)}}
+    sizes = [(p, k) for p, part in parts.items() for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+             "intermediate_size", "depth", "num_heads", "patch_size", "out_hidden_size") if k in part]
+    assert {"vision_config.depth", "vision_config.patch_size"} <= {p + k for p, k in sizes}
+    assert {"text_config.hidden_size", "hidden_size"} & {p + k for p, k in sizes}
+    for p, k in sizes:
+        other = json.loads(json.dumps(config))
+        (other[p[:-1]] if p else other)[k] += 1
+        (tmp_path / "new").mkdir(exist_ok=True)
+        (tmp_path / "new" / "config.json").write_text(json.dumps(other))
+        with pytest.raises(SystemExit, match=f"not the architecture .*[(; ]{p + k} "):
+            convert.same_architecture(tmp_path / "new", tmp_path / "run")
+
+
 def test_a_save_folder_that_cannot_be_made_is_named(tmp_path):
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text("{}")
