@@ -208,10 +208,12 @@ class Run:
         return meta
 
 
-# What a checkpoint fixes: the data order, the optimizer's hyperparameters and schedule, which its state restores
-# (torch keeps the saved param groups; megatron-core 0.16.1 optimizer_param_scheduler.py:312-333); + start's `fixed`.
-FIXED = ("seed", "lr", "min_lr", "decoupled_lr", "lr_warmup_iters", "lr_decay_style", "adam_beta1", "adam_beta2",
-         "weight_decay")
+# What a checkpoint fixes (docs/training.md's table): the data order (the rows and the seed that orders them), the
+# optimizer's hyperparameters and schedule, which its state restores (torch keeps the saved param groups; megatron-core
+# 0.16.1 optimizer_param_scheduler.py:312-333); + start's `fixed`.
+FIXED = ("seed", "prompt_data", "split", "input_key", "label_key", "multimodal_keys", "max_context_len", "allow_image_urls",
+         "allow_outside_paths", "lr", "min_lr", "decoupled_lr", "lr_warmup_iters", "lr_decay_style", "adam_beta1",
+         "adam_beta2", "weight_decay")
 
 
 def compare(saved_path, config, fixed):

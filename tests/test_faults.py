@@ -525,6 +525,27 @@ def test_a_resume_refuses_what_the_checkpoint_fixes_and_keeps_the_runs_config(tm
     assert (save / "config_sft.json").read_text() == first and [p.name for p in save.glob("config_*")] == ["config_sft.json"]
 
 
+def test_a_resume_refuses_each_of_the_runs_flags_and_says_each_other_change(tmp_path, capsys):
+    """Issue 68: --lr changed was refused but --prompt-data changed was only said, where README refuses a changed data
+    order. docs/training.md's table: each flag of the run's (trainer.FIXED, GRPO's own) refused by name, the others
+    said; the table lists each refused flag."""
+    config = dict(vars(grpo_args()), kind="grpo", world_size=1, versions=T.versions())
+    saved = tmp_path / "config_grpo.json"
+    fixed, table = T.FIXED + ("rollout_batch_size", "partial_rollout", "fully_async"), (ROOT / "docs/training.md").read_text()
+    runs = ["seed", "prompt_data", "split", "input_key", "label_key", "multimodal_keys", "max_context_len", "allow_image_urls",
+            "allow_outside_paths", "lr", "min_lr", "decoupled_lr", "lr_warmup_iters", "lr_decay_style", "adam_beta1",
+            "adam_beta2", "weight_decay", "rollout_batch_size", "partial_rollout", "fully_async"]
+    for k in runs:
+        assert f"--{k.replace('_', '-')}`" in table.split("| may change")[0] or k.startswith("adam_beta"), k
+        saved.write_text(json.dumps(dict(config, **{k: "the run's"}), default=str))
+        with pytest.raises(SystemExit, match=f"cannot change:\n  --{k.replace('_', '-')} .* \\(the run: the run's\\)\n"):
+            T.compare(saved, config, fixed)
+    for k in ("n_samples_per_prompt", "rollout_temperature", "max_bad_frac", "eval_prompt_data", "save_interval", "clip_grad"):
+        saved.write_text(json.dumps(dict(config, **{k: "the run's"}), default=str))
+        T.compare(saved, config, fixed)
+        assert capsys.readouterr().out == f"[run] resumed with --{k.replace('_', '-')} {config[k]} (the run: the run's)\n"
+
+
 def test_a_resume_says_each_changed_flag_and_that_nothing_is_left(tmp_path, capsys):
     import train_grpo
     (tmp_path / "ckpt").mkdir()
