@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 MAX_PIXELS = 1 << 20  # decoded images above this are downscaled (the processor resizes again)
+MIN_SIDE = 4  # transformers takes an image 1 or 3 px high for channels first (image_utils.infer_channel_dimension_format)
 URL_MAX_BYTES, URL_TIMEOUT = 32 << 20, 20  # with allow_urls: one image's body, seconds per read
 
 SINGLE_TURN_INSTRUCTION = ("Solve the geometry problem shown in the diagram. Think briefly, then "
@@ -78,6 +79,8 @@ def decode_image(value, base_dir=None, max_pixels=MAX_PIXELS, allow_urls=False, 
     if img.width * img.height > max_pixels:
         scale = math.sqrt(max_pixels / (img.width * img.height))
         img = img.resize((max(1, int(img.width * scale)), max(1, int(img.height * scale))))
+    if min(img.size) < MIN_SIDE:
+        raise ValueError(f"{img.width}x{img.height} px: under {MIN_SIDE} px a side, too small for the processor")
     return img
 
 
@@ -106,7 +109,7 @@ def _read_rows(source, split):
             raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
     if path.suffix in (".jsonl", ".json"):
         try:
-            text = path.read_bytes().decode("utf-8")
+            text = path.read_bytes().decode("utf-8-sig")  # a BOM (Windows editors write one) is no row
         except UnicodeDecodeError as e:
             raise DataError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
         rows = []
@@ -138,6 +141,8 @@ def _record(row, base_dir, input_key, label_key, image_key, max_pixels, allow_ur
     problem, answer = row.get(input_key), row.get(label_key)  # a column no row has: load_geo3k names it
     if not isinstance(problem, str) or not problem.strip():
         raise ValueError(f"empty {input_key!r}")
+    if isinstance(answer, (bool, dict, list)):  # str() would make "True" or "{'x': 1}" the answer
+        raise ValueError(f"{label_key!r} is a {type(answer).__name__} ({str(answer)[:40]}), not a text or a number")
     answer = "" if answer is None else str(answer).strip()
     if not answer:
         raise ValueError(f"empty {label_key!r}")
@@ -151,6 +156,10 @@ def _record(row, base_dir, input_key, label_key, image_key, max_pixels, allow_ur
             images.append(decode_image(value, base_dir, max_pixels, allow_urls, allow_outside))
         except Exception as e:  # noqa: BLE001 - PIL raises many types for corrupt bytes
             raise ValueError(f"image {j}: {e}") from None
+    box, (w, h) = row.get("box"), images[0].size  # a crop task's region of image 0 (env_geo3k.crop's IoU)
+    numbers = isinstance(box, list) and len(box) == 4 and all(type(v) in (int, float) for v in box)
+    if box is not None and not (numbers and 0 <= box[0] < box[2] <= w and 0 <= box[1] < box[3] <= h):
+        raise ValueError(f"box {str(box)[:80]}: not [x1, y1, x2, y2] inside image 0 ({w}x{h} px), x1 < x2, y1 < y2")
     # other columns ride along: a `messages` conversation (SFT), the `tools` a row offers, a crop task's `box`
     rest = {k: v for k, v in row.items() if k not in (input_key, label_key, image_key)}
     return {**rest, "problem": problem, "answer": answer, "images": images}
@@ -249,16 +258,24 @@ def add_column_args(a):
 
 
 def main(argv=None):
+    import env_geo3k  # it imports flags, which imports this module: here, not at the top
+    import flags
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    sh = sub.add_parser("show", help="load a source as the trainers do (their flags for columns) and print a summary")
+    sh = sub.add_parser("show", help="load a source as the trainers do (their flags for rows) and print a summary")
     sh.add_argument("source")
     sh.add_argument("--split", default=None)
     add_column_args(sh.add_argument)
+    sh.add_argument("--max-bad-frac", type=flags.fraction, default=0.01, help="stop when more rows than this are unusable")
+    sh.add_argument("--max-turns", type=flags.POSITIVE, default=1, help="train_grpo's: above 1, each row's tools are checked")
     a = p.parse_args(argv)
+
+    def check(rec):  # what train_grpo checks of a multi-turn row (its processor's checks aside)
+        if a.max_turns > 1:
+            env_geo3k.offered(rec.get("tools"))
     try:
-        recs = load_geo3k(a.source, a.split, a.input_key, a.label_key, allow_urls=a.allow_image_urls,
-                          allow_outside=a.allow_outside_paths, multimodal_keys=a.multimodal_keys)
+        recs = load_geo3k(a.source, a.split, a.input_key, a.label_key, a.max_bad_frac, check=check,
+                          allow_urls=a.allow_image_urls, allow_outside=a.allow_outside_paths, multimodal_keys=a.multimodal_keys)
     except DataError as e:
         raise SystemExit(str(e)) from None
     print(f"{len(recs)} records; first: {recs[0]['problem'][:80]!r} -> {recs[0]['answer']!r}, "

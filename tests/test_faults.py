@@ -195,7 +195,7 @@ def grpo_args(**kw):
 def test_images_the_processor_refuses_and_over_long_rows_are_named_at_load(tmp_path, processor, capsys):
     import chat
     rs = rows(200)
-    rs[3]["images"] = [{"bytes": png((4000, 2)), "path": None}]  # "absolute aspect ratio must be smaller than 200"
+    rs[3]["images"] = [{"bytes": png((4000, 8)), "path": None}]  # "absolute aspect ratio must be smaller than 200"
     rs[5]["problem"] = "<image>" + "How many sides? " * 4000
     args = grpo_args(prompt_data=str(parquet(tmp_path / "d.parquet", rs)))
     fit = dict(measure=lambda r: len(chat.prompt(processor, r, args.max_turns > 1)[2]),
@@ -394,7 +394,7 @@ def test_nan_weights_are_named_at_load(ckpt, synth, tmp_path):
 @pytest.mark.slow
 def test_grpo_survives_a_refused_image_and_names_its_row(ckpt, tmp_path):
     rs = synth_set.synth_records(100, seed=0, kinds=("sides",))  # 128 px: prompts of ~60 tokens
-    rs[7]["images"] = [{"bytes": png((4000, 2)), "path": None}]
+    rs[7]["images"] = [{"bytes": png((4000, 8)), "path": None}]
     d = parquet(tmp_path / "d" / "train.parquet", rs).parent
     r = run("train_grpo.py", "--hf-checkpoint", ckpt, "--prompt-data", d, "--save", tmp_path / "run",
             "--rollout-engine", "local", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
