@@ -17,6 +17,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from PIL import Image
 
+import env_geo3k
+import flags
+
 MAX_PIXELS = 1 << 20  # decoded images above this are downscaled (the processor resizes again)
 MIN_SIDE = 4  # transformers takes an image 1 or 3 px high for channels first (image_utils.infer_channel_dimension_format)
 URL_MAX_BYTES, URL_TIMEOUT = 32 << 20, 20  # with allow_urls: one image's body, seconds per read
@@ -245,28 +248,13 @@ def sft_messages(record):
     return prompt_messages(record) + [{"role": "assistant", "content": sft_target(record["answer"])}]
 
 
-def add_column_args(a):
-    """The flags that say how rows read (`a`: a parser's or group's add_argument): show's and both trainers'."""
-    a("--input-key", default="problem", help="column holding the problem text")
-    a("--label-key", default="answer", help="column holding the answer")
-    # slime's flag and form (THUDM/slime 624b824: slime/utils/arguments.py:661-668 `type=json.loads`, a map from
-    # media type to column; slime/utils/data.py:152-160 reads each type's column, one value or a list)
-    a("--multimodal-keys", type=json.loads, default=None,
-      help="""slime's JSON map from media type to column, '{"image": "COLUMN"}' (default: images, else image)""")
-    a("--allow-image-urls", action="store_true", help="fetch http(s) images of data rows (off: such rows are bad)")
-    a("--allow-outside-paths", action="store_true", help="let data rows' image paths leave the data set's folder")
-
-
 def main(argv=None):
-    import env_geo3k  # it imports flags, which imports this module: here, not at the top
-    import flags
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     sh = sub.add_parser("show", help="load a source as the trainers do (their flags for rows) and print a summary")
     sh.add_argument("source")
     sh.add_argument("--split", default=None)
-    add_column_args(sh.add_argument)
-    sh.add_argument("--max-bad-frac", type=flags.fraction, default=0.01, help="stop when more rows than this are unusable")
+    flags.add_column_args(sh.add_argument)
     sh.add_argument("--max-turns", type=flags.POSITIVE, default=1, help="train_grpo's: above 1, each row's tools are checked")
     a = p.parse_args(argv)
 
