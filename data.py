@@ -21,7 +21,6 @@ import env_geo3k
 import flags
 
 MAX_PIXELS = 1 << 20  # decoded images above this are downscaled (the processor resizes again)
-MIN_SIDE = 4  # transformers takes an image 1 or 3 px high for channels first (image_utils.infer_channel_dimension_format)
 URL_MAX_BYTES, URL_TIMEOUT = 32 << 20, 20  # with allow_urls: one image's body, seconds per read
 
 SINGLE_TURN_INSTRUCTION = ("Solve the geometry problem shown in the diagram. Think briefly, then "
@@ -82,8 +81,8 @@ def decode_image(value, base_dir=None, max_pixels=MAX_PIXELS, allow_urls=False, 
     if img.width * img.height > max_pixels:
         scale = math.sqrt(max_pixels / (img.width * img.height))
         img = img.resize((max(1, int(img.width * scale)), max(1, int(img.height * scale))))
-    if min(img.size) < MIN_SIDE:
-        raise ValueError(f"{img.width}x{img.height} px: under {MIN_SIDE} px a side, too small for the processor")
+    if min(img.size) < 4:  # transformers reads 1 or 3 px high as channels first (infer_channel_dimension_format)
+        raise ValueError(f"{img.width}x{img.height} px: under 4 px a side, too small for the processor")
     return img
 
 
@@ -174,8 +173,7 @@ def load_geo3k(source, split=None, input_key="problem", label_key="answer", max_
     named by row and reason). `check(record)` raises ValueError for a bad row, TooLong for one to
     skip and count. multimodal_keys: slime's {"image": column} (default: `images`, else `image`)."""
     rows, base_dir, name = _read_rows(str(source), split)
-    columns = sorted({k for row in rows for k in row} - {"__error__"})
-    keys = multimodal_keys or {}
+    columns, keys = sorted({k for row in rows for k in row} - {"__error__"}), multimodal_keys or {}
     if not isinstance(keys, dict) or set(keys) - {"image"}:  # slime's video and audio: no model input for them here
         raise DataError(f"""--multimodal-keys {json.dumps(keys)}: images only here, '{{"image": "COLUMN"}}'""")
     images = keys.get("image") or ("image" if "image" in columns and "images" not in columns else "images")
@@ -197,17 +195,16 @@ def load_geo3k(source, split=None, input_key="problem", label_key="answer", max_
             bad.append((i, str(e)))
     if not rows:
         raise DataError(f"{name}: no rows")
-    listing = _listing(bad)
     if len(bad) > max_bad_frac * len(rows):
         raise DataError(f"{name}: {len(bad)} of {len(rows)} rows are unusable (limit "
-                        f"{max_bad_frac:.1%}; raise --max-bad-frac to skip them):\n{listing}")
+                        f"{max_bad_frac:.1%}; raise --max-bad-frac to skip them):\n{_listing(bad)}")
     if long and (verbose or not records):
         print(f"[data] {name}: skipped {len(long)} of {len(rows)} rows over the length limit:\n{_listing(long)}",
               file=sys.stderr)
     if not records:
         raise DataError(f"{name}: no usable row of {len(rows)}:\n{_listing(bad + long)}")
     if bad and verbose:
-        print(f"[data] {name}: skipped {len(bad)} of {len(rows)} rows, using {len(records)}:\n{listing}",
+        print(f"[data] {name}: skipped {len(bad)} of {len(rows)} rows, using {len(records)}:\n{_listing(bad)}",
               file=sys.stderr)
     return records
 
@@ -253,16 +250,12 @@ def main(argv=None):
     sub = p.add_subparsers(dest="cmd", required=True)
     sh = sub.add_parser("show", help="load a source as the trainers do (their flags for rows) and print a summary")
     sh.add_argument("source")
-    sh.add_argument("--split", default=None)
     flags.add_column_args(sh.add_argument)
-    sh.add_argument("--max-turns", type=flags.POSITIVE, default=1, help="train_grpo's: above 1, each row's tools are checked")
+    sh.add_argument("--max-turns", type=flags.POSITIVE, default=1, help="train_grpo's: > 1 checks each row's tools")
     a = p.parse_args(argv)
-
-    def check(rec):  # what train_grpo checks of a multi-turn row (its processor's checks aside)
-        if a.max_turns > 1:
-            env_geo3k.offered(rec.get("tools"))
+    tools = (lambda rec: env_geo3k.offered(rec.get("tools"))) if a.max_turns > 1 else None  # train_grpo's row check
     try:
-        recs = load_geo3k(a.source, a.split, a.input_key, a.label_key, a.max_bad_frac, check=check,
+        recs = load_geo3k(a.source, a.split, a.input_key, a.label_key, a.max_bad_frac, check=tools,
                           allow_urls=a.allow_image_urls, allow_outside=a.allow_outside_paths, multimodal_keys=a.multimodal_keys)
     except DataError as e:
         raise SystemExit(str(e)) from None

@@ -15,29 +15,21 @@ class FromArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
 
 
-def at_least(low):
-    """argparse type: a finite number (int when `low` is an int, else float) >= low."""
-    kind = type(low)
+def at_least(low, high=math.inf):
+    """argparse type: a finite number (int when `low` is an int, else float) in [low, high]."""
+    kind, bound = type(low), f">= {low}" if high == math.inf else f"in [{low}, {high}]"
 
     def parse(text):
         v = kind(text)
-        if not low <= v < math.inf:  # NaN fails too
-            raise argparse.ArgumentTypeError(f"{text}: must be a finite number >= {low}")
+        if not low <= v <= high or v == math.inf:  # NaN fails too
+            raise argparse.ArgumentTypeError(f"{text}: must be a finite number {bound}")
         return v
     parse.__name__ = kind.__name__  # argparse's "invalid int value" wording for a non-number
     return parse
 
 
-def fraction(text):
-    """argparse type: a float in [0, 1]."""
-    v = float(text)
-    if not 0 <= v <= 1:
-        raise argparse.ArgumentTypeError(f"{text}: must be in [0, 1]")
-    return v
-
-
-fraction.__name__ = "float"
-POSITIVE, COUNT = at_least(1), at_least(0)  # steps, sizes / intervals where 0 means "off" or "only at the end"
+# shares; steps, sizes; intervals where 0 means "off" or "only at the end"
+fraction, POSITIVE, COUNT = at_least(0.0, 1.0), at_least(1), at_least(0)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -51,6 +43,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 def add_column_args(a):
     """The flags of how rows read (data.load_geo3k; `a`: a parser's or group's add_argument): show's, the trainers'."""
+    a("--split", default=None, help="split of a hub id or folder (default: train)")
     a("--input-key", default="problem", help="column holding the problem text")
     a("--label-key", default="answer", help="column holding the answer")
     # slime's flag and form (THUDM/slime 624b824: slime/utils/arguments.py:661-668 `type=json.loads`, a map from
@@ -69,7 +62,6 @@ def add_train_args(p):
     g = p.add_argument_group("data and evaluation").add_argument
     g("--prompt-data", required=True, help="training data: hub id, .parquet, .jsonl or folder")
     add_column_args(g)
-    g("--split", default=None, help="split of a hub id or folder (default: train)")
     g("--eval-prompt-data", default=None, help="evaluation data (same forms as --prompt-data)")
     g("--eval-split", default="test", help="split of --eval-prompt-data when it is a hub id or folder")
     g("--eval-interval", type=COUNT, default=0, help="evaluate every N steps (0: only at the end)")

@@ -464,8 +464,7 @@ def draw(records, step, args):
     k = args.rollout_batch_size
     out = stream(records, step * k, k, args.seed)
     if args.dynamic_sampling:  # the over-sample, drawn from the rest of the data
-        cap = args.dynamic_sampling_max_prompts or 4 * k
-        taken = {r["index"] for r in out}
+        cap, taken = args.dynamic_sampling_max_prompts or 4 * k, {r["index"] for r in out}
         pool = [i for i in range(len(records)) if i not in taken]
         extra = random.Random(args.seed * 1_000_003 + step).sample(pool, min(len(pool), max(0, cap - k)))
         out += [dict(records[i], index=i) for i in extra]
