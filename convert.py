@@ -351,6 +351,7 @@ def write_hf(buckets, out_dir, src_dir, config=None):
     for i, bucket in enumerate(buckets):
         name = f"model-{i + 1:05d}.safetensors"
         save_file({n: t.detach().cpu().contiguous() for n, t in bucket}, str(out / name), metadata={"format": "pt"})
+        (out / name).chmod(out.stat().st_mode & 0o666)  # safetensors writes 0600; the folder's umask, as the others
         weight_map.update(dict.fromkeys((n for n, _ in bucket), name))
     names = sorted(set(weight_map.values()))
     if len(names) == 1:  # one shard: the plain single-file layout

@@ -17,11 +17,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from PIL import Image
 
+import env_geo3k
+import flags
+
 MAX_PIXELS = 1 << 20  # decoded images above this are downscaled (the processor resizes again)
 URL_MAX_BYTES, URL_TIMEOUT = 32 << 20, 20  # with allow_urls: one image's body, seconds per read
 
 # --prompt-instruction's default (geo3k's); multi-turn's system prompt: the episode alone, no task, no tool (chat.prompt)
-INSTRUCTION = "Solve the geometry problem shown in the diagram. Think briefly, then give the final answer as \\boxed{<answer>}."
+INSTRUCTION = flags.INSTRUCTION  # --prompt-instruction's default, declared with the flag
 MULTI_TURN_SYSTEM = "You may call a tool, then stop and wait for its result. When you are done, reply without a tool call."
 
 
@@ -74,6 +77,8 @@ def decode_image(value, base_dir=None, max_pixels=MAX_PIXELS, allow_urls=False, 
     if img.width * img.height > max_pixels:
         scale = math.sqrt(max_pixels / (img.width * img.height))
         img = img.resize((max(1, int(img.width * scale)), max(1, int(img.height * scale))))
+    if min(img.size) < 4:  # transformers reads 1 or 3 px high as channels first (infer_channel_dimension_format)
+        raise ValueError(f"{img.width}x{img.height} px: under 4 px a side, too small for the processor")
     return img
 
 
@@ -102,7 +107,7 @@ def _read_rows(source, split):
             raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
     if path.suffix in (".jsonl", ".json"):
         try:
-            text = path.read_bytes().decode("utf-8")
+            text = path.read_bytes().decode("utf-8-sig")  # a BOM (Windows editors write one) is no row
         except UnicodeDecodeError as e:
             raise DataError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
         rows = []
@@ -134,6 +139,8 @@ def _record(row, base_dir, input_key, label_key, image_key, max_pixels, allow_ur
     problem, answer = row.get(input_key), row.get(label_key)  # a column no row has: load_geo3k names it
     if not isinstance(problem, str) or not problem.strip():
         raise ValueError(f"empty {input_key!r}")
+    if isinstance(answer, (bool, dict, list)):  # str() would make "True" or "{'x': 1}" the answer
+        raise ValueError(f"{label_key!r} is a {type(answer).__name__} ({str(answer)[:40]}), not a text or a number")
     answer = "" if answer is None else str(answer).strip()
     if not answer:
         raise ValueError(f"empty {label_key!r}")
@@ -147,6 +154,10 @@ def _record(row, base_dir, input_key, label_key, image_key, max_pixels, allow_ur
             images.append(decode_image(value, base_dir, max_pixels, allow_urls, allow_outside))
         except Exception as e:  # noqa: BLE001 - PIL raises many types for corrupt bytes
             raise ValueError(f"image {j}: {e}") from None
+    box, (w, h) = row.get("box"), images[0].size  # a crop task's region of image 0 (env_geo3k.crop's IoU)
+    numbers = isinstance(box, list) and len(box) == 4 and all(type(v) in (int, float) for v in box)
+    if box is not None and not (numbers and 0 <= box[0] < box[2] <= w and 0 <= box[1] < box[3] <= h):
+        raise ValueError(f"box {str(box)[:80]}: not [x1, y1, x2, y2] inside image 0 ({w}x{h} px), x1 < x2, y1 < y2")
     # other columns ride along: a `messages` conversation (SFT), the `tools` a row offers, a crop task's `box`
     rest = {k: v for k, v in row.items() if k not in (input_key, label_key, image_key)}
     return {**rest, "problem": problem, "answer": answer, "images": images}
@@ -158,8 +169,7 @@ def load_geo3k(source, split=None, input_key="problem", label_key="answer", max_
     named by row and reason). `check(record)` raises ValueError for a bad row, TooLong for one to
     skip and count. multimodal_keys: slime's {"image": column} (default: `images`, else `image`)."""
     rows, base_dir, name = _read_rows(str(source), split)
-    columns = sorted({k for row in rows for k in row} - {"__error__"})
-    keys = multimodal_keys or {}
+    columns, keys = sorted({k for row in rows for k in row} - {"__error__"}), multimodal_keys or {}
     if not isinstance(keys, dict) or set(keys) - {"image"}:  # slime's video and audio: no model input for them here
         raise DataError(f"""--multimodal-keys {json.dumps(keys)}: images only here, '{{"image": "COLUMN"}}'""")
     images = keys.get("image") or ("image" if "image" in columns and "images" not in columns else "images")
@@ -181,17 +191,16 @@ def load_geo3k(source, split=None, input_key="problem", label_key="answer", max_
             bad.append((i, str(e)))
     if not rows:
         raise DataError(f"{name}: no rows")
-    listing = _listing(bad)
     if len(bad) > max_bad_frac * len(rows):
         raise DataError(f"{name}: {len(bad)} of {len(rows)} rows are unusable (limit "
-                        f"{max_bad_frac:.1%}; raise --max-bad-frac to skip them):\n{listing}")
+                        f"{max_bad_frac:.1%}; raise --max-bad-frac to skip them):\n{_listing(bad)}")
     if long and (verbose or not records):
         print(f"[data] {name}: skipped {len(long)} of {len(rows)} rows over the length limit:\n{_listing(long)}",
               file=sys.stderr)
     if not records:
         raise DataError(f"{name}: no usable row of {len(rows)}:\n{_listing(bad + long)}")
     if bad and verbose:
-        print(f"[data] {name}: skipped {len(bad)} of {len(rows)} rows, using {len(records)}:\n{listing}",
+        print(f"[data] {name}: skipped {len(bad)} of {len(rows)} rows, using {len(records)}:\n{_listing(bad)}",
               file=sys.stderr)
     return records
 
@@ -227,30 +236,20 @@ def sft_target(answer):
     return f"Answer: \\boxed{{{answer}}}"
 
 
-def add_column_args(a):
-    """The flags that say how rows read (`a`: a parser's or group's add_argument): show's and both trainers'."""
-    a("--input-key", default="problem", help="column holding the problem text")
-    a("--label-key", default="answer", help="column holding the answer")
-    # slime's flag and form (THUDM/slime 624b824: slime/utils/arguments.py:661-668 `type=json.loads`, a map from
-    # media type to column; slime/utils/data.py:152-160 reads each type's column, one value or a list)
-    a("--multimodal-keys", type=json.loads, default=None,
-      help="""slime's JSON map from media type to column, '{"image": "COLUMN"}' (default: images, else image)""")
-    a("--allow-image-urls", action="store_true", help="fetch http(s) images of data rows (off: such rows are bad)")
-    a("--allow-outside-paths", action="store_true", help="let data rows' image paths leave the data set's folder")
-    a("--prompt-instruction", default=INSTRUCTION, help="what every prompt's user turn ends with (default: geo3k's; '': none)")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    sh = sub.add_parser("show", help="load a source as the trainers do (their flags for columns) and print a summary")
+    sh = sub.add_parser("show", help="load a source as the trainers do (their flags for rows) and print a summary")
     sh.add_argument("source")
-    sh.add_argument("--split", default=None)
-    add_column_args(sh.add_argument)
+    flags.add_column_args(sh.add_argument)
+    sh.add_argument("--max-turns", type=flags.POSITIVE, default=1, help="train_grpo's: > 1 checks each row's tools")
     a = p.parse_args(argv)
+    tools = (lambda rec: env_geo3k.offered(rec.get("tools"))) if a.max_turns > 1 else None  # train_grpo's row check
     try:
-        recs = load_geo3k(a.source, a.split, a.input_key, a.label_key, allow_urls=a.allow_image_urls,
-                          allow_outside=a.allow_outside_paths, multimodal_keys=a.multimodal_keys)
+        recs = load_geo3k(a.source, a.split, a.input_key, a.label_key, a.max_bad_frac, check=tools,
+                          allow_urls=a.allow_image_urls, allow_outside=a.allow_outside_paths, multimodal_keys=a.multimodal_keys)
     except DataError as e:
         raise SystemExit(str(e)) from None
     turn = prompt_messages(recs[0], instruction=a.prompt_instruction)[-1]["content"]  # the user turn, as the trainers'

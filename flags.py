@@ -3,8 +3,9 @@ out of bounds (at_least, fraction) is the parser's error naming the flag and the
 entry's own flags (a loss's, a reward term's, a tool's) are declared with it: own_flags, declared."""
 import argparse
 import dataclasses
-
-import data
+import json
+import math
+import re
 
 
 class FromArgs:
@@ -14,29 +15,21 @@ class FromArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
 
 
-def at_least(low):
-    """argparse type: a number (int when `low` is an int, else float) >= low."""
-    kind = type(low)
+def at_least(low, high=math.inf):
+    """argparse type: a finite number (int when `low` is an int, else float) in [low, high]."""
+    kind, bound = type(low), f">= {low}" if high == math.inf else f"in [{low}, {high}]"
 
     def parse(text):
         v = kind(text)
-        if not v >= low:  # NaN fails too
-            raise argparse.ArgumentTypeError(f"{text}: must be >= {low}")
+        if not low <= v <= high or v == math.inf:  # NaN fails too
+            raise argparse.ArgumentTypeError(f"{text}: must be a finite number {bound}")
         return v
     parse.__name__ = kind.__name__  # argparse's "invalid int value" wording for a non-number
     return parse
 
 
-def fraction(text):
-    """argparse type: a float in [0, 1]."""
-    v = float(text)
-    if not 0 <= v <= 1:
-        raise argparse.ArgumentTypeError(f"{text}: must be in [0, 1]")
-    return v
-
-
-fraction.__name__ = "float"
-POSITIVE, COUNT = at_least(1), at_least(0)  # steps, sizes / intervals where 0 means "off" or "only at the end"
+# shares; steps, sizes; intervals where 0 means "off" or "only at the end"
+fraction, POSITIVE, COUNT = at_least(0.0, 1.0), at_least(1), at_least(0)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -48,13 +41,31 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return action.help if said else f"{action.help or ''} (default: %(default)s)"
 
 
+INSTRUCTION = "Solve the geometry problem shown in the diagram. Think briefly, then give the final answer as \\boxed{<answer>}."
+
+
+def add_column_args(a):
+    """The flags of how rows read (data.load_geo3k; `a`: a parser's or group's add_argument): show's, the trainers'."""
+    a("--split", default=None, help="split of a hub id or folder (default: train)")
+    a("--input-key", default="problem", help="column holding the problem text")
+    a("--label-key", default="answer", help="column holding the answer")
+    # slime's flag and form (THUDM/slime 624b824: slime/utils/arguments.py:661-668 `type=json.loads`, a map from
+    # media type to column; slime/utils/data.py:152-160 reads each type's column, one value or a list)
+    a("--multimodal-keys", type=json.loads, default=None,
+      help="""slime's JSON map from media type to column, '{"image": "COLUMN"}' (default: images, else image)""")
+    a("--allow-image-urls", action="store_true", help="fetch http(s) images of data rows (off: such rows are bad)")
+    a("--allow-outside-paths", action="store_true", help="let data rows' image paths leave the data set's folder")
+    a("--max-bad-frac", type=fraction, default=0.01, help="stop when more data rows than this are unusable")
+    a("--prompt-instruction", default=INSTRUCTION, help="what every prompt's user turn ends with (default: geo3k's; '': none)")
+
+
 def add_train_args(p):
     """The groups both trainers share; train_grpo.py adds rollout.add_args and its own."""
+    # `--lr -1e-4` is the value, not an option: Python 3.11's argparse.py:1381 takes only -1 / -1.5 as numbers
+    p._negative_number_matcher = re.compile(r"^-(\.?\d|inf$|nan$)")
     g = p.add_argument_group("data and evaluation").add_argument
     g("--prompt-data", required=True, help="training data: hub id, .parquet, .jsonl or folder")
-    data.add_column_args(g)
-    g("--split", default=None, help="split of a hub id or folder (default: train)")
-    g("--max-bad-frac", type=fraction, default=0.01, help="stop when more data rows than this are unusable")
+    add_column_args(g)
     g("--eval-prompt-data", default=None, help="evaluation data (same forms as --prompt-data)")
     g("--eval-split", default="test", help="split of --eval-prompt-data when it is a hub id or folder")
     g("--eval-interval", type=COUNT, default=0, help="evaluate every N steps (0: only at the end)")

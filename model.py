@@ -39,8 +39,7 @@ VISION = {"qwen2_5_vl": Qwen2_5_VisionTransformerPretrainedModel._from_config}  
 def rope_positions(hf_config, input_ids, image_grid_thw=None):
     """(3, T) MRoPE (t, h, w) positions of one sequence (T,), as transformers' get_rope_index (docs/model.md);
     image_grid_thw: (n_images, 3) of its images, or None."""
-    merge = hf_config.vision_config.spatial_merge_size
-    ids = input_ids.cpu().tolist()
+    merge, ids = hf_config.vision_config.spatial_merge_size, input_ids.cpu().tolist()
     out = torch.empty(3, len(ids), dtype=torch.long)
     pos, i, k = 0, 0, 0
     while i < len(ids):
@@ -136,10 +135,8 @@ class ModelOptions(flags.FromArgs):
 
 def transformer_config(hf_config, par, opts, te, sp):
     """Megatron's TransformerConfig of an HF Qwen VLM config; options it cannot run are errors naming the flag."""
-    tc = hf_config.text_config
-    qwen3 = hf_config.model_type.startswith("qwen3")
-    q35 = hf_config.model_type in ("qwen3_5", "qwen3_5_moe")
-    moe = getattr(tc, "num_experts", None)
+    tc, qwen3 = hf_config.text_config, hf_config.model_type.startswith("qwen3")
+    q35, moe = hf_config.model_type in ("qwen3_5", "qwen3_5_moe"), getattr(tc, "num_experts", None)
     if te and par.cp > 1 and not opts.bf16:  # no TE attention backend takes fp32 under CP (docs/model.md)
         raise SystemExit(f"--context-parallel-size {par.cp} with Transformer Engine needs --bf16: TE has no fp32 "
                          "attention under context parallelism. Pass --bf16, or --transformer-impl local (unfused).")

@@ -47,8 +47,7 @@ class Offload:
 
     def release(self, kinds=KINDS):
         """Park `kinds` (those not parked already) in host memory and free their GPU memory."""
-        cuda = torch.cuda.is_available()
-        found = self.storages()
+        cuda, found = torch.cuda.is_available(), self.storages()
         for kind in [k for k in kinds if k not in self.out]:
             self.out[kind] = []
             for i, s in enumerate(found[kind]):

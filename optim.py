@@ -80,8 +80,7 @@ def megatron_optimizer(model, args):
     --use-distributed-optimizer), its groups' lr and weight decay set as param_groups sets ours."""
     for n, p in model.named_parameters():  # megatron's --decoupled-lr selects params by this mark
         p.is_embedding_or_output_parameter = "word_embeddings" in n or "output_layer" in n
-    ddp = megatron_ddp(model, args)
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    ddp, dtype = megatron_ddp(model, args), torch.bfloat16 if args.bf16 else torch.float32
     opt = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, decoupled_lr=args.decoupled_lr,
         weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,

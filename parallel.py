@@ -108,15 +108,13 @@ def init_distributed(tp=1, seed=1234, timeout_minutes=60, ep=1, pp=1, cp=1):
     cuda = torch.cuda.is_available()
     if not cuda:  # for good: backward passes, outside megatron_on_cpu, ask it too (docs/parallel.md)
         torch.cuda.current_device = lambda: "cpu"
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank, world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if not dist.is_initialized():
         if cuda:
             torch.cuda.set_device(device)
-        timeout = datetime.timedelta(minutes=timeout_minutes)
-        backend = "nccl" if cuda else "gloo"
+        timeout, backend = datetime.timedelta(minutes=timeout_minutes), "nccl" if cuda else "gloo"
         if local_world == world:  # one node: listen on 127.0.0.1, not the host's address
             for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
                 os.environ.setdefault(var, "lo")

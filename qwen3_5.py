@@ -78,8 +78,7 @@ def delta_rule(q, k, v, g, beta):
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
     g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
     causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
-    s = q.new_zeros(B, H, dk, v.shape[-1])
-    out = []
+    s, out = q.new_zeros(B, H, dk, v.shape[-1]), []
     for c in range(0, L + pad, CHUNK):
         qc, kc, vc, bc = q[:, :, c:c + CHUNK], k[:, :, c:c + CHUNK], v[:, :, c:c + CHUNK], beta[:, :, c:c + CHUNK]
         cg = g[:, :, c:c + CHUNK].cumsum(-1)  # (B, H, C)
@@ -135,8 +134,7 @@ class GatedDeltaNet(MegatronModule):
             x = tensor_parallel.copy_to_tensor_model_parallel_region(hidden_states)
         projections = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
         qkv, z, b, a = (proj(x)[0][:, 0] for proj in projections)  # (T, conv), (T, vh*dv), (T, vh), (T, vh)
-        cu = packed_seq_params.cu_seqlens_q
-        beta = b.sigmoid()
+        cu, beta = packed_seq_params.cu_seqlens_q, b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # (T, vh) log decay
         w, kh, vh = self.conv1d.weight, self.kh, self.vh
         if self.cp > 1:  # -> every token of the whole sequences, this CP rank's heads

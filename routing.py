@@ -82,8 +82,7 @@ def packed(routes, seqs, lens, held, sp_rank, sp):
     """Per-sequence engine routes ((len_i, layers, k) or None) -> (T_local, layers, k): the rows this rank's
     routers see: model.packed_row's row, this CP rank's `held` positions, then SP rank sp_rank's 1/sp."""
     shape = next(r.shape[1:] for r in routes if r is not None)
-    full = torch.full((sum(lens), *shape), NONE, dtype=torch.int16)
-    off = 0
+    full, off = torch.full((sum(lens), *shape), NONE, dtype=torch.int16), 0
     for r, s, n in zip(routes, seqs, lens):  # the dummy sequence at the end, if any, keeps NONE
         if r is not None:
             if r.shape[0] != len(s) or r.shape[1:] != shape:

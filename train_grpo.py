@@ -102,8 +102,9 @@ def parse_args(argv=None):
         if args.policy_loss not in ("ppo_clip", args.advantage_estimator):
             p.error(f"--advantage-estimator {args.advantage_estimator} names a loss: give it as --policy-loss")
         args.advantage_estimator, args.policy_loss = "grpo", args.advantage_estimator
-    if args.n_samples_per_prompt == 1 and args.num_rollout:
-        p.error("--n-samples-per-prompt 1: a group of one has zero advantage, GRPO would learn nothing")
+    if args.num_rollout and (args.n_samples_per_prompt == 1 or args.rollout_temperature == 0):
+        p.error(("--n-samples-per-prompt 1: a group of one" if args.n_samples_per_prompt == 1 else "--rollout-temperature"
+                 " 0: greedy, a group's responses are one") + " has zero advantage, GRPO would learn nothing")
     if not (args.num_rollout or args.eval_prompt_data):
         p.error("--num-rollout 0 only evaluates: give --eval-prompt-data (or steps to train)")
     if (args.fully_async or args.async_rollout) and (args.colocate or args.offload_train):
@@ -156,7 +157,6 @@ def policy_loss(model, ref, par, items, args, measure):
     the pipeline schedule (backward per micro-batch; under PP the loss is the last stage's, its stats reach every
     rank), with the KL, entropy and TIS terms, each token weighted by --loss-agg."""
     n_tok, n_seq = T.global_sum(sum(int(it.mask.sum()) for it in items), par), T.global_sum(len(items), par)
-    temp = args.rollout_temperature or 1.0  # logprobs under the distribution the engine sampled from
     fn = L.LOSSES[args.policy_loss]
     if ref is not None:  # forward-only, before the policy's passes: under PP both are whole schedules
         logprobs_into(ref, items, args, "ref_logprobs", replay=False)  # the initial policy routes as it would
@@ -189,7 +189,7 @@ def policy_loss(model, ref, par, items, args, measure):
                      same_sum=(diff * same).sum().item(), same_n=same.sum().item())
         return loss, s
     per_mb = pipeline.run(model, T.micro_batches(items, args.max_tokens_per_gpu, par, args.use_rollout_routing_replay),
-                          lambda m, x: m(**x, temperature=temp, with_entropy=True), loss_of)
+                          lambda m, x: m(**x, temperature=args.rollout_temperature, with_entropy=True), loss_of)
     out = {k: T.global_sum(sum(s[k] for s in per_mb), par) for k in ("loss", "kl", "entropy", *fn.stats)}
     out["packing_fill"] = sum(len(it.ids) for it in items) / max(1, len(per_mb) * args.max_tokens_per_gpu)  # rank 0's
     if measure:
@@ -215,7 +215,7 @@ def logprobs_into(model, items, args, field, replay=True):
     with torch.no_grad():
         pipeline.run(model, T.micro_batches(items, args.max_tokens_per_gpu, model.par,
                                              replay and args.use_rollout_routing_replay),
-                     lambda m, x: m(**x, temperature=args.rollout_temperature or 1.0), keep, forward_only=True)
+                     lambda m, x: m(**x, temperature=args.rollout_temperature), keep, forward_only=True)
 
 
 def evaluate(engine, processor, records, args, step, run):
@@ -330,8 +330,7 @@ class Source:
 def rollout_metrics(samples, tools=()):
     """Means over samples; reward and accuracy (correctness) over the ones not failed, each SHAPING term's mean and the
     share it touched; multi-turn, the env's metrics of `tools` (those some row of the run is offered)."""
-    n = max(len(samples), 1)
-    ok = [s for s in samples if s.status != "failed"] or [R.Sample(prompt_ids=[])]
+    n, ok = max(len(samples), 1), [s for s in samples if s.status != "failed"] or [R.Sample(prompt_ids=[])]
     m = {"reward": sum(s.reward for s in ok) / len(ok), "accuracy": sum(s.correct for s in ok) / len(ok),
          "response_len": sum(sum(s.loss_mask) for s in ok) / len(ok),
          **{f"{k}_frac": sum(s.status == k for s in samples) / n for k in ("truncated", "aborted", "failed")},

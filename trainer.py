@@ -124,6 +124,10 @@ class Run:
         name = f"iter_{step:07d}"
         tmp, final = self.save / f".tmp_{name}", self.save / name
         state_dir = tmp / "train_state"
+        bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]  # every rank: its own shards
+        if parallel.all_reduce(torch.tensor(float(len(bad)), device=self.par.device), None, dist.ReduceOp.MAX).item():
+            raise SystemExit(f"[run] step {step}: weights not finite (NaN or inf{': ' if bad else ''}{', '.join(bad[:3])})"
+                             f"; not saved, earlier checkpoints kept: lower --lr and resume with --load {self.save}")
         try:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -203,10 +207,12 @@ class Run:
         return meta
 
 
-# What a checkpoint fixes: the data order, the optimizer's hyperparameters and schedule, which its state restores
-# (torch keeps the saved param groups; megatron-core 0.16.1 optimizer_param_scheduler.py:312-333); + start's `fixed`.
-FIXED = ("seed", "lr", "min_lr", "decoupled_lr", "lr_warmup_iters", "lr_decay_style", "adam_beta1", "adam_beta2",
-         "weight_decay")
+# What a checkpoint fixes (docs/training.md's table): the data order (the rows and the seed that orders them), the
+# optimizer's hyperparameters and schedule, which its state restores (torch keeps the saved param groups; megatron-core
+# 0.16.1 optimizer_param_scheduler.py:312-333); + start's `fixed`.
+FIXED = ("seed", "prompt_data", "split", "input_key", "label_key", "multimodal_keys", "max_context_len", "allow_image_urls",
+         "allow_outside_paths", "lr", "min_lr", "decoupled_lr", "lr_warmup_iters", "lr_decay_style", "adam_beta1",
+         "adam_beta2", "weight_decay")
 
 
 def compare(saved_path, config, fixed):
@@ -454,8 +460,7 @@ def draw(records, step, args):
     k = args.rollout_batch_size
     out = stream(records, step * k, k, args.seed)
     if args.dynamic_sampling:  # the over-sample, drawn from the rest of the data
-        cap = args.dynamic_sampling_max_prompts or 4 * k
-        taken = {r["index"] for r in out}
+        cap, taken = args.dynamic_sampling_max_prompts or 4 * k, {r["index"] for r in out}
         pool = [i for i in range(len(records)) if i not in taken]
         extra = random.Random(args.seed * 1_000_003 + step).sample(pool, min(len(pool), max(0, cap - k)))
         out += [dict(records[i], index=i) for i in extra]

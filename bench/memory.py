@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from sglang_engine import COLOCATE_MEM_FRACTION, OFFLOAD_MEM_FRACTION  # noqa: E402 - the trainer's defaults
 
 GIB = 2 ** 30
 
@@ -204,11 +205,17 @@ def main(argv=None):
     p.add_argument("--attention", choices=["flash", "dense"], default=None,
                    help="flash: Transformer Engine's fused attention (bf16 on GPU); dense: stored T x T "
                         "scores (--transformer-impl local, and TE in fp32). Default: flash with --bf16")
-    p.add_argument("--mem-fraction-static", type=float, default=0.0, help="colocated SGLang's share (rank 0)")
+    p.add_argument("--colocate", action="store_true", help="train_grpo's: SGLang shares the training GPUs")
+    p.add_argument("--mem-fraction-static", type=float, default=None, help="colocated SGLang's share of a GPU "
+                   "(default: the trainer's, 0.4, 0.7 with --offload-train; 0 without --colocate)")
     p.add_argument("--gpu-gib", type=float, default=80.0)
     p.add_argument("--measure", action="store_true",
                    help="also run one CPU step (a tiny checkpoint) and print measured bytes beside the estimate")
     a = p.parse_args(argv)
+    if not a.colocate and a.mem_fraction_static is None:  # SGLang on GPUs of its own
+        a.mem_fraction_static = 0.0
+    elif a.mem_fraction_static is None:
+        a.mem_fraction_static = OFFLOAD_MEM_FRACTION if a.offload_train else COLOCATE_MEM_FRACTION
     if not (Path(a.hf_checkpoint) / "config.json").exists():
         sys.exit(f"--hf-checkpoint {a.hf_checkpoint}: no config.json there")
     est = estimate(a.hf_checkpoint, a.tp, a.dp, a.ep, a.bf16, a.accumulate_allreduce_grads_in_fp32,

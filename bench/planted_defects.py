@@ -83,6 +83,13 @@ DEFECTS = {
     "stop_needs_all": ("preemption: the ranks' stop marks combined by MIN (one rank alone signalled or late is ignored)",
                        "console.py", "dist.all_reduce(marks, dist.ReduceOp.MAX)",
                        "dist.all_reduce(marks, dist.ReduceOp.MIN)", ["tests/test_console.py"]),
+    "vit_config_ignored": ("resume: the vision tower's config left out of the architecture check", "convert.py",
+                           "for k, v in config.items() if isinstance(v, dict)]",
+                           "for k, v in config.items() if isinstance(v, dict) and k != \"vision_config\"]",
+                           ["tests/test_faults.py"]),
+    "eval_label_answer": ("data: the eval set's answers read from `answer` whatever --label-key says", "trainer.py",
+                          "args.label_key, args.max_bad_frac", "\"answer\" if evaluation else args.label_key, "
+                          "args.max_bad_frac", ["tests/test_faults.py"]),
 }
 
 

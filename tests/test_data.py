@@ -132,6 +132,57 @@ def test_few_bad_rows_are_skipped_aloud(tmp_path, capsys):
         data.load_geo3k(p, max_bad_frac=0.0)
 
 
+BAD_ROWS = [  # (the row's change, why it is unusable; None: usable), each checked at load (issue 68)
+    ({"answer": True}, "'answer' is a bool (True), not a text or a number"),
+    ({"answer": {"x": 1}}, "'answer' is a dict ({'x': 1}), not a text or a number"),
+    ({"answer": [4]}, "'answer' is a list ([4]), not a text or a number"),
+    ({"answer": 4}, None), ({"answer": 2.5}, None), ({"box": [0, 0, 40, 30]}, None), ({"box": [1.5, 2, 3, 4]}, None),
+    ({"box": [1, 2, 3]}, "box [1, 2, 3]: not [x1, y1, x2, y2] inside image 0 (40x30 px), x1 < x2, y1 < y2"),
+    ({"box": [10, 2, 5, 20]}, "box [10, 2, 5, 20]: not"), ({"box": [0, 2, 5, 31]}, "box [0, 2, 5, 31]: not"),
+    ({"box": [-1, 2, 5, 20]}, "box [-1, 2, 5, 20]: not"), ({"box": [0, 2, "5", 20]}, "box [0, 2, '5', 20]: not"),
+    ({"box": [False, 2, 5, 20]}, "box [False, 2, 5, 20]: not"), ({"box": "0 0 5 5"}, "box 0 0 5 5: not"),
+    ({"images": "tiny.png"}, "image 0: 1x1 px: under 4 px a side"), ({"images": "flat.png"}, "image 0: 40x3 px: under"),
+]
+
+
+@pytest.mark.parametrize("form", ["jsonl", "parquet"])
+def test_each_row_is_checked_whole_at_load(form, tmp_path):
+    """A row whose answer is no text or number, whose crop box is not 4 numbers inside image 0, or whose image is
+    too small for the processor is named at load (a 3-number box raised IndexError mid-run; a 1x1 image, 40 lines
+    of transformers traceback), in each file form; a UTF-8 BOM opens a JSONL file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    for name, size in (("a.png", (40, 30)), ("tiny.png", (1, 1)), ("flat.png", (40, 3))):
+        (tmp_path / name).write_bytes(_png(size=size))
+    for change, why in BAD_ROWS:
+        row = dict({"problem": "<image>Sides?", "answer": "4", "images": "a.png"}, **change)
+        p = tmp_path / f"d.{form}"
+        if form == "jsonl":
+            p.write_bytes(b"\xef\xbb\xbf" + json.dumps(row).encode() + b"\n")
+        elif len({type(v) for v in row.get("box", [0])}) == 1:  # parquet: a list holds one type
+            pq.write_table(pa.Table.from_pylist([row]), p)
+        else:
+            continue
+        if why is None:
+            assert data.load_geo3k(p)[0]["answer"] == str(change.get("answer", "4"))
+            continue
+        with pytest.raises(data.DataError, match="row 0: " + why.replace("(", "\\(").replace(")", "\\)").replace("[", "\\[")):
+            data.load_geo3k(p)
+
+
+def test_show_checks_what_the_trainer_would(tmp_path, capsys):
+    """`data.py show` takes --max-bad-frac (its message advises it) and train_grpo's --max-turns: a row offering a
+    tool that does not exist is named, as train_grpo names it."""
+    (tmp_path / "a.png").write_bytes(_png())
+    good = {"problem": "<image>Sides?", "answer": "4", "images": "a.png"}
+    p = _write_jsonl(tmp_path / "d.jsonl", [good, dict(good, tools=["calc_score", "nope"])])
+    data.main(["show", str(p)])  # single-turn: a row's tools are not offered
+    with pytest.raises(SystemExit, match="(?s)1 of 2 rows are unusable.*raise --max-bad-frac.*row 1: tools \\['calc_score', 'nope'\\]"):
+        data.main(["show", str(p), "--max-turns", "2"])
+    data.main(["show", str(p), "--max-turns", "2", "--max-bad-frac", "0.5"])
+    assert capsys.readouterr().out.count("records; first") == 2
+
+
 def test_a_forks_own_columns_are_named_with_slimes_flags(tmp_path, capsys):
     """A fork's JSONL (`question`, `image_path`, `gold`): `data.py show` names the missing column in one line
     with the flag that names it, and takes that flag, as both trainers do: slime's --input-key, --label-key

@@ -80,6 +80,9 @@ GRPO = ["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x"]
     ("sft", ["--global-batch-size", "0"], "--global-batch-size: 0:"),
     ("sft", ["--num-epoch", "0"], "--num-epoch: 0:"),
     ("sft", ["--lr", "nan"], "--lr: nan:"),
+    # issue 68: a negative number without `=` is the flag's value, refused by its bound; greedy GRPO learns nothing
+    ("sft", ["--lr", "-1e-4"], "--lr: -1e-4: must be a finite number >= 0.0"),
+    ("train_grpo", ["--rollout-temperature", "0"], "--rollout-temperature 0: greedy, a group's responses are one"),
 ])
 def test_bad_numeric_flags_fail_at_parse_time_naming_the_flag(entry, flags, named, capsys):
     mod = __import__(entry)
@@ -100,6 +103,21 @@ def test_every_numeric_flag_declares_its_bound():
         groups = [g.title for g in parser._action_groups if g._group_actions]
         assert {"data and evaluation", "model and parallelism", "precision and memory", "optimizer",
                 "run folder"} <= set(groups), groups
+
+
+def test_every_float_flag_refuses_what_is_not_a_finite_number():
+    """Issue 68: `--lr inf` trained to NaN weights. Every flag a float parses (both trainers, each registry entry's
+    own) refuses inf, -inf and nan at parse time."""
+    import argparse
+    import sft
+    import train_grpo
+    floats = [a for mod in (train_grpo, sft) for a in mod.build_parser()._actions
+              if getattr(a.type, "__name__", None) == "float"]  # float, flags.at_least(0.0), flags.fraction
+    assert {"--lr", "--rollout-top-p", "--sapo-tau-pos", "--overlong-penalty-factor"} <= {a.option_strings[0] for a in floats}
+    for a in floats:
+        for text in ("inf", "-inf", "nan"):
+            with pytest.raises(argparse.ArgumentTypeError, match=f"^{text}: must be"):
+                a.type(text)
 
 
 def test_a_checkpoint_is_periodic_by_default():
@@ -177,7 +195,7 @@ def grpo_args(**kw):
 def test_images_the_processor_refuses_and_over_long_rows_are_named_at_load(tmp_path, processor, capsys):
     import chat
     rs = rows(200)
-    rs[3]["images"] = [{"bytes": png((4000, 2)), "path": None}]  # "absolute aspect ratio must be smaller than 200"
+    rs[3]["images"] = [{"bytes": png((4000, 8)), "path": None}]  # "absolute aspect ratio must be smaller than 200"
     rs[5]["problem"] = "<image>" + "How many sides? " * 4000
     args = grpo_args(prompt_data=str(parquet(tmp_path / "d.parquet", rs)))
     fit = dict(measure=lambda r: len(chat.prompt(processor, r, args.max_turns > 1)[2]),
@@ -376,7 +394,7 @@ def test_nan_weights_are_named_at_load(ckpt, synth, tmp_path):
 @pytest.mark.slow
 def test_grpo_survives_a_refused_image_and_names_its_row(ckpt, tmp_path):
     rs = synth_set.synth_records(100, seed=0, kinds=("sides",))  # 128 px: prompts of ~60 tokens
-    rs[7]["images"] = [{"bytes": png((4000, 2)), "path": None}]
+    rs[7]["images"] = [{"bytes": png((4000, 8)), "path": None}]
     d = parquet(tmp_path / "d" / "train.parquet", rs).parent
     r = run("train_grpo.py", "--hf-checkpoint", ckpt, "--prompt-data", d, "--save", tmp_path / "run",
             "--rollout-engine", "local", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
@@ -462,6 +480,20 @@ def test_a_missing_column_is_named_with_the_files_columns(tmp_path):
         data.load_geo3k(tmp_path / "t.jsonl")
 
 
+@pytest.mark.parametrize("evaluation", [False, True], ids=["train", "eval"])
+def test_training_and_eval_data_read_the_columns_the_flags_name(evaluation, tmp_path):
+    """Issue 68: eval answers were read from `answer` whatever --label-key said. Each column flag names its column
+    in both data sets; the default columns sit beside them with other values, so a flag not followed shows."""
+    (tmp_path / "a.png").write_bytes(png((32, 32)))
+    (tmp_path / "b.png").write_bytes(png((48, 40)))
+    row = {"problem": "<image>wrong", "answer": "wrong", "images": "b.png", "q": "<image>right?", "gold": "7", "pic": "a.png"}
+    jsonl(tmp_path / "d.jsonl", [row])
+    args = grpo_args(prompt_data=str(tmp_path / "d.jsonl"), eval_prompt_data=str(tmp_path / "d.jsonl"), input_key="q",
+                     label_key="gold", multimodal_keys={"image": "pic"})
+    [rec] = T.load_data(args, evaluation=evaluation)
+    assert (rec["problem"], rec["answer"], rec["images"][0].size) == ("<image>right?", "7", (32, 32)), rec
+
+
 def resumable(tmp_path, entry, argv, step=2, config="{}"):
     """A run folder as `entry` run with `argv` leaves it after a checkpoint at `step`: its config, its
     checkpoint's meta and config.json (what a resume reads before any model loads). -> the folder."""
@@ -492,6 +524,27 @@ def test_a_resume_refuses_what_the_checkpoint_fixes_and_keeps_the_runs_config(tm
     assert "so these cannot change:\n  --global-batch-size 8 (the run: 16)\n  --lr 0.0001 (the run: 1e-05)\n" in said
     assert "eval-interval" not in said and f"--hf-checkpoint {save}/iter_N" in said, said
     assert (save / "config_sft.json").read_text() == first and [p.name for p in save.glob("config_*")] == ["config_sft.json"]
+
+
+def test_a_resume_refuses_each_of_the_runs_flags_and_says_each_other_change(tmp_path, capsys):
+    """Issue 68: --lr changed was refused but --prompt-data changed was only said, where README refuses a changed data
+    order. docs/training.md's table: each flag of the run's (trainer.FIXED, GRPO's own) refused by name, the others
+    said; the table lists each refused flag."""
+    config = dict(vars(grpo_args()), kind="grpo", world_size=1, versions=T.versions())
+    saved = tmp_path / "config_grpo.json"
+    fixed, table = T.FIXED + ("rollout_batch_size", "partial_rollout", "fully_async"), (ROOT / "docs/training.md").read_text()
+    runs = ["seed", "prompt_data", "split", "input_key", "label_key", "multimodal_keys", "max_context_len", "allow_image_urls",
+            "allow_outside_paths", "lr", "min_lr", "decoupled_lr", "lr_warmup_iters", "lr_decay_style", "adam_beta1",
+            "adam_beta2", "weight_decay", "rollout_batch_size", "partial_rollout", "fully_async"]
+    for k in runs:
+        assert f"--{k.replace('_', '-')}`" in table.split("| may change")[0] or k.startswith("adam_beta"), k
+        saved.write_text(json.dumps(dict(config, **{k: "the run's"}), default=str))
+        with pytest.raises(SystemExit, match=f"cannot change:\n  --{k.replace('_', '-')} .* \\(the run: the run's\\)\n"):
+            T.compare(saved, config, fixed)
+    for k in ("n_samples_per_prompt", "rollout_temperature", "max_bad_frac", "eval_prompt_data", "save_interval", "clip_grad"):
+        saved.write_text(json.dumps(dict(config, **{k: "the run's"}), default=str))
+        T.compare(saved, config, fixed)
+        assert capsys.readouterr().out == f"[run] resumed with --{k.replace('_', '-')} {config[k]} (the run: the run's)\n"
 
 
 def test_a_resume_says_each_changed_flag_and_that_nothing_is_left(tmp_path, capsys):
@@ -727,6 +780,59 @@ def test_a_resume_refuses_a_checkpoint_of_another_architecture(tmp_path, capsys)
     assert said.startswith(f"--hf-checkpoint {tmp_path / 'big'}: not the architecture of {save / 'iter_0000002'} "
                            "(text_config.head_dim 32, the run's 16; text_config.hidden_size 128, the run's 64;"), said
     assert "[model]" not in capsys.readouterr().out and [p.name for p in save.glob("config_*")] == ["config_sft.json"]
+
+
+def test_weights_that_are_not_finite_are_not_saved_and_the_step_is_named(tmp_path):
+    """Issue 68: a run whose weights went NaN ended "done", rc 0, every saved tensor NaN. Now the checkpoint is
+    refused naming the step and a tensor, nothing is written and the last checkpoint stays the latest."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    par, run = T.start(grpo_args(hf_checkpoint=str(tmp_path / "ckpt"), save=str(tmp_path / "run")), "grpo")
+    model = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        model.bias[1] = float("inf")
+    with pytest.raises(SystemExit, match=r"^\[run\] step 3: weights not finite \(NaN or inf: bias\); not saved, "
+                                         f"earlier checkpoints kept: lower --lr and resume with --load {tmp_path}/run$"):
+        run.save_checkpoint(model, None, None, 3)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".lock", "config_grpo.json"]
+
+
+@pytest.mark.parametrize("buckets", [1, 2], ids=["model.safetensors", "shards"])
+def test_a_checkpoints_weights_have_the_mode_of_its_other_files(buckets, tmp_path):
+    """Issue 68: model.safetensors was written 0600 (safetensors' temporary file), config.json 0644."""
+    import convert
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "config.json").write_text("{}")
+    convert.write_hf([[(f"w{i}", torch.zeros(2))] for i in range(buckets)], tmp_path / "out", tmp_path / "src")
+    modes = {f.name: oct(f.stat().st_mode & 0o777) for f in (tmp_path / "out").iterdir()}
+    assert len(modes) == 2 + buckets - (buckets == 1) and len(set(modes.values())) == 1, modes
+
+
+REAL = ROOT.parent / "shared" / "real_models"
+
+
+@pytest.mark.parametrize("family", ["Qwen2.5-VL-3B-Instruct", "Qwen3-VL-2B-Instruct", "Qwen3.5-0.8B", "Qwen3.5-35B-A3B"])
+def test_a_resume_refuses_another_size_in_every_part_of_the_config(family, tmp_path):
+    """Issue 68: the check ignored vision_config (a ViT of another depth or patch size resumed). Each family nests
+    its config its own way (Qwen2.5-VL's text fields at the top); every size of every part must be refused."""
+    import convert
+    if not (REAL / family / "config.json").exists():
+        pytest.skip("../shared/real_models not beside the repo")
+    config = json.loads((REAL / family / "config.json").read_text())
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(json.dumps(config))
+    parts = {"": config, **{f"{k}.": v for k, v in config.items() if isinstance(v, dict)}}
+    sizes = [(p, k) for p, part in parts.items() for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+             "intermediate_size", "depth", "num_heads", "patch_size", "out_hidden_size") if k in part]
+    assert {"vision_config.depth", "vision_config.patch_size"} <= {p + k for p, k in sizes}
+    assert {"text_config.hidden_size", "hidden_size"} & {p + k for p, k in sizes}
+    for p, k in sizes:
+        other = json.loads(json.dumps(config))
+        (other[p[:-1]] if p else other)[k] += 1
+        (tmp_path / "new").mkdir(exist_ok=True)
+        (tmp_path / "new" / "config.json").write_text(json.dumps(other))
+        with pytest.raises(SystemExit, match=f"not the architecture .*[(; ]{p + k} "):
+            convert.same_architecture(tmp_path / "new", tmp_path / "run")
 
 
 def test_a_save_folder_that_cannot_be_made_is_named(tmp_path):

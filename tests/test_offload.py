@@ -118,6 +118,22 @@ def test_optimizer_cpu_offload_needs_the_distributed_optimizer(tmp_path):
         T.start(args, "sft")
 
 
+def test_memory_takes_the_trainers_colocate_and_its_sglang_share(tmp_path, capsys):
+    """Issue 68: bench/memory.py refused --colocate and estimated a rollout of 0.00 GiB at its default share."""
+    import json
+    import sys
+    from pathlib import Path
+    from tools import tiny
+    (tmp_path / "config.json").write_text(tiny.tiny_config("qwen3_vl").to_json_string())
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import memory
+    got = {}
+    for name, extra in (("colocate", ["--colocate"]), ("offload", ["--colocate", "--offload-train"]), ("own", [])):
+        memory.main(["--hf-checkpoint", str(tmp_path), "--gpu-gib", "10", *extra])
+        got[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rollout_gib"]
+    assert abs(got["colocate"] - got["own"] - 4) < 0.02 and got["offload"] == 7, got  # 0.4, 0.7 of 10 GiB
+
+
 def test_memory_phases_of_the_single_turn_recipe(capsys):
     """bench/memory.py on the real Qwen3.5-35B-A3B config, the recipe's layout on 8 x 80 GB (TP2 + SP,
     EP8, full recompute, SGLang at 0.7): the rollout fits only with the trainer parked, training only
