@@ -10,6 +10,7 @@ nothing the model writes is evaluated or executed. A tool: a function and its To
 From args: max_turns (required), oracle (default True; off in evaluation: calc_score only records), rm_type ("math"),
 min_pixels (crop area floor, 56*56), max_payload (4096 chars), each tool's own flags (`Tool.flags`: env.flags)."""
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -54,27 +55,32 @@ def calc_score(env, arguments):
 
 
 def crop(env, arguments):
-    """The pixel region `bbox` of image `image` (default 0), enlarged, as a new image."""
-    _need(env.images, "this problem has no image to crop")
+    """Zoom into `bbox_2d` of image `image` (default 0) in the model's own frame (env.resize: Qwen3-VL and Qwen3.5
+    relative 0-1000, Qwen2.5-VL pixels of the image as its processor resized it): those pixels of the image,
+    enlarged, as a new image. `label` (what the region shows) is the model's own note."""
+    _need(env.images, "this problem has no image to zoom into")
     i, n = arguments.get("image", 0), len(env.images)
     _need(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n,
           f'"image" must be an integer from 0 to {n - 1} (images seen so far)')
-    image, bbox = env.images[i], arguments["bbox"]
+    image, bbox = env.images[i], arguments["bbox_2d"]
     w, h = image.size
-    valid = f"integers with 0 <= x1 < x2 <= {w} and 0 <= y1 < y2 <= {h} (image {i} is {w}x{h} px)"
+    fh, fw = env.resize(h, w) if env.resize else (1000, 1000)  # the frame's height and width for this image
+    frame = f"image {i} as you see it is {fw}x{fh} px" if env.resize else "relative to the image's size, 0-1000"
+    valid = f"0 <= x1 < x2 <= {fw} and 0 <= y1 < y2 <= {fh} ({frame})"
     _need(isinstance(bbox, list) and len(bbox) == 4 and all(_is_number(v) for v in bbox),
-          f'"bbox" must be a list of 4 numbers [x1, y1, x2, y2]: {valid}')
-    x1, y1, x2, y2 = (round(v) for v in bbox)
-    _need(0 <= x1 < x2 <= w and 0 <= y1 < y2 <= h, f'"bbox" {[x1, y1, x2, y2]} is out of range, inverted or empty: {valid}')
+          f'"bbox_2d" must be a list of 4 numbers [x1, y1, x2, y2]: {valid}')
+    _need(0 <= bbox[0] < bbox[2] <= fw and 0 <= bbox[1] < bbox[3] <= fh,
+          f'"bbox_2d" {bbox} is out of range, inverted or empty: {valid}')
+    x1, x2 = math.floor(bbox[0] * w / fw), math.ceil(bbox[2] * w / fw)  # the image's own pixels, rounded
+    y1, y2 = math.floor(bbox[1] * h / fh), math.ceil(bbox[3] * h / fh)  # outwards: the whole region, never empty
     cw, ch = x2 - x1, y2 - y1
-    _need(max(cw, ch) / min(cw, ch) <= MAX_ASPECT, f'"bbox" {cw}x{ch} px is thinner than 1:{MAX_ASPECT}; take a wider region')
+    _need(max(cw, ch) / min(cw, ch) <= MAX_ASPECT, f'"bbox_2d" {cw}x{ch} px is thinner than 1:{MAX_ASPECT}; take a wider region')
     k = max(1, math.ceil(MIN_SIDE / min(cw, ch)), math.ceil(math.sqrt(env.min_pixels / (cw * ch))))
-    region = image.convert("RGB").crop((x1, y1, x2, y2))
+    region = image.crop((x1, y1, x2, y2)).convert("RGB")
     region = region.resize((cw * k, ch * k), resample=0) if k > 1 else region  # NEAREST, k an integer: exact pixels
-    text = (f"Crop of image {i} at [{x1}, {y1}, {x2}, {y2}] ({cw}x{ch} px, shown at "
-            f"{cw * k}x{ch * k}); it is now image {len(env.images)}.")
-    box = env.record.get("box")  # the region a task names (never shown to the model): a crop of image 0 is scored
-    return text, [region], {"iou": iou(bbox, box)} if box is not None and i == 0 else {}
+    text = (f"Zoomed into image {i} at {bbox} ({cw}x{ch} px, shown at {cw * k}x{ch * k}); it is now image {n}.")
+    box = env.record.get("box")  # the region a task names in image 0's pixels (never shown to the model): scored
+    return text, [region], {"iou": iou([x1, y1, x2, y2], box)} if box is not None and i == 0 else {}
 
 
 def iou(a, b):
@@ -90,7 +96,7 @@ def crop_metrics(ran, correct):
     if any(ious):
         m["crop_iou"] = sum(map(sum, ious)) / sum(map(len, ious))
         m["crop_hit_frac"] = sum(max(x, default=0) >= 0.5 for x in ious) / len(ran)
-    cropped = [any(i["tool"] == "crop" for i in st) for st in ran]
+    cropped = [any(ALIASES.get(i["tool"], i["tool"]) == "image_zoom_in_tool" for i in st) for st in ran]
     for key, want in (("accuracy_with_crop", True), ("accuracy_without_crop", False)):
         if part := [r for r, c in zip(correct, cropped) if c == want and r is not None]:
             m[key] = sum(map(bool, part)) / len(part)
@@ -119,26 +125,30 @@ TOOLS = {
         calc_score, 'calc_score {"answer": "<your answer>"}: check an answer (scored or just recorded).',
         "Check a candidate answer to the problem and say whether it is right.",
         {"answer": {"type": "string", "description": "the answer, such as 5\\sqrt{3} or 42"}}, {"answer": "42"}),
-    "crop": Tool(
-        crop, 'crop {"bbox": [x1, y1, x2, y2], "image": 0}: zoom into a pixel region of image i (default 0).',
-        "Zoom into a pixel region of an image seen so far; the region comes back enlarged so that small labels "
-        "can be read, as a new image.",
-        {"bbox": {"type": "array", "items": {"type": "number"}, "minItems": 4, "maxItems": 4,
-                  "description": "[x1, y1, x2, y2] in pixels of that image"},
+    "image_zoom_in_tool": Tool(  # DeepEyes' and verl's zoom call, the one Qwen-VL RL work prompts with
+        crop, 'image_zoom_in_tool {"bbox_2d": [x1, y1, x2, y2], "label": "..."}: zoom into a region of an image.',
+        "Zoom into a region of an image seen so far by its bounding box (your grounding coordinates: relative "
+        "0-1000 for Qwen3-VL and Qwen3.5, pixels of the image as you see it for Qwen2.5-VL); the region comes back "
+        "enlarged, as a new image, so that small labels can be read.",
+        {"bbox_2d": {"type": "array", "items": {"type": "number"}, "minItems": 4, "maxItems": 4,
+                     "description": "[x1, y1, x2, y2]: top-left and bottom-right corners of the region"},
+         "label": {"type": "string", "description": "what the region shows (optional)"},
          "image": {"type": "integer", "description": "0 is the problem's diagram (the default); "
-                   "crops are numbered after it in the order they were made"}},
-        {"bbox": [0, 0, 100, 100]}, metrics=crop_metrics),
+                   "zoomed images are numbered after it in the order they were made"}},
+        {"bbox_2d": [0, 0, 100, 100]}, metrics=crop_metrics),
 }
-ALIASES = {"calc_geo3k_reward": "calc_score"}  # old names that still run, not advertised
+# old names that still run, not advertised: `crop` (its arguments are image_zoom_in_tool's) keeps rows and
+# checkpoints of the crop task from before the rename working
+ALIASES = {"calc_geo3k_reward": "calc_score", "crop": "image_zoom_in_tool"}
 
 
 def offered(names=None):
     """The names of the tools a row gets: its `tools` (None: TOOLS' default ones), checked (docs/extending.md)."""
     if names is None:
         return [n for n, t in TOOLS.items() if t.default]
-    if isinstance(names, str) or not names or not all(n in TOOLS for n in names):
+    if isinstance(names, str) or not names or not all(ALIASES.get(n, n) in TOOLS for n in names):
         raise ValueError(f"tools {names!r}: a list of tool names from {', '.join(TOOLS)}")
-    return list(names)
+    return [ALIASES.get(n, n) for n in names]
 
 
 def specs(names):
@@ -163,7 +173,7 @@ def tool_metrics(steps, correct, tools):
     if not any(steps):
         return {}
     ran, n = [[i for i in st if i.get("ran")] for st in steps], len(steps)
-    m = {f"tool_calls_{t}": sum(i["tool"] == t for st in ran for i in st) / n for t in tools}
+    m = {f"tool_calls_{t}": sum(ALIASES.get(i["tool"], i["tool"]) == t for st in ran for i in st) / n for t in tools}
     for t in tools:
         m.update(TOOLS[t].metrics(ran, correct) if TOOLS[t].metrics else {})
     return m
@@ -174,8 +184,8 @@ _XML_PARAMETER = re.compile(r"<parameter=([^>\n]*)>\n?(.*?)\n?</parameter>", re.
 
 class Geo3kEnv:
     def __init__(self, record, max_turns, oracle=True, rm_type="math", min_pixels=MIN_SIDE * MIN_SIDE,
-                 max_payload=4096, flags=None):  # record: the row (its answer, images, tools...); options: as above
-        self.record, self.tools, self.flags = record, offered(record.get("tools")), flags or {}
+                 max_payload=4096, flags=None, resize=None):  # record: the row (answer, images, tools...); options: above
+        self.record, self.tools, self.flags, self.resize = record, offered(record.get("tools")), flags or {}, resize
         self.problem_images, self.rm_type = list(record.get("images") or []), rm_type or "math"
         self.max_turns, self.oracle, self.min_pixels, self.max_payload = max_turns, oracle, min_pixels, max_payload
         self.reset()
@@ -283,4 +293,27 @@ def build_env(sample=None, args=None, **_):
         record["images"] = (record.get("multimodal_inputs") or {}).get("images")
     options = {k: getattr(args, k) for k in ("oracle", "rm_type", "min_pixels", "max_payload")  # any, or none
                if getattr(args, k, None) is not None}
-    return Geo3kEnv(record, max_turns, **options, flags=F.declared(F.own_flags(TOOLS), args))
+    return Geo3kEnv(record, max_turns, **options, flags=F.declared(F.own_flags(TOOLS), args),
+                    resize=grounding(getattr(args, "hf_checkpoint", None)))
+
+
+@functools.cache
+def grounding(hf_checkpoint):
+    """The frame the checkpoint's family writes boxes in, read once a checkpoint (design.md, "Grounding"): None for
+    relative 0-1000 (Qwen3-VL, Qwen3.5; also the default without a checkpoint), else the processor's own resize
+    (h, w) -> (h, w) of an image, whose pixels Qwen2.5-VL's boxes count: transformers' smart_resize with the
+    checkpoint's min/max pixels and patch x merge factor."""
+    if hf_checkpoint is None:
+        return None
+    # here, not at the top: with torch and torchvision ~5 s, which tools/synth.py and a bare env never need
+    from transformers import AutoConfig, AutoImageProcessor
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+    family = AutoConfig.from_pretrained(hf_checkpoint).model_type
+    if family.startswith("qwen3"):
+        return None
+    if family != "qwen2_5_vl":
+        raise ValueError(f"--hf-checkpoint {hf_checkpoint}: no known grounding frame for model_type {family!r} "
+                         "(qwen3_vl, qwen3_5: relative 0-1000; qwen2_5_vl: pixels of the resized image)")
+    p = AutoImageProcessor.from_pretrained(hf_checkpoint)  # its size: preprocessor_config's min/max pixels or size
+    return functools.partial(smart_resize, factor=p.patch_size * p.merge_size, min_pixels=p.size["shortest_edge"],
+                             max_pixels=p.size["longest_edge"])
