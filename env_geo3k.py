@@ -15,6 +15,7 @@ import json
 import math
 import re
 from contextlib import suppress
+from pathlib import Path
 
 import flags as F
 import reward
@@ -299,21 +300,17 @@ def build_env(sample=None, args=None, **_):
 
 @functools.cache
 def grounding(hf_checkpoint):
-    """The frame the checkpoint's family writes boxes in, read once a checkpoint (design.md, "Grounding"): None for
-    relative 0-1000 (Qwen3-VL, Qwen3.5; also the default without a checkpoint), else the processor's own resize
-    (h, w) -> (h, w) of an image, whose pixels Qwen2.5-VL's boxes count: transformers' smart_resize with the
-    checkpoint's min/max pixels and patch x merge factor."""
-    if hf_checkpoint is None:
-        return None
-    # here, not at the top: with torch and torchvision ~5 s, which tools/synth.py and a bare env never need
-    from transformers import AutoConfig, AutoImageProcessor
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
-    family = AutoConfig.from_pretrained(hf_checkpoint).model_type
+    """The frame a checkpoint's family writes boxes in, read once a checkpoint (docs/extending.md): None for relative
+    0-1000 (Qwen3-VL, Qwen3.5; without a checkpoint: the default), else (h, w) -> (h, w), its processor's own resize
+    of an image, whose pixels Qwen2.5-VL's boxes count (transformers' smart_resize, the checkpoint's bounds)."""
+    family = json.loads((Path(hf_checkpoint) / "config.json").read_text())["model_type"] if hf_checkpoint else "qwen3"
     if family.startswith("qwen3"):
         return None
     if family != "qwen2_5_vl":
         raise ValueError(f"--hf-checkpoint {hf_checkpoint}: no known grounding frame for model_type {family!r} "
                          "(qwen3_vl, qwen3_5: relative 0-1000; qwen2_5_vl: pixels of the resized image)")
+    from transformers import AutoImageProcessor  # here: with torch and torchvision ~5 s, which only this family needs
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
     p = AutoImageProcessor.from_pretrained(hf_checkpoint)  # its size: preprocessor_config's min/max pixels or size
     return functools.partial(smart_resize, factor=p.patch_size * p.merge_size, min_pixels=p.size["shortest_edge"],
                              max_pixels=p.size["longest_edge"])
