@@ -50,15 +50,13 @@ def calc_score(env, arguments):
         text, score = f"Answer recorded: {answer}.", None
     else:
         score = env.last_score = reward.score(env.rm_type, f"\\boxed{{{answer}}}", env.record)
-        text = (f"Correct: {answer} is the right answer." if score > 0
-                else f"Incorrect: {answer} is not the right answer.")
+        text = f"Correct: {answer} is the right answer." if score > 0 else f"Incorrect: {answer} is not the right answer."
     return text, [], {"score": score}
 
 
 def crop(env, arguments):
-    """Zoom into `bbox_2d` of image `image` (default 0) in the model's own frame (env.resize: Qwen3-VL and Qwen3.5
-    relative 0-1000, Qwen2.5-VL pixels of the image as its processor resized it): those pixels of the image,
-    enlarged, as a new image. `label` (what the region shows) is the model's own note."""
+    """Zoom into `bbox_2d` of image `image` (default 0), in the model's own frame (env.resize, from `grounding`): those
+    pixels of the image, enlarged, as a new image. `label` (what the region shows) is the model's own note."""
     _need(env.images, "this problem has no image to zoom into")
     i, n = arguments.get("image", 0), len(env.images)
     _need(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n,
@@ -66,20 +64,17 @@ def crop(env, arguments):
     image, bbox = env.images[i], arguments["bbox_2d"]
     w, h = image.size
     fh, fw = env.resize(h, w) if env.resize else (1000, 1000)  # the frame's height and width for this image
-    frame = f"image {i} as you see it is {fw}x{fh} px" if env.resize else "relative to the image's size, 0-1000"
-    valid = f"0 <= x1 < x2 <= {fw} and 0 <= y1 < y2 <= {fh} ({frame})"
+    valid = f"0 <= x1 < x2 <= {fw} and 0 <= y1 < y2 <= {fh} (image {i} spans {fw}x{fh} in your grounding coordinates)"
     _need(isinstance(bbox, list) and len(bbox) == 4 and all(_is_number(v) for v in bbox),
           f'"bbox_2d" must be a list of 4 numbers [x1, y1, x2, y2]: {valid}')
-    _need(0 <= bbox[0] < bbox[2] <= fw and 0 <= bbox[1] < bbox[3] <= fh,
-          f'"bbox_2d" {bbox} is out of range, inverted or empty: {valid}')
+    _need(0 <= bbox[0] < bbox[2] <= fw and 0 <= bbox[1] < bbox[3] <= fh, f'"bbox_2d" {bbox} is out of range or empty: {valid}')
     x1, x2 = math.floor(bbox[0] * w / fw), math.ceil(bbox[2] * w / fw)  # the image's own pixels, rounded
     y1, y2 = math.floor(bbox[1] * h / fh), math.ceil(bbox[3] * h / fh)  # outwards: the whole region, never empty
     cw, ch = x2 - x1, y2 - y1
-    _need(max(cw, ch) / min(cw, ch) <= MAX_ASPECT, f'"bbox_2d" {cw}x{ch} px is thinner than 1:{MAX_ASPECT}; take a wider region')
+    _need(max(cw, ch) / min(cw, ch) <= MAX_ASPECT, f'"bbox_2d" {cw}x{ch} px is thinner than 1:{MAX_ASPECT}; widen it')
     k = max(1, math.ceil(MIN_SIDE / min(cw, ch)), math.ceil(math.sqrt(env.min_pixels / (cw * ch))))
-    region = image.crop((x1, y1, x2, y2)).convert("RGB")
-    region = region.resize((cw * k, ch * k), resample=0) if k > 1 else region  # NEAREST, k an integer: exact pixels
-    text = (f"Zoomed into image {i} at {bbox} ({cw}x{ch} px, shown at {cw * k}x{ch * k}); it is now image {n}.")
+    region = image.crop((x1, y1, x2, y2)).convert("RGB").resize((cw * k, ch * k), resample=0)  # NEAREST: exact pixels
+    text = f"Zoomed into image {i} at {bbox} ({cw}x{ch} px, shown at {cw * k}x{ch * k}); it is now image {n}."
     box = env.record.get("box")  # the region a task names in image 0's pixels (never shown to the model): scored
     return text, [region], {"iou": iou([x1, y1, x2, y2], box)} if box is not None and i == 0 else {}
 
@@ -128,19 +123,15 @@ TOOLS = {
         {"answer": {"type": "string", "description": "the answer, such as 5\\sqrt{3} or 42"}}, {"answer": "42"}),
     "image_zoom_in_tool": Tool(  # DeepEyes' and verl's zoom call, the one Qwen-VL RL work prompts with
         crop, 'image_zoom_in_tool {"bbox_2d": [x1, y1, x2, y2], "label": "..."}: zoom into a region of an image.',
-        "Zoom into a region of an image seen so far by its bounding box (your grounding coordinates: relative "
-        "0-1000 for Qwen3-VL and Qwen3.5, pixels of the image as you see it for Qwen2.5-VL); the region comes back "
-        "enlarged, as a new image, so that small labels can be read.",
+        "Zoom into a region of an image seen so far, its box in your grounding coordinates (Qwen3-VL, Qwen3.5: relative "
+        "0-1000; Qwen2.5-VL: pixels of the image as you see it); it comes back enlarged, as a new image.",
         {"bbox_2d": {"type": "array", "items": {"type": "number"}, "minItems": 4, "maxItems": 4,
-                     "description": "[x1, y1, x2, y2]: top-left and bottom-right corners of the region"},
+                     "description": "[x1, y1, x2, y2]: the region's top-left and bottom-right corners"},
          "label": {"type": "string", "description": "what the region shows (optional)"},
-         "image": {"type": "integer", "description": "0 is the problem's diagram (the default); "
-                   "zoomed images are numbered after it in the order they were made"}},
+         "image": {"type": "integer", "description": "0: the problem's (default); zooms are numbered after it, in order"}},
         {"bbox_2d": [0, 0, 100, 100]}, metrics=crop_metrics),
 }
-# old names that still run, not advertised: `crop` (its arguments are image_zoom_in_tool's) keeps rows and
-# checkpoints of the crop task from before the rename working
-ALIASES = {"calc_geo3k_reward": "calc_score", "crop": "image_zoom_in_tool"}
+ALIASES = {"calc_geo3k_reward": "calc_score", "crop": "image_zoom_in_tool"}  # old names that still run, not advertised
 
 
 def offered(names=None):
@@ -185,9 +176,9 @@ _XML_PARAMETER = re.compile(r"<parameter=([^>\n]*)>\n?(.*?)\n?</parameter>", re.
 
 class Geo3kEnv:
     def __init__(self, record, max_turns, oracle=True, rm_type="math", min_pixels=MIN_SIDE * MIN_SIDE,
-                 max_payload=4096, flags=None, resize=None):  # record: the row (answer, images, tools...); options: above
-        self.record, self.tools, self.flags, self.resize = record, offered(record.get("tools")), flags or {}, resize
-        self.problem_images, self.rm_type = list(record.get("images") or []), rm_type or "math"
+                 max_payload=4096, flags=None, hf_checkpoint=None):  # record: the row (answer, images, tools...)
+        self.record, self.tools, self.resize = record, offered(record.get("tools")), grounding(hf_checkpoint)
+        self.problem_images, self.rm_type, self.flags = list(record.get("images") or []), rm_type or "math", flags or {}
         self.max_turns, self.oracle, self.min_pixels, self.max_payload = max_turns, oracle, min_pixels, max_payload
         self.reset()
 
@@ -288,27 +279,22 @@ def build_env(sample=None, args=None, **_):
     if not isinstance(max_turns, int) or max_turns < 1:
         raise ValueError(f"build_env needs args.max_turns (a positive int), got {max_turns!r}")
     record = dict(sample if isinstance(sample, dict) else vars(sample) if sample is not None else {})
-    if record.get("answer") is None:
-        record["answer"] = record.get("label")
+    record["answer"] = record.get("label") if record.get("answer") is None else record["answer"]
     if record.get("images") is None:
         record["images"] = (record.get("multimodal_inputs") or {}).get("images")
-    options = {k: getattr(args, k) for k in ("oracle", "rm_type", "min_pixels", "max_payload")  # any, or none
+    options = {k: getattr(args, k) for k in ("oracle", "rm_type", "min_pixels", "max_payload", "hf_checkpoint")  # any
                if getattr(args, k, None) is not None}
-    return Geo3kEnv(record, max_turns, **options, flags=F.declared(F.own_flags(TOOLS), args),
-                    resize=grounding(getattr(args, "hf_checkpoint", None)))
+    return Geo3kEnv(record, max_turns, **options, flags=F.declared(F.own_flags(TOOLS), args))
 
 
 @functools.cache
 def grounding(hf_checkpoint):
-    """The frame a checkpoint's family writes boxes in, read once a checkpoint (docs/extending.md): None for relative
-    0-1000 (Qwen3-VL, Qwen3.5; without a checkpoint: the default), else (h, w) -> (h, w), its processor's own resize
-    of an image, whose pixels Qwen2.5-VL's boxes count (transformers' smart_resize, the checkpoint's bounds)."""
-    family = json.loads((Path(hf_checkpoint) / "config.json").read_text())["model_type"] if hf_checkpoint else "qwen3"
-    if family.startswith("qwen3"):
-        return None
+    """The frame a checkpoint's family writes boxes in, read once a checkpoint (docs/extending.md): None, relative
+    0-1000 (Qwen3-VL, Qwen3.5, Qwen2-VL; no checkpoint), or Qwen2.5-VL's, pixels of the image as its processor
+    resizes it: (h, w) -> (h, w), transformers' smart_resize with the checkpoint's pixel bounds and factor."""
+    family = json.loads((Path(hf_checkpoint) / "config.json").read_text())["model_type"] if hf_checkpoint else None
     if family != "qwen2_5_vl":
-        raise ValueError(f"--hf-checkpoint {hf_checkpoint}: no known grounding frame for model_type {family!r} "
-                         "(qwen3_vl, qwen3_5: relative 0-1000; qwen2_5_vl: pixels of the resized image)")
+        return None
     from transformers import AutoImageProcessor  # here: with torch and torchvision ~5 s, which only this family needs
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
     p = AutoImageProcessor.from_pretrained(hf_checkpoint)  # its size: preprocessor_config's min/max pixels or size

@@ -73,10 +73,9 @@ def add_args(p):
 
 
 def settings(args, evaluation=False, **changes):
-    """What a rollout reads: add_args' flags as `args` has them, `oracle` (calc_score checks answers), `shaping` (SHAPING
-    joins the reward), then `changes`. Evaluation's differ: greedy, no oracle, no shaping, no dynamic sampling."""
-    own = {k: getattr(args, k) for k in vars(add_args(argparse.ArgumentParser()).parse_args([]))}
-    own["hf_checkpoint"] = getattr(args, "hf_checkpoint", None)  # the env's grounding frame (env_geo3k.grounding)
+    """What a rollout reads: add_args' flags and hf_checkpoint (the env's grounding frame), `oracle` (calc_score checks
+    answers), `shaping` (SHAPING joins), then `changes`. Evaluation's: greedy, no oracle, shaping or dynamic sampling."""
+    own = {k: getattr(args, k) for k in [*vars(add_args(argparse.ArgumentParser()).parse_args([])), "hf_checkpoint"]}
     differ = dict(rollout_temperature=0.0, dynamic_sampling=False) if evaluation else {}
     return argparse.Namespace(**{**own, **differ, "oracle": not evaluation, "shaping": not evaluation, **changes})
 

@@ -261,7 +261,10 @@ def test_the_zoom_takes_the_box_each_family_writes_and_scores_it_a_hit(name, tmp
     assert env_geo3k.grounding.cache_info().misses - misses <= 1  # read once a checkpoint, not per env or call
 
 
-def test_a_checkpoint_of_no_known_grounding_frame_is_refused_by_name(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "llava"}')
-    with pytest.raises(ValueError, match=r"--hf-checkpoint .*: no known grounding frame for model_type 'llava'"):
-        env_geo3k.build_env({"answer": "3", "images": []}, rollout_args(max_turns=3, hf_checkpoint=str(tmp_path)))
+
+@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen2_5_vl"])
+def test_the_warm_start_calls_the_zoom_in_the_checkpoints_own_frame(rows, tiny_ckpt, arch):
+    ckpt = tiny_ckpt(arch)
+    (episode,) = synth.warm_start(rows[:1], share=1.0, hf_checkpoint=ckpt)  # warm_start asserts that the env ran it
+    call = json.loads(episode["messages"])[2]["content"].removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")
+    assert json.loads(call) == {"name": ZOOM, "arguments": {"bbox_2d": model_box(ckpt, (512, 512), rows[0]["box"])}}

@@ -148,7 +148,7 @@ CASES = [
      bad("missing argument", tool="crop")),
     ("zoom_strings", call(ZOOM, {"bbox_2d": ["10", "20", "110", "70"]}), "4 numbers",
      bad("list of 4 numbers", tool=ZOOM, n_images=0)),
-    ("zoom_pixels_out_of_range", call(ZOOM, {"bbox_2d": [0, 0, 1500, 50]}), "relative to the image's size, 0-1000",
+    ("zoom_pixels_out_of_range", call(ZOOM, {"bbox_2d": [0, 0, 1500, 50]}), "image 0 spans 1000x1000 in your grounding",
      bad("out of range")),
     ("zoom_inverted", call(ZOOM, {"bbox_2d": [550, 200, 50, 700]}), "0 <= x1 < x2 <= 1000", bad("out of range")),
     ("zoom_zero_area", call(ZOOM, {"bbox_2d": [50, 100, 550, 100]}), "0 <= y1 < y2 <= 1000", bad("empty")),

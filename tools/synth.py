@@ -105,8 +105,7 @@ def _png(img):
 def synth_records(n, seed=0, kinds=("polygon",), size=128, jitter=0.0):
     """n records in the geo3k schema (crop: with the `box` and the `tools` offered); `jitter` in [0, 1]
     varies pose and colour (the difficulty dial)."""
-    rng = random.Random(seed)
-    out = []
+    rng, out = random.Random(seed), []
     for _ in range(n):
         question, answer, img, *extra = KINDS[rng.choice(list(kinds))](rng, size, jitter)
         out.append({"images": [_png(img)], "problem": "<image>" + question, "answer": answer, **(extra or [{}])[0]})
@@ -118,18 +117,17 @@ def crop_view(rows):
     always crops sees (the whole-image vs crop measurement)."""
     out = []
     for r in rows:
-        env = env_geo3k.Geo3kEnv({"answer": r["answer"], "images": [data.decode_image(r["images"][0]["bytes"])]}, 2,
-                                 resize=lambda h, w: (h, w))  # the frame: the image's own pixels, the box's
+        env = env_geo3k.Geo3kEnv({"answer": r["answer"], "images": [data.decode_image(r["images"][0]["bytes"])]}, 2)
+        env.resize = lambda h, w: (h, w)  # the frame: the image's own pixels, the box's
         _, images, _ = env_geo3k.crop(env, {"bbox_2d": r["box"]})
         out.append(dict(r, images=[_png(images[0])]))
     return out
 
 
 def warm_start(rows, share, seed=0, hf_checkpoint=None):
-    """SFT episodes (slime's `messages` form) of the crop kind's rows: a `share` of them zoom into the named box
-    (in the grounding frame of `hf_checkpoint`'s family, env_geo3k.grounding; None: relative 0-1000) and answer
-    after seeing it, the rest answer at once; tool turns are the env's own at --max-turns 3 (its text, its crop in
-    `images`, after the canvas). SFT then teaches the call's format, not a policy."""
+    """SFT episodes (slime's `messages` form) of the crop kind's rows: a `share` of them zoom into the named box (in
+    `hf_checkpoint`'s grounding frame) and answer after seeing it, the rest at once; tool turns are the env's own at
+    --max-turns 3 (its text, its crop in `images`, after the canvas). SFT then teaches the call's format, not a policy."""
     rng, out, args = random.Random(seed), [], argparse.Namespace(max_turns=3, hf_checkpoint=hf_checkpoint)
     for r in rows:
         canvas = data.decode_image(r["images"][0]["bytes"])
@@ -139,8 +137,7 @@ def warm_start(rows, share, seed=0, hf_checkpoint=None):
             env = env_geo3k.build_env({**r, "images": [canvas]}, args)
             fh, fw = env.resize(canvas.height, canvas.width) if env.resize else (1000, 1000)
             bbox = [round(v * f / s) for v, f, s in zip(r["box"], (fw, fh) * 2, canvas.size * 2)]
-            call = json.dumps({"name": "image_zoom_in_tool", "arguments": {"bbox_2d": bbox}})
-            call = f"<tool_call>\n{call}\n</tool_call>"
+            call = '<tool_call>\n' + json.dumps({"name": "image_zoom_in_tool", "arguments": {"bbox_2d": bbox}}) + '\n</tool_call>'
             obs, _, info = env.step(call)
             assert info["ran"], info
             messages += [{"role": "assistant", "content": call}, env.format_observation(obs)]
@@ -173,8 +170,7 @@ def main(argv=None):
     p.add_argument("--crop-view", action="store_true", help="crop: each image is the crop of its box")
     p.add_argument("--warm-start", type=flags.fraction, default=None, metavar="SHARE",
                    help="crop: SFT episodes (`messages`), SHARE of them calling image_zoom_in_tool")
-    p.add_argument("--hf-checkpoint", help="--warm-start: its calls' boxes in this checkpoint's grounding frame "
-                   "(Qwen2.5-VL: resized pixels); default: relative 0-1000, Qwen3-VL's and Qwen3.5's")
+    p.add_argument("--hf-checkpoint", help="--warm-start: calls in its model's grounding frame (default relative 0-1000)")
     a = p.parse_args(argv)
     kinds = tuple(k.strip() for k in a.kinds.split(","))
     unknown = [k for k in kinds if k not in KINDS]
