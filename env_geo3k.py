@@ -8,7 +8,8 @@
 A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in strict JSON or Qwen3.5's XML form;
 nothing the model writes is evaluated or executed. A tool: a function and its Tool in TOOLS (docs/extending.md).
 From args: max_turns (required), oracle (default True; off in evaluation: calc_score only records), rm_type ("math"),
-min_pixels (crop area floor, 56*56), max_payload (4096 chars), each tool's own flags (`Tool.flags`: env.flags)."""
+min_pixels (zoom area floor, 56*56), max_payload (4096 chars), hf_checkpoint (the model's grounding frame: its
+config.json's model_type, `grounding`; none: relative 0-1000), each tool's own flags (`Tool.flags`: env.flags)."""
 import dataclasses
 import functools
 import json
@@ -55,28 +56,24 @@ def calc_score(env, arguments):
 
 
 def crop(env, arguments):
-    """Zoom into `bbox_2d` of image `image` (default 0), in the model's own frame (env.resize, from `grounding`): those
-    pixels of the image, enlarged, as a new image. `label` (what the region shows) is the model's own note."""
-    _need(env.images, "this problem has no image to zoom into")
+    """Zoom into `bbox_2d` of image `image` (default 0) in the model's frame (env.resize): its pixels, enlarged. A crop of
+    image 0 is scored against the row's `box` (the region a task names, in image 0's pixels, never shown to the model)."""
     i, n = arguments.get("image", 0), len(env.images)
     _need(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n,
-          f'"image" must be an integer from 0 to {n - 1} (images seen so far)')
+          f'"image" must be an integer from 0 to {n - 1} (images seen so far)' if n else "this problem has no image")
     image, bbox = env.images[i], arguments["bbox_2d"]
-    w, h = image.size
-    fh, fw = env.resize(h, w) if env.resize else (1000, 1000)  # the frame's height and width for this image
-    valid = f"0 <= x1 < x2 <= {fw} and 0 <= y1 < y2 <= {fh} (image {i} spans {fw}x{fh} in your grounding coordinates)"
-    _need(isinstance(bbox, list) and len(bbox) == 4 and all(_is_number(v) for v in bbox),
-          f'"bbox_2d" must be a list of 4 numbers [x1, y1, x2, y2]: {valid}')
-    _need(0 <= bbox[0] < bbox[2] <= fw and 0 <= bbox[1] < bbox[3] <= fh, f'"bbox_2d" {bbox} is out of range or empty: {valid}')
-    x1, x2 = math.floor(bbox[0] * w / fw), math.ceil(bbox[2] * w / fw)  # the image's own pixels, rounded
-    y1, y2 = math.floor(bbox[1] * h / fh), math.ceil(bbox[3] * h / fh)  # outwards: the whole region, never empty
+    fh, fw = env.resize(image.height, image.width) if env.resize else (1000, 1000)  # the frame's height and width
+    ok = isinstance(bbox, list) and len(bbox) == 4 and all(_is_number(v) for v in bbox)
+    _need(ok and 0 <= bbox[0] < bbox[2] <= fw and 0 <= bbox[1] < bbox[3] <= fh, f'"bbox_2d" must be 4 numbers '
+          f'[x1, y1, x2, y2] with 0 <= x1 < x2 <= {fw} and 0 <= y1 < y2 <= {fh} (image {i} in your grounding frame)')
+    x1, x2 = math.floor(bbox[0] * image.width / fw), math.ceil(bbox[2] * image.width / fw)  # the image's own pixels,
+    y1, y2 = math.floor(bbox[1] * image.height / fh), math.ceil(bbox[3] * image.height / fh)  # rounded outwards
     cw, ch = x2 - x1, y2 - y1
     _need(max(cw, ch) / min(cw, ch) <= MAX_ASPECT, f'"bbox_2d" {cw}x{ch} px is thinner than 1:{MAX_ASPECT}; widen it')
     k = max(1, math.ceil(MIN_SIDE / min(cw, ch)), math.ceil(math.sqrt(env.min_pixels / (cw * ch))))
     region = image.crop((x1, y1, x2, y2)).convert("RGB").resize((cw * k, ch * k), resample=0)  # NEAREST: exact pixels
     text = f"Zoomed into image {i} at {bbox} ({cw}x{ch} px, shown at {cw * k}x{ch * k}); it is now image {n}."
-    box = env.record.get("box")  # the region a task names in image 0's pixels (never shown to the model): scored
-    return text, [region], {"iou": iou([x1, y1, x2, y2], box)} if box is not None and i == 0 else {}
+    return text, [region], {"iou": iou([x1, y1, x2, y2], env.record["box"])} if env.record.get("box") and i == 0 else {}
 
 
 def iou(a, b):
@@ -125,8 +122,7 @@ TOOLS = {
         crop, 'image_zoom_in_tool {"bbox_2d": [x1, y1, x2, y2], "label": "..."}: zoom into a region of an image.',
         "Zoom into a region of an image seen so far, its box in your grounding coordinates (Qwen3-VL, Qwen3.5: relative "
         "0-1000; Qwen2.5-VL: pixels of the image as you see it); it comes back enlarged, as a new image.",
-        {"bbox_2d": {"type": "array", "items": {"type": "number"}, "minItems": 4, "maxItems": 4,
-                     "description": "[x1, y1, x2, y2]: the region's top-left and bottom-right corners"},
+        {"bbox_2d": {"type": "array", "items": {"type": "number"}, "description": "[x1, y1, x2, y2]: corners of the region"},
          "label": {"type": "string", "description": "what the region shows (optional)"},
          "image": {"type": "integer", "description": "0: the problem's (default); zooms are numbered after it, in order"}},
         {"bbox_2d": [0, 0, 100, 100]}, metrics=crop_metrics),
@@ -183,8 +179,7 @@ class Geo3kEnv:
         self.reset()
 
     def reset(self):
-        self.turn, self.answers, self.last_score = 0, [], None
-        self.images = list(self.problem_images)  # images seen so far: problem's, then crops
+        self.turn, self.answers, self.last_score, self.images = 0, [], None, list(self.problem_images)  # images seen
         return {"text": "", "images": []}, {"turn": 0}
 
     def parse(self, text, info):
@@ -280,8 +275,7 @@ def build_env(sample=None, args=None, **_):
         raise ValueError(f"build_env needs args.max_turns (a positive int), got {max_turns!r}")
     record = dict(sample if isinstance(sample, dict) else vars(sample) if sample is not None else {})
     record["answer"] = record.get("label") if record.get("answer") is None else record["answer"]
-    if record.get("images") is None:
-        record["images"] = (record.get("multimodal_inputs") or {}).get("images")
+    record["images"] = record.get("images") or (record.get("multimodal_inputs") or {}).get("images")
     options = {k: getattr(args, k) for k in ("oracle", "rm_type", "min_pixels", "max_payload", "hf_checkpoint")  # any
                if getattr(args, k, None) is not None}
     return Geo3kEnv(record, max_turns, **options, flags=F.declared(F.own_flags(TOOLS), args))
@@ -289,14 +283,10 @@ def build_env(sample=None, args=None, **_):
 
 @functools.cache
 def grounding(hf_checkpoint):
-    """The frame a checkpoint's family writes boxes in, read once a checkpoint (docs/extending.md): None, relative
-    0-1000 (Qwen3-VL, Qwen3.5, Qwen2-VL; no checkpoint), or Qwen2.5-VL's, pixels of the image as its processor
-    resizes it: (h, w) -> (h, w), transformers' smart_resize with the checkpoint's pixel bounds and factor."""
-    family = json.loads((Path(hf_checkpoint) / "config.json").read_text())["model_type"] if hf_checkpoint else None
-    if family != "qwen2_5_vl":
+    """The frame a checkpoint's family writes boxes in, read once a checkpoint: None, relative 0-1000 (Qwen3-VL, Qwen3.5,
+    no checkpoint), or Qwen2.5-VL's: its processor's resize (h, w) -> (h, w). Imported here: ~5 s, for that family only."""
+    if not hf_checkpoint or json.loads((Path(hf_checkpoint) / "config.json").read_text())["model_type"] != "qwen2_5_vl":
         return None
-    from transformers import AutoImageProcessor  # here: with torch and torchvision ~5 s, which only this family needs
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
-    p = AutoImageProcessor.from_pretrained(hf_checkpoint)  # its size: preprocessor_config's min/max pixels or size
-    return functools.partial(smart_resize, factor=p.patch_size * p.merge_size, min_pixels=p.size["shortest_edge"],
-                             max_pixels=p.size["longest_edge"])
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor, smart_resize
+    p = Qwen2VLImageProcessor.from_pretrained(hf_checkpoint)  # its size: preprocessor_config's min/max_pixels or size
+    return lambda h, w: smart_resize(h, w, p.patch_size * p.merge_size, p.size.shortest_edge, p.size.longest_edge)

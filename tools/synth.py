@@ -113,8 +113,7 @@ def synth_records(n, seed=0, kinds=("polygon",), size=128, jitter=0.0):
 
 
 def crop_view(rows):
-    """The crop kind's rows with the env's crop of the box as their only image: what a model that
-    always crops sees (the whole-image vs crop measurement)."""
+    """The crop kind's rows with the env's crop of the box as their only image: what a model that always crops sees."""
     out = []
     for r in rows:
         env = env_geo3k.Geo3kEnv({"answer": r["answer"], "images": [data.decode_image(r["images"][0]["bytes"])]}, 2)
@@ -131,8 +130,7 @@ def warm_start(rows, share, seed=0, hf_checkpoint=None):
     rng, out, args = random.Random(seed), [], argparse.Namespace(max_turns=3, hf_checkpoint=hf_checkpoint)
     for r in rows:
         canvas = data.decode_image(r["images"][0]["bytes"])
-        messages = data.prompt_messages({**r, "images": [canvas]}, multi_turn=True)
-        images = [r["images"][0]]
+        messages, images = data.prompt_messages({**r, "images": [canvas]}, multi_turn=True), [r["images"][0]]
         if rng.random() < share:
             env = env_geo3k.build_env({**r, "images": [canvas]}, args)
             fh, fw = env.resize(canvas.height, canvas.width) if env.resize else (1000, 1000)
