@@ -7,9 +7,8 @@
 
 A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in strict JSON or Qwen3.5's XML form;
 nothing the model writes is evaluated or executed. A tool: a function and its Tool in TOOLS (docs/extending.md).
-From args: max_turns (required), oracle (default True; off in evaluation: calc_score only records), rm_type ("math"),
-min_pixels (zoom area floor, 56*56), max_payload (4096 chars), hf_checkpoint (the model's grounding frame: its
-config.json's model_type, `grounding`; none: relative 0-1000), each tool's own flags (`Tool.flags`: env.flags)."""
+From args: max_turns (required), oracle (default True; off in evaluation), rm_type ("math"), min_pixels (zoom area floor,
+56*56), max_payload (4096 chars), hf_checkpoint (its grounding frame: `grounding`), each tool's flags (env.flags)."""
 import dataclasses
 import functools
 import json
@@ -21,8 +20,7 @@ from pathlib import Path
 import flags as F
 import reward
 
-MIN_SIDE = 56      # crops are upscaled until both sides reach this (Qwen's 28-px merge unit x2)
-MAX_ASPECT = 50    # thinner crops are refused (Qwen's processor refuses above 200:1)
+MIN_SIDE, MAX_ASPECT = 56, 50  # zooms: upscaled to sides >= 56 (Qwen's 28-px merge x2), refused thinner than 1:50
 # json decodes "\frac" as form feed + "rac", "\theta" as tab + "heta"...: put the LaTeX back.
 _LATEX_ESCAPES = {"\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
@@ -56,8 +54,7 @@ def calc_score(env, arguments):
 
 
 def crop(env, arguments):
-    """Zoom into `bbox_2d` of image `image` (default 0) in the model's frame (env.resize): its pixels, enlarged. A crop of
-    image 0 is scored against the row's `box` (the region a task names, in image 0's pixels, never shown to the model)."""
+    """Zoom into `bbox_2d` of image `image` (default 0) in the model's frame (env.resize); image 0's scored (`box`)."""
     i, n = arguments.get("image", 0), len(env.images)
     _need(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n,
           f'"image" must be an integer from 0 to {n - 1} (images seen so far)' if n else "this problem has no image")
@@ -156,8 +153,7 @@ def usage(names, xml=False):
 
 
 def tool_metrics(steps, correct, tools):
-    """A multi-turn rollout's use of the `tools` some row of the run is offered, from each episode's step infos and
-    correctness (None: failed): tool_calls_<tool> (calls that ran, per episode), each one's metrics; single-turn {}."""
+    """tool_calls_<tool> (calls that ran, per episode) of the `tools` some row offers, and their metrics; single-turn {}."""
     if not any(steps):
         return {}
     ran, n = [[i for i in st if i.get("ran")] for st in steps], len(steps)
@@ -268,8 +264,7 @@ class Geo3kEnv:
 
 
 def build_env(sample=None, args=None, **_):
-    """The published recipe's entry point. `sample`: a data row (dict), or a rollout.Sample-like object with
-    label / answer, images or multimodal_inputs, and tools / box."""
+    """The published entry point; `sample`: a row (dict) or a Sample-like object (label, images or multimodal_inputs)."""
     max_turns = getattr(args, "max_turns", None)
     if not isinstance(max_turns, int) or max_turns < 1:
         raise ValueError(f"build_env needs args.max_turns (a positive int), got {max_turns!r}")
@@ -283,10 +278,9 @@ def build_env(sample=None, args=None, **_):
 
 @functools.cache
 def grounding(hf_checkpoint):
-    """The frame a checkpoint's family writes boxes in, read once a checkpoint: None, relative 0-1000 (Qwen3-VL, Qwen3.5,
-    no checkpoint), or Qwen2.5-VL's: its processor's resize (h, w) -> (h, w). Imported here: ~5 s, for that family only."""
+    """Boxes' frame, once a checkpoint: None, relative 0-1000 (Qwen3-VL, Qwen3.5, none), or Qwen2.5-VL's processor resize."""
     if not hf_checkpoint or json.loads((Path(hf_checkpoint) / "config.json").read_text())["model_type"] != "qwen2_5_vl":
         return None
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor, smart_resize
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor, smart_resize  # lazy: 5 s
     p = Qwen2VLImageProcessor.from_pretrained(hf_checkpoint)  # its size: preprocessor_config's min/max_pixels or size
     return lambda h, w: smart_resize(h, w, p.patch_size * p.merge_size, p.size.shortest_edge, p.size.longest_edge)
