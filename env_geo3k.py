@@ -143,12 +143,11 @@ def specs(names):
 
 def usage(names, xml=False):
     """The call format on the first tool's example (Qwen3.5's XML if the model wrote XML), then each tool's usage."""
-    name, example = names[0], TOOLS[names[0]].example
+    name, example, lines = names[0], TOOLS[names[0]].example, "\n".join("- " + TOOLS[n].usage for n in names)
     call = json.dumps({"name": name, "arguments": example})
     if xml:  # as Qwen3.5's template writes it: strings raw, the rest as JSON
         call = f"<function={name}>\n" + "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n"
                                                 "</parameter>\n" for k, v in example.items()) + "</function>"
-    lines = "\n".join("- " + TOOLS[n].usage for n in names)
     return f"Call one tool exactly like this:\n<tool_call>\n{call}\n</tool_call>\nTools:\n{lines}"
 
 
@@ -283,4 +282,5 @@ def grounding(hf_checkpoint):
         return None
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor, smart_resize  # lazy: 5 s
     p = Qwen2VLImageProcessor.from_pretrained(hf_checkpoint)  # its size: preprocessor_config's min/max_pixels or size
-    return lambda h, w: smart_resize(h, w, p.patch_size * p.merge_size, p.size.shortest_edge, p.size.longest_edge)
+    return functools.partial(smart_resize, factor=p.patch_size * p.merge_size, min_pixels=p.size.shortest_edge,
+                             max_pixels=p.size.longest_edge)  # picklable: a --partial-rollout buffer keeps the env

@@ -2,6 +2,7 @@
 episodes encoded as a rollout encodes them, the tool metrics of a rollout, and the blank-crop control.
 The learning check (GRPO learns to crop; the blank control does not): tests/test_learning.py."""
 import json
+import pickle
 import shutil
 import types
 from pathlib import Path
@@ -252,6 +253,7 @@ def test_the_zoom_takes_the_box_each_family_writes_and_scores_it_a_hit(name, tmp
     misses = env_geo3k.grounding.cache_info().misses
     for size, region in FRAMES:
         env = env_geo3k.build_env({"answer": "3", "images": [Image.new("L", size)], "box": region, "tools": [ZOOM]}, args)
+        env = pickle.loads(pickle.dumps(env))  # as a --partial-rollout buffer keeps it
         obs, _, info = env.step(call(ZOOM, {"bbox_2d": model_box(ckpt, size, region), "label": "the region"}))
         assert info["ran"] and info["iou"] >= 0.95, (size, info, obs["text"])
         assert env_geo3k.tool_metrics([[info]], [True], [ZOOM])["crop_hit_frac"] == 1.0
