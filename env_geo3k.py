@@ -7,19 +7,20 @@
 
 A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in strict JSON or Qwen3.5's XML form;
 nothing the model writes is evaluated or executed. A tool: a function and its Tool in TOOLS (docs/extending.md).
-From args: max_turns (required), oracle (default True; off in evaluation: calc_score only records), rm_type ("math"),
-min_pixels (crop area floor, 56*56), max_payload (4096 chars), each tool's own flags (`Tool.flags`: env.flags)."""
+From args: max_turns (required), oracle (default True; off in evaluation), rm_type ("math"), min_pixels (zoom area floor,
+56*56), max_payload (4096 chars), hf_checkpoint (its grounding frame: `grounding`), each tool's flags (env.flags)."""
 import dataclasses
+import functools
 import json
 import math
 import re
 from contextlib import suppress
+from pathlib import Path
 
 import flags as F
 import reward
 
-MIN_SIDE = 56      # crops are upscaled until both sides reach this (Qwen's 28-px merge unit x2)
-MAX_ASPECT = 50    # thinner crops are refused (Qwen's processor refuses above 200:1)
+MIN_SIDE, MAX_ASPECT = 56, 50  # zooms: upscaled to sides >= 56 (Qwen's 28-px merge x2), refused thinner than 1:50
 # json decodes "\frac" as form feed + "rac", "\theta" as tab + "heta"...: put the LaTeX back.
 _LATEX_ESCAPES = {"\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
@@ -48,33 +49,28 @@ def calc_score(env, arguments):
         text, score = f"Answer recorded: {answer}.", None
     else:
         score = env.last_score = reward.score(env.rm_type, f"\\boxed{{{answer}}}", env.record)
-        text = (f"Correct: {answer} is the right answer." if score > 0
-                else f"Incorrect: {answer} is not the right answer.")
+        text = f"Correct: {answer} is the right answer." if score > 0 else f"Incorrect: {answer} is not the right answer."
     return text, [], {"score": score}
 
 
 def crop(env, arguments):
-    """The pixel region `bbox` of image `image` (default 0), enlarged, as a new image."""
-    _need(env.images, "this problem has no image to crop")
+    """Zoom into `bbox_2d` of image `image` (default 0) in the model's frame (env.resize); image 0's scored (`box`)."""
     i, n = arguments.get("image", 0), len(env.images)
     _need(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n,
-          f'"image" must be an integer from 0 to {n - 1} (images seen so far)')
-    image, bbox = env.images[i], arguments["bbox"]
-    w, h = image.size
-    valid = f"integers with 0 <= x1 < x2 <= {w} and 0 <= y1 < y2 <= {h} (image {i} is {w}x{h} px)"
-    _need(isinstance(bbox, list) and len(bbox) == 4 and all(_is_number(v) for v in bbox),
-          f'"bbox" must be a list of 4 numbers [x1, y1, x2, y2]: {valid}')
-    x1, y1, x2, y2 = (round(v) for v in bbox)
-    _need(0 <= x1 < x2 <= w and 0 <= y1 < y2 <= h, f'"bbox" {[x1, y1, x2, y2]} is out of range, inverted or empty: {valid}')
+          f'"image" must be an integer from 0 to {n - 1} (images seen so far)' if n else "this problem has no image")
+    image, bbox = env.images[i], arguments["bbox_2d"]
+    fh, fw = env.resize(image.height, image.width) if env.resize else (1000, 1000)  # the frame's height and width
+    ok = isinstance(bbox, list) and len(bbox) == 4 and all(_is_number(v) for v in bbox)
+    _need(ok and 0 <= bbox[0] < bbox[2] <= fw and 0 <= bbox[1] < bbox[3] <= fh, f'"bbox_2d" must be 4 numbers '
+          f'[x1, y1, x2, y2] with 0 <= x1 < x2 <= {fw} and 0 <= y1 < y2 <= {fh} (image {i} in your grounding frame)')
+    x1, x2 = math.floor(bbox[0] * image.width / fw), math.ceil(bbox[2] * image.width / fw)  # the image's own pixels,
+    y1, y2 = math.floor(bbox[1] * image.height / fh), math.ceil(bbox[3] * image.height / fh)  # rounded outwards
     cw, ch = x2 - x1, y2 - y1
-    _need(max(cw, ch) / min(cw, ch) <= MAX_ASPECT, f'"bbox" {cw}x{ch} px is thinner than 1:{MAX_ASPECT}; take a wider region')
+    _need(max(cw, ch) / min(cw, ch) <= MAX_ASPECT, f'"bbox_2d" {cw}x{ch} px is thinner than 1:{MAX_ASPECT}; widen it')
     k = max(1, math.ceil(MIN_SIDE / min(cw, ch)), math.ceil(math.sqrt(env.min_pixels / (cw * ch))))
-    region = image.convert("RGB").crop((x1, y1, x2, y2))
-    region = region.resize((cw * k, ch * k), resample=0) if k > 1 else region  # NEAREST, k an integer: exact pixels
-    text = (f"Crop of image {i} at [{x1}, {y1}, {x2}, {y2}] ({cw}x{ch} px, shown at "
-            f"{cw * k}x{ch * k}); it is now image {len(env.images)}.")
-    box = env.record.get("box")  # the region a task names (never shown to the model): a crop of image 0 is scored
-    return text, [region], {"iou": iou(bbox, box)} if box is not None and i == 0 else {}
+    region = image.crop((x1, y1, x2, y2)).convert("RGB").resize((cw * k, ch * k), resample=0)  # NEAREST: exact pixels
+    text = f"Zoomed into image {i} at {bbox} ({cw}x{ch} px, shown at {cw * k}x{ch * k}); it is now image {n}."
+    return text, [region], {"iou": iou([x1, y1, x2, y2], env.record["box"])} if env.record.get("box") and i == 0 else {}
 
 
 def iou(a, b):
@@ -90,7 +86,7 @@ def crop_metrics(ran, correct):
     if any(ious):
         m["crop_iou"] = sum(map(sum, ious)) / sum(map(len, ious))
         m["crop_hit_frac"] = sum(max(x, default=0) >= 0.5 for x in ious) / len(ran)
-    cropped = [any(i["tool"] == "crop" for i in st) for st in ran]
+    cropped = [any(ALIASES.get(i["tool"], i["tool"]) == "image_zoom_in_tool" for i in st) for st in ran]
     for key, want in (("accuracy_with_crop", True), ("accuracy_without_crop", False)):
         if part := [r for r, c in zip(correct, cropped) if c == want and r is not None]:
             m[key] = sum(map(bool, part)) / len(part)
@@ -119,26 +115,25 @@ TOOLS = {
         calc_score, 'calc_score {"answer": "<your answer>"}: check an answer (scored or just recorded).',
         "Check a candidate answer to the problem and say whether it is right.",
         {"answer": {"type": "string", "description": "the answer, such as 5\\sqrt{3} or 42"}}, {"answer": "42"}),
-    "crop": Tool(
-        crop, 'crop {"bbox": [x1, y1, x2, y2], "image": 0}: zoom into a pixel region of image i (default 0).',
-        "Zoom into a pixel region of an image seen so far; the region comes back enlarged so that small labels "
-        "can be read, as a new image.",
-        {"bbox": {"type": "array", "items": {"type": "number"}, "minItems": 4, "maxItems": 4,
-                  "description": "[x1, y1, x2, y2] in pixels of that image"},
-         "image": {"type": "integer", "description": "0 is the problem's diagram (the default); "
-                   "crops are numbered after it in the order they were made"}},
-        {"bbox": [0, 0, 100, 100]}, metrics=crop_metrics),
+    "image_zoom_in_tool": Tool(  # DeepEyes' and verl's zoom call, the one Qwen-VL RL work prompts with
+        crop, 'image_zoom_in_tool {"bbox_2d": [x1, y1, x2, y2], "label": "..."}: zoom into a region of an image.',
+        "Zoom into a region of an image seen so far, its box in your grounding coordinates (Qwen3-VL, Qwen3.5: relative "
+        "0-1000; Qwen2.5-VL: pixels of the image as you see it); it comes back enlarged, as a new image.",
+        {"bbox_2d": {"type": "array", "items": {"type": "number"}, "description": "[x1, y1, x2, y2]: corners of the region"},
+         "label": {"type": "string", "description": "what the region shows (optional)"},
+         "image": {"type": "integer", "description": "0: the problem's (default); zooms are numbered after it, in order"}},
+        {"bbox_2d": [0, 0, 100, 100]}, metrics=crop_metrics),
 }
-ALIASES = {"calc_geo3k_reward": "calc_score"}  # old names that still run, not advertised
+ALIASES = {"calc_geo3k_reward": "calc_score", "crop": "image_zoom_in_tool"}  # old names that still run, not advertised
 
 
 def offered(names=None):
     """The names of the tools a row gets: its `tools` (None: TOOLS' default ones), checked (docs/extending.md)."""
     if names is None:
         return [n for n, t in TOOLS.items() if t.default]
-    if isinstance(names, str) or not names or not all(n in TOOLS for n in names):
+    if isinstance(names, str) or not names or not all(ALIASES.get(n, n) in TOOLS for n in names):
         raise ValueError(f"tools {names!r}: a list of tool names from {', '.join(TOOLS)}")
-    return list(names)
+    return [ALIASES.get(n, n) for n in names]
 
 
 def specs(names):
@@ -148,22 +143,20 @@ def specs(names):
 
 def usage(names, xml=False):
     """The call format on the first tool's example (Qwen3.5's XML if the model wrote XML), then each tool's usage."""
-    name, example = names[0], TOOLS[names[0]].example
+    name, example, lines = names[0], TOOLS[names[0]].example, "\n".join("- " + TOOLS[n].usage for n in names)
     call = json.dumps({"name": name, "arguments": example})
     if xml:  # as Qwen3.5's template writes it: strings raw, the rest as JSON
         call = f"<function={name}>\n" + "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n"
                                                 "</parameter>\n" for k, v in example.items()) + "</function>"
-    lines = "\n".join("- " + TOOLS[n].usage for n in names)
     return f"Call one tool exactly like this:\n<tool_call>\n{call}\n</tool_call>\nTools:\n{lines}"
 
 
 def tool_metrics(steps, correct, tools):
-    """A multi-turn rollout's use of the `tools` some row of the run is offered, from each episode's step infos and
-    correctness (None: failed): tool_calls_<tool> (calls that ran, per episode), each one's metrics; single-turn {}."""
+    """tool_calls_<tool> (calls that ran, per episode) of the `tools` some row offers, and their metrics; single-turn {}."""
     if not any(steps):
         return {}
     ran, n = [[i for i in st if i.get("ran")] for st in steps], len(steps)
-    m = {f"tool_calls_{t}": sum(i["tool"] == t for st in ran for i in st) / n for t in tools}
+    m = {f"tool_calls_{t}": sum(ALIASES.get(i["tool"], i["tool"]) == t for st in ran for i in st) / n for t in tools}
     for t in tools:
         m.update(TOOLS[t].metrics(ran, correct) if TOOLS[t].metrics else {})
     return m
@@ -174,15 +167,14 @@ _XML_PARAMETER = re.compile(r"<parameter=([^>\n]*)>\n?(.*?)\n?</parameter>", re.
 
 class Geo3kEnv:
     def __init__(self, record, max_turns, oracle=True, rm_type="math", min_pixels=MIN_SIDE * MIN_SIDE,
-                 max_payload=4096, flags=None):  # record: the row (its answer, images, tools...); options: as above
-        self.record, self.tools, self.flags = record, offered(record.get("tools")), flags or {}
-        self.problem_images, self.rm_type = list(record.get("images") or []), rm_type or "math"
+                 max_payload=4096, flags=None, hf_checkpoint=None):  # record: the row (answer, images, tools...)
+        self.record, self.tools, self.resize = record, offered(record.get("tools")), grounding(hf_checkpoint)
+        self.problem_images, self.rm_type, self.flags = list(record.get("images") or []), rm_type or "math", flags or {}
         self.max_turns, self.oracle, self.min_pixels, self.max_payload = max_turns, oracle, min_pixels, max_payload
         self.reset()
 
     def reset(self):
-        self.turn, self.answers, self.last_score = 0, [], None
-        self.images = list(self.problem_images)  # images seen so far: problem's, then crops
+        self.turn, self.answers, self.last_score, self.images = 0, [], None, list(self.problem_images)  # images seen
         return {"text": "", "images": []}, {"turn": 0}
 
     def parse(self, text, info):
@@ -274,16 +266,24 @@ class Geo3kEnv:
 
 
 def build_env(sample=None, args=None, **_):
-    """The published recipe's entry point. `sample`: a data row (dict), or a rollout.Sample-like object with
-    label / answer, images or multimodal_inputs, and tools / box."""
+    """The published entry point; `sample`: a row (dict) or a Sample-like object (label, images or multimodal_inputs)."""
     max_turns = getattr(args, "max_turns", None)
     if not isinstance(max_turns, int) or max_turns < 1:
         raise ValueError(f"build_env needs args.max_turns (a positive int), got {max_turns!r}")
     record = dict(sample if isinstance(sample, dict) else vars(sample) if sample is not None else {})
-    if record.get("answer") is None:
-        record["answer"] = record.get("label")
-    if record.get("images") is None:
-        record["images"] = (record.get("multimodal_inputs") or {}).get("images")
-    options = {k: getattr(args, k) for k in ("oracle", "rm_type", "min_pixels", "max_payload")  # any, or none
+    record["answer"] = record.get("label") if record.get("answer") is None else record["answer"]
+    record["images"] = record.get("images") or (record.get("multimodal_inputs") or {}).get("images")
+    options = {k: getattr(args, k) for k in ("oracle", "rm_type", "min_pixels", "max_payload", "hf_checkpoint")  # any
                if getattr(args, k, None) is not None}
     return Geo3kEnv(record, max_turns, **options, flags=F.declared(F.own_flags(TOOLS), args))
+
+
+@functools.cache
+def grounding(hf_checkpoint):
+    """Boxes' frame, once a checkpoint: None, relative 0-1000 (Qwen3-VL, Qwen3.5, none), or Qwen2.5-VL's processor resize."""
+    if not hf_checkpoint or json.loads((Path(hf_checkpoint) / "config.json").read_text())["model_type"] != "qwen2_5_vl":
+        return None
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor, smart_resize  # lazy: 5 s
+    p = Qwen2VLImageProcessor.from_pretrained(hf_checkpoint)  # its size: preprocessor_config's min/max_pixels or size
+    return functools.partial(smart_resize, factor=p.patch_size * p.merge_size, min_pixels=p.size.shortest_edge,
+                             max_pixels=p.size.longest_edge)  # picklable: a --partial-rollout buffer keeps the env

@@ -74,9 +74,11 @@ def add_args(p):
 
 
 def settings(args, evaluation=False, **changes):
-    """What a rollout reads: add_args' flags and --prompt-instruction as `args` has them, `oracle` (calc_score checks
-    answers), `shaping` (SHAPING joins the reward), then `changes`. Evaluation: greedy; no oracle, shaping, dynamic sampling."""
-    own = {k: getattr(args, k) for k in [*vars(add_args(argparse.ArgumentParser()).parse_args([])), "prompt_instruction"]}
+    """What a rollout reads: add_args' flags, --prompt-instruction and hf_checkpoint (the env's grounding frame), `oracle`
+    (calc_score checks answers), `shaping` (SHAPING joins), then `changes`. Evaluation's: greedy, no oracle, shaping or
+    dynamic sampling."""
+    own = {k: getattr(args, k) for k in [*vars(add_args(argparse.ArgumentParser()).parse_args([])), "prompt_instruction",
+                                         "hf_checkpoint"]}
     differ = dict(rollout_temperature=0.0, dynamic_sampling=False) if evaluation else {}
     return argparse.Namespace(**{**own, **differ, "oracle": not evaluation, "shaping": not evaluation, **changes})
 

@@ -7,8 +7,8 @@
 #       CPU demo (no GPU, no network): a tiny random Qwen3-VL goes through the whole pipeline on
 #       synthetic polygons: SFT warm-up (the answer format only: chance, 1 in 4) -> GRPO single-turn
 #       (reads the number of sides from the picture, from the reward alone: greedy 0.27-0.30 -> 1.0)
-#       -> SFT on crop-tool episodes (the call's format) -> GRPO multi-turn on the crop task (two
-#       polygons on a 1,024-px canvas, the question names one's box): it learns to call crop (0.43-0.52
+#       -> SFT on zoom-tool episodes (the call's format) -> GRPO multi-turn on the crop task (two
+#       polygons on a 1,024-px canvas, the question names one's box): it learns to zoom (0.43-0.52
 #       -> 0.74-0.87 calls an episode), greedy multi-turn 0.22-0.52 -> 0.58-0.59 (it crops the left box).
 #       36-40 min with one thread on shared cores; the ranges, the misses: bench/RESULTS.md, "CPU demo".
 #       SEED (GRPO), DATA_SEED (data and SFT); RUN=<folder> instead of runs/$NAME. No arguments, no MODE.
@@ -85,8 +85,10 @@ if [[ "$NUM_GPUS" == 0 ]]; then
     $PY tools/synth.py --n 384 --seed $((DATA_SEED + 1)) --out "$RUN/warmup" --kinds sides &&     # other problems, for SFT
     # the crop task: two polygons on a 1,024-px canvas, the question names one's box (bench/RESULTS.md, "Tool learning")
     $PY tools/synth.py --n 512 --n-test 64 --seed $((DATA_SEED + 2)) --out "$RUN/crop" --kinds crop &&
-    $PY tools/synth.py --n 512 --n-test 8 --seed $((DATA_SEED + 3)) --out "$RUN/crop_warm" --kinds crop --warm-start 0.5 &&
-    $PY tools/tiny.py --arch qwen3_vl --out "$RUN/base"                        # random weights, real tokenizer
+    $PY tools/tiny.py --arch qwen3_vl --out "$RUN/base" &&                     # random weights, real tokenizer
+    # SFT episodes zooming in the model's own grounding frame (Qwen3-VL's: relative 0-1000)
+    $PY tools/synth.py --n 512 --n-test 8 --seed $((DATA_SEED + 3)) --out "$RUN/crop_warm" --kinds crop --warm-start 0.5 \
+        --hf-checkpoint "$RUN/base"
   }
   stage data data
   EVAL=(--eval-prompt-data "$RUN/data" --eval-split test --eval-samples 64)
@@ -101,11 +103,11 @@ if [[ "$NUM_GPUS" == 0 ]]; then
   stage grpo $PY train_grpo.py --hf-checkpoint "$RUN/sft/iter_0000024" --save "$RUN/grpo" --load "$RUN/grpo" \
       --prompt-data "$RUN/data" "${EVAL[@]}" "${GRPO[@]}" --rollout-max-response-len 48 --max-tokens-per-gpu 1024 \
       --num-rollout 100 --eval-interval 20 --save-interval 20 --dynamic-sampling   # all-equal groups replaced: bench/RESULTS.md, "CPU demo"
-  # the tool call's format: SFT on crop episodes, half of which crop the named box (tools/synth.py --warm-start)
+  # the tool call's format: SFT on crop-task episodes, half of which zoom into the named box (tools/synth.py --warm-start)
   stage sft_crop $PY sft.py --hf-checkpoint "$RUN/grpo/iter_0000100" --prompt-data "$RUN/crop_warm" --save "$RUN/sft_crop" \
       --load "$RUN/sft_crop" "${SFT[@]}" --lr 3e-4 --lr-warmup-iters 10 --lr-decay-style cosine --global-batch-size 8 \
       --num-epoch 2 --max-tokens-per-gpu 4096
-  # multi-turn GRPO on the crop task, lr warmed up (bench/RESULTS.md, "CPU demo"): it learns to call crop
+  # multi-turn GRPO on the crop task, lr warmed up (bench/RESULTS.md, "CPU demo"): it learns to call image_zoom_in_tool
   stage grpo_mt $PY train_grpo.py --hf-checkpoint "$RUN/sft_crop/iter_0000128" --save "$RUN/grpo_mt" --load "$RUN/grpo_mt" \
       --prompt-data "$RUN/crop" --eval-prompt-data "$RUN/crop" --eval-split test --eval-samples 64 "${GRPO[@]}" \
       --max-turns 3 --rollout-max-response-len 192 --max-tokens-per-gpu 4096 --num-rollout 30 \

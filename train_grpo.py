@@ -227,7 +227,7 @@ def evaluate(engine, processor, records, args, step, run):
             cfg = R.settings(args, True, n_samples_per_prompt=n, max_turns=turns, rollout_temperature=temperature)
             samples = R.generate_group_samples(engine, processor, records, cfg)
             out[key] = sum(any(s.correct for s in samples if s.group == g) for g in range(len(records))) / len(records)
-            if n == 1:  # greedy multi-turn: the tools' use beside it (eval_multi_turn_tool_calls_crop, ..._crop_hit_frac)
+            if n == 1:  # greedy multi-turn: the tools' use beside it (eval_multi_turn_tool_calls_<tool>, ..._crop_hit_frac)
                 out.update({f"{name}_{k}": v for k, v in env_geo3k.tool_metrics(
                     [s.metadata.get("steps", []) for s in samples], [s.correct for s in samples],
                     sorted({t for r in records for t in env_geo3k.offered(r.get("tools"))})).items()})

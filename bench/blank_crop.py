@@ -15,7 +15,7 @@ import env_geo3k  # noqa: E402
 import train_grpo  # noqa: E402
 import console  # noqa: E402
 
-REAL_CROP = env_geo3k.TOOLS["crop"]
+REAL_CROP = env_geo3k.TOOLS["image_zoom_in_tool"]
 
 
 def blank_crop(env, arguments):
@@ -26,11 +26,11 @@ def blank_crop(env, arguments):
 
 def main(argv=None):
     train_grpo.__doc__ = __doc__  # --help: this file's purpose (train_grpo's parser's description), then its flags
-    env_geo3k.TOOLS["crop"] = dataclasses.replace(REAL_CROP, run=blank_crop)  # the env reads TOOLS as it starts
+    env_geo3k.TOOLS["image_zoom_in_tool"] = dataclasses.replace(REAL_CROP, run=blank_crop)  # the env reads TOOLS as it starts
     try:
         return train_grpo.main(argv)
     finally:  # a caller in this process (a test, --help) keeps the real crop
-        env_geo3k.TOOLS["crop"] = REAL_CROP
+        env_geo3k.TOOLS["image_zoom_in_tool"] = REAL_CROP
 
 
 if __name__ == "__main__":

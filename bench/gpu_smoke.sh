@@ -335,9 +335,9 @@ modes = [r['mode'] for r in rows]
 assert 'eval_accuracy' in m and 'eval_pass@4' in m and modes.count('eval_pass@4') == 4 * modes.count('eval_accuracy') == 32, (m, modes)
 print({k: v for k, v in m.items() if k.startswith('eval_')})"
 # multi-turn GRPO on the crop task after run.sh's SFT on crop episodes (half crop the named box): the model calls
-# crop, the env runs it, its observation (a new image) reaches the next turn: tool_calls_crop > 0 every step
+# crop, the env runs it, its observation (a new image) reaches the next turn: tool_calls_image_zoom_in_tool > 0 every step
 check crop_data bash -c "$PY tools/synth.py --n 64 --n-test 8 --out $DIR/crop --kinds crop && \
-$PY tools/synth.py --n 256 --n-test 8 --seed 3 --out $DIR/crop_warm --kinds crop --warm-start 0.5 && echo made"
+$PY tools/synth.py --n 256 --n-test 8 --seed 3 --out $DIR/crop_warm --kinds crop --warm-start 0.5 --hf-checkpoint $DIR/tiny && echo made"
 check sft_crop_format "${TR[@]}" sft.py --hf-checkpoint "$DIR/tiny" --prompt-data "$DIR/crop_warm" --save "$DIR/sft_crop" \
   --decoupled-lr 1e-2 --lr 3e-4 --lr-warmup-iters 10 --global-batch-size 8 --num-epoch 2 --max-tokens-per-gpu 4096
 check grpo_multi_turn_crop bash -c "${TR[*]} train_grpo.py --hf-checkpoint $DIR/sft_crop/\$(cat $DIR/sft_crop/latest) \
@@ -345,8 +345,8 @@ check grpo_multi_turn_crop bash -c "${TR[*]} train_grpo.py --hf-checkpoint $DIR/
   --rollout-max-response-len 192 --max-tokens-per-gpu 4096 --num-rollout 3 --lr 1e-5 --save $DIR/grpo_crop"
 check grpo_multi_turn_crop_calls "$PY" -c "
 import json; rows = [json.loads(x) for x in open('$DIR/grpo_crop/metrics.jsonl') if '\"reward\"' in x]
-assert rows and all(r.get('tool_calls_crop', 0) > 0 and r['failed_frac'] == 0 for r in rows), rows
-print([round(r['tool_calls_crop'], 2) for r in rows])"
+assert rows and all(r.get('tool_calls_image_zoom_in_tool', 0) > 0 and r['failed_frac'] == 0 for r in rows), rows
+print([round(r['tool_calls_image_zoom_in_tool'], 2) for r in rows])"
 if [ "$GPUS" -ge 2 ] && "$PY" -c "import sglang" 2>/dev/null; then
   # SGLang on a GPU of its own (--rollout-num-gpus 1 after the one training GPU): the weights go over an NCCL
   # group (/init_weights_update_group + /update_weights_from_distributed), then the fully async rollout on it

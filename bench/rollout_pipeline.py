@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CROP = '<tool_call>\n{"name": "crop", "arguments": {"bbox": [0, 0, 100, 100]}}\n</tool_call>'
+CROP = '<tool_call>\n{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [0, 0, 100, 100]}}\n</tool_call>'
 
 
 class SimEngine:
@@ -90,10 +90,11 @@ def main():
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.busy)]
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            processor = AutoProcessor.from_pretrained(tiny.make_tiny(Path(tmp) / "tiny", "qwen3_vl"))
+            ckpt = tiny.make_tiny(Path(tmp) / "tiny", "qwen3_vl")
+            processor = AutoProcessor.from_pretrained(ckpt)
             real = data.load_geo3k(str(ROOT / "tests" / "data" / "geo3k_real" / "test.parquet"))
             records = [dict(real[i % len(real)], index=i) for i in range(a.prompts)]
-            args = train_grpo.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x",
+            args = train_grpo.parse_args(["--hf-checkpoint", str(ckpt), "--prompt-data", "x", "--save", "x",
                                           "--max-turns", str(a.turns), "--n-samples-per-prompt", str(a.samples),
                                           "--rollout-batch-size", str(a.prompts), "--rollout-max-response-len", "4096"])
             engine = SimEngine(processor, a)

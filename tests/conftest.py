@@ -147,10 +147,11 @@ def records(tmp_path_factory):
 
 
 def grpo_args(**kw):
-    """train_grpo's own flags and defaults (parse_args: one source of defaults) with any `kw` on top."""
+    """train_grpo's own flags and defaults (parse_args: one source of defaults) with any `kw` on top; no
+    --hf-checkpoint unless given (the env's grounding frame: relative 0-1000, the tiny Qwen3-VL's too)."""
     import train_grpo
     args = train_grpo.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x"])
-    for k, v in kw.items():
+    for k, v in {"hf_checkpoint": None, **kw}.items():
         if not hasattr(args, k):
             raise AttributeError(f"{k} is not a train_grpo flag")
         setattr(args, k, v)

@@ -16,7 +16,7 @@ import engines
 import env_geo3k
 import rollout
 
-CROP_CALL = '<tool_call>\n{"name": "crop", "arguments": {"bbox": [0, 0, 64, 64]}}\n</tool_call>'
+CROP_CALL = '<tool_call>\n{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [0, 0, 500, 500]}}\n</tool_call>'
 ANSWER = "The crop shows the polygon. \\boxed{360}"
 
 

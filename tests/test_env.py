@@ -15,6 +15,7 @@ import env_geo3k
 from fakes import make_env, picture
 
 ANY = object()  # the info field is not checked
+ZOOM = "image_zoom_in_tool"
 FORMAT = '<tool_call>\n{"name": "calc_score", "arguments": {"answer": "42"}}\n</tool_call>'
 
 
@@ -68,13 +69,13 @@ CASES = [
     ("unicode_escapes", '<tool_call>{"name": "calc_score", "arguments": {"answer": "\\u0038\\u0030"}}'
      '</tool_call>', "Correct: 80", dict(OK, score=1.0)),
     ("unicode_text_around", "答案是八十。" + calc("80") + " ✓", "Correct", dict(OK, score=1.0)),
-    ("unicode_tool_name", call("cr\u043ep", {"bbox": [0, 0, 10, 10]}), "unknown tool", bad("unknown tool")),
+    ("unicode_tool_name", call("cr\u043ep", {"bbox_2d": [0, 0, 10, 10]}), "unknown tool", bad("unknown tool")),
     ("code_like_answer", calc("__import__('os').system('rm -rf /')"), "Incorrect",
      dict(OK, score=0.0)),
     ("code_like_name", call("__import__('os').getcwd()", {"answer": "1"}), "unknown tool",
      bad("unknown tool", tool="__import__('os').getcwd()")),
-    ("code_like_bbox", call("crop", {"bbox": "__import__('os').listdir('.')"}), "4 numbers",
-     bad("4 numbers", tool="crop")),
+    ("code_like_bbox", call(ZOOM, {"bbox_2d": "__import__('os').listdir('.')"}), "4 numbers",
+     bad("4 numbers", tool=ZOOM)),
     # no call: the episode ends
     ("no_call_boxed", "The answer is \\boxed{80}.", "", dict(done=True, tool=None, ran=False, n_calls=0)),
     ("empty_response", "", "", dict(done=True, tool=None, ran=False, error=None)),
@@ -83,8 +84,8 @@ CASES = [
     # several calls: the last one runs
     ("two_calls_last_right", calc("30") + calc("80"), "Correct: 80",
      dict(OK, score=1.0, n_calls=2, note="2 tool calls found; executed the last")),
-    ("three_calls_last_crop", calc("1") + calc("2") + call("crop", {"bbox": [0, 0, 100, 100]}),
-     "Crop of image 0", dict(OK, tool="crop", n_calls=3, note="3 tool calls found; executed the last")),
+    ("three_calls_last_zoom", calc("1") + calc("2") + call(ZOOM, {"bbox_2d": [0, 0, 100, 100]}),
+     "Zoomed into image 0", dict(OK, tool=ZOOM, n_calls=3, note="3 tool calls found; executed the last")),
     ("calls_last_malformed", calc("80") + "<tool_call>{'name': 'crop'}</tool_call>", "invalid JSON",
      bad("invalid JSON", n_calls=2)),
     ("calls_last_unclosed", calc("80") + '<tool_call>{"name": "calc_score"', "unclosed",
@@ -103,7 +104,7 @@ CASES = [
     ("empty_call", "<tool_call></tool_call>", "invalid JSON", bad("invalid JSON")),
     ("python_call_syntax", "<tool_call>calc_score(answer='80')</tool_call>", "invalid JSON",
      bad("invalid JSON")),
-    ("nan_constant", '<tool_call>{"name": "crop", "arguments": {"bbox": [NaN, 0, 1, 1]}}</tool_call>',
+    ("nan_constant", '<tool_call>{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [NaN, 0, 1, 1]}}</tool_call>',
      "invalid JSON", bad("invalid JSON")),
     ("json_array", f"<tool_call>[{json.dumps({'name': 'calc_score', 'arguments': {'answer': '80'}})}]"
      "</tool_call>", "must be a JSON object", bad("got list", tool=None)),
@@ -132,35 +133,37 @@ CASES = [
     ("calc_null_answer", calc(None), "non-empty string", bad("non-empty string")),
     ("calc_list_answer", calc(["80"]), "non-empty string", bad("non-empty string")),
     ("calc_bool_answer", calc(True), "non-empty string", bad("non-empty string")),
-    # crop
-    ("crop_ok", call("crop", {"bbox": [10, 20, 110, 70]}),
-     "Crop of image 0 at [10, 20, 110, 70] (100x50 px, shown at 200x100); it is now image 1",
-     dict(OK, tool="crop", score=None, arguments={"bbox": [10, 20, 110, 70]}, n_images=1)),
-    ("crop_whole", call("crop", {"bbox": [0, 0, 200, 100]}), "(200x100 px, shown at 200x100)",
+    # image_zoom_in_tool: the table's env has no checkpoint, so boxes are relative 0-1000 (picture(): 200x100 px)
+    ("zoom_ok", call(ZOOM, {"bbox_2d": [50, 200, 550, 700], "label": "angle C"}),
+     "Zoomed into image 0 at [50, 200, 550, 700] (100x50 px, shown at 200x100); it is now image 1",
+     dict(OK, tool=ZOOM, score=None, arguments={"bbox_2d": [50, 200, 550, 700], "label": "angle C"}, n_images=1)),
+    ("zoom_whole", call(ZOOM, {"bbox_2d": [0, 0, 1000, 1000]}), "(200x100 px, shown at 200x100)",
      dict(OK, n_images=1)),
-    ("crop_small_upscaled", call("crop", {"bbox": [0, 0, 10, 10], "image": 0}), "shown at 60x60",
+    ("zoom_small_upscaled", call(ZOOM, {"bbox_2d": [0, 0, 50, 100], "image": 0}), "(10x10 px, shown at 60x60)",
      dict(OK, n_images=1)),
-    ("crop_floats", call("crop", {"bbox": [9.6, 20.4, 110.0, 70]}), "at [10, 20, 110, 70]", dict(OK)),
-    ("crop_strings", call("crop", {"bbox": ["10", "20", "110", "70"]}), "4 numbers",
-     bad("list of 4 numbers", tool="crop", n_images=0)),
-    ("crop_out_of_range", call("crop", {"bbox": [0, 0, 500, 50]}), "image 0 is 200x100 px",
-     bad("out of range")),
-    ("crop_inverted", call("crop", {"bbox": [110, 20, 10, 70]}), "0 <= x1 < x2 <= 200",
-     bad("out of range")),
-    ("crop_zero_area", call("crop", {"bbox": [10, 10, 10, 50]}), "0 <= y1 < y2 <= 100",
-     bad("empty")),
-    ("crop_negative", call("crop", {"bbox": [-5, 0, 10, 10]}), "out of range", bad("out of range")),
-    ("crop_three_numbers", call("crop", {"bbox": [1, 2, 3]}), "4 numbers", bad("4 numbers")),
-    ("crop_bbox_dict", call("crop", {"bbox": {"x1": 0}}), "4 numbers", bad("4 numbers")),
-    ("crop_bools", call("crop", {"bbox": [True, 0, 10, 10]}), "4 numbers", bad("4 numbers")),
-    ("crop_infinity", '<tool_call>{"name": "crop", "arguments": {"bbox": [0, 0, 1e400, 10]}}</tool_call>',
-     "4 numbers", bad("4 numbers")),
-    ("crop_thin", call("crop", {"bbox": [0, 0, 200, 2]}), "1:50", bad("thinner")),
-    ("crop_bad_image_index", call("crop", {"bbox": [0, 0, 10, 10], "image": 1}), "from 0 to 0",
+    ("zoom_floats_round_outwards", call(ZOOM, {"bbox_2d": [48.2, 201, 550, 695.5]}), "(101x50 px", dict(OK)),
+    ("zoom_old_name", call("crop", {"bbox_2d": [50, 200, 550, 700]}), "Zoomed into image 0",
+     dict(OK, tool="crop", n_images=1)),
+    ("zoom_old_name_old_argument", call("crop", {"bbox": [10, 20, 110, 70]}), "missing argument 'bbox_2d'",
+     bad("missing argument", tool="crop")),
+    ("zoom_strings", call(ZOOM, {"bbox_2d": ["10", "20", "110", "70"]}), "4 numbers",
+     bad("must be 4 numbers", tool=ZOOM, n_images=0)),
+    ("zoom_pixels_out_of_range", call(ZOOM, {"bbox_2d": [0, 0, 1500, 50]}), "0 <= x1 < x2 <= 1000 and 0 <= y1 < y2 <= 1000 (image 0 in your grounding frame)",
+     bad("4 numbers")),
+    ("zoom_inverted", call(ZOOM, {"bbox_2d": [550, 200, 50, 700]}), "0 <= x1 < x2 <= 1000", bad("4 numbers")),
+    ("zoom_zero_area", call(ZOOM, {"bbox_2d": [50, 100, 550, 100]}), "0 <= y1 < y2 <= 1000", bad("4 numbers")),
+    ("zoom_negative", call(ZOOM, {"bbox_2d": [-5, 0, 10, 10]}), "0 <= x1", bad("4 numbers")),
+    ("zoom_three_numbers", call(ZOOM, {"bbox_2d": [1, 2, 3]}), "4 numbers", bad("4 numbers")),
+    ("zoom_bbox_dict", call(ZOOM, {"bbox_2d": {"x1": 0}}), "4 numbers", bad("4 numbers")),
+    ("zoom_bools", call(ZOOM, {"bbox_2d": [True, 0, 10, 10]}), "4 numbers", bad("4 numbers")),
+    ("zoom_infinity", '<tool_call>{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [0, 0, 1e400, 10]}}'
+     '</tool_call>', "4 numbers", bad("4 numbers")),
+    ("zoom_thin", call(ZOOM, {"bbox_2d": [0, 0, 1000, 20]}), "1:50", bad("thinner")),
+    ("zoom_bad_image_index", call(ZOOM, {"bbox_2d": [0, 0, 10, 10], "image": 1}), "from 0 to 0",
      bad('"image" must be')),
-    ("crop_image_as_string", call("crop", {"bbox": [0, 0, 10, 10], "image": "0"}), "from 0 to 0",
+    ("zoom_image_as_string", call(ZOOM, {"bbox_2d": [0, 0, 10, 10], "image": "0"}), "from 0 to 0",
      bad('"image" must be')),
-    ("crop_missing_bbox", call("crop", {"box": [0, 0, 10, 10]}), "missing argument 'bbox'",
+    ("zoom_missing_bbox", call(ZOOM, {"box": [0, 0, 10, 10]}), "missing argument 'bbox_2d'",
      bad("missing argument")),
     # Qwen3.5's XML form: string parameters stay text, others are JSON
     ("xml_calc_right", xml("calc_score", answer="80"), "Correct: 80",
@@ -170,18 +173,19 @@ CASES = [
      dict(OK, score=1.0, arguments={"answer": "\\frac{160}{2}"})),
     ("xml_answer_json_looking", xml("calc_score", answer="[1, 2]"), "Incorrect: [1, 2]",
      dict(OK, arguments={"answer": "[1, 2]"})),
-    ("xml_crop", xml("crop", bbox=[10, 20, 110, 70], image=0), "Crop of image 0 at [10, 20, 110, 70]",
-     dict(OK, tool="crop", arguments={"bbox": [10, 20, 110, 70], "image": 0}, n_images=1)),
+    ("xml_zoom", xml(ZOOM, bbox_2d=[50, 200, 550, 700], label="[1, 2]", image=0), "Zoomed into image 0 at [50, 200,",
+     dict(OK, tool=ZOOM, arguments={"bbox_2d": [50, 200, 550, 700], "label": "[1, 2]", "image": 0}, n_images=1)),
+    ("xml_zoom_old_name", xml("crop", bbox_2d=[50, 200, 550, 700]), "(100x50 px", dict(OK, tool="crop")),
     ("xml_compact", "<tool_call><function=calc_score><parameter=answer>80</parameter></function></tool_call>",
      "Correct", dict(OK, score=1.0)),
     ("xml_text_around", "Let me check.\n" + xml("calc_score", answer="80") + "\n", "Correct", dict(OK)),
     ("xml_after_json", calc("30") + xml("calc_score", answer="80"), "Correct: 80", dict(OK, n_calls=2)),
-    ("xml_bbox_not_json", xml("crop", bbox="0 0 10 10"), "4 numbers", bad("4 numbers", tool="crop")),
-    ("xml_bbox_nan", xml("crop", bbox="[NaN, 0, 1, 1]"), "4 numbers", bad("4 numbers")),
-    ("xml_image_as_text", xml("crop", bbox=[0, 0, 10, 10], image="first"), "from 0 to 0",
+    ("xml_bbox_not_json", xml(ZOOM, bbox_2d="0 0 10 10"), "4 numbers", bad("4 numbers", tool=ZOOM)),
+    ("xml_bbox_nan", xml(ZOOM, bbox_2d="[NaN, 0, 1, 1]"), "4 numbers", bad("4 numbers")),
+    ("xml_image_as_text", xml(ZOOM, bbox_2d=[0, 0, 10, 10], image="first"), "from 0 to 0",
      bad('"image" must be')),
     ("xml_unknown_tool", xml("search", query="x"), "unknown tool 'search'", bad("unknown tool", tool="search")),
-    ("xml_missing_required", xml("crop", image=0), "missing argument 'bbox'", bad("missing argument")),
+    ("xml_missing_required", xml(ZOOM, image=0), "missing argument 'bbox_2d'", bad("missing argument")),
     ("xml_unclosed_function", "<tool_call>\n<function=calc_score>\n<parameter=answer>\n80\n</parameter>\n"
      "</tool_call>", "unclosed <function", bad("unclosed <function", tool=None)),
     ("xml_no_name", "<tool_call><function=><parameter=answer>80</parameter></function></tool_call>",
@@ -235,7 +239,7 @@ def test_step_table(response, text, expect, high_recursion_limit):
     if info["error"]:  # every error shows the exact call format (the one the model used) and the tools
         used_xml = "<function=" in response.rsplit("<tool_call>", 1)[-1]
         assert obs["text"].startswith("Error: ") and (XML_FORMAT if used_xml else FORMAT) in obs["text"]
-        assert "- crop {" in obs["text"] and obs["images"] == [] and info["score"] is None
+        assert "- image_zoom_in_tool {" in obs["text"] and obs["images"] == [] and info["score"] is None
     assert obs["images"] == env.images[1:]  # what a step shows is what it added to the images seen
     assert len(obs["text"]) < 2000  # feedback stays short, whatever the model sent
 
@@ -260,24 +264,26 @@ def test_tool_declarations_make_the_prompt_and_the_offer():
         assert spec["type"] == "function" and params["type"] == "object" and spec["function"]["name"] == name
         assert set(params["required"]) <= set(params["properties"]) and tool.usage.startswith(name + " {")
     everything = env_geo3k.offered()
-    assert [s["function"]["name"] for s in env_geo3k.specs(everything)] == ["calc_score", "crop"]
-    assert env_geo3k.ALIASES == {"calc_geo3k_reward": "calc_score"} and everything == ["calc_score", "crop"]
+    assert [s["function"]["name"] for s in env_geo3k.specs(everything)] == ["calc_score", ZOOM]
+    assert env_geo3k.ALIASES == {"calc_geo3k_reward": "calc_score", "crop": ZOOM} and everything == ["calc_score", ZOOM]
     listed = env_geo3k.usage(everything)
-    assert "- calc_score {" in listed and "- crop {" in listed and "calc_geo3k_reward" not in listed
-    crop_only = env_geo3k.offered(["crop"])
+    assert "- calc_score {" in listed and "- image_zoom_in_tool {" in listed and "calc_geo3k_reward" not in listed
+    assert "crop" not in listed and env_geo3k.offered(["crop"]) == [ZOOM]  # a row of before the rename still runs
+    crop_only = env_geo3k.offered([ZOOM])
     assert "calc_score" not in env_geo3k.usage(crop_only) + env_geo3k.usage(crop_only, xml=True)
-    assert '{"name": "crop", "arguments": {"bbox": [0, 0, 100, 100]}}' in env_geo3k.usage(crop_only)
-    assert "<function=crop>\n<parameter=bbox>\n[0, 0, 100, 100]\n</parameter>" in env_geo3k.usage(crop_only, xml=True)
+    assert '{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [0, 0, 100, 100]}}' in env_geo3k.usage(crop_only)
+    assert ("<function=image_zoom_in_tool>\n<parameter=bbox_2d>\n[0, 0, 100, 100]\n</parameter>"
+            in env_geo3k.usage(crop_only, xml=True))
     assert len(env_geo3k.specs(crop_only)) == 1
-    env = env_geo3k.build_env({"answer": "80", "images": [picture()], "tools": ["crop"]}, SimpleNamespace(max_turns=3))
-    assert "unknown tool 'calc_score'; tools are crop" in env.step(calc("80"))[2]["error"]
+    env = env_geo3k.build_env({"answer": "80", "images": [picture()], "tools": [ZOOM]}, SimpleNamespace(max_turns=3))
+    assert "unknown tool 'calc_score'; tools are image_zoom_in_tool" in env.step(calc("80"))[2]["error"]
 
 
 def test_answers_and_scores_recorded_and_reset():
     env = make_env()
     env.step(calc("30"))
     env.step(calc(80))
-    env.step(call("crop", {"bbox": [0, 0, 50, 50]}))
+    env.step(call(ZOOM, {"bbox_2d": [0, 0, 250, 500]}))
     assert env.answers == ["30", "80"] and env.last_score == 1.0 and len(env.images) == 2
     assert env.step('<tool_call>{"name": "calc_score", "arguments": {"answer": "\\theta"}}'
                     '</tool_call>')[2]["ran"] and env.answers[-1] == "\\theta"
@@ -291,7 +297,7 @@ def test_max_turns_and_last_turn_warning():
     assert not done and "last turn" not in obs["text"]
     obs, done, info = env.step(calc("30"))  # turn 2 of 3: the next answer is the final one
     assert not done and "last turn" in obs["text"] and "\\boxed{" in obs["text"]
-    obs, done, info = env.step(call("crop", {"bbox": [0, 0, 50, 50]}))
+    obs, done, info = env.step(call(ZOOM, {"bbox_2d": [0, 0, 250, 500]}))
     assert done and info["turn"] == 3 and info["ran"] and "last turn" not in obs["text"]
     env = make_env(max_turns=2)
     obs, done, _ = env.step("garbage <tool_call>{,}</tool_call>")
@@ -325,7 +331,7 @@ def test_build_env_args_and_samples():
     assert env.step(calc("80"))[2]["score"] == 1.0
     env.close()
     env = env_geo3k.build_env({"answer": "80", "images": []}, SimpleNamespace(max_turns=2))
-    obs, done, info = env.step(call("crop", {"bbox": [0, 0, 1, 1]}))
+    obs, done, info = env.step(call(ZOOM, {"bbox_2d": [0, 0, 1, 1]}))
     assert "no image" in info["error"] and not done
 
 
@@ -347,22 +353,22 @@ def test_forks_add_a_tool_with_one_declaration(monkeypatch):
 def test_crop_pixels_match_pil():
     image = picture()
     env = make_env()
-    obs, _, _ = env.step(call("crop", {"bbox": [10, 20, 110, 90]}))  # 100x70: no upscale
+    obs, _, _ = env.step(call(ZOOM, {"bbox_2d": [50, 200, 550, 900]}))  # relative 0-1000: 100x70 px, no upscale
     assert np.array_equal(np.asarray(obs["images"][0]), np.asarray(image.crop((10, 20, 110, 90))))
-    obs, _, _ = env.step(call("crop", {"bbox": [5, 7, 19, 17]}))  # 14x10 -> x6 (sides >= 56)
+    obs, _, _ = env.step(call(ZOOM, {"bbox_2d": [25, 70, 95, 170]}))  # 14x10 px -> x6 (sides >= 56)
     out, ref = obs["images"][0], image.crop((5, 7, 19, 17))
     assert out.size == (84, 60) and min(out.size) >= env_geo3k.MIN_SIDE
     assert np.array_equal(np.asarray(out.reduce(6)), np.asarray(ref))  # each pixel a 6x6 block
-    obs, _, _ = env.step(call("crop", {"bbox": [0, 0, 60, 60], "image": 1}))  # crop of a crop
-    assert np.array_equal(np.asarray(obs["images"][0]), np.asarray(image.crop((10, 20, 70, 80))))
+    obs, _, _ = env.step(call(ZOOM, {"bbox_2d": [0, 0, 600, 1000], "image": 1}))  # of a zoom: relative to image 1
+    assert np.array_equal(np.asarray(obs["images"][0]), np.asarray(image.crop((10, 20, 70, 90))))
     env = make_env(min_pixels=64 * 64 * 4)  # area floor from the processor's min pixels
-    out = env.step(call("crop", {"bbox": [0, 0, 100, 60]}))[0]["images"][0]
+    out = env.step(call(ZOOM, {"bbox_2d": [0, 0, 500, 600]}))[0]["images"][0]
     assert out.size == (200, 120) and out.size[0] * out.size[1] >= 64 * 64 * 4
 
 
 def test_format_observation():
     env = make_env()
-    obs, _, _ = env.step(call("crop", {"bbox": [0, 0, 50, 50]}))
+    obs, _, _ = env.step(call(ZOOM, {"bbox_2d": [0, 0, 250, 500]}))
     msg = env.format_observation(obs)
     assert msg == {"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": obs["text"]}]}
     obs, _, _ = env.step(calc("3"))
@@ -385,7 +391,7 @@ def test_episode_renders_through_chat_template(geo3k_real):
     messages = [{"role": "user", "content": [{"type": "image"},
                                              {"type": "text", "text": record["problem"]}]}]
     images = [image]
-    for name, arguments in [("crop", {"bbox": [20, 20, 120, 100]}),
+    for name, arguments in [(ZOOM, {"bbox_2d": [20, 20, 120, 100]}),
                             ("calc_score", {"answer": record["answer"]})]:
         messages.append(assistant(name, arguments))
         generated = processor.apply_chat_template(messages[-1:], tokenize=False)

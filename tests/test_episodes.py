@@ -27,18 +27,18 @@ def test_multi_turn_crop_matches_full_render(processor, records):
     (s,) = fakes.run_episodes(eng, processor, [rec], args)
     assert s.status == "completed" and s.turns == 2 and s.tool_calls == 1, s.fail_reason
     assert len(s.images) == 2 and s.images[1].size == (64, 64)
-    assert s.metadata["steps"][0]["tool"] == "crop" and s.metadata["steps"][0]["ran"]
+    assert s.metadata["steps"][0]["tool"] == "image_zoom_in_tool" and s.metadata["steps"][0]["ran"]
     turn2_ids, turn2_images = eng.seen[1]
     assert turn2_ids == s.tokens[:len(turn2_ids)] and turn2_images == s.images
     observation = s.metadata["steps"][0]["observation"]
-    assert observation.startswith("Crop of image 0 at [0, 0, 64, 64]")
+    assert observation.startswith("Zoomed into image 0 at [0, 0, 500, 500] (64x64 px")
     messages = data.prompt_messages(rec, multi_turn=True) + [
         {"role": "assistant", "content": CROP_CALL},
         {"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": observation}]},
         {"role": "assistant", "content": ANSWER}]
     # tools/tiny.py's template renders tools=, so the specs go there, in its format, not in the system text
     text = processor.apply_chat_template(messages, tools=env_geo3k.specs(env_geo3k.offered()), tokenize=False)
-    assert '"name": "crop"' in text and "<tools>" in text
+    assert '"name": "image_zoom_in_tool"' in text and "<tools>" in text
     full = processor(text=[text.removesuffix("\n")], images=s.images)["input_ids"][0]
     assert s.tokens == list(full)
     model_tokens = [t for t, m in zip(s.response_ids, s.loss_mask) if m]

@@ -242,7 +242,7 @@ def test_policy_loss_aggregation_tis_and_estimators_by_hand(agg, tis, est, budge
     assert stats["clipfrac"] == pytest.approx(clipfrac, abs=1e-6)
 
 
-def test_each_entrys_own_flags_reach_it(monkeypatch):
+def test_each_entrys_own_flags_reach_it(monkeypatch, ckpt):
     """A registry entry declares its flags with it; the parser takes them and the plumbing hands them over: a loss's
     to its policy through policy_loss (its statistic reported by its name), a reward term's in the rollout's settings,
     a tool's in env.flags; SAPO's temperatures, by hand through policy_loss."""
@@ -266,7 +266,7 @@ def test_each_entrys_own_flags_reach_it(monkeypatch):
                                                               {"--spy-bonus": dict(type=float, default=0.0)}))
     monkeypatch.setitem(env_geo3k.TOOLS, "spy", env_geo3k.Tool(spy_tool, "spy", "spy", {"n": {"type": "integer"}},
                                                                {"n": 1}, flags={"--spy-size": dict(type=int)}))
-    base = ["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--max-turns", "2"]
+    base = ["--hf-checkpoint", str(ckpt), "--prompt-data", "x", "--save", "x", "--max-turns", "2"]  # the env reads it
     args = G.parse_args(base + ["--policy-loss", "spy", "--spy-x", "3.5", "--spy-bonus", "0.25",
                                 "--spy-size", "7"])
     parallel.init_distributed(1)
@@ -506,7 +506,7 @@ def test_a_colocated_server_starts_once_every_rank_has_parked(monkeypatch):
                         None, None, None, "x", "x")
         assert events == ["park", "barrier", "server"][:3 - rank], (rank, events)
 
-def test_each_rank_builds_todays_items_from_only_its_share(processor, records):
+def test_each_rank_builds_todays_items_from_only_its_share(processor, records, ckpt):
     """What a DP rank receives (split_batch's share, pickled as the scatter sends it) builds exactly
     the items it trained on when rank 0 broadcast every item: ids, masks, logprobs, advantages, pixel
     values and grids, in order, for each update; it holds no other rank's sample and a group's images
@@ -515,7 +515,7 @@ def test_each_rank_builds_todays_items_from_only_its_share(processor, records):
     import random
     import types
     from fakes import ANSWER, CROP_CALL, ScriptedEngine
-    args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--max-turns", "3",
+    args = G.parse_args(["--hf-checkpoint", str(ckpt), "--prompt-data", "x", "--save", "x", "--max-turns", "3",
                          "--n-samples-per-prompt", "4", "--global-batch-size", "6", "--rollout-max-response-len", "400"])
     good = fakes.run_episodes(ScriptedEngine(processor, [CROP_CALL, ANSWER]), processor, records[:3], G.R.settings(args))
     assert all(len(s.images) == 2 and s.tool_calls == 1 for s in good)  # the prompt's image and a crop

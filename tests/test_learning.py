@@ -186,9 +186,9 @@ def test_grpo_learns_to_call_crop_and_the_blank_crop_control_does_not(warm, tmp_
         return [round(mean(xs[i:i + 10]), 2) for i in range(0, len(xs), 10)]
     (real, blank) = (metrics(r) for r in runs)
     for name, rows in (("real", real), ("blank", blank)):
-        print(f"{name}: crop calls/episode", per10(rows, "tool_calls_crop"), "reward", per10(rows, "reward"),
+        print(f"{name}: crop calls/episode", per10(rows, "tool_calls_image_zoom_in_tool"), "reward", per10(rows, "reward"),
               "greedy multi-turn", [m["eval_multi_turn_accuracy"] for m in rows if "eval_multi_turn_accuracy" in m])
-    calls, ctrl_calls = per10(real, "tool_calls_crop"), per10(blank, "tool_calls_crop")
+    calls, ctrl_calls = per10(real, "tool_calls_image_zoom_in_tool"), per10(blank, "tool_calls_image_zoom_in_tool")
     reward, ctrl_reward = per10(real, "reward"), per10(blank, "reward")
     greedy, ctrl_greedy = ([m["eval_multi_turn_accuracy"] for m in rows if "eval_multi_turn_accuracy" in m]
                            for rows in (real, blank))
@@ -264,7 +264,7 @@ def demo_claims(run):
         before, after = ev[title]["eval_accuracy"]
         assert before is None or after >= before - 1 / 64, (title, before, after)
     assert ev["GRPO single-turn"]["eval_accuracy"][1] >= 0.8, ev
-    calls = [c for _, c in curves[-1][2]["tool_calls_crop"]]
+    calls = [c for _, c in curves[-1][2]["tool_calls_image_zoom_in_tool"]]
     calls = mean(calls[:10]), mean(calls[-10:])
     assert calls[1] >= 0.7 and calls[1] - calls[0] >= 0.25, calls
     crop = ev["GRPO crop task"]

@@ -45,7 +45,6 @@ if not ((HARNESS / "env.sh").exists() and PY.exists()):
 # The launch flags that work on CPU (../shared/sglang_cpu/README.md).
 FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--skip-server-warmup",
          "--mem-fraction-static", "0.5", "--disable-radix-cache", "--max-total-tokens", "8192", "--dtype", "float32"]
-CROP_CALL = '<tool_call>\n{"name": "crop", "arguments": {"bbox": [0, 0, 64, 64]}}\n</tool_call>'
 GREEDY = dict(temperature=0.0, max_new_tokens=8)
 
 
@@ -92,7 +91,7 @@ class CropFirst(engines.Engine):
 
     def __init__(self, inner, processor):
         tok = processor.tokenizer
-        self.inner, self.call = inner, tok.encode(CROP_CALL) + [tok.convert_tokens_to_ids("<|im_end|>")]
+        self.inner, self.call = inner, tok.encode(fakes.CROP_CALL) + [tok.convert_tokens_to_ids("<|im_end|>")]
 
     def generate(self, batch, sampling):
         outs, rest = [None] * len(batch), []

@@ -101,9 +101,10 @@ def test_special_token_ids_come_from_the_tokenizer(name):
 
 # ---------------------------------------------------------------------------------- multi-turn episodes
 CROP_JSON = CROP_CALL
-CROP_XML = "<tool_call>\n<function=crop>\n<parameter=bbox>\n[0, 0, 64, 64]\n</parameter>\n</function>\n</tool_call>"
+CROP_XML = ("<tool_call>\n<function=image_zoom_in_tool>\n<parameter=bbox_2d>\n[0, 0, 500, 500]\n</parameter>\n"
+            "</function>\n</tool_call>")
 THOUGHT_1, THOUGHT_2 = "The labels are small, so I zoom in.", "The crop settles it."
-CROP = {"type": "function", "function": {"name": "crop", "arguments": {"bbox": [0, 0, 64, 64]}}}
+CROP = {"type": "function", "function": {"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [0, 0, 500, 500]}}}
 # name -> (model turns as the engine writes them after the generation prompt, the same turns as a
 # chat-API user writes them (structured tool calls, reasoning_content), tools rendered natively?)
 EPISODES = {
@@ -130,7 +131,7 @@ def test_multi_turn_tokens_equal_the_full_render(name, records):
     args = rollout_args(max_turns=3, n_samples_per_prompt=1, rollout_max_response_len=2000)
     (s,) = fakes.run_episodes(eng, proc, [rec], args)
     assert s.status == "completed" and s.fail_reason is None, s.fail_reason
-    assert s.turns == 2 and s.tool_calls == 1 and s.metadata["steps"][0]["tool"] == "crop"
+    assert s.turns == 2 and s.tool_calls == 1 and s.metadata["steps"][0]["tool"] == "image_zoom_in_tool"
     assert len(s.images) == 2 and eng.seen[1][0] == s.tokens[:len(eng.seen[1][0])]
     observation = s.metadata["steps"][0]["observation"]
     everything = env_geo3k.offered()
@@ -184,7 +185,7 @@ def test_sft_of_an_episode_is_the_rollout_of_it(name, records):
     env's tool turn with its image, the answer) gives the tokens and loss mask of a rollout whose model
     writes the SFT targets, and each target is the row's text (Qwen3.5-35B's after closing its open <think>)."""
     import sft
-    proc, crop_only = real_processor(name), dict(records[0], tools=["crop"])
+    proc, crop_only = real_processor(name), dict(records[0], tools=["image_zoom_in_tool"])
     messages, _, _ = chat.prompt(proc, crop_only, multi_turn=True)
     call = CROP_XML if name.startswith("Qwen3.5") else CROP_JSON
     env = env_geo3k.build_env(crop_only, rollout_args(max_turns=3))
@@ -206,7 +207,8 @@ def test_sft_of_an_episode_is_the_rollout_of_it(name, records):
 
 
 # ---------------------------------------------------------------------------------- tool calls round trip
-CALLS = [("crop", {"bbox": [10, 20, 110, 70], "image": 0}), ("crop", {"bbox": [0, 0, 50, 50]}),
+CALLS = [("image_zoom_in_tool", {"bbox_2d": [10, 20, 510, 700], "label": "angle B", "image": 0}),
+         ("image_zoom_in_tool", {"bbox_2d": [0, 0, 500, 500]}),
          ("calc_score", {"answer": "80"}), ("calc_score", {"answer": "5\\sqrt{3}"}),
          ("calc_score", {"answer": "\\frac{27}{2}"})]
 

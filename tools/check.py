@@ -24,7 +24,6 @@ import model as M  # noqa: E402
 import parallel  # noqa: E402
 import pipeline  # noqa: E402
 
-
 BF16_TOL = 0.02  # --bf16: measured 0.0067 / 0.0073 on the tiny qwen3_vl / qwen3_5 (CPU, TP1, CP2; logit std 0.16)
 
 

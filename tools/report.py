@@ -11,19 +11,19 @@ from statistics import fmean
 from matplotlib.figure import Figure
 
 CROP = {"eval_multi_turn_accuracy": "multi-turn accuracy", "eval_multi_turn_crop_hit_frac": "crop hits the named box",
-        "eval_multi_turn_tool_calls_crop": "crop calls / episode"}
+        "eval_multi_turn_tool_calls_image_zoom_in_tool": "crop calls / episode"}
 EVALS = {"sides": {"eval_accuracy": "accuracy"}, "crop": CROP,  # greedy, on each stage's own test set
          "crop+": {**CROP, "eval_accuracy": "single-turn, without the tool"}, "run": {"eval_accuracy": "single-turn accuracy", **CROP}}
 STAGES = [("sft", "SFT", "sides"), ("grpo", "GRPO single-turn", "sides"), ("sft_crop", "SFT crop calls", "crop"),
           ("grpo_mt", "GRPO crop task", "crop+")]
-TOOL_CURVES = {"tool_calls_crop": "crop calls / episode", "crop_hit_frac": "share whose crop hit the box"}
+TOOL_CURVES = {"tool_calls_image_zoom_in_tool": "crop calls / episode", "crop_hit_frac": "share whose crop hit the box"}
 
 
 def read(path):
     """metrics.jsonl's rows; where crop calls were counted without a hit share, none hit (0.0)."""
     rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-    for r, k in [(r, k) for r in rows for k in r if k.endswith("tool_calls_crop")]:
-        r.setdefault(k.replace("tool_calls_crop", "crop_hit_frac"), 0.0)
+    for r, k in [(r, k) for r in rows for k in r if k.endswith("tool_calls_image_zoom_in_tool")]:
+        r.setdefault(k.replace("tool_calls_image_zoom_in_tool", "crop_hit_frac"), 0.0)
     return rows
 
 

@@ -4,7 +4,7 @@ the tests and the benches train on. Not part of a training job on real data.
     python tools/synth.py --n 512 --out data/synth            # train.parquet + test.parquet
     python tools/synth.py --n 1024 --kinds sides --out data/sides --seed 1
     python tools/synth.py --n 1024 --kinds crop --out data/crop          # the polygon in a box of a big canvas
-    python tools/synth.py --n 512 --kinds crop --out data/crop_warm --warm-start 0.3   # SFT episodes, 30% cropping
+    python tools/synth.py --n 512 --kinds crop --out data/crop_warm --warm-start 0.3   # SFT episodes, 30% zooming
 """
 import argparse
 import io
@@ -89,7 +89,7 @@ def _boxed(rng, size, jitter, canvas=8):
         img.paste(pic, (x, y))
         answers.append(n)
     box = [spots[0][0], spots[0][1], spots[0][0] + size, spots[0][1] + size]
-    return f"How many sides does the polygon in the box {box} have?", answers[0], img, {"box": box, "tools": ["crop"]}
+    return f"How many sides does the polygon in the box {box} have?", answers[0], img, {"box": box, "tools": ["image_zoom_in_tool"]}
 
 
 KINDS = {"sides": lambda rng, size, jitter: _polygon(rng, size, jitter, SIDES_QUESTIONS),
@@ -106,8 +106,7 @@ def _png(img):
 def synth_records(n, seed=0, kinds=("polygon",), size=128, jitter=0.0):
     """n records in the geo3k schema (crop: with the `box` and the `tools` offered); `jitter` in [0, 1]
     varies pose and colour (the difficulty dial)."""
-    rng = random.Random(seed)
-    out = []
+    rng, out = random.Random(seed), []
     for _ in range(n):
         question, answer, img, *extra = KINDS[rng.choice(list(kinds))](rng, size, jitter)
         out.append({"images": [_png(img)], "problem": "<image>" + question, "answer": answer, **(extra or [{}])[0]})
@@ -115,28 +114,29 @@ def synth_records(n, seed=0, kinds=("polygon",), size=128, jitter=0.0):
 
 
 def crop_view(rows):
-    """The crop kind's rows with the env's crop of the box as their only image: what a model that
-    always crops sees (the whole-image vs crop measurement)."""
+    """The crop kind's rows with the env's crop of the box as their only image: what a model that always crops sees."""
     out = []
     for r in rows:
         env = env_geo3k.Geo3kEnv({"answer": r["answer"], "images": [data.decode_image(r["images"][0]["bytes"])]}, 2)
-        _, images, _ = env_geo3k.crop(env, {"bbox": r["box"]})
+        env.resize = lambda h, w: (h, w)  # the frame: the image's own pixels, the box's
+        _, images, _ = env_geo3k.crop(env, {"bbox_2d": r["box"]})
         out.append(dict(r, images=[_png(images[0])]))
     return out
 
 
-def warm_start(rows, share, seed=0):
-    """SFT episodes (slime's `messages` form) of the crop kind's rows: a `share` of them call crop on the
-    named box and answer after seeing it, the rest answer at once; tool turns are the env's own at --max-turns 3
-    (its text, its crop in `images`, after the canvas). SFT then teaches the call's format, not a policy."""
-    rng, out = random.Random(seed), []
+def warm_start(rows, share, seed=0, hf_checkpoint=None):
+    """SFT episodes (slime's `messages` form) of the crop kind's rows: a `share` of them zoom into the named box (in
+    `hf_checkpoint`'s grounding frame) and answer after seeing it, the rest at once; tool turns are the env's own at
+    --max-turns 3 (its text, its crop in `images`, after the canvas). SFT then teaches the call's format, not a policy."""
+    rng, out, args = random.Random(seed), [], argparse.Namespace(max_turns=3, hf_checkpoint=hf_checkpoint)
     for r in rows:
         canvas = data.decode_image(r["images"][0]["bytes"])
-        messages = data.prompt_messages({**r, "images": [canvas]}, multi_turn=True)
-        images = [r["images"][0]]
+        messages, images = data.prompt_messages({**r, "images": [canvas]}, multi_turn=True), [r["images"][0]]
         if rng.random() < share:
-            call = '<tool_call>\n' + json.dumps({"name": "crop", "arguments": {"bbox": r["box"]}}) + '\n</tool_call>'
-            env = env_geo3k.build_env({**r, "images": [canvas]}, argparse.Namespace(max_turns=3))
+            env = env_geo3k.build_env({**r, "images": [canvas]}, args)
+            fh, fw = env.resize(canvas.height, canvas.width) if env.resize else (1000, 1000)
+            bbox = [round(v * f / s) for v, f, s in zip(r["box"], (fw, fh) * 2, canvas.size * 2)]
+            call = '<tool_call>\n' + json.dumps({"name": "image_zoom_in_tool", "arguments": {"bbox_2d": bbox}}) + '\n</tool_call>'
             obs, _, info = env.step(call)
             assert info["ran"], info
             messages += [{"role": "assistant", "content": call}, env.format_observation(obs)]
@@ -146,14 +146,14 @@ def warm_start(rows, share, seed=0):
     return out
 
 
-def write_synth(out, n, n_test=64, seed=0, kinds=("polygon",), size=128, jitter=0.0, view=None, warm=None):
-    """view "crop": crop_view's rows; warm (a share): warm_start's episodes; synth.json: a uniform guess's accuracy."""
+def write_synth(out, n, n_test=64, seed=0, kinds=("polygon",), size=128, jitter=0.0, view=None, warm=None, hf=None):
+    """view "crop": crop_view's rows; warm: warm_start's, calls in `hf`'s frame; synth.json: a guess's accuracy."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "synth.json").write_text(json.dumps({"kinds": list(kinds), "chance": sum(1 / CHOICES[k] for k in kinds) / len(kinds)}))
     for split, count, s in (("train", n, seed), ("test", n_test, seed + 1_000_003)):
         rows = synth_records(count, s, kinds, size, jitter)
-        rows = crop_view(rows) if view == "crop" else warm_start(rows, warm, s) if warm is not None else rows
+        rows = crop_view(rows) if view == "crop" else warm_start(rows, warm, s, hf) if warm is not None else rows
         pq.write_table(pa.Table.from_pylist(rows), out / f"{split}.parquet")
     return out
 
@@ -169,7 +169,8 @@ def main(argv=None):
     p.add_argument("--jitter", type=float, default=0.0, help="0..1: random pose and colour (harder)")
     p.add_argument("--crop-view", action="store_true", help="crop: each image is the crop of its box")
     p.add_argument("--warm-start", type=flags.fraction, default=None, metavar="SHARE",
-                   help="crop: SFT episodes (`messages`), SHARE of them calling crop")
+                   help="crop: SFT episodes (`messages`), SHARE of them calling image_zoom_in_tool")
+    p.add_argument("--hf-checkpoint", help="--warm-start: calls in its model's grounding frame (default relative 0-1000)")
     a = p.parse_args(argv)
     kinds = tuple(k.strip() for k in a.kinds.split(","))
     unknown = [k for k in kinds if k not in KINDS]
@@ -178,7 +179,7 @@ def main(argv=None):
     if (a.crop_view or a.warm_start is not None) and kinds != ("crop",):
         p.error(f"--crop-view and --warm-start need --kinds crop (got --kinds {a.kinds})")
     out = write_synth(a.out, a.n, a.n_test, a.seed, kinds, a.size, a.jitter, "crop" if a.crop_view else None,
-                      a.warm_start)
+                      a.warm_start, a.hf_checkpoint)
     print(f"wrote {a.n} train and {a.n_test} test problems to {out}")
 
 
