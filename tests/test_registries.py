@@ -35,7 +35,9 @@ def parsed(tmp_path, *argv):
     picture().save(tmp_path / "p.png")
     row = {"question": "<image>How many triangles?", "label": "3", "image": "p.png", "tools": list(env_geo3k.TOOLS)}
     (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
-    args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", str(tmp_path / "rows.jsonl"), "--save", "x",
+    (tmp_path / "ckpt").mkdir(exist_ok=True)  # the env reads the family's grounding frame from it (0-1000)
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({"model_type": "qwen3_vl"}))
+    args = G.parse_args(["--hf-checkpoint", str(tmp_path / "ckpt"), "--prompt-data", str(tmp_path / "rows.jsonl"), "--save", "x",
                          "--input-key", "question", "--label-key", "label", "--max-turns", "2", *argv])
     return args, T.load_data(args, verbose=False)[0]
 
