@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
