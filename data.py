@@ -24,7 +24,7 @@ MAX_PIXELS = 1 << 20  # decoded images above this are downscaled (the processor 
 URL_MAX_BYTES, URL_TIMEOUT = 32 << 20, 20  # with allow_urls: one image's body, seconds per read
 
 # --prompt-instruction's default (geo3k's); multi-turn's system prompt: the episode alone, no task, no tool (chat.prompt)
-INSTRUCTION = flags.INSTRUCTION  # --prompt-instruction's default, declared with the flag
+INSTRUCTION = flags.INSTRUCTION
 MULTI_TURN_SYSTEM = "You may call a tool, then stop and wait for its result. When you are done, reply without a tool call."
 
 
@@ -234,8 +234,6 @@ def prompt_messages(record, multi_turn=False, tool_list=None, instruction=INSTRU
 
 def sft_target(answer):
     return f"Answer: \\boxed{{{answer}}}"
-
-
 
 
 def main(argv=None):

@@ -102,10 +102,11 @@ def new_episode(processor, rec, args, prompt):
     """`prompt` = (messages, tools, prompt ids): made once per record and shared by its group."""
     messages, tools, ids = prompt
     s = Sample(prompt_ids=list(ids), images=list(rec["images"]), label=str(rec["answer"]), index=rec.get("index", 0),
-               metadata={"steps": []}, tools=env_geo3k.offered(rec.get("tools")) if args.max_turns > 1 else [])
+               metadata={"steps": []})
     if args.max_turns == 1:
         return Episode(s)
     env, messages = env_geo3k.build_env(rec, args), list(messages)  # each episode appends its own turns
+    s.tools = env.tools  # the row's tools as its env offers them (checked, aliases named), for rewards to read
     return Episode(s, env, {"messages": messages, "tools": tools, "opener": chat.assistant_opener(processor, messages, tools)})
 
 
