@@ -5,15 +5,17 @@ and failed samples (logprobs against the model: tests/test_rollout.py; groups an
     .venv/bin/pytest tests/test_episodes.py -q
 """
 import dataclasses
+import itertools
 
 import pytest
 
 import data
 import env_geo3k
 import reward
+import rollout
 import chat
 import train_grpo
-from conftest import rollout_args
+from conftest import grpo_args, rollout_args
 from fakes import ANSWER, CROP_CALL, ScriptedEngine
 import fakes
 
@@ -120,7 +122,8 @@ def test_truncation_and_failures(processor, records):
 
 
 def test_the_prompt_instruction_is_the_runs(processor, records):
-    """--prompt-instruction ends the user turn of every prompt, a rollout's single- and multi-turn (GRPO) and SFT's
+    """--prompt-instruction ends the user turn of every prompt, a rollout's single- and multi-turn, training's and
+    evaluation's (GRPO), and SFT's
     encode; "" gives none; the multi-turn system prompt names no task (a fork's counting task is told nothing of
     geometry). data.py show: tests/test_data.py."""
     import sft
@@ -128,9 +131,10 @@ def test_the_prompt_instruction_is_the_runs(processor, records):
     for instruction in ("Count the sides.", ""):
         args = sft.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--prompt-instruction", instruction])
         ids = [list(sft.encode(processor, records[0], args.prompt_instruction).ids)]
-        for turns in (1, 2):
+        for turns, evaluation in itertools.product((1, 2), (False, True)):  # training's rollouts and evaluation's
             eng = ScriptedEngine(processor, ["\\boxed{3}"])
-            cfg = rollout_args(max_turns=turns, n_samples_per_prompt=1, prompt_instruction=instruction)
+            cfg = rollout.settings(grpo_args(max_turns=turns, n_samples_per_prompt=1, rollout_max_response_len=10,
+                                             rollout_batch_size=None, prompt_instruction=instruction), evaluation)
             ids.append(fakes.run_episodes(eng, processor, records[:1], cfg)[0].prompt_ids)
         for prompt in map(processor.tokenizer.decode, ids):
             user = prompt.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
