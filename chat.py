@@ -5,8 +5,8 @@ trained conversation is token for token what a rollout of it would be."""
 import os
 
 import data
-import env_geo3k
 import model
+import task
 
 IM_END, ENDOFTEXT = "<|im_end|>", "<|endoftext|>"
 VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
@@ -25,11 +25,13 @@ def render(processor, messages, tools=None, add_generation_prompt=False):
     return processor.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False)
 
 
-def template_tools(processor, record):
-    """The record's tools (env_geo3k.offered) as the template's `tools=` specs, or None where it renders none."""
+def template_tools(processor, record, env):
+    """The tools the env module offers the record (task.tools) as the template's `tools=` specs, or None where it
+    renders none (or none are offered)."""
+    names = task.tools(env, record)
+    specs = env.specs(names) if names else None
     probe = [{"role": "user", "content": "?"}]
-    renders = render(processor, probe, env_geo3k.specs(list(env_geo3k.TOOLS))) != render(processor, probe)
-    return env_geo3k.specs(env_geo3k.offered(record.get("tools"))) if renders else None
+    return specs if specs and render(processor, probe, specs) != render(processor, probe) else None
 
 
 def encode_prompt(processor, messages, images, tools=None):
@@ -37,12 +39,14 @@ def encode_prompt(processor, messages, images, tools=None):
     return list(processor(text=[text], images=list(images) or None)["input_ids"][0])
 
 
-def prompt(processor, record, multi_turn=False, instruction=data.INSTRUCTION):
+def prompt(processor, record, env=None, instruction=data.INSTRUCTION):
     """-> (messages, tools, token ids) of a record's prompt as a rollout encodes it (the processor checks its images);
-    multi-turn, its tools as the template's `tools=` or as usage lines in the system prompt (docs/rollout.md)."""
-    tools = template_tools(processor, record) if multi_turn else None
-    usage = env_geo3k.usage(env_geo3k.offered(record.get("tools"))) if multi_turn and tools is None else None
-    messages = data.prompt_messages(record, multi_turn, usage, instruction)
+    multi-turn (`env`: the env module), the tools it offers the row as the template's `tools=` or as usage lines in the
+    system prompt (docs/rollout.md); a row offered none has no system prompt."""
+    names = task.tools(env, record) if env is not None else []
+    tools = template_tools(processor, record, env) if names else None
+    usage = task.usage(env, names) if names and tools is None else None
+    messages = data.prompt_messages(record, bool(names), usage, instruction)
     return messages, tools, encode_prompt(processor, messages, list(record["images"]), tools)
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from PIL import Image
 
-import env_geo3k
 import flags
+import task
 
 MAX_PIXELS = 1 << 20  # decoded images above this are downscaled (the processor resizes again)
 URL_MAX_BYTES, URL_TIMEOUT = 32 << 20, 20  # with allow_urls: one image's body, seconds per read
@@ -144,9 +144,9 @@ def _record(row, base_dir, input_key, label_key, image_key, max_pixels, allow_ur
     answer = "" if answer is None else str(answer).strip()
     if not answer:
         raise ValueError(f"empty {label_key!r}")
-    raw = row.get(image_key)
+    raw = row.get(image_key) if image_key else None  # image_key None: a text-only task (load_geo3k)
     raw = [] if raw is None else raw if isinstance(raw, list) else [raw]
-    if not raw:
+    if not raw and image_key:
         raise ValueError("no image")
     images = []
     for j, value in enumerate(raw):
@@ -154,7 +154,7 @@ def _record(row, base_dir, input_key, label_key, image_key, max_pixels, allow_ur
             images.append(decode_image(value, base_dir, max_pixels, allow_urls, allow_outside))
         except Exception as e:  # noqa: BLE001 - PIL raises many types for corrupt bytes
             raise ValueError(f"image {j}: {e}") from None
-    box, (w, h) = row.get("box"), images[0].size  # a crop task's region of image 0 (env_geo3k.crop's IoU)
+    box, (w, h) = row.get("box"), images[0].size if images else (0, 0)  # a crop task's region of image 0 (its IoU)
     numbers = isinstance(box, list) and len(box) == 4 and all(type(v) in (int, float) for v in box)
     if box is not None and not (numbers and 0 <= box[0] < box[2] <= w and 0 <= box[1] < box[3] <= h):
         raise ValueError(f"box {str(box)[:80]}: not [x1, y1, x2, y2] inside image 0 ({w}x{h} px), x1 < x2, y1 < y2")
@@ -173,8 +173,12 @@ def load_geo3k(source, split=None, input_key="problem", label_key="answer", max_
     if not isinstance(keys, dict) or set(keys) - {"image"}:  # slime's video and audio: no model input for them here
         raise DataError(f"""--multimodal-keys {json.dumps(keys)}: images only here, '{{"image": "COLUMN"}}'""")
     images = keys.get("image") or ("image" if "image" in columns and "images" not in columns else "images")
-    for need, flag in ((input_key, "--input-key"), (label_key, "--label-key"),
-                       (images, """--multimodal-keys '{"image": "COLUMN"}'""")):
+    if columns and images not in columns and not keys.get("image"):  # no image column at all: a text-only task
+        images = None
+        if verbose:
+            print(f"[data] {name}: no image column (images, image): text-only rows", file=sys.stderr)
+    needs = [(input_key, "--input-key"), (label_key, "--label-key")]
+    for need, flag in needs + ([(images, """--multimodal-keys '{"image": "COLUMN"}'""")] if images else []):
         if columns and need not in columns:
             raise DataError(f"{name}: no column {need!r}; its columns: {', '.join(columns)}. Name yours with {flag} "
                             "(docs/data.md)")
@@ -244,7 +248,11 @@ def main(argv=None):
     flags.add_column_args(sh.add_argument)
     sh.add_argument("--max-turns", type=flags.POSITIVE, default=1, help="train_grpo's: > 1 checks each row's tools")
     a = p.parse_args(argv)
-    tools = (lambda rec: env_geo3k.offered(rec.get("tools"))) if a.max_turns > 1 else None  # train_grpo's row check
+    try:
+        env = task.env(a)
+    except ValueError as e:
+        p.error(str(e))
+    tools = (lambda rec: task.tools(env, rec)) if a.max_turns > 1 else None  # train_grpo's row check
     try:
         recs = load_geo3k(a.source, a.split, a.input_key, a.label_key, a.max_bad_frac, check=tools,
                           allow_urls=a.allow_image_urls, allow_outside=a.allow_outside_paths, multimodal_keys=a.multimodal_keys)

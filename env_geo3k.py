@@ -54,23 +54,35 @@ def calc_score(env, arguments):
 
 
 def crop(env, arguments):
-    """Zoom into `bbox_2d` of image `image` (default 0) in the model's frame (env.resize); image 0's scored (`box`)."""
-    i, n = arguments.get("image", 0), len(env.images)
-    _need(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n,
-          f'"image" must be an integer from 0 to {n - 1} (images seen so far)' if n else "this problem has no image")
-    image, bbox = env.images[i], arguments["bbox_2d"]
-    fh, fw = env.resize(image.height, image.width) if env.resize else (1000, 1000)  # the frame's height and width
-    ok = isinstance(bbox, list) and len(bbox) == 4 and all(_is_number(v) for v in bbox)
-    _need(ok and 0 <= bbox[0] < bbox[2] <= fw and 0 <= bbox[1] < bbox[3] <= fh, f'"bbox_2d" must be 4 numbers '
-          f'[x1, y1, x2, y2] with 0 <= x1 < x2 <= {fw} and 0 <= y1 < y2 <= {fh} (image {i} in your grounding frame)')
-    x1, x2 = math.floor(bbox[0] * image.width / fw), math.ceil(bbox[2] * image.width / fw)  # the image's own pixels,
-    y1, y2 = math.floor(bbox[1] * image.height / fh), math.ceil(bbox[3] * image.height / fh)  # rounded outwards
+    """Zoom into `bbox_2d` of image `image` (default 0), in its pixels (the env converts the model's frame); image 0's
+    is scored against the row's `box`."""
+    i, n, (x1, y1, x2, y2) = arguments.get("image", 0), len(env.images), arguments["bbox_2d"]
     cw, ch = x2 - x1, y2 - y1
     _need(max(cw, ch) / min(cw, ch) <= MAX_ASPECT, f'"bbox_2d" {cw}x{ch} px is thinner than 1:{MAX_ASPECT}; widen it')
     k = max(1, math.ceil(MIN_SIDE / min(cw, ch)), math.ceil(math.sqrt(env.min_pixels / (cw * ch))))
-    region = image.crop((x1, y1, x2, y2)).convert("RGB").resize((cw * k, ch * k), resample=0)  # NEAREST: exact pixels
-    text = f"Zoomed into image {i} at {bbox} ({cw}x{ch} px, shown at {cw * k}x{ch * k}); it is now image {n}."
+    region = env.images[i].crop((x1, y1, x2, y2)).convert("RGB").resize((cw * k, ch * k), resample=0)  # NEAREST: exact
+    text = f"Zoomed into image {i} ({cw}x{ch} px, shown at {cw * k}x{ch * k}); it is now image {n}."
     return text, [region], {"iou": iou([x1, y1, x2, y2], env.record["box"])} if env.record.get("box") and i == 0 else {}
+
+
+def frame(resize, width, height):
+    """The (width, height) of the grounding frame of a `width` x `height` image: Qwen2.5-VL's resized view, or 0-1000."""
+    if resize is None:
+        return 1000, 1000
+    fh, fw = resize(height, width)
+    return fw, fh
+
+
+def scale(values, src, dst, outward=True):
+    """A box [x1, y1, x2, y2] (rounded outwards, so never empty) or a point [x, y] (the pixel holding it) from a frame of
+    (width, height) `src` to one of `dst`: the one conversion of grounding coordinates (the env's; tools/synth.py's
+    into the model's frame, rounded to the nearest)."""
+    out = [v * d / s for v, s, d in zip(values, src * 2, dst * 2)]
+    if not outward:
+        return [round(v) for v in out]
+    if len(values) == 2:
+        return [min(math.floor(v), d - 1) for v, d in zip(out, dst)]
+    return [math.floor(out[0]), math.floor(out[1]), math.ceil(out[2]), math.ceil(out[3])]
 
 
 def iou(a, b):
@@ -104,6 +116,8 @@ class Tool:
     default: bool = True  # offered to a row that names no `tools`
     metrics: object = None  # (ran: each episode's step infos that ran, correct) -> its rollout metrics
     flags: dict = dataclasses.field(default_factory=dict)  # its own flags: {"--name": add_argument's keywords}
+    coords: dict = dataclasses.field(default_factory=dict)  # its arguments in the model's grounding frame, each a box
+    # (4: [x1, y1, x2, y2]) or a point (2: [x, y]): run() gets them in the image's pixels (Geo3kEnv.grounded)
 
     def spec(self, name):
         return {"type": "function", "function": {"name": name, "description": self.description, "parameters": {
@@ -122,7 +136,7 @@ TOOLS = {
         {"bbox_2d": {"type": "array", "items": {"type": "number"}, "description": "[x1, y1, x2, y2]: corners of the region"},
          "label": {"type": "string", "description": "what the region shows (optional)"},
          "image": {"type": "integer", "description": "0: the problem's (default); zooms are numbered after it, in order"}},
-        {"bbox_2d": [0, 0, 100, 100]}, metrics=crop_metrics),
+        {"bbox_2d": [0, 0, 100, 100]}, metrics=crop_metrics, coords={"bbox_2d": 4}),
 }
 ALIASES = {"calc_geo3k_reward": "calc_score", "crop": "image_zoom_in_tool"}  # old names that still run, not advertised
 
@@ -242,7 +256,7 @@ class Geo3kEnv:
             _need(not missing, f"missing argument {missing[:80]!r}")
             extra = next((k for k in arguments if k not in tool.parameters), "")
             _need(not extra, f"unexpected argument {extra[:80]!r}")
-            text, images, gained = tool.run(self, arguments)
+            text, images, gained = tool.run(self, self.grounded(tool, arguments))
             self.images += images  # what a tool shows, later calls can refer to
             info.update(gained, ran=True)
         except ToolError as e:
@@ -255,6 +269,26 @@ class Geo3kEnv:
         if self.turn == self.max_turns - 1:  # every tool's feedback warns, not only calc_score's
             text += "\nThis is your last turn: give your final answer now as \\boxed{...}."
         return {"text": text, "images": images}, self.turn >= self.max_turns, info
+
+    def grounded(self, tool, arguments):
+        """`arguments` with the tool's coordinates (Tool.coords) checked in the model's grounding frame of image `image`
+        (default 0) and converted to that image's pixels: no image tool reads the model's frame itself."""
+        if not tool.coords:
+            return arguments
+        i, n = arguments.get("image", 0), len(self.images)
+        _need(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n,
+              f'"image" must be an integer from 0 to {n - 1} (images seen so far)' if n else "this problem has no image")
+        image, out = self.images[i], dict(arguments)
+        fw, fh = frame(self.resize, image.width, image.height)
+        for key, size in ((k, n) for k, n in tool.coords.items() if k in arguments):
+            v = arguments[key]
+            ok = isinstance(v, list) and len(v) == size and all(_is_number(c) and 0 <= c for c in v)
+            inside = ok and v[0] <= fw and v[1] <= fh and (size == 2 or v[0] < v[2] <= fw and v[1] < v[3] <= fh)
+            form = (f"[x, y] with 0 <= x <= {fw} and 0 <= y <= {fh}" if size == 2
+                    else f"[x1, y1, x2, y2] with 0 <= x1 < x2 <= {fw} and 0 <= y1 < y2 <= {fh}")
+            _need(inside, f'"{key}" must be {size} numbers {form} (image {i} in your grounding frame)')
+            out[key] = scale(v, (fw, fh), image.size)
+        return out
 
     def format_observation(self, observation):
         """-> a `tool` chat message; the images themselves travel in observation["images"]."""

@@ -40,8 +40,19 @@ def sapo(logp, old, adv, lens, eps_low, eps_high, sapo_tau_pos, sapo_tau_neg):
     return -4 / tau * p * adv, {"gate": (4 * p * (1 - p)).detach()}
 
 
-# A group's rewards (G,) float64 -> advantages (G,); Dr. GRPO's: no division by the std
-ESTIMATORS = {"grpo": lambda r: (r - r.mean()) / (r.std() + 1e-6), "dr_grpo": lambda r: r - r.mean()}
+def grpo(r):
+    """GRPO's group-normalised advantage (arXiv 2402.03300): (r - mean) / (std + eps)."""
+    return (r - r.mean()) / (r.std() + 1e-6)
+
+
+def dr_grpo(r):
+    """Dr. GRPO's (arXiv 2503.20783): no division by the group's std."""
+    return r - r.mean()
+
+
+# A group's rewards (G,) float64, its own flags' values -> advantages (G,); `flags` as a loss's (--advantage-estimator)
+Estimator = collections.namedtuple("Estimator", ["advantage", "flags"], defaults=({},))
+ESTIMATORS = {"grpo": Estimator(grpo), "dr_grpo": Estimator(dr_grpo)}
 Loss = collections.namedtuple("Loss", ["policy", "stats", "flags"], defaults=(("clipfrac",), {}))  # stats: its names
 LOSSES = {"ppo_clip": Loss(ppo_clip), "gspo": Loss(gspo), "cispo": Loss(cispo),  # verl's policy_loss.loss_mode
           "sapo": Loss(sapo, ("gate",), {  # the paper's defaults (verl trainer/config/actor/actor.yaml:46-49)
@@ -49,14 +60,15 @@ LOSSES = {"ppo_clip": Loss(ppo_clip), "gspo": Loss(gspo), "cispo": Loss(cispo), 
               "--sapo-tau-neg": dict(type=F.at_least(1e-3), default=1.05, help="SAPO's temperature where A <= 0")})}
 
 
-def advantages(rewards, groups, estimator):
-    """Each sample's advantage in its group (groups[i]) by ESTIMATORS[estimator]; exactly 0.0 for one or equal rewards."""
+def advantages(rewards, groups, estimator, **flags):
+    """Each sample's advantage in its group (groups[i]) by ESTIMATORS[estimator] with its `flags`' values (by dest);
+    exactly 0.0 for one or equal rewards."""
     out = [0.0] * len(rewards)
     for g in set(groups):
         idx = [i for i, x in enumerate(groups) if x == g]
         r = torch.tensor([rewards[i] for i in idx], dtype=torch.float64)
         if len(idx) > 1 and not bool((r == r[0]).all()):
-            for i, v in zip(idx, ESTIMATORS[estimator](r).tolist()):
+            for i, v in zip(idx, ESTIMATORS[estimator].advantage(r, **flags).tolist()):
                 out[i] = v
     return out
 

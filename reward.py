@@ -26,6 +26,7 @@ import sympy
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
 import flags
+import task
 
 MAX_BOX_CHARS = 1000  # a real answer is < 100 chars; longer boxes are junk and slow to parse
 MAX_DEPTH = 8         # geo3k answers nest <= 3 deep; sympy's set/evalf code is exponential in depth
@@ -258,10 +259,12 @@ def raised(name, record):
 
 
 def score(rm_type, response, record, errors=None):
-    """The correctness of `response` to the data row `record` under --rm-type: 1.0 or 0.0, within the time bound."""
-    if rm_type not in REWARDS:
+    """The correctness of `response` to the data row `record` under --rm-type (a REWARDS name, or --custom-rm-path's
+    module.function): 1.0 or 0.0, within the time bound."""
+    if rm_type not in REWARDS and "." not in str(rm_type):
         raise ValueError(f"unknown --rm-type {rm_type!r}; choose one of {sorted(REWARDS)}")
-    return 1.0 if _bounded(REWARDS[rm_type], response, record, errors=errors, name=rm_type) else 0.0
+    judge = REWARDS[rm_type] if rm_type in REWARDS else task.judge(rm_type)
+    return 1.0 if _bounded(judge, response, record, errors=errors, name=rm_type) else 0.0
 
 
 def overlong_penalty(sample, record, cfg):

@@ -18,9 +18,9 @@ import numpy as np
 from tqdm import tqdm
 
 import chat
-import env_geo3k
 import flags as F
 import reward
+import task
 
 
 @dataclass
@@ -51,8 +51,9 @@ class Sample:
         return self.prompt_ids + self.response_ids
 
 
-def add_args(p):
-    """The rollout's flags, with each SHAPING term's and tool's own: the one place the rollout's settings come from."""
+def add_args(p, chosen=None):
+    """The rollout's flags, with the own flags of each SHAPING term, the env's tools and the filter (`chosen`: the env
+    module and the Filter, task.chosen's; default env_geo3k's and nonzero_std): where the rollout's settings come from."""
     g = p.add_argument_group("rollout").add_argument
     g("--rollout-batch-size", type=F.POSITIVE, default=8, help="prompts per rollout")
     g("--n-samples-per-prompt", type=F.POSITIVE, default=4, help="responses per prompt (GRPO group)")
@@ -60,25 +61,33 @@ def add_args(p):
     g("--rollout-temperature", type=F.at_least(0.0), default=1.0, help="0 = greedy")
     g("--rollout-top-p", type=F.fraction, default=1.0, help="nucleus sampling")
     g("--rollout-top-k", type=int, default=-1, help="-1 = off")
-    g("--max-turns", type=F.POSITIVE, default=1, help="1 = single-turn; >1 drives env_geo3k")
+    g("--max-turns", type=F.POSITIVE, default=1, help="1 = single-turn; >1 drives the env (--rollout-interaction-env-path)")
     g("--n-samples-per-eval-prompt", type=F.POSITIVE, default=1, help="K > 1: evaluations report pass@K too (slime's)")
     g("--max-context-len", type=F.at_least(2), default=8192, help="prompt + response token cap")
-    g("--dynamic-sampling", action="store_true", help="drop groups all right or all wrong (DAPO's); draw more prompts")
+    g("--dynamic-sampling", action="store_true", help="drop the groups the filter refuses (default: all right or all "
+      "wrong, DAPO's); draw more prompts")
+    g(task.FILTER, default=None, help="the dynamic-sampling filter: a task.FILTERS name or your module.function "
+      "(samples of a group, args) -> keep? (slime's); turns --dynamic-sampling on (default: nonzero_std)")
     g("--partial-rollout", action="store_true", help="abort the rest at B complete groups; continue them next step")
     g("--over-sampling-batch-size", type=F.POSITIVE, default=None, help="groups generating at once (default: the batch)")
     g("--mask-offpolicy-in-partial-rollout", action="store_true", help="no loss on tokens before a sample's last abort")
     g("--rm-type", default="math", choices=list(reward.REWARDS), help="the correctness judge (reward.REWARDS)")
-    for name, kw in {**F.own_flags(reward.SHAPING), **F.own_flags(env_geo3k.TOOLS)}.items():
+    g(task.JUDGE, default=None, help="your own judge, module.function (response, record) -> float | bool | None, "
+      "in place of --rm-type's (slime's)")
+    env, keep = chosen or (task.env(None), task.group_filter(None))
+    for name, kw in {**F.own_flags(reward.SHAPING), **task.flags(env), **keep.flags}.items():
         g(name, **kw)
     return p
 
 
 def settings(args, evaluation=False, **changes):
-    """What a rollout reads: add_args' flags, --prompt-instruction and hf_checkpoint (the env's grounding frame), `oracle`
+    """What a rollout reads: add_args' flags, --prompt-instruction, the env module's path and hf_checkpoint (the env's
+    grounding frame), `oracle`
     (calc_score checks answers), `shaping` (SHAPING joins), then `changes`. Evaluation's: greedy, no oracle, shaping or
     dynamic sampling."""
-    own = {k: getattr(args, k) for k in [*vars(add_args(argparse.ArgumentParser()).parse_args([])), "prompt_instruction",
-                                         "hf_checkpoint"]}
+    parser = add_args(argparse.ArgumentParser(), (task.env(args), task.group_filter(args)))
+    own = {k: getattr(args, k) for k in [a.dest for a in parser._actions if a.dest != "help"] + [
+        "prompt_instruction", "hf_checkpoint", "rollout_interaction_env_path"]}
     differ = dict(rollout_temperature=0.0, dynamic_sampling=False) if evaluation else {}
     return argparse.Namespace(**{**own, **differ, "oracle": not evaluation, "shaping": not evaluation, **changes})
 
@@ -105,8 +114,8 @@ def new_episode(processor, rec, args, prompt):
                metadata={"steps": []})
     if args.max_turns == 1:
         return Episode(s)
-    env, messages = env_geo3k.build_env(rec, args), list(messages)  # each episode appends its own turns
-    s.tools = env.tools  # the row's tools as its env offers them (checked, aliases named), for rewards to read
+    env, messages = task.env(args).build_env(rec, args), list(messages)  # each episode appends its own turns
+    s.tools = task.tools(task.env(args), rec)  # the row's tools as its env offers them, for rewards to read
     return Episode(s, env, {"messages": messages, "tools": tools, "opener": chat.assistant_opener(processor, messages, tools)})
 
 
@@ -269,7 +278,8 @@ class _Episodes:
         rec = self.groups[key][0]
         try:
             with self.cpu:  # the chat template and the processor once per prompt, not per sample
-                prompt = chat.prompt(self.processor, rec, self.args.max_turns > 1, self.args.prompt_instruction)
+                prompt = chat.prompt(self.processor, rec, task.env(self.args) if self.args.max_turns > 1 else None,
+                                     self.args.prompt_instruction)
                 eps = [new_episode(self.processor, rec, self.args, prompt) for _ in range(self.args.n_samples_per_prompt)]
             with self.cond:
                 self.groups[key] = (rec, prompt, eps)
@@ -344,6 +354,7 @@ class Rollout(_Episodes):
         self.target, self.cap, self.max_stale = target, cap or target, max_stale
         self.groups, self.pool, self.stale, self.since, self.drawn = {}, None, 0, None, 0  # pool None: paused
         self.aborted = 0  # requests cut since the last take (a pause's too)
+        self.keep = task.group_filter(args)  # --dynamic-sampling's filter
 
     def resume(self, records, version):
         """A run at `version` (none while one runs): the parked groups first, then records'."""
@@ -422,7 +433,7 @@ class Rollout(_Episodes):
             self._open(self.records[self.next - 1], None, [None] * self.args.n_samples_per_prompt)
 
     def _complete(self, key):  # under the lock: a group whose every episode is done
-        if self.args.dynamic_sampling and len({ep.sample.correct for ep in self.groups[key][2]}) == 1:
+        if self.args.dynamic_sampling and not self._keeps(key):
             del self.groups[key]
             self.dropped += 1
             self._top_up()  # the moment a group is known all-equal, another is drawn
@@ -430,6 +441,15 @@ class Rollout(_Episodes):
             self.kept.append(key)
         if self.target and len(self.kept) >= self.target and not self.stopping:
             self._cut()
+
+    def _keeps(self, key):  # under the lock: the filter's verdict on a complete group; its exception keeps the group
+        samples = [ep.sample for ep in self.groups[key][2]]
+        name = self.args.dynamic_sampling_filter_path or "nonzero_std"
+        try:
+            return bool(self.keep.keep(samples, self.args))
+        except Exception:  # noqa: BLE001 - the user's filter's bug: counted (<name>_errors), printed once, group kept
+            samples[0].metadata.setdefault("errors", {})[name] = reward.raised(name, self.groups[key][0])
+            return True
 
     def _cut(self):  # under the lock: what still generates is cut (the engine's abort: _wait); its episodes park
         self.stopping = True

@@ -26,6 +26,7 @@ import model as M
 import optim
 import pipeline
 import chat
+import task
 import trainer as T
 
 
@@ -38,7 +39,13 @@ def build_parser():
 
 
 def parse_args(argv=None):
-    return build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
+    try:  # a missing env module is named before any model loads
+        task.env(args)
+    except ValueError as e:
+        p.error(str(e))
+    return args
 
 
 def _parts(content):
@@ -50,17 +57,18 @@ def _n_images(messages):
     return sum(p.get("type") == "image" for m in messages if not isinstance(m["content"], str) for p in m["content"])
 
 
-def encode(processor, record, instruction=data.INSTRUCTION):
+def encode(processor, record, instruction=data.INSTRUCTION, env=None):
     """-> the trainer's Item, tokens exactly as a rollout of the same conversation makes them (assistant turns:
     loss mask 1; tool turns: 0). The conversation: the record's `messages` (slime's SFT form, a list or its JSON;
-    docs/data.md), else the prompt (ending with `instruction`: --prompt-instruction's) and `Answer: \\boxed{..}`."""
+    docs/data.md), with the tools `env` (the env module: --rollout-interaction-env-path's) offers the row, else the
+    prompt (ending with `instruction`: --prompt-instruction's) and `Answer: \\boxed{..}`."""
     images, messages, tools, target = list(record["images"]), record.get("messages"), None, data.sft_target(record["answer"])
     if messages is None:
         messages = data.prompt_messages(record, instruction=instruction) + [{"role": "assistant", "content": target}]
     else:
         messages = json.loads(messages) if isinstance(messages, str) else messages
         messages = [{"role": m["role"], "content": _parts(m["content"])} for m in messages]
-        tools = chat.template_tools(processor, record)
+        tools = chat.template_tools(processor, record, env or task.env(None))
     roles = [m["role"] for m in messages]
     if "assistant" not in roles or roles[-1] != "assistant" or not set(roles) <= {"system", "user", "assistant", "tool"}:
         raise ValueError(f"messages with roles {roles}: want system, user, assistant and tool turns, the last an assistant's")
@@ -102,10 +110,11 @@ def main(argv=None):
     args = parse_args(argv)
     par, run = T.start(args, "sft", fixed=("global_batch_size",))  # a step's data: step x the batch
     processor = AutoProcessor.from_pretrained(args.hf_checkpoint)
-    fit = dict(verbose=par.rank == 0, measure=lambda r: len(encode(processor, r, args.prompt_instruction).ids),
+    env = task.env(args)
+    fit = dict(verbose=par.rank == 0, measure=lambda r: len(encode(processor, r, args.prompt_instruction, env).ids),
                limit=(args.max_tokens_per_gpu, f"--max-tokens-per-gpu {args.max_tokens_per_gpu}"))
-    train = [encode(processor, r, args.prompt_instruction) for r in T.load_data(args, **fit)]
-    evals = [encode(processor, r, args.prompt_instruction) for r in T.load_data(args, evaluation=True, **fit)]
+    train = [encode(processor, r, args.prompt_instruction, env) for r in T.load_data(args, **fit)]
+    evals = [encode(processor, r, args.prompt_instruction, env) for r in T.load_data(args, evaluation=True, **fit)]
     per_epoch = math.ceil(len(train) / args.global_batch_size)
     total = per_epoch * args.num_epoch
     run.nothing_left(total, "--num-epoch")

@@ -21,6 +21,7 @@ import dataclasses
 import math
 import random
 import statistics
+import sys
 import time
 
 import torch
@@ -29,7 +30,6 @@ from transformers import AutoProcessor
 import chat
 import cluster
 import console
-import env_geo3k
 import flags as F
 import loss as L
 import model as M
@@ -40,19 +40,24 @@ import reward
 import rollout as R
 import routing
 import sglang_engine
+import task
 import trainer as T
 
 
-def build_parser():
+def build_parser(argv=()):
+    """The parser for `argv`: the env module and the filter it names bring their own flags (task.chosen)."""
     # allow_abbrev: no --sglang-* flag may pass as an abbreviation
     p = argparse.ArgumentParser(description=__doc__, formatter_class=F.HelpFormatter, allow_abbrev=False)
     F.add_train_args(p)
-    R.add_args(p)
+    try:  # a user's module that is missing is named here, before any model loads
+        R.add_args(p, task.chosen(argv))
+    except ValueError as e:
+        p.error(str(e))
     a = p.add_argument_group("GRPO").add_argument
     a("--num-rollout", type=F.COUNT, default=100, help="GRPO steps (rollout + update); 0: evaluate only")
     a("--advantage-estimator", default="grpo", choices=[*L.ESTIMATORS, *L.LOSSES], help="a --policy-loss: grpo with it")
     a("--policy-loss", default="ppo_clip", choices=list(L.LOSSES), help="loss.py (verl's policy_loss.loss_mode)")
-    for name, kw in F.own_flags(L.LOSSES).items():  # each loss's own (SAPO's temperatures)
+    for name, kw in {**F.own_flags(L.ESTIMATORS), **F.own_flags(L.LOSSES)}.items():  # each one's own (SAPO's temperatures)
         a(name, **kw)
     a("--eps-clip", type=F.at_least(0.0), default=0.2, help="PPO clip below 1")
     a("--eps-clip-high", type=F.at_least(0.0), default=0.28, help="PPO clip above 1")
@@ -88,7 +93,8 @@ def build_parser():
 
 
 def parse_args(argv=None):
-    p = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    p = build_parser(argv)
     args, unknown = p.parse_known_args(argv)
     if bad := [u for u in unknown if u.startswith("--") and not u.startswith("--sglang-")]:
         p.error(f"unrecognized arguments: {' '.join(bad)}")
@@ -96,6 +102,8 @@ def parse_args(argv=None):
     args.derived = [k for k, unset in (("global_batch_size", args.global_batch_size == 0),  # flags set from others
                                        ("offload_train", args.offload_train is None)) if unset]
     args.global_batch_size = args.global_batch_size or args.rollout_batch_size * args.n_samples_per_prompt
+    args.rm_type = args.custom_rm_path or args.rm_type  # reward.score finds a judge by its name or its path
+    args.dynamic_sampling = args.dynamic_sampling or args.dynamic_sampling_filter_path is not None
     if args.offload_train is None:
         args.offload_train = args.colocate and torch.cuda.is_available()
     if args.advantage_estimator in L.LOSSES:  # as slime's `--advantage-estimator gspo`, and this trainer's before
@@ -128,7 +136,10 @@ def parse_args(argv=None):
     if sglang_engine.engine_kind(args) == "local" and placing + args.sglang_args:  # in rank 0's process: nothing to place
         p.error(f"{' '.join(placing + args.sglang_args)}: they place or set up an SGLang server, but the rollout engine "
                 "is local (--rollout-engine sglang, or auto on CUDA with SGLang installed)")
-    for kind, reg in (("LOSSES", L.LOSSES), ("SHAPING", reward.SHAPING), ("TOOLS", env_geo3k.TOOLS)):  # own flags
+    chosen_filter = {args.dynamic_sampling_filter_path or "nonzero_std": task.group_filter(args)}
+    own = {"LOSSES": L.LOSSES, "ESTIMATORS": L.ESTIMATORS, "SHAPING": reward.SHAPING, "FILTERS": chosen_filter,
+           "TOOLS": getattr(task.env(args), "TOOLS", {})}
+    for kind, reg in own.items():  # every entry's own flags, the env's tools' and the filter's included
         for name, flag in ((n, f) for n, e in reg.items() for f in e.flags if not hasattr(args, f[2:].replace("-", "_"))):
             p.error(f"{kind} entry {name!r} declares {flag}, which args lacks: add flags.own_flags({kind}) to the parser")
     return args
@@ -228,9 +239,10 @@ def evaluate(engine, processor, records, args, step, run):
             samples = R.generate_group_samples(engine, processor, records, cfg)
             out[key] = sum(any(s.correct for s in samples if s.group == g) for g in range(len(records))) / len(records)
             if n == 1:  # greedy multi-turn: the tools' use beside it (eval_multi_turn_tool_calls_<tool>, ..._crop_hit_frac)
-                out.update({f"{name}_{k}": v for k, v in env_geo3k.tool_metrics(
-                    [s.metadata.get("steps", []) for s in samples], [s.correct for s in samples],
-                    sorted({t for r in records for t in env_geo3k.offered(r.get("tools"))})).items()})
+                env = task.env(args)
+                out.update({f"{name}_{k}": v for k, v in task.metrics(
+                    env, [s.metadata.get("steps", []) for s in samples], [s.correct for s in samples],
+                    sorted({t for r in records for t in task.tools(env, r)})).items()})
             rows += [dict(mode=key, index=s.group, problem=records[s.group]["problem"], answer=s.label,
                           correct=s.correct, status=s.status, response=s.response_text) for s in samples]
     path = run.write_rows(f"eval_{step:07d}.jsonl", rows)
@@ -254,7 +266,8 @@ class Source:
         if par.rank == 0:
             self.rollout = R.Rollout(engine, processor, R.settings(args), None if args.fully_async else B, self.cap,
                                      args.max_weight_staleness)
-            self.tools = sorted({t for r in records if args.max_turns > 1 for t in env_geo3k.offered(r.get("tools"))})
+            self.env = task.env(args)
+            self.tools = sorted({t for r in records if args.max_turns > 1 for t in task.tools(self.env, r)})
             self.rollout.drawn, self.rollout.groups = state or (0, {})
 
     def state(self):
@@ -302,7 +315,7 @@ class Source:
         token of an older version than `step`'s policy is off-policy."""
         args = self.args
         samples = self.rollout.take(args.rollout_batch_size)
-        metrics = rollout_metrics(samples, self.tools)
+        metrics = rollout_metrics(samples, self.tools, self.env)
         good = [s for s in samples if s.status not in ("failed", "aborted") and any(s.loss_mask)]
         if args.mask_offpolicy_in_partial_rollout:  # tokens written before the sample's last abort: no loss
             for s in good:
@@ -321,15 +334,17 @@ class Source:
             reasons = sorted({s.fail_reason or s.status for s in samples if s.status != "completed"})
             print(f"[grpo] step {step + 1}: no trainable sample among {len(samples)} "
                   f"({', '.join(reasons[:3]) or 'no response tokens'}): update skipped", flush=True)
-        adv = L.advantages([s.reward for s in good], [s.group for s in good], args.advantage_estimator)
+        adv = L.advantages([s.reward for s in good], [s.group for s in good], args.advantage_estimator,
+                           **F.declared(L.ESTIMATORS[args.advantage_estimator].flags, args))
         metrics["zero_adv_frac"] = sum(a == 0 for a in adv) / max(1, len(adv))
         rng = random.Random(args.seed + step)
         return split_batch(good, adv, rng, args.global_batch_size, self.updates, self.par.dp), metrics
 
 
-def rollout_metrics(samples, tools=()):
+def rollout_metrics(samples, tools=(), env=None):
     """Means over samples; reward and accuracy (correctness) over the ones not failed, each SHAPING term's mean and the
-    share it touched; multi-turn, the env's metrics of `tools` (those some row of the run is offered)."""
+    share it touched; multi-turn, the env module's metrics of `tools` (those some row of the run is offered; env None:
+    the default env's)."""
     n, ok = max(len(samples), 1), [s for s in samples if s.status != "failed"] or [R.Sample(prompt_ids=[])]
     m = {"reward": sum(s.reward for s in ok) / len(ok), "accuracy": sum(s.correct for s in ok) / len(ok),
          "response_len": sum(sum(s.loss_mask) for s in ok) / len(ok),
@@ -342,8 +357,8 @@ def rollout_metrics(samples, tools=()):
     for s in samples:  # <name>_errors: the samples in which a judge, a shaping term or a tool raised (reward.raised)
         for k in {*s.metadata.get("errors", ()), *(i["tool"] for i in s.metadata.get("steps", ()) if i.get("raised"))}:
             m[f"{k}_errors"] = m.get(f"{k}_errors", 0) + 1
-    m.update(env_geo3k.tool_metrics([s.metadata.get("steps", []) for s in samples],  # multi-turn: tool use
-                                    [None if s.status == "failed" else s.correct for s in samples], tools))
+    m.update(task.metrics(env or task.env(None), [s.metadata.get("steps", []) for s in samples],  # multi-turn: tool use
+                          [None if s.status == "failed" else s.correct for s in samples], tools))
     if samples and "rollout" in samples[0].metadata:  # where the rollout's time went, what it cut and dropped
         ends, stats = [s.metadata["end_s"] for s in samples], samples[0].metadata["rollout"]
         if stats["dropped"] is not None:  # --dynamic-sampling: the share of complete groups kept
@@ -412,7 +427,8 @@ def main(argv=None):
     records = eval_records = None
     if par.rank == 0:  # rank 0 owns the data (checked here, before any model: docs/data.md) and the rewards
         reward.init()  # its one-off warm-up here, not in the first rollout
-        fit = dict(measure=lambda r: len(chat.prompt(processor, r, args.max_turns > 1, args.prompt_instruction)[2]),
+        env = task.env(args) if args.max_turns > 1 else None
+        fit = dict(measure=lambda r: len(chat.prompt(processor, r, env, args.prompt_instruction)[2]),
                    limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len} with room for a response"))
         records = T.load_data(args, **fit) if args.num_rollout else []  # --num-rollout 0: evaluate only
         eval_records = T.load_data(args, evaluation=True, **fit)

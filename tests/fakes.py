@@ -6,7 +6,6 @@
     model = FakeModel([-0.6, -0.7, -2.0])                      # policy_loss's plumbing without Megatron
     env = make_env(max_turns=5, rm_type="geo3k")               # env_geo3k on a row of `picture()`
 """
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -116,7 +115,10 @@ def picture(w=200, h=100):
 def make_env(max_turns=5, row=None, **opts):
     """env_geo3k's env on `row` (default: answer 80, one picture()); opts: the args it reads (oracle, rm_type...)."""
     row = {"answer": "80", "images": [picture()]} if row is None else row
-    return env_geo3k.build_env(row, SimpleNamespace(max_turns=max_turns, **opts))
+    from conftest import rollout_args
+    args = rollout_args(max_turns=max_turns)  # as the trainer parses them: the tools' own flags too
+    vars(args).update(opts)
+    return env_geo3k.build_env(row, args)
 
 
 def run_episodes(engine, processor, records, args):

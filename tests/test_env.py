@@ -135,7 +135,7 @@ CASES = [
     ("calc_bool_answer", calc(True), "non-empty string", bad("non-empty string")),
     # image_zoom_in_tool: the table's env has no checkpoint, so boxes are relative 0-1000 (picture(): 200x100 px)
     ("zoom_ok", call(ZOOM, {"bbox_2d": [50, 200, 550, 700], "label": "angle C"}),
-     "Zoomed into image 0 at [50, 200, 550, 700] (100x50 px, shown at 200x100); it is now image 1",
+     "Zoomed into image 0 (100x50 px, shown at 200x100); it is now image 1",
      dict(OK, tool=ZOOM, score=None, arguments={"bbox_2d": [50, 200, 550, 700], "label": "angle C"}, n_images=1)),
     ("zoom_whole", call(ZOOM, {"bbox_2d": [0, 0, 1000, 1000]}), "(200x100 px, shown at 200x100)",
      dict(OK, n_images=1)),
@@ -173,7 +173,7 @@ CASES = [
      dict(OK, score=1.0, arguments={"answer": "\\frac{160}{2}"})),
     ("xml_answer_json_looking", xml("calc_score", answer="[1, 2]"), "Incorrect: [1, 2]",
      dict(OK, arguments={"answer": "[1, 2]"})),
-    ("xml_zoom", xml(ZOOM, bbox_2d=[50, 200, 550, 700], label="[1, 2]", image=0), "Zoomed into image 0 at [50, 200,",
+    ("xml_zoom", xml(ZOOM, bbox_2d=[50, 200, 550, 700], label="[1, 2]", image=0), "Zoomed into image 0 (100x50 px",
      dict(OK, tool=ZOOM, arguments={"bbox_2d": [50, 200, 550, 700], "label": "[1, 2]", "image": 0}, n_images=1)),
     ("xml_zoom_old_name", xml("crop", bbox_2d=[50, 200, 550, 700]), "(100x50 px", dict(OK, tool="crop")),
     ("xml_compact", "<tool_call><function=calc_score><parameter=answer>80</parameter></function></tool_call>",
@@ -221,7 +221,7 @@ def test_step_table(response, text, expect, high_recursion_limit):
     env = every_tool()
     env.reset()
     obs, done, info = env.step(response)
-    assert set(info) == {"turn", "tool", "arguments", "ran", "error", "score", "n_calls", "note"}
+    assert {"turn", "tool", "arguments", "ran", "error", "score", "n_calls", "note"} <= set(info)  # a tool's info joins
     assert info["turn"] == 1 and isinstance(obs["text"], str)
     assert text in obs["text"], obs["text"]
     expect = dict(expect)

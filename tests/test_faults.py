@@ -21,6 +21,7 @@ from PIL import Image
 
 import console
 import data
+import env_geo3k
 import launch
 from tools import synth as synth_set
 import trainer as T
@@ -198,7 +199,7 @@ def test_images_the_processor_refuses_and_over_long_rows_are_named_at_load(tmp_p
     rs[3]["images"] = [{"bytes": png((4000, 8)), "path": None}]  # "absolute aspect ratio must be smaller than 200"
     rs[5]["problem"] = "<image>" + "How many sides? " * 4000
     args = grpo_args(prompt_data=str(parquet(tmp_path / "d.parquet", rs)))
-    fit = dict(measure=lambda r: len(chat.prompt(processor, r, args.max_turns > 1)[2]),
+    fit = dict(measure=lambda r: len(chat.prompt(processor, r, env_geo3k if args.max_turns > 1 else None)[2]),
                limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len}"))
     recs = T.load_data(args, **fit)
     assert len(recs) == 198

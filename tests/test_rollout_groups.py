@@ -7,6 +7,7 @@ bound (episode tokens: tests/test_episodes.py; logprobs against the model: test_
 import pytest
 
 import chat
+import env_geo3k
 import reward
 import rollout
 import train_grpo
@@ -78,7 +79,7 @@ def test_episodes_flow_on_their_own_and_dynamic_sampling_redraws_at_once(process
     def encoded(multi):  # each record's prompt ids, as the rollout encodes them
         out = []
         for r in recs:
-            messages, tools, _ = chat.prompt(processor, r, multi)
+            messages, tools, _ = chat.prompt(processor, r, env_geo3k if multi else None)
             out.append(tuple(chat.encode_prompt(processor, messages, r["images"], tools)))
         return out
     prompts = encoded(True)

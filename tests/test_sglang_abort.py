@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import chat
+import env_geo3k
 import reward
 import rollout
 from fake_sglang import fake_output, weights_digest
@@ -54,7 +55,7 @@ def aborted_answer(eng, rec, item, sp):
 
 def parked(processor, rec, args, n):
     """(record, prompt, [episode]): a --partial-rollout group parked with n tokens of a turn (not FAKE_IDS)."""
-    prompt = chat.prompt(processor, rec, args.max_turns > 1)
+    prompt = chat.prompt(processor, rec, env_geo3k if args.max_turns > 1 else None)
     ep = rollout.new_episode(processor, rec, args, prompt)
     s = ep.sample
     s.response_ids, s.loss_mask, s.rollout_logprobs, s.versions = [100] * n, [1] * n, [-1.0] * n, [0] * n

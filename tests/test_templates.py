@@ -159,7 +159,7 @@ def test_multi_turn_tokens_equal_the_full_render(name, records):
                                          (QWEN3_5_MOE, "<think>\n")])
 def test_assistant_opener(name, opener, records):
     proc = real_processor(name)
-    messages, tools, _ = chat.prompt(proc, records[0], multi_turn=True)
+    messages, tools, _ = chat.prompt(proc, records[0], env_geo3k)
     assert chat.assistant_opener(proc, messages, tools) == opener
 
 
@@ -186,7 +186,7 @@ def test_sft_of_an_episode_is_the_rollout_of_it(name, records):
     writes the SFT targets, and each target is the row's text (Qwen3.5-35B's after closing its open <think>)."""
     import sft
     proc, crop_only = real_processor(name), dict(records[0], tools=["image_zoom_in_tool"])
-    messages, _, _ = chat.prompt(proc, crop_only, multi_turn=True)
+    messages, _, _ = chat.prompt(proc, crop_only, env_geo3k)
     call = CROP_XML if name.startswith("Qwen3.5") else CROP_JSON
     env = env_geo3k.build_env(crop_only, rollout_args(max_turns=3))
     obs, _, _ = env.step(call)

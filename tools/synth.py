@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core modules
 import data  # noqa: E402
 import env_geo3k  # noqa: E402
 import flags  # noqa: E402
+import task  # noqa: E402
 
 POLYGON_QUESTIONS = {  # question -> answer as a function of the number of sides n
     "Find the sum of the interior angles of the polygon.": lambda n: 180 * (n - 2),
@@ -104,8 +105,7 @@ def _png(img):
 
 
 def synth_records(n, seed=0, kinds=("polygon",), size=128, jitter=0.0):
-    """n records in the geo3k schema (crop: with the `box` and the `tools` offered); `jitter` in [0, 1]
-    varies pose and colour (the difficulty dial)."""
+    """n records in the geo3k schema (crop: its `box`, the `tools` offered); `jitter` in [0, 1]: pose and colour vary."""
     rng, out = random.Random(seed), []
     for _ in range(n):
         question, answer, img, *extra = KINDS[rng.choice(list(kinds))](rng, size, jitter)
@@ -118,24 +118,25 @@ def crop_view(rows):
     out = []
     for r in rows:
         env = env_geo3k.Geo3kEnv({"answer": r["answer"], "images": [data.decode_image(r["images"][0]["bytes"])]}, 2)
-        env.resize = lambda h, w: (h, w)  # the frame: the image's own pixels, the box's
-        _, images, _ = env_geo3k.crop(env, {"bbox_2d": r["box"]})
+        _, images, _ = env_geo3k.crop(env, {"bbox_2d": r["box"]})  # the tool's own call: the box in pixels
         out.append(dict(r, images=[_png(images[0])]))
     return out
 
 
 def warm_start(rows, share, seed=0, hf_checkpoint=None):
-    """SFT episodes (slime's `messages` form) of the crop kind's rows: a `share` of them zoom into the named box (in
-    `hf_checkpoint`'s grounding frame) and answer after seeing it, the rest at once; tool turns are the env's own at
-    --max-turns 3 (its text, its crop in `images`, after the canvas). SFT then teaches the call's format, not a policy."""
-    rng, out, args = random.Random(seed), [], argparse.Namespace(max_turns=3, hf_checkpoint=hf_checkpoint)
+    """SFT episodes (slime's `messages` form) of the crop kind's rows: a `share` zoom into the named box (`hf_checkpoint`'s
+    frame), then answer; the rest at once. Tool turns are the env's own; SFT teaches the call's format, not a policy."""
+    parser = argparse.ArgumentParser()  # the env's args as parsed: its tools' own flags at their defaults
+    for name, kw in task.flags(env_geo3k).items():
+        parser.add_argument(name, **kw)
+    args = argparse.Namespace(**vars(parser.parse_args([])), max_turns=3, hf_checkpoint=hf_checkpoint)
+    rng, out = random.Random(seed), []
     for r in rows:
         canvas = data.decode_image(r["images"][0]["bytes"])
         messages, images = data.prompt_messages({**r, "images": [canvas]}, multi_turn=True), [r["images"][0]]
         if rng.random() < share:
             env = env_geo3k.build_env({**r, "images": [canvas]}, args)
-            fh, fw = env.resize(canvas.height, canvas.width) if env.resize else (1000, 1000)
-            bbox = [round(v * f / s) for v, f, s in zip(r["box"], (fw, fh) * 2, canvas.size * 2)]
+            bbox = env_geo3k.scale(r["box"], canvas.size, env_geo3k.frame(env.resize, *canvas.size), outward=False)
             call = '<tool_call>\n' + json.dumps({"name": "image_zoom_in_tool", "arguments": {"bbox_2d": bbox}}) + '\n</tool_call>'
             obs, _, info = env.step(call)
             assert info["ran"], info
