@@ -173,7 +173,8 @@ def load_geo3k(source, split=None, input_key="problem", label_key="answer", max_
     if not isinstance(keys, dict) or set(keys) - {"image"}:  # slime's video and audio: no model input for them here
         raise DataError(f"""--multimodal-keys {json.dumps(keys)}: images only here, '{{"image": "COLUMN"}}'""")
     images = keys.get("image") or ("image" if "image" in columns and "images" not in columns else "images")
-    if columns and images not in columns and not keys.get("image"):  # no image column at all: a text-only task
+    markers = any("<image>" in str(row.get(input_key, "")) for row in rows)
+    if columns and images not in columns and not keys.get("image") and not markers:  # no image anywhere: a text task
         images = None
         if verbose:
             print(f"[data] {name}: no image column (images, image): text-only rows", file=sys.stderr)
