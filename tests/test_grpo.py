@@ -11,6 +11,8 @@ import torch
 
 import cluster
 import launch
+import loss as L
+import task
 import train_grpo as G
 import trainer as T
 from fakes import FakeModel
@@ -382,7 +384,7 @@ def test_colocated_distributed_weight_sync_is_refused_at_parse_time(capsys):
     assert "--colocate --weight-sync distributed" in capsys.readouterr().err
 
 
-def test_dynamic_sampling_tops_up_through_the_trainer(processor, records):
+def test_dynamic_sampling_tops_up_through_the_trainer(processor, records, monkeypatch):
     """A step's rollout with --dynamic-sampling: groups whose rewards are all equal are dropped and
     replaced by prompts of the over-sample that draw() adds, until --rollout-batch-size groups
     with mixed rewards are kept or --dynamic-sampling-max-prompts prompts were drawn."""
@@ -422,6 +424,21 @@ def test_dynamic_sampling_tops_up_through_the_trainer(processor, records):
         if cap is None:  # the batch's own prompts hold fewer mixed groups: the over-sample filled it
             assert kept == 3 and sum(int(r["answer"]) % 3 == 0 for r in drawn[:3]) < 3
     assert kept < 3  # with the cap, the top-up stopped before the batch was full
+    seen = {}  # an estimator's and a filter's own flags reach them through the step (Source.take, Rollout._keeps)
+
+    def scaled(r, spy_scale):
+        seen["estimator"] = spy_scale
+        return spy_scale * (r - r.mean())
+
+    def keep_every(samples, args):
+        seen["filter"] = args.spy_keep
+        return True
+    monkeypatch.setitem(L.ESTIMATORS, "spy", L.Estimator(scaled, {"--spy-scale": dict(type=float)}))
+    monkeypatch.setitem(task.FILTERS, "spy", task.Filter(keep_every, {"--spy-keep": dict(type=int)}))
+    args = G.parse_args(base[:-1] + ["--advantage-estimator", "spy", "--spy-scale", "2", task.FILTER, "spy", "--spy-keep", "5"])
+    mixed = [r for r in recs if int(r["answer"]) % 3 == 0]  # every group half right
+    (items,) = G.Source(Engine(), processor, mixed, args, 1, par).next(0).items
+    assert seen == {"estimator": 2.0, "filter": 5} and sorted(it.adv for it in items) == [-1.0] * 3 + [1.0] * 3
 
 
 def test_step_where_every_sample_failed(processor, records, capsys):
