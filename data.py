@@ -22,6 +22,7 @@ import task
 
 MAX_PIXELS = 1 << 20  # decoded images above this are downscaled (the processor resizes again)
 URL_MAX_BYTES, URL_TIMEOUT = 32 << 20, 20  # with allow_urls: one image's body, seconds per read
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".webp", ".bmp", ".tif", ".tiff")  # a path value names an image
 
 # --prompt-instruction's default (geo3k's); multi-turn's system prompt: the episode alone, no task, no tool (chat.prompt)
 INSTRUCTION = flags.INSTRUCTION
@@ -133,6 +134,13 @@ def _read_rows(source, split):
     raise DataError(f"{source}: no such file or folder")
 
 
+def _looks_like_image(value):
+    value = value[0] if isinstance(value, list) and value else value
+    if isinstance(value, dict):
+        return "bytes" in value or "path" in value
+    return isinstance(value, (bytes, Image.Image)) or str(value).lower().endswith(IMAGE_SUFFIXES)
+
+
 def _record(row, base_dir, input_key, label_key, image_key, max_pixels, allow_urls, allow_outside):
     if "__error__" in row:
         raise ValueError(row["__error__"])
@@ -174,7 +182,8 @@ def load_geo3k(source, split=None, input_key="problem", label_key="answer", max_
         raise DataError(f"""--multimodal-keys {json.dumps(keys)}: images only here, '{{"image": "COLUMN"}}'""")
     images = keys.get("image") or ("image" if "image" in columns and "images" not in columns else "images")
     markers = any("<image>" in str(row.get(input_key, "")) for row in rows)
-    if columns and images not in columns and not keys.get("image") and not markers:  # no image anywhere: a text task
+    pictures = any(_looks_like_image(v) for row in rows for v in row.values())  # a forgotten image column
+    if columns and images not in columns and not keys.get("image") and not markers and not pictures:  # a text task
         images = None
         if verbose:
             print(f"[data] {name}: no image column (images, image): text-only rows", file=sys.stderr)

@@ -56,7 +56,7 @@ def add_column_args(a):
     a("--allow-image-urls", action="store_true", help="fetch http(s) images of data rows (off: such rows are bad)")
     a("--allow-outside-paths", action="store_true", help="let data rows' image paths leave the data set's folder")
     a("--max-bad-frac", type=fraction, default=0.01, help="stop when more data rows than this are unusable")
-    a("--rollout-interaction-env-path", default="env_geo3k", help="the env module, dotted and importable (miles'): "
+    a("--rollout-interaction-env-path", default="env_geo3k", help="the env module, dotted and importable (miles' name): "
       "its build_env(sample, args) runs multi-turn episodes, its tools reach the prompt (docs/extending.md)")
     a("--prompt-instruction", default=INSTRUCTION, help="what every prompt's user turn ends with (default: geo3k's; '': none)")
 

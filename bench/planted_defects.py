@@ -23,7 +23,7 @@ DEFECTS = {
                  "return -torch.minimum(ratio * adv, clipped * adv)", "return -torch.maximum(ratio * adv, clipped * adv)",
                  ["tests/test_loss.py", "tests/test_grpo.py"]),
     "adv_no_std": ("advantages: the std division dropped", "loss.py",
-                   "lambda r: (r - r.mean()) / (r.std() + 1e-6)", "lambda r: r - r.mean() + 0 * r.std()",
+                   "return (r - r.mean()) / (r.std() + 1e-6)", "return r - r.mean() + 0 * r.std()",
                    ["tests/test_loss.py"]),
     "gspo_sum": ("GSPO: a sequence's log-ratios summed, not averaged", "loss.py",
                  "d.sum() / max(1, len(d))", "d.sum()", ["tests/test_loss.py", "tests/test_grpo.py"]),
