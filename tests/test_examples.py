@@ -41,7 +41,8 @@ def test_std_filter_table(rewards, correct, keep):
 
 
 @pytest.mark.parametrize("expression,text", [("37 * 41", "37 * 41 = 1517"), ("(1 + 2) / 4", "= 0.75"),
-                                             ("__import__('os')", "Error: cannot evaluate"), ("1 / 0", "Error:")])
+                                             ("-3 + 5", "= 2"), ("__import__('os')", "Error: cannot evaluate"),
+                                             ("1 / 0", "Error:")])
 def test_calculator_table(expression, text):
     env = env_calc.build_env({"answer": "1517"}, G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x",
                                                                "--max-turns", "3"]))
