@@ -374,7 +374,8 @@ def sglang_placement(args, cuda, n_gpus, local_world, visible=None, index=0):
     ids, env = visible.split(",") if visible else [str(i) for i in range(n_gpus)], {}
     if args.colocate:  # released, no /health token; a restart meets the trainer's memory (docs/sglang.md, "Where")
         gpus, env = ids[:local_world], {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0",
-                                        "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "0"}
+                                        "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "0",
+                                        "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1"}  # else a release keeps its CUDA graphs
         if "--enable-memory-saver" not in flags:
             flags.append("--enable-memory-saver")
         if "--mem-fraction-static" not in flags:
