@@ -124,8 +124,10 @@ class Run:
         name = f"iter_{step:07d}"
         tmp, final = self.save / f".tmp_{name}", self.save / name
         state_dir = tmp / "train_state"
-        bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]  # every rank: its own shards
-        if parallel.all_reduce(torch.tensor(float(len(bad)), device=self.par.device), None, dist.ReduceOp.MAX).item():
+        named = list(model.named_parameters())  # every rank its own shards; the device read once for all of them
+        finite = torch.stack([torch.isfinite(p).all().to(self.par.device) for _, p in named])
+        if parallel.all_reduce((~finite).sum(), None, dist.ReduceOp.MAX).item():
+            bad = [n for (n, _), ok in zip(named, finite.tolist()) if not ok]
             raise SystemExit(f"[run] step {step}: weights not finite (NaN or inf{': ' if bad else ''}{', '.join(bad[:3])})"
                              f"; not saved, earlier checkpoints kept: lower --lr and resume with --load {self.save}")
         try:
