@@ -250,12 +250,14 @@ class SGLangEngine(Engine):
         """Free the server's GPU memory regions `tags`."""
         self.server.call("/release_memory_occupation", {"tags": list(tags)})
         self.released |= set(tags)
+        self.server.released = True
 
     def resume(self, tags=MEMORY_TAGS):
         """Take back those of `tags` that release() freed: SGLang raises on a region resumed twice."""
         if tags := [t for t in tags if t in self.released]:
             self.server.call("/resume_memory_occupation", {"tags": tags})
             self.released -= set(tags)
+            self.server.released = bool(self.released)
 
 
 def weight_update(server, path, body):
