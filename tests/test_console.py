@@ -158,8 +158,9 @@ def test_run_shs_torchrun_line_works_on_a_torchrun_with_and_without_shutdown_tim
 def test_preemption_through_run_shs_torchrun_saves_the_step_and_the_same_command_resumes(ckpt, d, tmp_path):
     """run.sh's torchrun SIGTERMed (its pid, not the ranks'), as a scheduler preempts a job: torchrun passes the
     signal on and SIGKILLs its workers a shutdown timeout later (torch's default 30 s, launcher/api.py:148-151 and
-    elastic/multiprocessing/api.py:1023-1053; 2 s here, by TORCH_ELASTIC_SHUTDOWN_TIMEOUT), while the step in
-    flight takes 4 s more once signalled (tests/_slow_stop.py). run.sh's --shutdown-timeout wins: the step's
+    elastic/multiprocessing/api.py:1023-1053; 2 s in the caller's TORCH_ELASTIC_SHUTDOWN_TIMEOUT here), while the
+    step in flight takes 4 s more once signalled (tests/_slow_stop.py). run.sh's own (its --shutdown-timeout, and the
+    variable it exports) wins: the step's
     checkpoint is written and torchrun exits 1, as run.sh says (its agent re-raises the signal once the workers
     are done: elastic/agent/server/api.py:752-756). The same command again resumes: no step lost or repeated."""
     save = tmp_path / "run"
