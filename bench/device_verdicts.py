@@ -49,7 +49,7 @@ def offload_passed(r):
 
 def setup_passed(r):
     """A GPU, and a fused SDPA kernel (flash, cuDNN or efficient) took the local attention; a dry run: neither."""
-    return r["dry"] or r["gpu"] is not None and isinstance(r["sdpa"], dict) and r["sdpa"]["passed"]
+    return r["dry"] or (r["gpu"] is not None and isinstance(r["sdpa"], dict) and r["sdpa"]["passed"])
 
 
 # each check's verdict from its numbers alone (and `dry`): tests/test_device_check.py plants a mismatch in each
