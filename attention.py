@@ -19,7 +19,7 @@ class PackedCoreAttention(torch.nn.Module):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         # query (T, heads, dim); key, value (T, groups, dim): GQA is expanded by SDPA; THD packed_seq_params: model.py's
-        cu = packed_seq_params.cu_seqlens_q.tolist()
+        cu = host_bounds(packed_seq_params)
         if self.cp > 1:
             return self._context_parallel(query, key, value, cu)
         out = []  # 4-D (1, heads, T_i, dim): torch's flash, efficient and cuDNN kernels take no 3-D (sdp_utils)
@@ -44,6 +44,14 @@ class PackedCoreAttention(torch.nn.Module):
                                                       enable_gqa=True)[0].transpose(0, 1))
             lo += n
         return torch.cat(out).reshape(query.shape[0], -1)
+
+
+def host_bounds(params):
+    """cu_seqlens_q as a list, read once a forward: every layer gets the same PackedSeqParams (model.py), and each
+    .tolist() of a CUDA tensor waits for every kernel queued before it."""
+    if getattr(params, "host_cu", None) is None:
+        params.host_cu = params.cu_seqlens_q.tolist()
+    return params.host_cu
 
 
 def local_layer_spec(**kw):

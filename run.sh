@@ -34,7 +34,7 @@
 #
 #   Preemption (GPU recipe, --exit-signal-handler): a SIGTERM to torchrun reaches every rank, the step in flight
 #       ends and is saved; torchrun kills what still runs SHUTDOWN_TIMEOUT seconds (default 600; 30 s fixed on
-#       torch < 2.13) after the signal, then exits 1 even when every rank exited 0. Rerun the same command: it resumes.
+#       torch < 2.12) after the signal, then exits 1 even when every rank exited 0. Rerun the same command: it resumes.
 cd "$(dirname "$0")"
 die() { echo "run.sh: $*" >&2; exit 2; }
 if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then sed -n '2,/^[^#]/s/^# \{0,1\}//p' run.sh; exit 0; fi
@@ -162,10 +162,13 @@ fi
 [[ -n "${GPUS_PER_ENGINE:-}" ]] && PLACE+=(--rollout-num-gpus-per-engine "$GPUS_PER_ENGINE")
 # torchrun SIGKILLs its workers --shutdown-timeout seconds after passing a SIGTERM on (torch's default 30 s,
 # launcher/api.py:148-151): too short for a step and its checkpoint (tests/test_console.py runs these lines).
-# torch < 2.13 (pytorch PR 172596) has no such flag: its agent's 30 s are fixed (2.11's multiprocessing/api.py:649)
+# torch 2.12.0 added the flag (run.py:689) and TORCH_ELASTIC_SHUTDOWN_TIMEOUT, read where no flag is given
+# (launcher/api.py:144-147; any elastic launch in this job); 2.11 has neither: its agent's 30 s are fixed
+# (multiprocessing/api.py:649) and the variable is ignored
 TORCHRUN=(.venv/bin/torchrun --shutdown-timeout "${SHUTDOWN_TIMEOUT:-600}")
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-600}
 .venv/bin/torchrun --help | grep -q -- --shutdown-timeout || { TORCHRUN=(.venv/bin/torchrun)
-  echo "run.sh: this torchrun has no --shutdown-timeout (torch < 2.13): a preempted step has 30 s to end and save" >&2; }
+  echo "run.sh: this torchrun has no --shutdown-timeout (torch < 2.12): a preempted step has 30 s to end and save" >&2; }
 exec "${TORCHRUN[@]}" --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \
     --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}" --nproc-per-node "$TRAIN_GPUS" \
   train_grpo.py --hf-checkpoint "$MODEL" --prompt-data "$DATA" --eval-prompt-data "$DATA" --eval-split test \

@@ -250,12 +250,14 @@ class SGLangEngine(Engine):
         """Free the server's GPU memory regions `tags`."""
         self.server.call("/release_memory_occupation", {"tags": list(tags)})
         self.released |= set(tags)
+        self.server.released = True
 
     def resume(self, tags=MEMORY_TAGS):
         """Take back those of `tags` that release() freed: SGLang raises on a region resumed twice."""
         if tags := [t for t in tags if t in self.released]:
             self.server.call("/resume_memory_occupation", {"tags": tags})
             self.released -= set(tags)
+            self.server.released = bool(self.released)
 
 
 def weight_update(server, path, body):
@@ -374,7 +376,8 @@ def sglang_placement(args, cuda, n_gpus, local_world, visible=None, index=0):
     ids, env = visible.split(",") if visible else [str(i) for i in range(n_gpus)], {}
     if args.colocate:  # released, no /health token; a restart meets the trainer's memory (docs/sglang.md, "Where")
         gpus, env = ids[:local_world], {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0",
-                                        "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "0"}
+                                        "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "0",
+                                        "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1"}  # else a release keeps its CUDA graphs
         if "--enable-memory-saver" not in flags:
             flags.append("--enable-memory-saver")
         if "--mem-fraction-static" not in flags:

@@ -99,6 +99,7 @@ class Server:
         self.max_restarts, self.restarts, self.epoch = max_restarts, 0, 0
         self.pool = ThreadPoolExecutor(256, thread_name_prefix="sglang-req")  # requests in flight at most
         self.lock, self.proc = threading.Lock(), None
+        self.released = False  # its GPU memory freed (SGLangEngine.release): no token may probe it
         _install_handlers()
         _LIVE.add(self)
         try:
@@ -145,9 +146,9 @@ class Server:
         except OSError as e:
             return f"(no log: {e})"
 
-    def _healthy(self, timeout):
+    def _healthy(self, timeout, path="/health"):
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=timeout) as r:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
                 return r.status == 200
         except (OSError, http.client.HTTPException):
             return False
@@ -157,7 +158,9 @@ class Server:
         with self.lock:
             if self.epoch != epoch or self.proc is None:
                 return
-            if self.proc.poll() is None and self._healthy(30.0):
+            # one token through its scheduler unless released: /health may answer from its status alone, 200 from a
+            # hung scheduler (SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0; SGLang 0.5.23 http_server.py:721-795)
+            if self.proc.poll() is None and self._healthy(30.0, "/health" if self.released else "/health_generate"):
                 return  # a transient error: the server is fine, just retry
             if self.restarts >= self.max_restarts:
                 raise RuntimeError(f"SGLang server died {self.restarts + 1} times ({error}); last lines "
@@ -229,9 +232,9 @@ class Router(Server):
                          timeout, request_timeout, max_restarts=3, on_restart=lambda: None, api_key=api_key,
                          name="router")
 
-    def _healthy(self, timeout):
+    def _healthy(self, timeout, path=None):
         """At its start every worker registered and healthy (its /health says 200 before that), later one:
-        a dead server is its node's to restart."""
+        a dead server is its node's to restart (path: a server's probe, not the router's)."""
         need = 1 if getattr(self, "ready", False) else len(self.workers)
         try:
             with urllib.request.urlopen(self.url + "/readiness", timeout=timeout) as r:

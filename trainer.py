@@ -124,8 +124,9 @@ class Run:
         name = f"iter_{step:07d}"
         tmp, final = self.save / f".tmp_{name}", self.save / name
         state_dir = tmp / "train_state"
-        bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]  # every rank: its own shards
-        if parallel.all_reduce(torch.tensor(float(len(bad)), device=self.par.device), None, dist.ReduceOp.MAX).item():
+        finite = torch.stack([torch.isfinite(p).all().to(self.par.device) for p in model.parameters()])  # its shards
+        if parallel.all_reduce((~finite).sum(), None, dist.ReduceOp.MAX).item():  # the device read once, not a tensor
+            bad = [n for (n, _), ok in zip(model.named_parameters(), finite.tolist()) if not ok]
             raise SystemExit(f"[run] step {step}: weights not finite (NaN or inf{': ' if bad else ''}{', '.join(bad[:3])})"
                              f"; not saved, earlier checkpoints kept: lower --lr and resume with --load {self.save}")
         try:

@@ -6,10 +6,11 @@ something that is not itself. bench/device_check.sh installs the carried wheels 
     python bench/device_checks.py --one NAME --work DIR [--dry-run]            # one check (the driver starts these)
 
 The driver runs each check in a process of its own under its own time limit (tests/launch.py ends the whole
-process tree at it: a hang costs that check alone; so does a SIGTERM to the driver), in the order of CHECKS (the
-cheap ones first: what a slow one spends past the budget is the last checks'), within BUDGET_S in all, and writes
-{"check", "status": PASS|FAIL|SKIP, "seconds", numbers...} to <out>/checks.jsonl and each check's output to
-<out>/device_check.log. A check's numbers come from <work>/<NAME>.json, which it writes when it ends, with its
+process tree at it: a hang costs that check alone; so does a SIGTERM to the driver), in the order of CHECKS (setup,
+which says which SDPA kernels take the local attention, then grpo, the one full-size step, then the cheap ones:
+what a slow one spends past the budget is the last checks'), within BUDGET_S in all, and writes {"check", "status":
+PASS|FAIL|SKIP, "seconds", numbers...} to <out>/checks.jsonl, then a "budget" row naming the checks skipped or cut
+short for time, and each check's output to <out>/device_check.log. A check's numbers come from <work>/<NAME>.json, which it writes when it ends, with its
 verdict (VERDICTS: a function of those numbers alone, each seen to fail in tests/test_device_check.py).
 """
 import argparse
@@ -24,20 +25,26 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
+import device_flops  # noqa: E402 - MFU's numerator and denominator
 import device_verdicts  # noqa: E402 - how each check is judged
 import launch  # noqa: E402 - the tests' process starter (imports torch)
 
 # seconds each check may take on the GPU (its process is ended past it): caps against a hang, not shares of the
-# budget (they sum past it: the last checks get what is left). BUDGET_S: all of them; bench/device_check.sh's
-# own limit is DRY_SCALE x BUDGET_S (dry) + MARGIN_S: the driver's imports (~15 s), the last check's end
-# (launch.KILL_GRACE_S + 5 s) and the rows, so that with the wheels (~20 s) it ends within 8 minutes.
+# budget (they sum past it: the last checks get what is left; setup and grpo always get theirs). BUDGET_S: all of
+# them; bench/device_check.sh's own limit is DRY_SCALE x BUDGET_S (dry) + MARGIN_S: the driver's imports (~15 s),
+# the last check's end (launch.KILL_GRACE_S + 5 s) and the rows; with the wheels (WHEELS_S) under 8 minutes.
+# A task's device time is DEVICE_S in all, a machine's start (START_S, "minutes") counted (the device README): the
+# whole check and then a rerun of setup and grpo on the warm machine fit in it (tests/test_device_check.py).
 # A dry run gets DRY_SCALE x both: the CPU suite's 2 shared cores run it beside other tests. Not in a dry run:
 # FLA's first Triton compile and autotune on a fresh machine (parity's Qwen3.5 meets it first; gdn says its cost).
-LIMITS = {"setup": 100, "preempt": 100, "ckpt": 75, "offload": 75, "parity": 120, "gdn": 90, "gdn_tf32": 60,
-          "grpo": 150}
-BUDGET_S = 420
+LIMITS = {"setup": 100, "grpo": 150, "preempt": 100, "ckpt": 75, "offload": 75, "parity": 120, "gdn": 90,
+          "gdn_tf32": 60}
+BUDGET_S = 390
 MARGIN_S = 40
 DRY_SCALE = 3
+DEVICE_S = 900
+START_S = 120
+WHEELS_S = 20
 GIB = 2 ** 30
 ARCHS = ("qwen3_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe")  # Qwen2.5-VL: model.VISION on transformers 5.17
 # Megatron (local spec) vs transformers. fp32: the CPU suite's bounds (tests/test_model.py, test_qwen3_5.py: logits
@@ -65,8 +72,6 @@ BOUNDS = {"fp32": dict(logits=1e-4, grad=1e-4, decay=1e-3, logprob=1e-4),
 # chunks); bound 2e-2 (4x). Backward stores dh and dv in bf16 too and runs the chain twice: 4e-2; the gate's
 # gradient is a sum of cancelling terms (as A_log's above): 0.1.
 GDN_BOUNDS = {"fp32": dict(out=1e-4, grad=1e-4, dg=1e-3), "bf16": dict(out=2e-2, grad=4e-2, dg=0.1)}
-# dense bf16 peak of the GPU by name (NVIDIA's data sheets, SXM; PCIe H100 756): MFU's denominator
-PEAK_BF16 = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12))
 BF16 = ["--bf16", "--accumulate-allreduce-grads-in-fp32", "--use-distributed-optimizer"]
 
 
@@ -79,7 +84,7 @@ def setup(w, dry, real_config):
     """Tiny Qwen3-VL, Qwen3.5 and Qwen3.5-MoE checkpoints (tools/tiny.py), a synthetic set (tools/synth.py), and
     `real`: Qwen3-VL-2B's real config with random bf16 weights (dry run: its structure at toy widths, tiny.py
     --like; without the config, as in a fork's CI, the tiny Qwen3-VL, said), with the tiny processor (the real Qwen
-    vocabulary). -> versions, and what is missing, by name."""
+    vocabulary). -> versions, what is missing, by name, and which SDPA kernels take the local attention (sdpa)."""
     import torch
     import transformers
     import megatron.core
@@ -107,7 +112,11 @@ def setup(w, dry, real_config):
         except Exception as e:  # noqa: BLE001 - absent or broken: either way the check runs without it
             missing[pkg] = f"{type(e).__name__}: {e}"
     cuda = torch.cuda.is_available()
-    return dict(real=str(real_config) if found else "the tiny Qwen3-VL (no Qwen3-VL-2B config here)",
+    try:  # first, so that a later check's time-out cannot lose it; an error here is its row's, not setup's end
+        sdpa = sdpa_backends() if cuda else "not run: CPU"
+    except Exception as e:  # noqa: BLE001
+        sdpa = {"passed": False, "error": f"{type(e).__name__}: {e}"[:300]}
+    return dict(real=str(real_config) if found else "the tiny Qwen3-VL (no Qwen3-VL-2B config here)", sdpa=sdpa,
                 python=sys.version.split()[0], torch=torch.__version__, cuda=torch.version.cuda,
                 transformers=transformers.__version__, megatron_core=megatron.core.__version__,
                 gpu=torch.cuda.get_device_name() if cuda else None, missing=missing,
@@ -149,8 +158,7 @@ def sdpa_backends():
 
 def parity(w, dry, real_config):
     """Megatron (local spec) vs transformers on one device, each tiny family: logits of tools/check.py's packed
-    batch and every tensor's gradient of tests/_model_tp_worker.grad_errors' loss, fp32 and bf16 (BOUNDS); and
-    which SDPA kernels the local spec's attention reaches (sdpa_backends)."""
+    batch and every tensor's gradient of tests/_model_tp_worker.grad_errors' loss, fp32 and bf16 (BOUNDS)."""
     import torch
     from transformers import AutoModelForImageTextToText
     import model as M
@@ -177,7 +185,7 @@ def parity(w, dry, real_config):
             del model, hf
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    return dict(out, bounds=BOUNDS, sdpa=sdpa_backends() if torch.cuda.is_available() else "not run: CPU")
+    return dict(out, bounds=BOUNDS)
 
 
 def gdn(w, dry, real_config, dtypes=tuple(GDN_BOUNDS)):
@@ -245,42 +253,10 @@ def gdn_tf32(w, dry, real_config):
     return gdn(w, dry, real_config, ("bf16",))
 
 
-def train_flops(counts, cfg, items):
-    """Model FLOPs of one forward and backward (3x the forward's) over trainer items: the language model's matrices
-    at every token, the LM head at scored tokens only (logprobs.py computes no other), causal attention's two
-    products per sequence (packed rows attend within each), the vision tower's matrices at every patch (its own
-    attention left out: 4-64 merged tokens an image here). counts: bench/memory.count_params'. Dense models."""
-    tc = cfg.text_config
-    hd = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    head = tc.vocab_size * tc.hidden_size
-    body = counts["text"] + counts["experts"] - head * (1 if cfg.tie_word_embeddings else 2)  # less embedding, head
-    fwd = 0
-    for it in items:
-        n, scored = len(it.ids), int(it.mask.sum())
-        patches = 0 if it.image_grid_thw is None else int(it.image_grid_thw.prod(-1).sum())
-        fwd += 2 * (body * n + head * scored + tc.num_hidden_layers * tc.num_attention_heads * hd * n * n
-                    + counts["vision"] * patches)
-    return 3 * fwd
-
-
-def matmul_flops_per_s():
-    """An 8192^3 bf16 product's rate on this GPU (the mean of ten after three): what dense matrix work reaches."""
-    import torch
-    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        a @ b
-    torch.cuda.synchronize()
-    return 10 * 2 * 8192 ** 3 / (time.perf_counter() - t)
-
-
 def grpo(w, dry, real_config):
     """Two GRPO steps of `real` (Qwen3-VL-2B's config, random weights), bf16 with fp32 master weights and gradients
     and the distributed optimizer, the local engine generating on the same GPU; the second step's numbers: rollout
-    and training tokens/s, MFU against the GPU's dense bf16 peak (PEAK_BF16, by name; and against a measured matrix
+    and training tokens/s, MFU against the GPU's dense bf16 peak (device_flops.PEAK_BF16, by name; and against a measured matrix
     product), the training phase's peak memory against bench/memory.py's estimate for the same flags. Its last
     checkpoint is not written (the 2B's optimizer state is ~25 GB of disk): ckpt and preempt write theirs."""
     import torch
@@ -298,7 +274,7 @@ def grpo(w, dry, real_config):
             torch.cuda.reset_peak_memory_stats()
         stats = train(self, batch)
         items = [it for part in batch.items if part for it in part]
-        stats["train_flops"] = train_flops(counts, self.model.hf_config, items)
+        stats["train_flops"] = device_flops.train_flops(counts, self.model.hf_config, items)
         if cuda:
             stats["train_peak_alloc_gib"] = torch.cuda.max_memory_allocated() / GIB
         return stats
@@ -320,10 +296,10 @@ def grpo(w, dry, real_config):
     out["estimate_train_gib"] = sum(est[k] for k in ("weights", "grads", "optimizer", "activations", "recompute")) / GIB
     if cuda:
         name = torch.cuda.get_device_name()
-        peak = next((p for k, p in PEAK_BF16 if k in name), None)
+        peak = next((p for k, p in device_flops.PEAK_BF16 if k in name), None)
         engine = 4 * sum(counts.values()) / GIB  # the local engine's fp32 copy, on the GPU throughout
         out.update(gpu=name, peak_bf16_tflops=peak and peak / 1e12, mfu=peak and last["train_flops"] / last["train_s"] / peak,
-                   matmul_tflops=matmul_flops_per_s() / 1e12, train_peak_alloc_gib=last["train_peak_alloc_gib"],
+                   matmul_tflops=device_flops.matmul_flops_per_s() / 1e12, train_peak_alloc_gib=last["train_peak_alloc_gib"],
                    engine_gib=engine, trainer_peak_gib=last["train_peak_alloc_gib"] - engine)
         out["mfu_of_matmul"] = out["train_tflops_per_s"] / out["matmul_tflops"]
         out["trainer_peak_over_estimate"] = out["trainer_peak_gib"] / out["estimate_train_gib"]
@@ -403,8 +379,8 @@ def preempt(w, dry, real_config):
                 steps_after_resume=len(again), steps=done, resumed_steps=again)
 
 
-CHECKS = {"setup": setup, "preempt": preempt, "ckpt": ckpt, "offload": offload, "parity": parity, "gdn": gdn,
-          "gdn_tf32": gdn_tf32, "grpo": grpo}
+CHECKS = {"setup": setup, "grpo": grpo, "preempt": preempt, "ckpt": ckpt, "offload": offload, "parity": parity,
+          "gdn": gdn, "gdn_tf32": gdn_tf32}
 
 
 def one(name, work, dry, real_config):
@@ -434,19 +410,28 @@ def stop_with_me():
 
 
 def drive(out, work, dry, only, real_config):
-    """Each check in a process of its own, in order, within its limit and what is left of BUDGET_S -> exit code."""
+    """Each check in a process of its own, in order, within its limit and what is left of BUDGET_S; then the
+    "budget" row: the checks skipped for time, and those cut short by it (ended before their own cap) -> exit code."""
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     scale = DRY_SCALE if dry else 1
-    end, failed = time.time() + scale * BUDGET_S, 0
+    begin, failed = time.time(), 0
+    short = {"skipped_for_time": [], "cut_for_time": []}
     stop_with_me()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     with open(out / "checks.jsonl", "a") as results, open(out / "device_check.log", "a") as log:
+        def say(row):
+            line = json.dumps(row, default=str)
+            print(line, flush=True)
+            results.write(line + "\n")
+            results.flush()
         for name in [c for c in CHECKS if not only or c in only]:
-            t, limit = time.time(), min(scale * LIMITS[name], end - time.time())
+            t, cap = time.time(), scale * LIMITS[name]
+            limit = min(cap, begin + scale * BUDGET_S - t)
             row = {"check": name, "status": "SKIP", "seconds": 0}
             if limit < 15:
                 row["why"] = f"the {scale * BUDGET_S} s budget is spent"
+                short["skipped_for_time"].append(name)
             elif name != "setup" and not (work / "setup.json").exists():
                 row["why"] = "setup did not finish"
             else:
@@ -456,6 +441,9 @@ def drive(out, work, dry, only, real_config):
                     text, code = f"{r.stdout}\n{r.stderr}", r.returncode
                 except AssertionError as e:  # past its limit: launch.run ended its process tree
                     text, code = str(e), f"timed out after {limit:.0f} s"
+                    if limit < cap:
+                        row["why"] = f"cut short at the budget's end: {limit:.0f} s of its {cap} s"
+                        short["cut_for_time"].append(name)
                 got = json.loads((work / f"{name}.json").read_text()) if code == 0 else {}
                 row = dict(row, status="PASS" if got.pop("passed", False) else "FAIL", seconds=round(time.time() - t, 1), **got)
                 if code != 0:
@@ -463,10 +451,8 @@ def drive(out, work, dry, only, real_config):
                 log.write(f"===== {name} ({row['status']}, {row['seconds']} s)\n{text[-200_000:]}\n")
                 log.flush()
             failed += row["status"] != "PASS"
-            line = json.dumps(row, default=str)
-            print(line, flush=True)
-            results.write(line + "\n")
-            results.flush()
+            say(row)
+        say(dict(check="budget", budget_s=scale * BUDGET_S, spent_s=round(time.time() - begin, 1), **short))
     return 1 if failed else 0
 
 

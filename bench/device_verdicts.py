@@ -47,8 +47,13 @@ def offload_passed(r):
     return offload_check.passed(r)
 
 
+def setup_passed(r):
+    """A GPU, and a fused SDPA kernel (flash, cuDNN or efficient) took the local attention; a dry run: neither."""
+    return r["dry"] or (r["gpu"] is not None and isinstance(r["sdpa"], dict) and r["sdpa"]["passed"])
+
+
 # each check's verdict from its numbers alone (and `dry`): tests/test_device_check.py plants a mismatch in each
-VERDICTS = {"setup": lambda r: r["gpu"] is not None or r["dry"], "preempt": preempt_passed,
+VERDICTS = {"setup": setup_passed, "preempt": preempt_passed,
             "ckpt": lambda r: r["exact"] and r["max_abs_logit_diff"] <= 1e-4 * r["logit_scale"],
             "offload": offload_passed, "parity": rows_passed, "gdn": rows_passed, "gdn_tf32": rows_passed,
             "grpo": grpo_passed}

@@ -422,5 +422,38 @@ if [ "$GPUS" -ge 2 ] && "$PY" -c "import sglang" 2>/dev/null; then
   check grpo_sglang_colocated_tp2_restart_log bash -c "grep -c 'memory capacity is unbalanced' \
     $DIR/grpo_tp2_restart/sglang.log; ! grep -q 'RuntimeError: The memory capacity' $DIR/grpo_tp2_restart/sglang.log"
 fi
+# ---- issue 75 ----
+# the local spec's attention reads the packed sequences' bounds to the host once a forward, not once a layer: each
+# synchronising CUDA call of one forward counted (torch.cuda.set_sync_debug_mode), by line; attention.py's must be 1
+# (Megatron's unfused THD RoPE, rope_utils.py:204-215, syncs in every layer too: said)
+check local_attention_one_sync_a_forward "$PY" - "$DIR/tiny" <<'EOF'
+import collections, os, sys, warnings, torch
+sys.path.insert(0, ".")
+import model as M
+m = M.load_model(sys.argv[1], M.ModelOptions(transformer_impl="local"))
+seqs = [torch.arange(100, 164, device=m.par.device), torch.arange(200, 240, device=m.par.device)]
+with torch.no_grad():
+    m.logits(seqs)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        m.logits(seqs)
+    torch.cuda.set_sync_debug_mode(0)
+by_line = collections.Counter(f"{w.filename}:{w.lineno}" for w in seen)
+ours = sum(n for f, n in by_line.items() if f.startswith(os.path.abspath("attention.py") + ":"))
+print(f"{m.hf_config.text_config.num_hidden_layers} layers; syncs of one forward by line: {dict(by_line)}; attention.py: {ours}")
+sys.exit(0 if ours == 1 else 1)
+EOF
+if "$PY" -c "import sglang" 2>/dev/null; then
+  # colocated servers capture their CUDA graphs under the memory saver (SGLANG_MEMORY_SAVER_CUDA_GRAPH=1, the
+  # placement's env): releasing "cuda_graph" alone frees GPU memory, with the variable 0 nothing; both serve again
+  check sglang_released_cuda_graphs env TRITON_F32_DEFAULT=ieee "$PY" bench/colocated_check.py graphs "$DIR/tiny" \
+    "$DIR/graphs"
+  # a hung colocated server (its scheduler SIGSTOPped) answers /health 200 from its status: the recovery a failed
+  # request runs asks /health_generate (503 after SGLANG_HEALTH_CHECK_TIMEOUT, 5 s here), restarts it; it serves
+  check sglang_hung_server_restarted env TRITON_F32_DEFAULT=ieee SGLANG_HEALTH_CHECK_TIMEOUT=5 "$PY" \
+    bench/colocated_check.py hung "$DIR/tiny" "$DIR/hung"
+fi
 echo "$failed check(s) failed; logs in $DIR"
 exit $((failed > 0))

@@ -2,7 +2,7 @@
 
     python tests/fake_sglang.py --model-path DIR --host 127.0.0.1 --port P [--fake-record F.jsonl]
         [--fake-delay S] [--fake-token-delay S] [--fake-hold queue|N [--fake-gate FILE]] [--fake-abort-delay S]
-        [--fake-startup S] [any --real-sglang-flag value ...]
+        [--fake-startup S] [--fake-hung FILE] [any --real-sglang-flag value ...]
 
 Started by SGLangEngine through its `launch_cmd` in place of `python -m sglang.launch_server`.
 Every request is appended to the --fake-record file as {"path", "json", "pid"}; a request
@@ -200,8 +200,13 @@ class Handler(BaseHTTPRequestHandler):
         if self.path in ("/server_info", "/get_server_info", "/model_info", "/get_model_info"):
             time.sleep(self.server.state["info_delay"])  # what sglang-router asks before it registers a server
             return self._reply(404, {"error": f"no route {self.path}"})
-        if self.path in ("/health", "/health_generate"):
-            return self._reply(200, "")
+        if self.path == "/health" and os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION") == "0":
+            return self._reply(200, "")  # stock's answer from its status alone (http_server.py:745-749)
+        if self.path in ("/health", "/health_generate"):  # stock's: one token through the scheduler (721-795)
+            if self.path == "/health_generate":
+                self._record({"released": sorted(self.server.state["released"])})
+            hung = self.server.state["hung"] and os.path.exists(self.server.state["hung"])
+            return self._reply(503 if hung else 200, "")  # stock: 503 after SGLANG_HEALTH_CHECK_TIMEOUT (20 s)
         if self.path == "/flush_cache":
             self._record(None)
             return self._reply(200, "Cache flushed.\n")
@@ -392,6 +397,8 @@ def main():
                    help="idle child processes to start, as SGLang's scheduler/detokenizer")
     p.add_argument("--api-key", default=None, help="as stock's: requests without it get HTTP 401")
     p.add_argument("--fake-info-delay", type=float, default=0.0, help="seconds before answering /get_server_info")
+    p.add_argument("--fake-hung", default=None, help="while this file exists the scheduler is hung: a token probe "
+                                                     "(/health_generate; /health unless generation is off) gets 503")
     a, passthrough = p.parse_known_args()
     print(f"fake sglang pid={os.getpid()} pgid={os.getpgid(0)} passthrough={json.dumps(passthrough)}", flush=True)
     if a.fake_startup < 0:  # a server that never comes up
@@ -410,7 +417,7 @@ def main():
                     "api_key": a.api_key, "info_delay": a.fake_info_delay, "released": set(),
                     "token_delay": a.fake_token_delay, "aborted": set(), "gate": a.fake_gate,
                     "hold": a.fake_hold if a.fake_hold in (None, "queue") else int(a.fake_hold),
-                    "running": set(), "abort_delay": a.fake_abort_delay}
+                    "running": set(), "abort_delay": a.fake_abort_delay, "hung": a.fake_hung}
     tc = config.get("text_config") or config  # R3: a dense checkpoint's routes are made up (2 of 8 experts)
     server.state["routes"] = ((tc["num_hidden_layers"], tc.get("num_experts_per_tok", 2), tc.get("num_experts", 8))
                               if "--enable-return-routed-experts" in passthrough else None)

@@ -135,28 +135,32 @@ RUN_SH_TORCHRUN = "sed -n '/^TORCHRUN=/,/^exec /{/^exec /!p}' run.sh"  # the lin
 
 @pytest.mark.parametrize("has_flag", [True, False])
 def test_run_shs_torchrun_line_works_on_a_torchrun_with_and_without_shutdown_timeout(tmp_path, has_flag):
-    """torch < 2.13's torchrun has no --shutdown-timeout (argparse exits 2 on it): run.sh passes it only where
-    `torchrun --help` lists it, and says what the other gives (30 s). A fake .venv/bin/torchrun of each kind."""
+    """torch < 2.12's torchrun has no --shutdown-timeout (argparse exits 2 on it): run.sh passes it only where
+    `torchrun --help` lists it, and says what the other gives (30 s); TORCH_ELASTIC_SHUTDOWN_TIMEOUT, which 2.12's
+    launcher reads where no flag is given (launcher/api.py:144-147), says the same. A fake .venv/bin/torchrun of
+    each kind."""
     fake = tmp_path / ".venv" / "bin" / "torchrun"
     fake.parent.mkdir(parents=True)
     flag = "[--shutdown-timeout SHUTDOWN_TIMEOUT] " if has_flag else ""
     fake.write_text(f'#!/bin/bash\n[[ $1 == --help ]] && {{ echo "usage: torchrun [-h] {flag}[--standalone]"; exit 0; }}\n'
                     f'[[ " $* " == *" --shutdown-timeout "* && -z "{flag}" ]] && {{ echo "unrecognized arguments" >&2; exit 2; }}\n'
-                    'echo "ran: $*"\n')
+                    'echo "ran: $* (TORCH_ELASTIC_SHUTDOWN_TIMEOUT=$TORCH_ELASTIC_SHUTDOWN_TIMEOUT)"\n')
     fake.chmod(0o755)
     r = subprocess.run(["bash", "-c", f'eval "$({RUN_SH_TORCHRUN.replace("run.sh", str(ROOT / "run.sh"))})"; '
                         '"${TORCHRUN[@]}" --standalone x.py'], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert r.stdout == ("ran: --shutdown-timeout 600 --standalone x.py\n" if has_flag else "ran: --standalone x.py\n")
-    assert ("no --shutdown-timeout (torch < 2.13): a preempted step has 30 s" in r.stderr) != has_flag, r.stderr
+    said = "ran: --shutdown-timeout 600 --standalone x.py" if has_flag else "ran: --standalone x.py"
+    assert r.stdout == f"{said} (TORCH_ELASTIC_SHUTDOWN_TIMEOUT=600)\n", r.stdout
+    assert ("no --shutdown-timeout (torch < 2.12): a preempted step has 30 s" in r.stderr) != has_flag, r.stderr
 
 
 @pytest.mark.cores(lane=1)  # the longest two: one a lane
 def test_preemption_through_run_shs_torchrun_saves_the_step_and_the_same_command_resumes(ckpt, d, tmp_path):
     """run.sh's torchrun SIGTERMed (its pid, not the ranks'), as a scheduler preempts a job: torchrun passes the
     signal on and SIGKILLs its workers a shutdown timeout later (torch's default 30 s, launcher/api.py:148-151 and
-    elastic/multiprocessing/api.py:1023-1053; 2 s here, by TORCH_ELASTIC_SHUTDOWN_TIMEOUT), while the step in
-    flight takes 4 s more once signalled (tests/_slow_stop.py). run.sh's --shutdown-timeout wins: the step's
+    elastic/multiprocessing/api.py:1023-1053; 2 s in the caller's TORCH_ELASTIC_SHUTDOWN_TIMEOUT here), while the
+    step in flight takes 4 s more once signalled (tests/_slow_stop.py). run.sh's own (its --shutdown-timeout, and the
+    variable it exports) wins: the step's
     checkpoint is written and torchrun exits 1, as run.sh says (its agent re-raises the signal once the workers
     are done: elastic/agent/server/api.py:752-756). The same command again resumes: no step lost or repeated."""
     save = tmp_path / "run"

@@ -95,3 +95,25 @@ def test_local_attention_calls_sdpa_in_4d_with_the_same_outputs(monkeypatch, cp)
     cu = types.SimpleNamespace(cu_seqlens_q=torch.tensor([0, lens[0], sum(lens)]))
     out = core(q[rows], k, v, None, packed_seq_params=cu)
     assert dims == [4, 4] and torch.allclose(out, want[rows].reshape(len(rows), -1), atol=1e-5)
+
+
+def test_local_attention_reads_the_sequence_bounds_once_a_forward():
+    """PackedCoreAttention takes each packed sequence's bounds on the host; on CUDA each .tolist() of cu_seqlens
+    waits for every kernel queued before it: once a forward (every layer gets the same PackedSeqParams: model.py),
+    not once a layer (issue 75). Three layers' attention, counted on the tensor itself; their outputs unchanged."""
+    import types
+    import attention
+    reads = []
+
+    class Counted(torch.Tensor):
+        def tolist(self):
+            reads.append(1)
+            return super().tolist()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(20, h, 8, generator=g) for h in (4, 2, 2))
+    layers = [attention.PackedCoreAttention(types.SimpleNamespace(context_parallel_size=1), i, None, None)
+              for i in range(1, 4)]
+    psp = types.SimpleNamespace(cu_seqlens_q=torch.tensor([0, 8, 20]).as_subclass(Counted))
+    outs = [core(q, k, v, None, packed_seq_params=psp) for core in layers]
+    fresh = layers[0](q, k, v, None, packed_seq_params=types.SimpleNamespace(cu_seqlens_q=torch.tensor([0, 8, 20])))
+    assert len(reads) == 1 and all(torch.equal(o, fresh) for o in outs), reads

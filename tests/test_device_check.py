@@ -4,6 +4,7 @@ FLA's kernels and the CUDA cache, say they did not run) and reports the numbers 
 Its setup runs once a session through the script (--only setup); each other check is a test of its own, so they
 spread over the workers, each through the script's driver (device_checks.drive) on that one setup (issue 70)."""
 import fcntl
+import inspect
 import json
 import os
 from pathlib import Path
@@ -16,7 +17,9 @@ from conftest import ROOT, shared_dir
 from bench import device_checks
 
 A, D = device_checks.ARCHS, ("fp32", "bf16")
-WANT = {  # check -> what its row must hold besides PASS (in CHECKS' order: the cheap ones first)
+WANT = {  # check -> what its row must hold besides PASS (in CHECKS' order: grpo, then the cheap ones)
+    "grpo": lambda r: r["steps"] == 2 and min(r["rollout_tokens_per_s"], r["train_tokens_per_s"], r["train_tflops_per_s"],
+                                             r["estimate_train_gib"]) > 0,
     "preempt": lambda r: r["stopped_after"] > 0 and r["steps_after_resume"] == r["stopped_after"] + 1,
     "ckpt": lambda r: r["exact"] and r["max_abs_logit_diff"] <= 1e-4,
     "offload": lambda r: r["exact"] and r["freed_frac"] >= 0.9,
@@ -24,8 +27,6 @@ WANT = {  # check -> what its row must hold besides PASS (in CHECKS' order: the 
         r[f"{a}_fp32"]["logits"] <= 1e-4 and r[f"{a}_bf16"]["logits"] > 0 for a in A),
     "gdn": lambda r: r["torch_fp32"]["passed"] and r["fla_fp32"] == "not run: CPU",
     "gdn_tf32": lambda r: r["fla_bf16"] == "not run: CPU",
-    "grpo": lambda r: r["steps"] == 2 and min(r["rollout_tokens_per_s"], r["train_tokens_per_s"], r["train_tflops_per_s"],
-                                             r["estimate_train_gib"]) > 0,
 }
 
 
@@ -59,7 +60,7 @@ def device_setup(tmp_path_factory):
 def test_dry_run_setup_passes_and_says_what_is_missing(device_setup):
     _, row, said = device_setup
     assert row.get("status") == "PASS" and said.startswith("exit 0\n"), (row, said)
-    assert row["missing"].keys() >= {"transformer_engine", "sglang"}
+    assert row["missing"].keys() >= {"transformer_engine", "sglang"} and row["sdpa"] == "not run: CPU"
 
 
 def test_every_check_has_its_test():
@@ -76,18 +77,23 @@ def test_dry_run_check_passes_with_its_numbers(name, device_setup, tmp_path):
     assert f"===== {name} (PASS" in log
 
 
-def test_the_cheap_checks_run_first_and_the_outer_limit_is_the_budget_and_a_margin(tmp_path):
-    """The checks past the budget are the last ones: setup and the cheap three (whose limits fit the budget, so
-    they always get them) come first; device_check.sh's own limit is the driver's budget plus MARGIN_S, which
-    covers the driver's start (~15 s) and its last check's end (launch's SIGTERM, KILL_GRACE_S, SIGKILL, 5 s),
-    before timeout's SIGKILL; with the wheels (~20 s) a GPU run ends within 8 minutes."""
+def test_the_most_useful_checks_run_first_and_the_outer_limit_is_the_budget_and_a_margin(tmp_path):
+    """The checks past the budget are the last ones: setup (with the SDPA answer) and grpo, the one full-size step
+    (MFU, memory against the estimate), come first and always get their limits (issue 75: last, grpo was skipped);
+    device_check.sh's own limit is the driver's budget plus MARGIN_S, which covers the driver's start (~15 s) and its
+    last check's end (launch's SIGTERM, KILL_GRACE_S, SIGKILL, 5 s), before timeout's SIGKILL; with the wheels a GPU
+    run ends within 8 minutes, and a task's device time (a machine's start, the whole check, then a rerun of setup
+    and grpo) within its 15 minutes."""
     import re
     import subprocess
     D = device_checks
-    assert list(D.CHECKS)[:4] == ["setup", "preempt", "ckpt", "offload"]
+    assert list(D.CHECKS)[:2] == ["setup", "grpo"] and "sdpa" in inspect.getsource(D.setup)
+    assert "sdpa" not in inspect.getsource(D.parity)
     assert set(D.LIMITS) == set(D.CHECKS) == set(D.device_verdicts.VERDICTS)
-    assert sum(D.LIMITS[c] for c in list(D.CHECKS)[:4]) <= D.BUDGET_S
-    assert D.MARGIN_S >= 15 + launch.KILL_GRACE_S + 5 and D.BUDGET_S + D.MARGIN_S + 20 <= 8 * 60
+    assert D.LIMITS["setup"] + D.LIMITS["grpo"] <= D.BUDGET_S
+    assert D.MARGIN_S >= 15 + launch.KILL_GRACE_S + 5 and D.BUDGET_S + D.MARGIN_S + D.WHEELS_S <= 8 * 60
+    rerun = D.LIMITS["setup"] + D.LIMITS["grpo"] + D.MARGIN_S + D.WHEELS_S
+    assert D.DEVICE_S == 15 * 60 and D.START_S + D.BUDGET_S + D.MARGIN_S + D.WHEELS_S + rerun <= D.DEVICE_S
     r = subprocess.run(["bash", ROOT / "bench" / "device_check.sh", "--dry-run"], capture_output=True, text=True,
                        env=dict(os.environ, PY="true", OUT=str(tmp_path)), timeout=60)
     assert r.stdout.strip().endswith(f"limit {D.DRY_SCALE * D.BUDGET_S + D.MARGIN_S} s"), r.stdout + r.stderr
@@ -140,22 +146,22 @@ def test_each_checks_verdict_fails_on_a_planted_mismatch():
     for k in gdn:
         assert not V.gdn_row(dict(gdn, **{k: 0.5}), device_checks.GDN_BOUNDS["fp32"])["passed"], k
     rows = dict(qwen3_vl_fp32={"passed": True}, qwen3_vl_bf16={"passed": True}, bounds={}, dry=False)
-    good = {"setup": dict(gpu="H100", dry=False),
+    good = {"setup": dict(gpu="H100", dry=False, sdpa={"passed": True}),
             "preempt": dict(said=True, stopped_after=2, steps=[1, 2], latest="iter_0000002", resume_exit=0,
                             resumed_steps=[1, 2, 3]),
             "ckpt": dict(exact=True, max_abs_logit_diff=1e-4, logit_scale=2.0),
             "offload": dict(freed_frac=0.95, exact=True, pinned=True, returned_frac=0.92),
-            "parity": dict(rows, sdpa={"passed": True}), "gdn": dict(rows, fla_fp32={"passed": True}),
+            "parity": rows, "gdn": dict(rows, fla_fp32={"passed": True}),
             "gdn_tf32": dict(fla_bf16={"passed": True}, dry=False),
             "grpo": dict(steps=2, failed_frac=0, grad_norm=0.3, logprob_diff_mean=0.01, trainer_peak_over_estimate=1.1)}
-    planted = {"setup": [dict(gpu=None)],
+    planted = {"setup": [dict(gpu=None), dict(sdpa={"passed": False}), dict(sdpa="not run: CPU"),
+                         dict(sdpa={"passed": False, "error": "ImportError: attention"})],
                "preempt": [dict(said=False), dict(stopped_after=0, steps=[], latest=None, resumed_steps=[1]),
                            dict(steps=[1, 1]), dict(latest="iter_0000001"), dict(resume_exit=1),
                            dict(resumed_steps=[1, 2, 3, 4]), dict(resumed_steps=[3])],
                "ckpt": [dict(exact=False), dict(max_abs_logit_diff=3e-4)],
                "offload": [dict(freed_frac=0.5), dict(exact=False), dict(pinned=False), dict(returned_frac=0.1)],
-               "parity": [dict(qwen3_vl_bf16={"passed": False}), dict(sdpa={"passed": False}),
-                          dict(sdpa="not run: CPU")],
+               "parity": [dict(qwen3_vl_bf16={"passed": False}), dict(qwen3_vl_fp32="not run: CPU")],
                "gdn": [dict(fla_fp32={"passed": False}), dict(fla_fp32="not run: FLA missing")],
                "gdn_tf32": [dict(fla_bf16={"passed": False}), dict(fla_bf16="not run: FLA missing")],
                "grpo": [dict(steps=1), dict(failed_frac=0.1), dict(grad_norm=float("nan")), dict(grad_norm=0.0),
@@ -166,3 +172,28 @@ def test_each_checks_verdict_fails_on_a_planted_mismatch():
         for bad in planted[name]:
             assert not V.VERDICTS[name](dict(row, **bad)), (name, bad)
     assert V.VERDICTS["gdn"](dict(good["gdn"], fla_fp32="not run: CPU", dry=True))  # a dry run says it, passes
+    assert V.VERDICTS["setup"](dict(good["setup"], gpu=None, sdpa="not run: CPU", dry=True))
+
+
+def test_the_checks_skipped_or_cut_short_for_time_are_named(tmp_path, monkeypatch):
+    """The driver's last row says which checks the budget left out and which it ended before their own limit (a
+    time-out at the budget's end is not the check's hang). Each check here runs to its limit on a clock the test
+    moves (no process starts): grpo and preempt end at their caps, ckpt gets its own, offload only what is left,
+    parity nothing."""
+    D = device_checks
+    clock = [1000.0]
+    monkeypatch.setattr(D.time, "time", lambda: clock[0])
+
+    def start(args, limit, env):  # as launch.run past its limit
+        clock[0] += limit
+        raise AssertionError(f"{args[1]}: past {limit} s")
+    monkeypatch.setattr(D, "start", start)
+    (tmp_path / "setup.json").write_text("{}")
+    only = {"grpo", "preempt", "ckpt", "offload", "parity"}
+    assert D.drive(tmp_path, tmp_path, False, only, real_config()) == 1
+    got = rows(tmp_path)
+    assert [got[c]["status"] for c in ("grpo", "preempt", "ckpt", "offload", "parity")] == ["FAIL"] * 4 + ["SKIP"]
+    assert "why" not in got["ckpt"] and got["offload"]["why"].startswith("cut short at the budget's end")
+    assert D.LIMITS["grpo"] + D.LIMITS["preempt"] + D.LIMITS["ckpt"] < D.BUDGET_S < sum(D.LIMITS[c] for c in only)
+    assert got["budget"] == dict(check="budget", budget_s=D.BUDGET_S, spent_s=D.BUDGET_S, skipped_for_time=["parity"],
+                                 cut_for_time=["offload"])

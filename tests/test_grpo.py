@@ -343,9 +343,10 @@ def test_placement_of_the_sglang_server():
                           "--sglang-launch-cmd", "x", *flags, *extra])
         return a
     flags, env = sglang_placement(args("--colocate"), True, 8, 4)  # released: no /health generation (SGLang 0.5.23's
-    # http_server.py:721-760); a restart meets the trainer's uneven memory: the TP balance check a warning
+    # http_server.py:721-760); a restart meets the trainer's uneven memory: the TP balance check a warning; CUDA graphs
+    # captured under the memory saver, else releasing "cuda_graph" frees nothing (full_cuda_graph_backend.py:121-124)
     assert env == {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0", "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "0",
-                   "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+                   "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
     assert flags == ["--enable-memory-saver", "--mem-fraction-static", str(COLOCATE_MEM_FRACTION), "--tp-size", "4"]
     flags, _ = sglang_placement(args("--colocate", "--offload-train"), True, 8, 4)  # the trainer waits on the host
     assert flags[:3] == ["--enable-memory-saver", "--mem-fraction-static", "0.7"]
@@ -364,6 +365,7 @@ def test_placement_of_the_sglang_server():
     assert servers_per_node(two, True, 8) == 4
     flags, env = sglang_placement(two, True, 8, 8, index=1)
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"
+    assert env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "1"
     assert flags[-2:] == ["--tp-size", "2"]
     split = args("--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2")
     assert servers_per_node(split, True, 4) == 2

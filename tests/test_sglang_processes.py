@@ -76,6 +76,28 @@ def test_a_server_restarted_while_released_is_released_again(ckpt, tmp_path):
 
 
 
+def test_a_hung_server_is_restarted_though_its_health_answers_from_its_status(ckpt, tmp_path):
+    """Colocated servers answer /health from their status (SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0: no token on
+    released memory), so a hung scheduler says 200 there (http_server.py:745-749). A request that found the server
+    not answering asks /health_generate, one token through the scheduler (503 when hung), and restarts it; while
+    released it asks /health alone. The test hangs the scheduler (--fake-hung) and calls the recovery a failed
+    request calls (Server.call after a ServerDown)."""
+    hung = tmp_path / "hung"
+    eng, rec = sglang(ckpt, tmp_path, "--fake-hung", str(hung), env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"})
+    try:
+        first = eng.server.proc.pid
+        hung.touch()
+        eng.release()
+        eng.server._recover(eng.server.epoch, "timed out")
+        assert eng.server.restarts == 0 and eng.server.proc.pid == first  # released: not probed with a token
+        eng.resume()
+        eng.server._recover(eng.server.epoch, "timed out")
+        assert eng.server.restarts == 1 and eng.server.proc.pid != first
+        probes = [(r["json"]["released"], r["pid"]) for r in read_record(rec) if r["path"] == "/health_generate"]
+        assert probes == [([], first)], probes
+    finally:
+        eng.shutdown()
+
 def thread_gone(tid, timeout=30):
     """Wait until thread `tid` of this process has left the kernel's task list: PR_SET_PDEATHSIG, if armed for
     it, has been sent by then."""
