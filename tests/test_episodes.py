@@ -121,15 +121,24 @@ def test_truncation_and_failures(processor, records):
     assert s.status == "failed" and "placeholders" in s.fail_reason and set(s.loss_mask) == {0}, s.fail_reason
 
 
-def test_the_prompt_instruction_is_the_runs(processor, records):
+def test_the_prompt_instruction_is_the_runs(processor, records, tmp_path):
     """--prompt-instruction ends the user turn of every prompt, a rollout's single- and multi-turn, training's and
-    evaluation's (GRPO), and SFT's
-    encode; "" gives none; the multi-turn system prompt names no task (a fork's counting task is told nothing of
-    geometry). data.py show: tests/test_data.py."""
+    evaluation's (GRPO), and SFT's training and evaluation rows (issue 75: its eval set was geo3k's); "" gives none;
+    the multi-turn system prompt names no task (a fork's counting task is told nothing of geometry). data.py show:
+    tests/test_data.py."""
     import sft
+    from tools import synth
     problem = records[0]["problem"].split("<image>")[-1].strip()
+    rows = synth.write_synth(tmp_path, 1, n_test=1, seed=0)
     for instruction in ("Count the sides.", ""):
-        args = sft.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--prompt-instruction", instruction])
+        args = sft.parse_args(["--hf-checkpoint", "x", "--prompt-data", str(rows), "--eval-prompt-data", str(rows),
+                               "--save", "x", "--prompt-instruction", instruction])
+        for evaluation in (False, True):  # the rows SFT trains on and those it evaluates on
+            (item,) = sft.items(args, processor, evaluation=evaluation)
+            (row,) = data.load_geo3k(rows, "test" if evaluation else "train")
+            user = processor.tokenizer.decode(item.ids).split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+            ending = row["problem"].split("<image>")[-1].strip() + ("\n" + instruction if instruction else "")
+            assert user.endswith(ending) and "geometry" not in user, (evaluation, user)
         ids = [list(sft.encode(processor, records[0], args.prompt_instruction).ids)]
         for turns, evaluation in itertools.product((1, 2), (False, True)):  # training's rollouts and evaluation's
             eng = ScriptedEngine(processor, ["\\boxed{3}"])
