@@ -308,6 +308,33 @@ def test_a_declared_flag_args_lacks_is_an_error_naming_the_entry(monkeypatch, ca
         env_geo3k.build_env({"answer": "1", "images": []}, argparse.Namespace(max_turns=2))
 
 
+@pytest.mark.parametrize("kind,name", [("LOSSES", "ppo_clip"), ("ESTIMATORS", "grpo"), ("SHAPING", "overlong_penalty"),
+                                       ("FILTERS", "nonzero_std"), ("TOOLS", "calc_score")])
+def test_an_entry_of_each_registry_whose_flag_the_parser_lacks_is_refused_at_start(kind, name, monkeypatch, capsys):
+    """Issue 75: the check walked the losses and shaping terms only, so a tool's flag args lacked was not refused at
+    start. Each registry's entry (the env's TOOLS, the chosen filter too) that declares a flag the parser never took
+    (gained after it was built) is the parser's error naming the registry, the entry and the flag."""
+    import dataclasses
+    import env_geo3k
+    import reward
+    registry = {"LOSSES": L.LOSSES, "ESTIMATORS": L.ESTIMATORS, "SHAPING": reward.SHAPING, "FILTERS": task.FILTERS,
+                "TOOLS": env_geo3k.TOOLS}[kind]
+    entry = registry[name]
+    late = {"--late-size": dict(type=int, default=1)}
+    late = dataclasses.replace(entry, flags=late) if dataclasses.is_dataclass(entry) else entry._replace(flags=late)
+    build = G.build_parser
+
+    def built_before_the_flag(argv=()):
+        parser = build(argv)
+        monkeypatch.setitem(registry, name, late)
+        return parser
+    monkeypatch.setattr(G, "build_parser", built_before_the_flag)
+    with pytest.raises(SystemExit):
+        G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x"])
+    assert (f"error: {kind} entry {name!r} declares --late-size, which args lacks: add flags.own_flags({kind}) to the "
+            "parser") in capsys.readouterr().err
+
+
 def test_evaluation_reports_correctness_on_its_own_settings(monkeypatch):
     """evaluate: pass@1 greedy and pass@K at the rollout temperature, oracle and shaping off, and its numbers and rows
     are correctness, never the reward (here a sample rewarded 1.0 but wrong); training's accuracy reads it too."""
