@@ -54,7 +54,7 @@ FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")  # config.json m
 
 
 def family(folder):
-    """folder/config.json's model_type, one of FAMILIES; another is an error naming it and them, before anything loads."""
+    """An error naming folder/config.json's model_type and FAMILIES unless it is one of them (before anything loads)."""
     try:
         kind = json.loads((Path(folder) / "config.json").read_text()).get("model_type")
     except (ValueError, AttributeError) as e:
@@ -62,7 +62,6 @@ def family(folder):
     if kind not in FAMILIES:
         raise SystemExit(f"--hf-checkpoint {folder}: model_type {kind!r} (config.json) is not a family this trainer "
                          f"builds: {', '.join(FAMILIES)}")
-    return kind
 
 
 # config.json fields that shape a tensor, by name (sizes, dims, head and layer counts, layer kinds; not ids or rope)

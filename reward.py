@@ -239,9 +239,8 @@ def geo3k_reward(response, record, tol=0.05):
 
 
 def _bounded(fn, *a, faults=None, name=None, timeout=None):
-    """fn(*a) as a float (None stays None) within the time bound (`timeout` s of CPU and of wall time; None: CPU_LIMIT_S
-    of CPU, WALL_LIMIT_S of wall); 0.0 past it or on an exception, kept in `faults` (a sample's metadata): its
-    "timeouts" or "errors" [name], the first of each printed once."""
+    """fn(*a) as a float (None stays None) within `timeout` s of CPU and wall time (None: CPU_LIMIT_S, WALL_LIMIT_S);
+    0.0 past it or on an exception, kept in `faults` (a sample's metadata) ["timeouts" | "errors"][name], said once."""
     try:
         with _deadline(CPU_LIMIT_S if timeout is None else timeout, WALL_LIMIT_S if timeout is None else timeout):
             v = fn(*a)
@@ -275,8 +274,7 @@ def fault(metadata, name):
 
 
 def fault_counts(samples):
-    """{<name>_errors, <name>_timeouts: the samples (rollout.Sample) in which a judge, a shaping term or a tool raised
-    (raised), in which a judge or a term ran past its time bound}: the metrics of a rollout and of an evaluation."""
+    """{<name>_errors, <name>_timeouts: the samples in which an entry raised, ran past its bound}: rollouts' and evals'."""
     out = collections.Counter()
     for s in samples:
         tools = {i["tool"] for i in s.metadata.get("steps", ()) if i.get("raised")}
