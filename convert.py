@@ -50,6 +50,20 @@ _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth")
 
 
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")  # config.json model_types model.py builds (tools/tiny.py)
+
+
+def family(folder):
+    """An error naming folder/config.json's model_type and FAMILIES unless it is one of them (before anything loads)."""
+    try:
+        kind = json.loads((Path(folder) / "config.json").read_text()).get("model_type")
+    except (ValueError, AttributeError) as e:
+        raise SystemExit(f"--hf-checkpoint {folder}: its config.json is not a JSON object ({e})") from None
+    if kind not in FAMILIES:
+        raise SystemExit(f"--hf-checkpoint {folder}: model_type {kind!r} (config.json) is not a family this trainer "
+                         f"builds: {', '.join(FAMILIES)}")
+
+
 # config.json fields that shape a tensor, by name (sizes, dims, head and layer counts, layer kinds; not ids or rope)
 SHAPES = re.compile(r"architectures|tie_word_embeddings|layer_types|depth|in_chans|in_channels|"
                     r"num_(?!experts_per_tok).*|.*_(size|dim|heads|layers|indexes)")

@@ -15,17 +15,26 @@ class FromArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
 
 
-def at_least(low, high=math.inf):
-    """argparse type: a finite number (int when `low` is an int, else float) in [low, high]."""
-    kind, bound = type(low), f">= {low}" if high == math.inf else f"in [{low}, {high}]"
+def at_least(low, high=math.inf, above=False):
+    """argparse type: a finite number (int when `low` is an int, else float) in [low, high], (low, high] if `above`."""
+    kind = type(low)
+    bound = f"{'>' if above else '>='} {low}" if high == math.inf else f"in {'(' if above else '['}{low}, {high}]"
 
     def parse(text):
         v = kind(text)
-        if not low <= v <= high or v == math.inf:  # NaN fails too
+        if not low <= v <= high or v == math.inf or (above and v == low):  # NaN fails too
             raise argparse.ArgumentTypeError(f"{text}: must be a finite number {bound}")
         return v
     parse.__name__ = kind.__name__  # argparse's "invalid int value" wording for a non-number
     return parse
+
+
+def top_k(text):
+    """argparse type of a top-k: -1 (off) or at least 1, SGLang's bound (sglang/srt/sampling/sampling_params.py, verify)."""
+    v = int(text)
+    if v < 1 and v != -1:
+        raise argparse.ArgumentTypeError(f"{text}: must be -1 (off) or at least 1")
+    return v
 
 
 # shares; steps, sizes; intervals where 0 means "off" or "only at the end"

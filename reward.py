@@ -5,8 +5,8 @@ correctness (SHAPING: DAPO's overlong penalty), the one scoring call of each, th
     r = reward.rewarded(sample, record, cfg)  # sets sample.correct; -> correct + the SHAPING terms, a float
 
 A judge in REWARDS is (response, record) -> bool; a term in SHAPING is (sample, record, cfg) -> float, with its flags
-(docs/extending.md); each within a time bound on any thread, 0.0 on an exception, which is counted and printed once
-(raised; docs/reward.md). The first score() runs init()."""
+(docs/extending.md); each within a time bound (--rm-timeout) on any thread, 0.0 on an exception or past the bound, each
+counted (<name>_errors, <name>_timeouts) and the first printed (docs/reward.md). The first score() runs init()."""
 import collections
 import ctypes
 import functools
@@ -55,7 +55,7 @@ REFIRE_S = 0.2            # fire again this long after a _Timeout that some code
 _INIT_LOCK = threading.Lock()
 _FORK_HOOKED = False      # os.register_at_fork(_after_fork) done (a forked child inherits it)
 _READY = False            # init() done, here or in the process this one was forked from
-_TOLD = {}                # entry name -> the message of its first exception here (raised: printed once)
+_TOLD = {}                # (entry name, "errors" | "timeouts") -> its first message here (_once: printed once)
 
 
 def _watchdog():
@@ -238,33 +238,58 @@ def geo3k_reward(response, record, tol=0.05):
     return _judge(response, record.get("answer"), tol)
 
 
-def _bounded(fn, *a, errors=None, name=None):
-    """fn(*a) as a float (None stays None) within the time bound; 0.0 past it, or on an exception: errors[name] (raised)."""
+def _bounded(fn, *a, faults=None, name=None, timeout=None):
+    """fn(*a) as a float (None stays None) within `timeout` s of CPU and wall time (None: CPU_LIMIT_S, WALL_LIMIT_S);
+    0.0 past it or on an exception, kept in `faults` (a sample's metadata) ["timeouts" | "errors"][name], said once."""
     try:
-        with _deadline(CPU_LIMIT_S, WALL_LIMIT_S):
+        with _deadline(CPU_LIMIT_S if timeout is None else timeout, WALL_LIMIT_S if timeout is None else timeout):
             v = fn(*a)
             return None if v is None else float(v)
-    except (Exception, _Timeout) as e:
-        if errors is not None and not isinstance(e, _Timeout):  # a time-out is no bug of fn's: not counted
-            errors[name] = raised(name, a[1])  # a[1]: the data row, of a judge as of a term
-        return 0.0
+    except _Timeout:
+        if faults is not None:
+            bound = f"{CPU_LIMIT_S} s of CPU, {WALL_LIMIT_S} s of wall time" if timeout is None else f"{timeout} s"
+            faults.setdefault("timeouts", {})[name] = _once(name, "timeouts", f"{name} ran past its time bound ({bound}: "
+                                                            f"--rm-timeout) on the row {str(a[1])[:500]}\n")
+    except Exception:
+        if faults is not None:
+            faults.setdefault("errors", {})[name] = raised(name, a[1])  # a[1]: the data row, of a judge as of a term
+    return 0.0
 
 
 def raised(name, record):
     """In an except block: entry `name`'s exception on the data row `record` as a message, printed once per entry here."""
-    message = f"{name} raised on the row {str(record)[:500]}:\n{traceback.format_exc()}"
-    if _TOLD.setdefault(name, message) is message:  # dict.setdefault is atomic: printed by one thread
-        print(f"[error] {message}(counted as {name}_errors; later ones are not printed)", file=sys.stderr, flush=True)
+    return _once(name, "errors", f"{name} raised on the row {str(record)[:500]}:\n{traceback.format_exc()}")
+
+
+def _once(name, kind, message):
+    """message, printed by the first caller of each (entry, kind) in this process (dict.setdefault is atomic)."""
+    if _TOLD.setdefault((name, kind), message) is message:
+        print(f"[error] {message}(counted as {name}_{kind}; later ones are not printed)", file=sys.stderr, flush=True)
     return message
 
 
-def score(rm_type, response, record, errors=None):
+def fault(metadata, name):
+    """What entry `name` raised or ran past its time bound on a sample (its metadata), else None."""
+    return metadata.get("errors", {}).get(name) or metadata.get("timeouts", {}).get(name)
+
+
+def fault_counts(samples):
+    """{<name>_errors, <name>_timeouts: the samples in which an entry raised, ran past its bound}: rollouts' and evals'."""
+    out = collections.Counter()
+    for s in samples:
+        tools = {i["tool"] for i in s.metadata.get("steps", ()) if i.get("raised")}
+        out.update(f"{k}_errors" for k in {*s.metadata.get("errors", ()), *tools})
+        out.update(f"{k}_timeouts" for k in s.metadata.get("timeouts", ()))
+    return dict(out)
+
+
+def score(rm_type, response, record, faults=None, timeout=None):
     """The correctness of `response` to the data row `record` under --rm-type (a REWARDS name, or --custom-rm-path's
-    module.function): 1.0 or 0.0, within the time bound."""
+    module.function): 1.0 or 0.0, within the time bound (`timeout`: --rm-timeout)."""
     if rm_type not in REWARDS and "." not in str(rm_type):
         raise ValueError(f"unknown --rm-type {rm_type!r}; choose one of {sorted(REWARDS)}")
     judge = REWARDS[rm_type] if rm_type in REWARDS else task.judge(rm_type)
-    return 1.0 if _bounded(judge, response, record, errors=errors, name=rm_type) else 0.0
+    return 1.0 if _bounded(judge, response, record, faults=faults, name=rm_type, timeout=timeout) else 0.0
 
 
 def overlong_penalty(sample, record, cfg):
@@ -280,9 +305,9 @@ def overlong_penalty(sample, record, cfg):
 def rewarded(sample, record, cfg):
     """An ended sample of the data row `record` under the rollout's settings `cfg`: sample.correct (--rm-type's judge)
     -> its reward, correct (1.0 / 0.0) plus each SHAPING term that is on (none in evaluation), kept in its metadata."""
-    errors = sample.metadata.setdefault("errors", {})
-    sample.correct = score(cfg.rm_type, sample.response_text, record, errors) > 0
-    terms = {k: _bounded(t.term, sample, record, cfg, errors=errors, name=k) for k, t in SHAPING.items()} if cfg.shaping else {}
+    sample.correct = score(cfg.rm_type, sample.response_text, record, sample.metadata, cfg.rm_timeout) > 0
+    terms = {k: _bounded(t.term, sample, record, cfg, faults=sample.metadata, name=k, timeout=cfg.rm_timeout)
+             for k, t in SHAPING.items()} if cfg.shaping else {}
     sample.metadata["shaping"] = {k: v for k, v in terms.items() if v is not None}
     return float(sample.correct) + sum(sample.metadata["shaping"].values())
 

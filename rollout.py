@@ -59,8 +59,8 @@ def add_args(p, chosen=None):
     g("--n-samples-per-prompt", type=F.POSITIVE, default=4, help="responses per prompt (GRPO group)")
     g("--rollout-max-response-len", type=F.POSITIVE, default=256, help="tokens of a response, tool observations included")
     g("--rollout-temperature", type=F.at_least(0.0), default=1.0, help="0 = greedy")
-    g("--rollout-top-p", type=F.fraction, default=1.0, help="nucleus sampling")
-    g("--rollout-top-k", type=int, default=-1, help="-1 = off")
+    g("--rollout-top-p", type=F.at_least(0.0, 1.0, above=True), default=1.0, help="nucleus sampling, in (0, 1]")
+    g("--rollout-top-k", type=F.top_k, default=-1, help="-1 = off")
     g("--max-turns", type=F.POSITIVE, default=1, help="1 = single-turn; >1 drives the env (--rollout-interaction-env-path)")
     g("--n-samples-per-eval-prompt", type=F.POSITIVE, default=1, help="K > 1: evaluations report pass@K too (slime's)")
     g("--max-context-len", type=F.at_least(2), default=8192, help="prompt + response token cap")
@@ -74,6 +74,8 @@ def add_args(p, chosen=None):
     g("--rm-type", default="math", choices=list(reward.REWARDS), help="the correctness judge (reward.REWARDS)")
     g(task.JUDGE, default=None, help="your own judge, module.function (response, record) -> float | bool | None, "
       "in place of --rm-type's (slime's)")
+    g("--rm-timeout", type=F.at_least(0.0, above=True), default=None, help="seconds of CPU and of wall time a judge or "
+      f"shaping term has for a sample (default: {reward.CPU_LIMIT_S} CPU, {reward.WALL_LIMIT_S} wall); past it: 0.0, <name>_timeouts")
     env, keep = chosen or (task.env(None), task.group_filter(None))
     for name, kw in {**F.own_flags(reward.SHAPING), **task.flags(env), **keep.flags}.items():
         g(name, **kw)
@@ -393,9 +395,10 @@ class Rollout(_Episodes):
         for key, s in out:
             s.group, s.metadata["rollout"] = key, stats
         self.calls, self.stale, self.aborted, self.since = [], 0, 0, now
-        judged = [s.metadata.get("errors", {}).get(self.args.rm_type) for _, s in out if s.status != "failed"]
-        if judged and all(judged):  # scored 0.0 for nothing: a bug of the judge's (a column the data lacks), not the model's
-            raise SystemExit(f"--rm-type {self.args.rm_type} raised on every sample of this rollout; the first:\n{judged[0]}")
+        judged = [reward.fault(s.metadata, self.args.rm_type) for _, s in out if s.status != "failed"]
+        if judged and all(judged):  # scored 0.0 for nothing: the judge's bug (a column the data lacks) or bound, not the model's
+            raise SystemExit(f"--rm-type {self.args.rm_type} raised or ran past its time bound (--rm-timeout) on every "
+                             f"sample of this rollout; the first:\n{judged[0]}")
         return [s for _, s in out]
 
     def pause(self):

@@ -95,6 +95,15 @@ def encode(processor, record, instruction=data.INSTRUCTION, env=None):
     return T.Item(ids=torch.tensor(ids), mask=torch.tensor(mask), pixel_values=pixel_values, image_grid_thw=grid)
 
 
+def items(args, processor, verbose=True, evaluation=False):
+    """The training (evaluation: --eval-prompt-data's) rows as trainer Items, encoded alike: each prompt ends with
+    --prompt-instruction, the env's tools; a row over --max-tokens-per-gpu is skipped, counted (trainer.load_data)."""
+    env = task.env(args)
+    fit = dict(verbose=verbose, measure=lambda r: len(encode(processor, r, args.prompt_instruction, env).ids),
+               limit=(args.max_tokens_per_gpu, f"--max-tokens-per-gpu {args.max_tokens_per_gpu}"))
+    return [encode(processor, r, args.prompt_instruction, env) for r in T.load_data(args, evaluation=evaluation, **fit)]
+
+
 def batch_loss(model, par, items, max_tokens, backward):
     """Token-mean NLL of a global batch (this rank holds `items`); backward when asked."""
     n_tokens = T.global_sum(sum(int(it.mask.sum()) for it in items), par)
@@ -110,11 +119,8 @@ def main(argv=None):
     args = parse_args(argv)
     par, run = T.start(args, "sft", fixed=("global_batch_size",))  # a step's data: step x the batch
     processor = AutoProcessor.from_pretrained(args.hf_checkpoint)
-    env = task.env(args)
-    fit = dict(verbose=par.rank == 0, measure=lambda r: len(encode(processor, r, args.prompt_instruction, env).ids),
-               limit=(args.max_tokens_per_gpu, f"--max-tokens-per-gpu {args.max_tokens_per_gpu}"))
-    train = [encode(processor, r, args.prompt_instruction, env) for r in T.load_data(args, **fit)]
-    evals = [encode(processor, r, args.prompt_instruction, env) for r in T.load_data(args, evaluation=True, **fit)]
+    train = items(args, processor, par.rank == 0)
+    evals = items(args, processor, par.rank == 0, evaluation=True)
     per_epoch = math.ceil(len(train) / args.global_batch_size)
     total = per_epoch * args.num_epoch
     run.nothing_left(total, "--num-epoch")

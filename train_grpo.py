@@ -238,13 +238,16 @@ def evaluate(engine, processor, records, args, step, run):
             cfg = R.settings(args, True, n_samples_per_prompt=n, max_turns=turns, rollout_temperature=temperature)
             samples = R.generate_group_samples(engine, processor, records, cfg)
             out[key] = sum(any(s.correct for s in samples if s.group == g) for g in range(len(records))) / len(records)
+            for k, v in reward.fault_counts(samples).items():  # eval_<rm>_errors, eval_<rm>_timeouts: over its samples
+                out[f"{name}_{k}"] = out.get(f"{name}_{k}", 0) + v
             if n == 1:  # greedy multi-turn: the tools' use beside it (eval_multi_turn_tool_calls_<tool>, ..._crop_hit_frac)
                 env = task.env(args)
                 out.update({f"{name}_{k}": v for k, v in task.metrics(
                     env, [s.metadata.get("steps", []) for s in samples], [s.correct for s in samples],
                     sorted({t for r in records for t in task.tools(env, r)})).items()})
             rows += [dict(mode=key, index=s.group, problem=records[s.group]["problem"], answer=s.label,
-                          correct=s.correct, status=s.status, response=s.response_text) for s in samples]
+                          correct=s.correct, status=s.status, response=s.response_text,
+                          judge_error=reward.fault(s.metadata, args.rm_type)) for s in samples]
     path = run.write_rows(f"eval_{step:07d}.jsonl", rows)
     run.log(step, out)
     console.say(f"[eval] step {step}: {', '.join(f'{k} {v:.3f}' for k, v in out.items())} (each response: {path})")
@@ -354,9 +357,7 @@ def rollout_metrics(samples, tools=(), env=None):
     for k in {k for s in ok for k in s.metadata.get("shaping", {})}:  # overlong_penalty_mean, overlong_penalty_frac
         v = [s.metadata.get("shaping", {}).get(k, 0.0) for s in ok]
         m.update({f"{k}_mean": sum(v) / len(v), f"{k}_frac": sum(x != 0 for x in v) / len(v)})
-    for s in samples:  # <name>_errors: the samples in which a judge, a shaping term or a tool raised (reward.raised)
-        for k in {*s.metadata.get("errors", ()), *(i["tool"] for i in s.metadata.get("steps", ()) if i.get("raised"))}:
-            m[f"{k}_errors"] = m.get(f"{k}_errors", 0) + 1
+    m.update(reward.fault_counts(samples))
     m.update(task.metrics(env or task.env(None), [s.metadata.get("steps", []) for s in samples],  # multi-turn: tool use
                           [None if s.status == "failed" else s.correct for s in samples], tools))
     if samples and "rollout" in samples[0].metadata:  # where the rollout's time went, what it cut and dropped

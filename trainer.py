@@ -56,6 +56,7 @@ def start(args, kind, fixed=()):
                          "--local-dir DIR, and pass the folder)")
     if not (ckpt / "config.json").is_file():
         raise SystemExit(f"--hf-checkpoint {ckpt}: no config.json in it")
+    convert.family(ckpt)  # a text-only Qwen2 is named here, not by the processor's traceback
     par = parallel.init_distributed(args.tensor_model_parallel_size, args.seed, args.distributed_timeout_minutes,
                                     args.expert_model_parallel_size, cp=args.context_parallel_size,
                                     pp=args.pipeline_model_parallel_size)

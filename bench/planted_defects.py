@@ -90,6 +90,26 @@ DEFECTS = {
     "eval_label_answer": ("data: the eval set's answers read from `answer` whatever --label-key says", "trainer.py",
                           "args.label_key, args.max_bad_frac", "\"answer\" if evaluation else args.label_key, "
                           "args.max_bad_frac", ["tests/test_faults.py"]),
+    # issue 75: nothing a user brings fails in silence
+    "timeout_silent": ("reward: a judge's time-out scores 0.0 and is not kept (never counted, said or stopping a run)",
+                       "reward.py", 'faults.setdefault("timeouts", {})[name] = _once(',
+                       '{}.setdefault("timeouts", {})[name] = _once(', ["tests/test_reward.py", "tests/test_episodes.py"]),
+    "eval_faults_uncounted": ("evaluation: its judge's errors and time-outs not in its metrics", "train_grpo.py",
+                              "for k, v in reward.fault_counts(samples).items():", "for k, v in {}.items():",
+                              ["tests/test_grpo.py"]),
+    "top_p_zero": ("--rollout-top-p 0 passes the parser (the sampler crashes on it)", "rollout.py",
+                   "type=F.at_least(0.0, 1.0, above=True)", "type=F.fraction", ["tests/test_grpo.py"]),
+    "family_unchecked": ("a checkpoint of an unsupported family reaches the processor", "trainer.py",
+                         "    convert.family(ckpt)", "    (ckpt)", ["tests/test_faults.py"]),
+    "sft_eval_instruction": ("SFT: the eval rows get geo3k's instruction whatever --prompt-instruction says", "sft.py",
+                             "[encode(processor, r, args.prompt_instruction, env) for r in",
+                             "[encode(processor, r, data.INSTRUCTION if evaluation else args.prompt_instruction, env) "
+                             "for r in", ["tests/test_episodes.py"]),
+    "tools_unwalked": ("start: the env's tools' declared flags are not checked", "train_grpo.py",
+                       '"TOOLS": getattr(task.env(args), "TOOLS", {})}', '"TOOLS": {}}', ["tests/test_grpo.py"]),
+    "band_lines": ("report: the band's n counts the eval file's lines, not its problems", "tools/report.py",
+                   'len({json.loads(x)["index"] for x in files[0].read_text().splitlines()})',
+                   "len(files[0].read_text().splitlines())", ["tests/test_report.py"]),
 }
 
 

@@ -121,15 +121,24 @@ def test_truncation_and_failures(processor, records):
     assert s.status == "failed" and "placeholders" in s.fail_reason and set(s.loss_mask) == {0}, s.fail_reason
 
 
-def test_the_prompt_instruction_is_the_runs(processor, records):
+def test_the_prompt_instruction_is_the_runs(processor, records, tmp_path):
     """--prompt-instruction ends the user turn of every prompt, a rollout's single- and multi-turn, training's and
-    evaluation's (GRPO), and SFT's
-    encode; "" gives none; the multi-turn system prompt names no task (a fork's counting task is told nothing of
-    geometry). data.py show: tests/test_data.py."""
+    evaluation's (GRPO), and SFT's training and evaluation rows (issue 75: its eval set was geo3k's); "" gives none;
+    the multi-turn system prompt names no task (a fork's counting task is told nothing of geometry). data.py show:
+    tests/test_data.py."""
     import sft
+    from tools import synth
     problem = records[0]["problem"].split("<image>")[-1].strip()
+    rows = synth.write_synth(tmp_path, 1, n_test=1, seed=0)
     for instruction in ("Count the sides.", ""):
-        args = sft.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--prompt-instruction", instruction])
+        args = sft.parse_args(["--hf-checkpoint", "x", "--prompt-data", str(rows), "--eval-prompt-data", str(rows),
+                               "--save", "x", "--prompt-instruction", instruction])
+        for evaluation in (False, True):  # the rows SFT trains on and those it evaluates on
+            (item,) = sft.items(args, processor, evaluation=evaluation)
+            (row,) = data.load_geo3k(rows, "test" if evaluation else "train")
+            user = processor.tokenizer.decode(item.ids).split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+            ending = row["problem"].split("<image>")[-1].strip() + ("\n" + instruction if instruction else "")
+            assert user.endswith(ending) and "geometry" not in user, (evaluation, user)
         ids = [list(sft.encode(processor, records[0], args.prompt_instruction).ids)]
         for turns, evaluation in itertools.product((1, 2), (False, True)):  # training's rollouts and evaluation's
             eng = ScriptedEngine(processor, ["\\boxed{3}"])
@@ -164,5 +173,29 @@ def test_what_raises_is_counted_printed_once_and_a_judge_raising_on_every_sample
     err = capsys.readouterr().err  # each entry's first, with its row
     assert err.count("Traceback") == 2 and "KeyError: 'choices'" in err and "RuntimeError: a bug" in err
     assert f"choice raised on the row {{'problem': {records[1]['problem']!r}" in err
-    with pytest.raises(SystemExit, match="(?s)--rm-type choice raised on every sample of this rollout.*KeyError: 'ch"):
+    with pytest.raises(SystemExit, match="(?s)--rm-type choice raised or ran past its time bound .--rm-timeout. on every "
+                                         "sample of this rollout.*KeyError: 'ch"):
         fakes.run_episodes(ScriptedEngine(processor, ["\\boxed{3}"]), processor, records[1:2], rollout_args(rm_type="choice"))
+
+
+def test_a_judge_past_its_time_bound_is_counted_said_once_and_on_every_sample_stops_naming_the_bound(
+        processor, records, monkeypatch, capsys):
+    """Issue 75: a judge slower than the bound scored 0.0 on every sample, nothing said, rc 0. Its time-outs are counted
+    (<name>_timeouts) and the first said with its row; --rm-timeout is the bound; a rollout whose every sample timed
+    out stops, naming it. The slow rows loop until cut: no clock is read."""
+    def slow(response, record):
+        while record.get("slow"):
+            pass
+        return "3" in response
+    monkeypatch.setattr(reward, "_TOLD", {})
+    monkeypatch.setitem(reward.REWARDS, "slow", slow)
+    cfg = rollout_args(rm_type="slow", rm_timeout=0.05)
+    samples = fakes.run_episodes(ScriptedEngine(processor, ["\\boxed{3}"]), processor,
+                                 [dict(records[0], slow=True), records[1]], cfg)
+    assert [s.correct for s in samples] == [False, False, True, True]
+    assert train_grpo.rollout_metrics(samples)["slow_timeouts"] == 2 and "slow_errors" not in train_grpo.rollout_metrics(samples)
+    err = capsys.readouterr().err
+    assert err.count("[error] slow ran past its time bound (0.05 s: --rm-timeout) on the row {'problem'") == 1, err
+    with pytest.raises(SystemExit, match="(?s)--rm-type slow raised or ran past its time bound .--rm-timeout. on every "
+                                         "sample.*slow ran past its time bound .0.05 s: --rm-timeout."):
+        fakes.run_episodes(ScriptedEngine(processor, ["\\boxed{3}"]), processor, [dict(records[1], slow=True)], cfg)

@@ -454,17 +454,27 @@ def test_help_shows_defaults_and_each_tool_its_own(capsys):
     assert e.value.code == 0 and "the summary of a run folder" in capsys.readouterr().out
 
 
+QWEN3_VL = json.dumps({"model_type": "qwen3_vl"})  # what trainer.start reads of a checkpoint before the run folder
+
+
 @pytest.mark.parametrize("value,said", [
     ("{tmp}/nope", "--hf-checkpoint {tmp}/nope: no such folder"),
     ("{tmp}", "--hf-checkpoint {tmp}: no config.json in it"),
     ("nobody-here/no-such-model", "no-such-model: no such folder \\(a hub id: download it, e.g. hf download ID"),
+    ("{tmp}/qwen2", "--hf-checkpoint {tmp}/qwen2: model_type 'qwen2' \\(config.json\\) is not a family this trainer "
+                    "builds: qwen2_5_vl, qwen3_vl, qwen3_5, qwen3_5_moe$"),  # issue 75: a text-only Qwen2
+    ("{tmp}/list", "--hf-checkpoint {tmp}/list: its config.json is not a JSON object"),
 ])
-def test_a_wrong_checkpoint_is_named_before_anything_starts(value, said, tmp_path, monkeypatch):
-    import train_grpo
+@pytest.mark.parametrize("entry", ["train_grpo", "sft"])
+def test_a_wrong_checkpoint_is_named_before_anything_starts(value, said, entry, tmp_path, monkeypatch):
+    import importlib
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # a hub id is never fetched: no network wait, online or not
+    for name, config in (("qwen2", {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}), ("list", [])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
     value, said = value.format(tmp=tmp_path), said.format(tmp=tmp_path)
     with pytest.raises(SystemExit, match=said):
-        train_grpo.main(["--hf-checkpoint", value, "--prompt-data", "x", "--save", str(tmp_path / "run")])
+        importlib.import_module(entry).main(["--hf-checkpoint", value, "--prompt-data", "x", "--save", str(tmp_path / "run")])
     assert not (tmp_path / "run").exists()  # before the run folder
 
 
@@ -514,7 +524,7 @@ def resumable(tmp_path, entry, argv, step=2, config="{}"):
 def test_a_resume_refuses_what_the_checkpoint_fixes_and_keeps_the_runs_config(tmp_path):
     import sft
     (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    (tmp_path / "ckpt" / "config.json").write_text(QWEN3_VL)
     argv = ["--hf-checkpoint", str(tmp_path / "ckpt"), "--prompt-data", "x"]
     save = resumable(tmp_path, "sft", argv)
     first = (save / "config_sft.json").read_text()
@@ -551,7 +561,7 @@ def test_a_resume_refuses_each_of_the_runs_flags_and_says_each_other_change(tmp_
 def test_a_resume_says_each_changed_flag_and_that_nothing_is_left(tmp_path, capsys):
     import train_grpo
     (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    (tmp_path / "ckpt" / "config.json").write_text(QWEN3_VL)
     argv = ["--hf-checkpoint", str(tmp_path / "ckpt"), "--prompt-data", "x", "--num-rollout", "4"]
     save = resumable(tmp_path, "train_grpo", argv, step=4)
     with pytest.raises(SystemExit) as e:  # before any model loads: none could, from this checkpoint folder
@@ -787,7 +797,7 @@ def test_weights_that_are_not_finite_are_not_saved_and_the_step_is_named(tmp_pat
     """Issue 68: a run whose weights went NaN ended "done", rc 0, every saved tensor NaN. Now the checkpoint is
     refused naming the step and a tensor, nothing is written and the last checkpoint stays the latest."""
     (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    (tmp_path / "ckpt" / "config.json").write_text(QWEN3_VL)
     par, run = T.start(grpo_args(hf_checkpoint=str(tmp_path / "ckpt"), save=str(tmp_path / "run")), "grpo")
     model = torch.nn.Linear(2, 2)
     with torch.no_grad():
@@ -865,7 +875,7 @@ def test_a_resume_refuses_another_size_in_every_part_of_the_config(family, tmp_p
 
 def test_a_save_folder_that_cannot_be_made_is_named(tmp_path):
     (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    (tmp_path / "ckpt" / "config.json").write_text(QWEN3_VL)
     (tmp_path / "file").write_text("")
     with pytest.raises(SystemExit) as e:
         T.start(grpo_args(hf_checkpoint=str(tmp_path / "ckpt"), save=str(tmp_path / "file" / "run")), "grpo")

@@ -308,6 +308,33 @@ def test_a_declared_flag_args_lacks_is_an_error_naming_the_entry(monkeypatch, ca
         env_geo3k.build_env({"answer": "1", "images": []}, argparse.Namespace(max_turns=2))
 
 
+@pytest.mark.parametrize("kind,name", [("LOSSES", "ppo_clip"), ("ESTIMATORS", "grpo"), ("SHAPING", "overlong_penalty"),
+                                       ("FILTERS", "nonzero_std"), ("TOOLS", "calc_score")])
+def test_an_entry_of_each_registry_whose_flag_the_parser_lacks_is_refused_at_start(kind, name, monkeypatch, capsys):
+    """Issue 75: the check walked the losses and shaping terms only, so a tool's flag args lacked was not refused at
+    start. Each registry's entry (the env's TOOLS, the chosen filter too) that declares a flag the parser never took
+    (gained after it was built) is the parser's error naming the registry, the entry and the flag."""
+    import dataclasses
+    import env_geo3k
+    import reward
+    registry = {"LOSSES": L.LOSSES, "ESTIMATORS": L.ESTIMATORS, "SHAPING": reward.SHAPING, "FILTERS": task.FILTERS,
+                "TOOLS": env_geo3k.TOOLS}[kind]
+    entry = registry[name]
+    late = {"--late-size": dict(type=int, default=1)}
+    late = dataclasses.replace(entry, flags=late) if dataclasses.is_dataclass(entry) else entry._replace(flags=late)
+    build = G.build_parser
+
+    def built_before_the_flag(argv=()):
+        parser = build(argv)
+        monkeypatch.setitem(registry, name, late)
+        return parser
+    monkeypatch.setattr(G, "build_parser", built_before_the_flag)
+    with pytest.raises(SystemExit):
+        G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x"])
+    assert (f"error: {kind} entry {name!r} declares --late-size, which args lacks: add flags.own_flags({kind}) to the "
+            "parser") in capsys.readouterr().err
+
+
 def test_evaluation_reports_correctness_on_its_own_settings(monkeypatch):
     """evaluate: pass@1 greedy and pass@K at the rollout temperature, oracle and shaping off, and its numbers and rows
     are correctness, never the reward (here a sample rewarded 1.0 but wrong); training's accuracy reads it too."""
@@ -333,6 +360,34 @@ def test_evaluation_reports_correctness_on_its_own_settings(monkeypatch):
     assert "reward" not in rows[0] and [r["correct"] for r in rows[:2]] == [False, False]
     m = G.rollout_metrics([R.Sample(prompt_ids=[], reward=0.75), R.Sample(prompt_ids=[], reward=1.0, correct=True)])
     assert m["reward"] == 0.875 and m["accuracy"] == 0.5
+
+
+def test_an_evaluations_judge_faults_are_counted_kept_in_its_rows_and_on_every_row_stop_it(processor, records,
+                                                                                            monkeypatch):
+    """Issue 75: a judge raising on a third of the rows gave eval 0.375 instead of 0.5, nothing said. Eval metrics carry
+    eval_<rm>_errors and eval_<rm>_timeouts (over pass@K's samples too), each row its judge's fault; a judge failing on
+    every row stops the evaluation (an evaluation-only run exits non-zero)."""
+    import types
+    import reward
+
+    def picky(response, record):
+        while record.get("slow"):
+            pass
+        return record["choices"] is not None and "3" in response  # a row without choices: KeyError
+    monkeypatch.setattr(reward, "_TOLD", {})
+    monkeypatch.setitem(reward.REWARDS, "picky", picky)
+    logged, rows = {}, []
+    run = types.SimpleNamespace(log=lambda step, m: logged.update(m), write_rows=lambda name, r: rows.extend(r))
+    args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--rm-type", "picky",
+                         "--rm-timeout", "0.05", "--n-samples-per-eval-prompt", "2"])
+    recs = [records[0], dict(records[1], choices=1, slow=True), dict(records[2], choices=1)]
+    G.evaluate(fakes.ScriptedEngine(processor, ["\\boxed{3}"]), processor, recs, args, 0, run)
+    assert logged == {"eval_accuracy": pytest.approx(1 / 3), "eval_pass@2": pytest.approx(1 / 3),
+                      "eval_picky_errors": 3, "eval_picky_timeouts": 3}
+    said = {r["index"]: (r["judge_error"] or "")[:14] for r in rows}
+    assert said == {0: "picky raised o", 1: "picky ran past", 2: ""} and len(rows) == 9
+    with pytest.raises(SystemExit, match="(?s)--rm-type picky raised .* on every sample.*KeyError: 'choices'"):
+        G.evaluate(fakes.ScriptedEngine(processor, ["\\boxed{3}"]), processor, records[:2], args, 0, run)
 
 
 def test_placement_of_the_sglang_server():
@@ -376,6 +431,24 @@ def test_placement_of_the_sglang_server():
         servers_per_node(args("--colocate", "--rollout-num-gpus-per-engine", "3"), True, 8)
     with pytest.raises(SystemExit, match="4 servers a node, but only 2 trainer ranks"):
         servers_per_node(args("--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "1"), True, 2)
+
+
+@pytest.mark.parametrize("flag,bad,good", [
+    ("--rollout-top-p", ["0", "-0.1", "1.5", "nan"], ["1e-3", "1"]),  # SGLang's (0, 1]; 0 crashed the local sampler
+    ("--rollout-top-k", ["0", "-2", "1.5"], ["-1", "1", "50"]),      # SGLang's: -1 (off) or at least 1
+    ("--rollout-temperature", ["-1", "nan", "inf"], ["0.01", "0.7"]),  # 0: GRPO refuses it (no advantage)
+    ("--rm-timeout", ["0", "-1", "nan"], ["0.05", "30"]),
+])
+def test_every_sampling_flag_is_bounded_at_parse_time_naming_the_flag(flag, bad, good, capsys):
+    """Issue 75: `--rollout-top-p 0` crashed deep in sampling (index 152576 is out of bounds). Each sampling flag's
+    bad value is the parser's error naming the flag and the value, before any work; its good values pass."""
+    base = ["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x"]
+    for value in bad:
+        with pytest.raises(SystemExit):
+            G.parse_args(base + [flag, value])
+        assert f"argument {flag}: " in capsys.readouterr().err
+    for value in good:
+        assert getattr(G.parse_args(base + [flag, value]), flag[2:].replace("-", "_")) == float(value)
 
 
 def test_colocated_distributed_weight_sync_is_refused_at_parse_time(capsys):

@@ -18,7 +18,8 @@ REWARDS = [0.0, 0.2, 0.1, 0.3, 0.0] + [0.5] * 30 + [0.9, 0.7, 0.8, 1.0, 0.6]  # 
 
 def grpo_run(folder, evals, data):
     """A train_grpo run folder: its config naming `data` as its eval set, 40 steps of REWARDS, an eval (eval_accuracy)
-    at each of STEPS with its per-problem rows (64 problems)."""
+    at each of STEPS with its rows: 64 problems, greedy's one row and pass@4's four rows each (issue 75: the band
+    counted the file's lines, 320, not its problems)."""
     folder.mkdir(parents=True)
     (folder / "config_grpo.json").write_text(json.dumps({"eval_prompt_data": str(data)}))
     rows = []
@@ -27,8 +28,9 @@ def grpo_run(folder, evals, data):
             rows.append({"step": step, "reward": REWARDS[step - 1]})
         if step in STEPS:
             rows.append({"step": step, "eval_accuracy": evals[STEPS.index(step)]})
-            (folder / f"eval_{step:07d}.jsonl").write_text("".join(json.dumps({"mode": "eval_accuracy", "index": i})
-                                                                   + "\n" for i in range(64)))
+            modes = ["eval_accuracy"] + ["eval_pass@4"] * 4
+            (folder / f"eval_{step:07d}.jsonl").write_text("".join(json.dumps({"mode": mode, "index": i}) + "\n"
+                                                                   for mode in modes for i in range(64)))
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return folder
 
