@@ -239,7 +239,23 @@ def test_a_fresh_start_never_mixes_with_an_earlier_run(tmp_path):
     # --load = --save with `latest` lost: the newest complete checkpoint, not a fresh start
     assert T.find_checkpoint(str(tmp_path), tmp_path) == tmp_path / "iter_0000004"
     T.start_fresh(tmp_path, overwrite=True, load=None)
-    assert not list(tmp_path.glob("iter_*")) and (tmp_path / "metrics.jsonl").read_text() == ""
+    assert not list(tmp_path.glob("iter_*")) and not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("overwrite, load", [(True, None), (False, "same")])  # --load = --save holding no checkpoint
+def test_a_fresh_start_removes_every_file_of_the_earlier_run_and_says_which(tmp_path, capsys, overwrite, load):
+    earlier = ["latest", "metrics.jsonl", "eval_0000000.jsonl", "eval_0000004.jsonl", "config_grpo.json",
+               "config_grpo_resumed_at_0000002.json", "args.txt", "summary.md"]
+    for name in earlier:
+        (tmp_path / name).write_text(json.dumps({"step": 0, "eval_accuracy": 0.9}) + "\n")  # a step-0 eval of another model
+    (tmp_path / "data").mkdir()  # not a run's file: stays
+    if load:
+        (tmp_path / "latest").unlink()
+        earlier.remove("latest")
+    T.start_fresh(tmp_path, overwrite=overwrite, load=load and str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+    said = capsys.readouterr().out
+    assert f"removed {len(earlier)} file(s) of an earlier run" in said and all(n in said for n in earlier)
 
 
 def test_resume_drops_a_torn_metrics_line_and_says_so(tmp_path, capsys):
