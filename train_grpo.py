@@ -316,6 +316,8 @@ class Source:
         args = self.args
         samples = self.rollout.take(args.rollout_batch_size)
         metrics = rollout_metrics(samples, self.tools, self.env)
+        metrics["context_cap_frac"] = sum(len(s.prompt_ids) + args.rollout_max_response_len > args.max_context_len
+                                          for s in samples) / max(1, len(samples))  # --max-context-len cuts these first
         good = [s for s in samples if s.status not in ("failed", "aborted") and any(s.loss_mask)]
         if args.mask_offpolicy_in_partial_rollout:  # tokens written before the sample's last abort: no loss
             for s in good:
@@ -428,10 +430,16 @@ def main(argv=None):
     if par.rank == 0:  # rank 0 owns the data (checked here, before any model: docs/data.md) and the rewards
         reward.init()  # its one-off warm-up here, not in the first rollout
         env = task.env(args) if args.max_turns > 1 else None
-        fit = dict(measure=lambda r: len(chat.prompt(processor, r, env, args.prompt_instruction)[2]),
-                   limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len} with room for a response"))
+        lengths = []  # each prompt's tokens: console.room says those a response's room is cut for
+
+        def measure(r):
+            lengths.append(len(chat.prompt(processor, r, env, args.prompt_instruction)[2]))
+            return lengths[-1]
+        fit = dict(measure=measure, limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len} with room "
+                                                                     "for a response"))
         records = T.load_data(args, **fit) if args.num_rollout else []  # --num-rollout 0: evaluate only
         eval_records = T.load_data(args, evaluation=True, **fit)
+        console.room(lengths, args)
         if args.num_rollout and len(records) < args.rollout_batch_size:  # a step's groups: distinct prompts
             raise SystemExit(f"--rollout-batch-size {args.rollout_batch_size}: --prompt-data has {len(records)} usable "
                              "prompts, so a step would sample some twice; lower it or add data")

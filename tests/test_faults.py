@@ -612,6 +612,10 @@ def test_the_resume_command_keeps_the_flags_but_overwrite(argv, want, monkeypatc
     ({"zero_adv_frac": 1.0, "grad_norm": 0.2, "truncated_frac": 0.5, "reward": 1.0},
      "in every group the rewards were equal (mean reward 1.000): zero advantage"),  # the entropy bonus moves it
     ({"zero_adv_frac": 0.0, "grad_norm": 0.0}, "the gradient was zero"),
+    ({"zero_adv_frac": 1.0, "grad_norm": 0.0, "truncated_frac": 1.0, "context_cap_frac": 1.0},
+     "every response was cut at --max-context-len 8192: raise it"),  # the cap that cut, not the other
+    ({"zero_adv_frac": 1.0, "grad_norm": 0.0, "truncated_frac": 1.0, "context_cap_frac": 0.25},
+     "every response was cut at --max-context-len 8192 (25% of them; the rest at --rollout-max-response-len 256)"),
 ])
 def test_a_step_with_nothing_to_learn_is_told_why_once(metrics, why, capsys):
     quiet = 0
@@ -780,6 +784,23 @@ def test_every_data_check_runs_before_any_model_is_built(second, extra, said, ck
             "--rollout-batch-size", "1", *extra]
     with pytest.raises(SystemExit, match=said.replace("{d}", str(d))):
         train_grpo.main([str(x).replace("{d}", str(d)) for x in argv])
+
+
+def test_prompts_a_response_cannot_fill_under_the_context_cap_are_said_at_load(ckpt, tmp_path, monkeypatch, capsys):
+    import model as M
+    import train_grpo
+    (tmp_path / "a.png").write_bytes(png())
+    rs = [{"problem": "<image>How many sides?" + " and" * k, "answer": "4", "images": "a.png"} for k in (0, 400)]
+    jsonl(tmp_path / "train.jsonl", rs)
+    monkeypatch.setattr(M, "load_model", lambda *a, **k: sys.exit("loaded"))
+    argv = ["--hf-checkpoint", ckpt, "--prompt-data", tmp_path / "train.jsonl", "--save", tmp_path / "run",
+            "--rollout-batch-size", "1", "--max-context-len", "600", "--rollout-max-response-len", "300"]
+    with pytest.raises(SystemExit, match="loaded"):
+        train_grpo.main([str(x) for x in argv])
+    said = [x for x in capsys.readouterr().out.splitlines() if "--max-context-len" in x]
+    assert len(said) == 1 and said[0].startswith("[grpo] 1 of 2 prompts (up to 4"), said  # the longer: 400-odd tokens
+    assert said[0].endswith("+ --rollout-max-response-len 300 are over --max-context-len 600: their responses stop at "
+                            "--max-context-len"), said
 
 
 def test_a_resume_refuses_a_checkpoint_of_another_architecture(tmp_path, capsys):
