@@ -106,6 +106,17 @@ def batch_loss(model, par, items, max_tokens, backward):
     return T.global_sum(sum(s["loss"] for s in stats), par), n_tokens
 
 
+def evaluate(model, par, evals, args, run, step):
+    """eval_loss: the token-mean NLL of the encoded eval rows `evals` at `step`, logged and said."""
+    model.eval()
+    with torch.no_grad():
+        loss, _ = batch_loss(model, par, T.dp_shard(evals, par), args.max_tokens_per_gpu, False)
+    model.train()
+    run.log(step, {"eval_loss": loss})
+    if par.rank == 0:
+        console.say(f"[eval] step {step}: eval_loss {loss:.4f}")
+
+
 def main(argv=None):
     args = parse_args(argv)
     par, run = T.start(args, "sft", fixed=("global_batch_size",))  # a step's data: step x the batch
@@ -124,6 +135,8 @@ def main(argv=None):
     opt, sched = optim.build_optimizer(model, args, total)
     start = run.load_state(ckpt, opt, sched)["step"] if ckpt else 0
     model.train()
+    if evals and start == 0:  # the start, which the done line and tools/report.py compare with the end
+        evaluate(model, par, evals, args, run, 0)
     for step in console.steps(run, start, total):
         epoch, pos = divmod(step, per_epoch)
         order = T.epoch_order(len(train), args.seed, epoch)
@@ -136,13 +149,7 @@ def main(argv=None):
                            "tokens_per_s": n_tokens / t, "step_s": t})
         run.maybe_save(model, opt, sched, step + 1, total)
         if evals and run.eval_due(step + 1, total):
-            model.eval()
-            with torch.no_grad():
-                loss, _ = batch_loss(model, par, T.dp_shard(evals, par), args.max_tokens_per_gpu, False)
-            model.train()
-            run.log(step + 1, {"eval_loss": loss})
-            if par.rank == 0:
-                console.say(f"[eval] step {step + 1}: eval_loss {loss:.4f}")
+            evaluate(model, par, evals, args, run, step + 1)
 
 
 if __name__ == "__main__":
