@@ -205,7 +205,7 @@ def load_geo3k(source, split=None, input_key="problem", label_key="answer", max_
             bad.append((i, str(e)))
     if not rows:
         raise DataError(f"{name}: no rows")
-    if len(bad) > max_bad_frac * len(rows):
+    if len(bad) > max_bad_frac * len(rows) and records:  # none usable: no --max-bad-frac helps (below)
         raise DataError(f"{name}: {len(bad)} of {len(rows)} rows are unusable (limit "
                         f"{max_bad_frac:.1%}; raise --max-bad-frac to skip them):\n{_listing(bad)}")
     if long and (verbose or not records):

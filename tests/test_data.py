@@ -170,6 +170,15 @@ def test_each_row_is_checked_whole_at_load(form, tmp_path):
             data.load_geo3k(p)
 
 
+def test_data_with_no_usable_row_is_said_so_without_advising_max_bad_frac(tmp_path):
+    rows = [{"problem": "<image>Sides?", "answer": "4", "images": "gone.png"}] * 3
+    with pytest.raises(data.DataError) as e:
+        data.load_geo3k(_write_jsonl(tmp_path / "d.jsonl", rows))
+    said = str(e.value)
+    assert said.startswith(f"{tmp_path / 'd.jsonl'}: no usable row of 3:\n  row 0: image 0: image file not found"), said
+    assert "--max-bad-frac" not in said
+
+
 def test_show_checks_what_the_trainer_would(tmp_path, capsys):
     """`data.py show` takes --max-bad-frac (its message advises it) and train_grpo's --max-turns: a row offering a
     tool that does not exist is named, as train_grpo names it."""
