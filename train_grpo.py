@@ -111,8 +111,9 @@ def parse_args(argv=None):
             p.error(f"--advantage-estimator {args.advantage_estimator} names a loss: give it as --policy-loss")
         args.advantage_estimator, args.policy_loss = "grpo", args.advantage_estimator
     if args.num_rollout and (args.n_samples_per_prompt == 1 or args.rollout_temperature == 0):
-        p.error(("--n-samples-per-prompt 1: a group of one" if args.n_samples_per_prompt == 1 else "--rollout-temperature"
-                 " 0: greedy, a group's responses are one") + " has zero advantage, GRPO would learn nothing")
+        p.error("--n-samples-per-prompt 1: a group of one response has zero advantage, so GRPO would learn nothing"
+                if args.n_samples_per_prompt == 1 else "--rollout-temperature 0: greedy sampling gives every response "
+                "of a group the same tokens, so each has zero advantage and GRPO would learn nothing")
     if not (args.num_rollout or args.eval_prompt_data):
         p.error("--num-rollout 0 only evaluates: give --eval-prompt-data (or steps to train)")
     if (args.fully_async or args.async_rollout) and (args.colocate or args.offload_train):

@@ -63,7 +63,8 @@ GRPO = ["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x"]
 @pytest.mark.parametrize("entry,flags,named", [
     ("train_grpo", ["--rollout-batch-size", "0"], "--rollout-batch-size: 0:"),
     ("train_grpo", ["--n-samples-per-prompt", "0"], "--n-samples-per-prompt: 0:"),
-    ("train_grpo", ["--n-samples-per-prompt", "1"], "--n-samples-per-prompt 1: a group of one"),
+    ("train_grpo", ["--n-samples-per-prompt", "1"], "--n-samples-per-prompt 1: a group of one response has "
+     "zero advantage, so GRPO would learn nothing\n"),
     ("train_grpo", ["--num-rollout", "-2"], "--num-rollout: -2:"),
     ("train_grpo", ["--rollout-temperature=-1"], "--rollout-temperature: -1:"),
     ("train_grpo", ["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size: 0:"),
@@ -83,7 +84,8 @@ GRPO = ["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x"]
     ("sft", ["--lr", "nan"], "--lr: nan:"),
     # issue 68: a negative number without `=` is the flag's value, refused by its bound; greedy GRPO learns nothing
     ("sft", ["--lr", "-1e-4"], "--lr: -1e-4: must be a finite number >= 0.0"),
-    ("train_grpo", ["--rollout-temperature", "0"], "--rollout-temperature 0: greedy, a group's responses are one"),
+    ("train_grpo", ["--rollout-temperature", "0"], "--rollout-temperature 0: greedy sampling gives "
+     "every response of a group the same tokens, so each has zero advantage and GRPO would learn nothing\n"),
 ])
 def test_bad_numeric_flags_fail_at_parse_time_naming_the_flag(entry, flags, named, capsys):
     mod = __import__(entry)
