@@ -156,6 +156,10 @@ def _record(row, base_dir, input_key, label_key, image_key, max_pixels, allow_ur
     raw = [] if raw is None else raw if isinstance(raw, list) else [raw]
     if not raw and image_key:
         raise ValueError("no image")
+    marks = problem.count("<image>")  # a `messages` row's tool turns hold images of their own: sft.encode counts those
+    if marks and marks != len(raw) and "messages" not in row:
+        raise ValueError(f"{marks} <image> marker(s) in {input_key!r} for {len(raw)} image(s): one marker an image, or "
+                         "none (the images go first)")
     images = []
     for j, value in enumerate(raw):
         try:

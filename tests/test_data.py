@@ -142,6 +142,9 @@ BAD_ROWS = [  # (the row's change, why it is unusable; None: usable), each check
     ({"box": [-1, 2, 5, 20]}, "box [-1, 2, 5, 20]: not"), ({"box": [0, 2, "5", 20]}, "box [0, 2, '5', 20]: not"),
     ({"box": [False, 2, 5, 20]}, "box [False, 2, 5, 20]: not"), ({"box": "0 0 5 5"}, "box 0 0 5 5: not"),
     ({"images": "tiny.png"}, "image 0: 1x1 px: under 4 px a side"), ({"images": "flat.png"}, "image 0: 40x3 px: under"),
+    ({"problem": "Sides?"}, None), ({"problem": "<image>A <image>B", "images": ["a.png", "a.png"]}, None),
+    ({"problem": "<image>A <image>B"}, "2 <image> marker(s) in 'problem' for 1 image(s): one marker an image, or none"),
+    ({"images": ["a.png", "a.png"]}, "1 <image> marker(s) in 'problem' for 2 image(s)"),
 ]
 
 
