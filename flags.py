@@ -70,6 +70,8 @@ def add_train_args(p):
     add_column_args(g)
     g("--eval-prompt-data", default=None, help="evaluation data (same forms as --prompt-data)")
     g("--eval-split", default="test", help="split of --eval-prompt-data when it is a hub id or folder")
+    g("--eval-input-key", default=None, help="--eval-prompt-data's column of the problem text (default: --input-key)")
+    g("--eval-label-key", default=None, help="--eval-prompt-data's column of the answer (default: --label-key)")
     g("--eval-interval", type=COUNT, default=0, help="evaluate every N steps (0: only at the end)")
     g("--eval-samples", type=COUNT, default=64, help="evaluate on the first N eval problems (0: all)")
     g = p.add_argument_group("model and parallelism").add_argument

@@ -788,6 +788,23 @@ def test_every_data_check_runs_before_any_model_is_built(second, extra, said, ck
         train_grpo.main([str(x).replace("{d}", str(d)) for x in argv])
 
 
+@pytest.mark.parametrize("entry", ["train_grpo", "sft"])
+def test_eval_data_reads_its_own_columns_and_a_missing_one_names_the_eval_flag(entry, tmp_path):
+    mod = __import__(entry)
+    (tmp_path / "a.png").write_bytes(png())
+    jsonl(tmp_path / "train.jsonl", [{"problem": "<image>How many sides?", "answer": "4", "images": "a.png"}])
+    jsonl(tmp_path / "eval.jsonl", [{"question": "<image>How many corners?", "gold": "3", "images": "a.png"}])
+    argv = ["--hf-checkpoint", "x", "--prompt-data", str(tmp_path / "train.jsonl"), "--save", "x",
+            "--eval-prompt-data", str(tmp_path / "eval.jsonl"), "--eval-input-key", "question"]
+    with pytest.raises(SystemExit) as e:
+        T.load_data(mod.parse_args(argv), evaluation=True)
+    assert str(e.value.code).endswith("no column 'answer'; its columns: gold, images, question. Name yours with "
+                                      "--eval-label-key (docs/data.md)"), e.value.code
+    (rec,) = T.load_data(mod.parse_args(argv + ["--eval-label-key", "gold"]), evaluation=True)
+    assert (rec["problem"], rec["answer"]) == ("<image>How many corners?", "3")
+    assert T.load_data(mod.parse_args(argv + ["--eval-label-key", "gold"]))[0]["answer"] == "4"  # training: its own
+
+
 def test_prompts_a_response_cannot_fill_under_the_context_cap_are_said_at_load(ckpt, tmp_path, monkeypatch, capsys):
     import model as M
     import train_grpo
