@@ -92,6 +92,12 @@ def image_to_data_uri(img):
 def _read_rows(source, split):
     """-> (rows, base_dir, name): raw dict rows of a file, folder or hub data set."""
     path, split = Path(source), split or "train"
+    if path.is_dir() and ((path / "state.json").exists() or (path / "dataset_dict.json").exists()):
+        import datasets  # a datasets save_to_disk folder: a Dataset, or a DatasetDict of splits
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict) and split not in ds:
+            raise DataError(f"{path}: a saved DatasetDict without split {split!r}; its splits: {', '.join(ds)}")
+        return list(ds[split] if isinstance(ds, datasets.DatasetDict) else ds), path, str(path)
     if path.is_dir():
         for cand in (path / f"{split}.parquet", path / f"{split}.jsonl"):
             if cand.exists():

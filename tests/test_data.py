@@ -173,6 +173,20 @@ def test_each_row_is_checked_whole_at_load(form, tmp_path):
             data.load_geo3k(p)
 
 
+def test_a_datasets_save_to_disk_folder_loads_as_a_dataset_or_its_split(tmp_path):
+    import datasets
+    rows = [{"problem": f"<image>Sides of {k}?", "answer": str(k), "images": [{"bytes": _png(), "path": None}]} for k in (3, 4)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "one"))
+    datasets.DatasetDict(train=datasets.Dataset.from_list(rows[:1]), test=datasets.Dataset.from_list(rows[1:])).save_to_disk(
+        str(tmp_path / "two"))
+    assert [r["answer"] for r in data.load_geo3k(tmp_path / "one")] == ["3", "4"]
+    assert [r["answer"] for r in data.load_geo3k(tmp_path / "two", "test")] == ["4"]
+    assert data.load_geo3k(tmp_path / "two")[0]["images"][0].size == (40, 30)  # the train split by default
+    with pytest.raises(data.DataError, match=f"^{tmp_path / 'two'}: a saved DatasetDict without split 'val'; its splits: "
+                       "train, test$"):
+        data.load_geo3k(tmp_path / "two", "val")
+
+
 def test_data_with_no_usable_row_is_said_so_without_advising_max_bad_frac(tmp_path):
     rows = [{"problem": "<image>Sides?", "answer": "4", "images": "gone.png"}] * 3
     with pytest.raises(data.DataError) as e:
