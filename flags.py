@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import re
+from pathlib import Path
 
 
 class FromArgs:
@@ -126,6 +127,14 @@ def add_train_args(p):
     g("--exit-signal-handler", action="store_true", help="on SIGTERM (a cluster's preemption), finish the step, "
       "save a checkpoint and exit 0 on every rank (Megatron's flag)")
     g("--exit-duration-in-mins", type=at_least(0.0), default=None, help="save, exit 0 after a step ending past N min")
+
+
+def expand(argv):
+    """argv with each @FILE replaced by its lines (argparse's fromfile_prefix_chars="@": one argument a line): args.txt."""
+    out = []
+    for a in argv:
+        out += expand(Path(a[1:]).read_text().splitlines()) if a.startswith("@") else [a]
+    return out
 
 
 def own_flags(registry):

@@ -14,6 +14,7 @@ image goes through the vision tower into the loss; `--freeze-vit` keeps the towe
 import argparse
 import json
 import math
+import sys
 import time
 
 import torch
@@ -31,7 +32,7 @@ import trainer as T
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=F.HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=F.HelpFormatter, fromfile_prefix_chars="@")
     F.add_train_args(p)
     p.add_argument_group("SFT").add_argument("--num-epoch", type=F.POSITIVE, default=1, help="passes over the training data")
     p.set_defaults(lr=1e-5, lr_decay_style="cosine")
@@ -39,8 +40,10 @@ def build_parser():
 
 
 def parse_args(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     p = build_parser()
     args = p.parse_args(argv)
+    args.argv = F.expand(argv)  # what args.txt keeps: `sft.py @RUN/args.txt` replays the run
     try:  # a missing env module is named before any model loads
         task.env(args)
     except ValueError as e:

@@ -47,7 +47,8 @@ import trainer as T
 def build_parser(argv=()):
     """The parser for `argv`: the env module and the filter it names bring their own flags (task.chosen)."""
     # allow_abbrev: no --sglang-* flag may pass as an abbreviation
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=F.HelpFormatter, allow_abbrev=False)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=F.HelpFormatter, allow_abbrev=False,
+                                fromfile_prefix_chars="@")  # `train_grpo.py @RUN/args.txt` replays a run
     F.add_train_args(p)
     try:  # a user's module that is missing is named here, before any model loads
         R.add_args(p, task.chosen(argv))
@@ -99,6 +100,7 @@ def parse_args(argv=None):
     if bad := [u for u in unknown if u.startswith("--") and not u.startswith("--sglang-")]:
         p.error(f"unrecognized arguments: {' '.join(bad)}")
     args.sglang_args = sglang_engine.sglang_server_args(unknown)
+    args.argv = F.expand(argv)  # what args.txt keeps
     args.derived = [k for k, unset in (("global_batch_size", args.global_batch_size == 0),  # flags set from others
                                        ("offload_train", args.offload_train is None)) if unset]
     args.global_batch_size = args.global_batch_size or args.rollout_batch_size * args.n_samples_per_prompt

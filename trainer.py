@@ -87,6 +87,7 @@ class Run:
             if self.ckpt is None:
                 start_fresh(self.save, args.overwrite, args.load)
                 self.write_config(f"config_{kind}.json")
+                atomic_write(self.save / "args.txt", "".join(a + "\n" for a in args.argv))  # `sft.py @args.txt` replays it
             else:  # refused or said now; written as the resume happens (load_state), beside the run's first
                 convert.same_architecture(args.hf_checkpoint, self.ckpt)
                 compare(self.ckpt.parent / f"config_{kind}.json", self.config, FIXED + fixed)
@@ -221,7 +222,7 @@ def compare(saved_path, config, fixed):
     saved = json.loads(saved_path.read_text()) if saved_path.exists() else {}
     derived = set(config.get("derived", ())) & set(saved.get("derived", ()))  # flags neither run gave: follow others
     changed = {k: f"--{k.replace('_', '-')} {v} (the run: {saved[k]})" for k, v in config.items() if k in saved and
-               saved[k] != v and k not in ("load", "overwrite", "versions", "world_size", "derived", *derived)}
+               saved[k] != v and k not in ("load", "overwrite", "argv", "versions", "world_size", "derived", *derived)}
     if bad := [line for k, line in changed.items() if k in fixed]:
         raise SystemExit(f"--load {saved_path.parent}: a resume keeps the run's data order and optimizer state, so "
                          "these cannot change:\n  " + "\n  ".join(bad) + "\nresume with the run's values, or start a new "

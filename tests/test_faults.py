@@ -851,7 +851,22 @@ def test_weights_that_are_not_finite_are_not_saved_and_the_step_is_named(tmp_pat
     with pytest.raises(SystemExit, match=r"^\[run\] step 3: weights not finite \(NaN or inf: bias\); not saved, "
                                          f"earlier checkpoints kept: lower --lr and resume with --load {tmp_path}/run$"):
         run.save_checkpoint(model, None, None, 3)
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".lock", "config_grpo.json"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".lock", "args.txt", "config_grpo.json"]
+
+
+@pytest.mark.parametrize("entry", ["train_grpo", "sft"])
+def test_a_run_writes_its_arguments_and_entry_at_args_txt_replays_them(entry, tmp_path):
+    mod = __import__(entry)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    (tmp_path / "more.txt").write_text("--lr\n2e-4\n--prompt-instruction\nCount the sides.\n")  # an @file of its own
+    argv = ["--hf-checkpoint", str(tmp_path / "ckpt"), "--prompt-data", "x", "--save", str(tmp_path / "run"), "--seed", "7",
+            f"@{tmp_path / 'more.txt'}", "--lr", "3e-4", "--freeze-vit"]
+    args = mod.parse_args(argv)
+    T.start(args, entry)
+    replayed = mod.parse_args([f"@{tmp_path / 'run' / 'args.txt'}"])
+    assert vars(replayed) == vars(args) and (args.lr, args.seed, args.freeze_vit) == (3e-4, 7, True)
+    assert args.prompt_instruction == "Count the sides." and "@" not in (tmp_path / "run" / "args.txt").read_text()
 
 
 @pytest.mark.parametrize("buckets", [1, 2], ids=["model.safetensors", "shards"])
