@@ -76,13 +76,11 @@ def no_signal(m, args, step, quiet):
 
 
 def room(lengths, args):
-    """GRPO at load: the prompts (of `lengths` tokens) that leave a response less room than --rollout-max-response-len
-    under --max-context-len, said once (rollout._episode stops at the smaller; those over it: skipped, said by data)."""
+    """GRPO at load: the prompts (of `lengths` tokens) --max-context-len leaves a response less room (rollout._episode)."""
     short = [n for n in lengths if args.max_context_len - args.rollout_max_response_len < n < args.max_context_len]
     if short:
         say(f"[grpo] {len(short)} of {len(lengths)} prompts (up to {max(short)} tokens) + --rollout-max-response-len "
-            f"{args.rollout_max_response_len} are over --max-context-len {args.max_context_len}: their responses stop "
-            "at --max-context-len")
+            f"{args.rollout_max_response_len} are over --max-context-len {args.max_context_len}, which cuts them first")
 
 
 def say(line):

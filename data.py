@@ -162,10 +162,9 @@ def _record(row, base_dir, input_key, label_key, image_key, max_pixels, allow_ur
     raw = [] if raw is None else raw if isinstance(raw, list) else [raw]
     if not raw and image_key:
         raise ValueError("no image")
-    marks = problem.count("<image>")  # a `messages` row's tool turns hold images of their own: sft.encode counts those
-    if marks and marks != len(raw) and "messages" not in row:
-        raise ValueError(f"{marks} <image> marker(s) in {input_key!r} for {len(raw)} image(s): one marker an image, or "
-                         "none (the images go first)")
+    if problem.count("<image>") not in (0, len(raw)) and "messages" not in row:  # a `messages` row: sft.encode counts
+        raise ValueError(f"{problem.count('<image>')} <image> marker(s) in {input_key!r} for {len(raw)} image(s): one "
+                         "marker an image, or none (the images go first)")
     images = []
     for j, value in enumerate(raw):
         try:
@@ -185,8 +184,7 @@ def load_geo3k(source, split=None, input_key="problem", label_key="answer", max_
                verbose=True, check=None, allow_urls=False, allow_outside=False, multimodal_keys=None, flag="--"):
     """Load geo3k-style records; stop when more than `max_bad_frac` of the rows are unusable (each
     named by row and reason). `check(record)` raises ValueError for a bad row, TooLong for one to
-    skip and count. multimodal_keys: slime's {"image": column} (default: `images`, else `image`). `flag`: how the
-    flags of the key columns begin (--eval- for evaluation data: --eval-input-key)."""
+    skip and count. multimodal_keys: slime's {"image": column} (default: `images`, else `image`)."""
     rows, base_dir, name = _read_rows(str(source), split)
     columns, keys = sorted({k for row in rows for k in row} - {"__error__"}), multimodal_keys or {}
     if not isinstance(keys, dict) or set(keys) - {"image"}:  # slime's video and audio: no model input for them here
@@ -198,7 +196,7 @@ def load_geo3k(source, split=None, input_key="problem", label_key="answer", max_
         images = None
         if verbose:
             print(f"[data] {name}: no image column (images, image): text-only rows", file=sys.stderr)
-    needs = [(input_key, f"{flag}input-key"), (label_key, f"{flag}label-key")]
+    needs = [(input_key, f"{flag}input-key"), (label_key, f"{flag}label-key")]  # flag "--eval-": eval data's
     for need, flag in needs + ([(images, """--multimodal-keys '{"image": "COLUMN"}'""")] if images else []):
         if columns and need not in columns:
             raise DataError(f"{name}: no column {need!r}; its columns: {', '.join(columns)}. Name yours with {flag} "

@@ -130,11 +130,8 @@ def add_train_args(p):
 
 
 def expand(argv):
-    """argv with each @FILE replaced by its lines (argparse's fromfile_prefix_chars="@": one argument a line): args.txt."""
-    out = []
-    for a in argv:
-        out += expand(Path(a[1:]).read_text().splitlines()) if a.startswith("@") else [a]
-    return out
+    """argv with each @FILE's lines in its place (argparse's fromfile_prefix_chars="@": one argument a line): args.txt."""
+    return [x for a in argv for x in (Path(a[1:]).read_text().splitlines() if a.startswith("@") else [a])]
 
 
 def own_flags(registry):

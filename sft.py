@@ -40,10 +40,9 @@ def build_parser():
 
 
 def parse_args(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
     p = build_parser()
     args = p.parse_args(argv)
-    args.argv = F.expand(argv)  # what args.txt keeps: `sft.py @RUN/args.txt` replays the run
+    args.argv = F.expand(sys.argv[1:] if argv is None else argv)  # args.txt's: `sft.py @RUN/args.txt` replays the run
     try:  # a missing env module is named before any model loads
         task.env(args)
     except ValueError as e:

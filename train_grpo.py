@@ -69,6 +69,7 @@ def build_parser(argv=()):
     a("--recompute-logprobs", action="store_true", help="old logprobs from the trainer, not the engine")
     a("--use-rollout-routing-replay", action="store_true", help="R3: the routers replay the engine's experts (MoE)")
     a("--tis-cap", type=F.at_least(0.0), default=0.0, help="with --recompute-logprobs: TIS's cap (0: off)")
+    a("--default-tools", nargs="+", metavar="TOOL", help="multi-turn: the tools a row with no `tools` gets (default: the env's)")
     a("--dynamic-sampling-max-prompts", type=F.POSITIVE, default=None, help="prompts a step draws at most (4 x B)")
     g = p.add_argument_group("engine placement")
     a = g.add_mutually_exclusive_group().add_argument  # one or the other: argparse names both
@@ -116,6 +117,8 @@ def parse_args(argv=None):
         p.error("--n-samples-per-prompt 1: a group of one response has zero advantage, so GRPO would learn nothing"
                 if args.n_samples_per_prompt == 1 else "--rollout-temperature 0: greedy sampling gives every response "
                 "of a group the same tokens, so each has zero advantage and GRPO would learn nothing")
+    if args.default_tools and args.max_turns == 1:
+        p.error("--default-tools: a single-turn run (--max-turns 1) offers no tools")
     if not (args.num_rollout or args.eval_prompt_data):
         p.error("--num-rollout 0 only evaluates: give --eval-prompt-data (or steps to train)")
     if (args.fully_async or args.async_rollout) and (args.colocate or args.offload_train):
@@ -433,6 +436,10 @@ def main(argv=None):
     if par.rank == 0:  # rank 0 owns the data (checked here, before any model: docs/data.md) and the rewards
         reward.init()  # its one-off warm-up here, not in the first rollout
         env = task.env(args) if args.max_turns > 1 else None
+        try:  # what a row with no `tools` is offered, multi-turn: --default-tools, checked now, else the env's own
+            offered = task.tools(env, {"tools": args.default_tools}) if env is not None else []
+        except ValueError as e:
+            raise SystemExit(f"--default-tools: {e}") from None
         lengths = []  # each prompt's tokens: console.room says those a response's room is cut for
 
         def measure(r):
@@ -443,6 +450,11 @@ def main(argv=None):
         records = T.load_data(args, **fit) if args.num_rollout else []  # --num-rollout 0: evaluate only
         eval_records = T.load_data(args, evaluation=True, **fit)
         console.room(lengths, args)
+        bare = [r for r in records + eval_records if offered and r.get("tools") is None]
+        for r in bare:
+            r["tools"] = offered
+        if bare:
+            console.say(f"[grpo] {len(bare)} rows have no `tools`: each is offered {', '.join(offered)} (--default-tools)")
         if args.num_rollout and len(records) < args.rollout_batch_size:  # a step's groups: distinct prompts
             raise SystemExit(f"--rollout-batch-size {args.rollout_batch_size}: --prompt-data has {len(records)} usable "
                              "prompts, so a step would sample some twice; lower it or add data")

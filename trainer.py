@@ -249,30 +249,26 @@ def find_checkpoint(load_flag, save):
     return load
 
 
-# an earlier run's files in its --save: a fresh start removes them all (tools/report.py's too), never mixes with them
 EARLIER = ("iter_*", "latest", "metrics.jsonl", "eval_*.jsonl", "config_*.json", "args.txt", "events.out.tfevents.*",
            "sglang*.log", "summary.md", "reward_curve.png")
 
 
 def start_fresh(save, overwrite, load):
-    """A fresh start may not mix with an earlier run: its checkpoints need --load (resume) or --overwrite, its
-    metrics too; then every file of it goes (EARLIER: a step-0 eval or config kept would be compared with), said."""
+    """A fresh start may not mix with an earlier run: its checkpoints need --load (resume) or --overwrite, its metrics
+    too; then every file of it goes, said (EARLIER, tools/report.py's too: a step-0 eval kept would be compared with)."""
     save = Path(save)
     old = sorted(save.glob("iter_*")) + sorted(save.glob("latest"))
     if old and not overwrite:
         raise SystemExit(f"--save {save} holds checkpoints of an earlier run ({old[0].name}...): "
                          f"resume with --load {save}, or pass --overwrite to delete them and start fresh")
-    metrics = save / "metrics.jsonl"
-    if not (overwrite or load) and metrics.exists() and metrics.stat().st_size:
+    if not (overwrite or load) and (save / "metrics.jsonl").exists() and (save / "metrics.jsonl").stat().st_size:
         raise SystemExit(f"--save {save} holds metrics.jsonl of an earlier run: resume with "
                          f"--load {save}, or pass --overwrite to start fresh")
     gone = sorted({p for pattern in EARLIER for p in save.glob(pattern)})
     for p in gone:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
-    if gone:
-        print(f"[run] removed {len(gone)} file(s) of an earlier run: {', '.join(p.name for p in gone[:8])}"
-              + (", ..." if len(gone) > 8 else ""), flush=True)
-    print(f"[run] starting fresh in {save}", flush=True)
+    removed = f" (removed the earlier run's {len(gone)} file(s): {', '.join(p.name for p in gone)})" if gone else ""
+    print(f"[run] starting fresh in {save}{removed}", flush=True)
 
 
 def trim_metrics(save, step):

@@ -78,6 +78,7 @@ GRPO = ["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x"]
      "--rollout-num-gpus --weight-sync: they place"),
     # issue 58: evaluating nothing, a media type this trainer has no model input for
     ("train_grpo", ["--num-rollout", "0"], "--num-rollout 0 only evaluates: give --eval-prompt-data"),
+    ("train_grpo", ["--default-tools", "calc_score"], "--default-tools: a single-turn run (--max-turns 1) offers no tools"),
     ("sft", ["--multimodal-keys", "image_path"], "--multimodal-keys: invalid loads value: 'image_path'"),
     ("sft", ["--global-batch-size", "0"], "--global-batch-size: 0:"),
     ("sft", ["--num-epoch", "0"], "--num-epoch: 0:"),
@@ -257,7 +258,8 @@ def test_a_fresh_start_removes_every_file_of_the_earlier_run_and_says_which(tmp_
     T.start_fresh(tmp_path, overwrite=overwrite, load=load and str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
     said = capsys.readouterr().out
-    assert f"removed {len(earlier)} file(s) of an earlier run" in said and all(n in said for n in earlier)
+    assert f"[run] starting fresh in {tmp_path} (removed the earlier run's {len(earlier)} file(s): " in said, said
+    assert all(n in said for n in earlier)
 
 
 def test_resume_drops_a_torn_metrics_line_and_says_so(tmp_path, capsys):
@@ -805,6 +807,30 @@ def test_eval_data_reads_its_own_columns_and_a_missing_one_names_the_eval_flag(e
     assert T.load_data(mod.parse_args(argv + ["--eval-label-key", "gold"]))[0]["answer"] == "4"  # training: its own
 
 
+@pytest.mark.parametrize("flag,offered", [([], "calc_score, image_zoom_in_tool"), (["calc_score"], "calc_score"),
+                                          (["nope"], None)])
+def test_multi_turn_rows_with_no_tools_are_offered_the_default_or_flags_tools_said_once(flag, offered, ckpt, tmp_path,
+                                                                                          monkeypatch, capsys):
+    import model as M
+    import train_grpo
+    (tmp_path / "a.png").write_bytes(png())
+    row = {"problem": "<image>How many sides?", "answer": "4", "images": "a.png"}
+    jsonl(tmp_path / "train.jsonl", [row, dict(row, tools=["image_zoom_in_tool"])])
+    loaded, load = [], T.load_data
+    monkeypatch.setattr(T, "load_data", lambda *a, **k: loaded.append(load(*a, **k)) or loaded[-1])
+    monkeypatch.setattr(M, "load_model", lambda *a, **k: sys.exit("loaded"))
+    argv = ["--hf-checkpoint", ckpt, "--prompt-data", tmp_path / "train.jsonl", "--save", tmp_path / "run",
+            "--rollout-batch-size", "1", "--max-turns", "3"] + (["--default-tools", *flag] if flag else [])
+    with pytest.raises(SystemExit) as e:
+        train_grpo.main([str(x) for x in argv])
+    if offered is None:
+        assert e.value.code == "--default-tools: tools ['nope']: a list of tool names from calc_score, image_zoom_in_tool"
+        return
+    said = [x for x in capsys.readouterr().out.splitlines() if "`tools`" in x]
+    assert said == [f"[grpo] 1 rows have no `tools`: each is offered {offered} (--default-tools)"]
+    assert [r["tools"] for r in loaded[0]] == [offered.split(", "), ["image_zoom_in_tool"]]
+
+
 def test_prompts_a_response_cannot_fill_under_the_context_cap_are_said_at_load(ckpt, tmp_path, monkeypatch, capsys):
     import model as M
     import train_grpo
@@ -818,8 +844,7 @@ def test_prompts_a_response_cannot_fill_under_the_context_cap_are_said_at_load(c
         train_grpo.main([str(x) for x in argv])
     said = [x for x in capsys.readouterr().out.splitlines() if "--max-context-len" in x]
     assert len(said) == 1 and said[0].startswith("[grpo] 1 of 2 prompts (up to 4"), said  # the longer: 400-odd tokens
-    assert said[0].endswith("+ --rollout-max-response-len 300 are over --max-context-len 600: their responses stop at "
-                            "--max-context-len"), said
+    assert said[0].endswith("+ --rollout-max-response-len 300 are over --max-context-len 600, which cuts them first"), said
 
 
 def test_a_resume_refuses_a_checkpoint_of_another_architecture(tmp_path, capsys):
