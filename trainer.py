@@ -249,8 +249,8 @@ def find_checkpoint(load_flag, save):
     return load
 
 
-EARLIER = ("iter_*", "latest", "metrics.jsonl", "eval_*.jsonl", "config_*.json", "args.txt", "events.out.tfevents.*",
-           "sglang*.log", "summary.md", "reward_curve.png")
+EARLIER = ("iter_*", "latest", "metrics.jsonl", "eval_*.jsonl", "config_*.json", "args.txt", "sglang*.log", "summary.md",
+           "reward_curve.png")
 
 
 def start_fresh(save, overwrite, load):
