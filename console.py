@@ -66,10 +66,21 @@ def no_signal(m, args, step, quiet):
     if quiet + 1 == STALL:
         why = (f"in every group the rewards were equal (mean reward {m.get('reward', 0):.3f}): zero advantage"
                if m.get("zero_adv_frac") == 1 else "the gradient was zero (grad_norm 0)")
-        if m.get("truncated_frac") == 1:  # why they were equal, when every response was cut short
-            why = f"every response was cut at --rollout-max-response-len {args.rollout_max_response_len}: raise it"
+        if m.get("truncated_frac") == 1:  # why they were equal, when every response was cut short: by which cap
+            cap, ctx = f"--rollout-max-response-len {args.rollout_max_response_len}", m.get("context_cap_frac", 0)
+            if ctx:  # samples whose prompt + the response cap is over --max-context-len
+                cap = f"--max-context-len {args.max_context_len}" + (f" ({ctx:.0%} of them; the rest at {cap})" if ctx < 1 else "")
+            why = f"every response was cut at {cap}: raise it"
         say(f"[grpo] steps {step + 2 - STALL}-{step + 1} learnt nothing: {why}")
     return quiet + 1
+
+
+def room(lengths, args):
+    """GRPO at load: the prompts (of `lengths` tokens) --max-context-len leaves a response less room (rollout._episode)."""
+    short = [n for n in lengths if args.max_context_len - args.rollout_max_response_len < n < args.max_context_len]
+    if short:
+        say(f"[grpo] {len(short)} of {len(lengths)} prompts (up to {max(short)} tokens) + --rollout-max-response-len "
+            f"{args.rollout_max_response_len} are over --max-context-len {args.max_context_len}, which cuts them first")
 
 
 def say(line):

@@ -92,6 +92,12 @@ def image_to_data_uri(img):
 def _read_rows(source, split):
     """-> (rows, base_dir, name): raw dict rows of a file, folder or hub data set."""
     path, split = Path(source), split or "train"
+    if path.is_dir() and ((path / "state.json").exists() or (path / "dataset_dict.json").exists()):
+        import datasets  # a datasets save_to_disk folder: a Dataset, or a DatasetDict of splits
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict) and split not in ds:
+            raise DataError(f"{path}: a saved DatasetDict without split {split!r}; its splits: {', '.join(ds)}")
+        return list(ds[split] if isinstance(ds, datasets.DatasetDict) else ds), path, str(path)
     if path.is_dir():
         for cand in (path / f"{split}.parquet", path / f"{split}.jsonl"):
             if cand.exists():
@@ -156,6 +162,9 @@ def _record(row, base_dir, input_key, label_key, image_key, max_pixels, allow_ur
     raw = [] if raw is None else raw if isinstance(raw, list) else [raw]
     if not raw and image_key:
         raise ValueError("no image")
+    if problem.count("<image>") not in (0, len(raw)) and "messages" not in row:  # a `messages` row: sft.encode counts
+        raise ValueError(f"{problem.count('<image>')} <image> marker(s) in {input_key!r} for {len(raw)} image(s): one "
+                         "marker an image, or none (the images go first)")
     images = []
     for j, value in enumerate(raw):
         try:
@@ -172,7 +181,7 @@ def _record(row, base_dir, input_key, label_key, image_key, max_pixels, allow_ur
 
 
 def load_geo3k(source, split=None, input_key="problem", label_key="answer", max_bad_frac=0.01, max_pixels=MAX_PIXELS,
-               verbose=True, check=None, allow_urls=False, allow_outside=False, multimodal_keys=None):
+               verbose=True, check=None, allow_urls=False, allow_outside=False, multimodal_keys=None, flag="--"):
     """Load geo3k-style records; stop when more than `max_bad_frac` of the rows are unusable (each
     named by row and reason). `check(record)` raises ValueError for a bad row, TooLong for one to
     skip and count. multimodal_keys: slime's {"image": column} (default: `images`, else `image`)."""
@@ -187,7 +196,7 @@ def load_geo3k(source, split=None, input_key="problem", label_key="answer", max_
         images = None
         if verbose:
             print(f"[data] {name}: no image column (images, image): text-only rows", file=sys.stderr)
-    needs = [(input_key, "--input-key"), (label_key, "--label-key")]
+    needs = [(input_key, f"{flag}input-key"), (label_key, f"{flag}label-key")]  # flag "--eval-": eval data's
     for need, flag in needs + ([(images, """--multimodal-keys '{"image": "COLUMN"}'""")] if images else []):
         if columns and need not in columns:
             raise DataError(f"{name}: no column {need!r}; its columns: {', '.join(columns)}. Name yours with {flag} "
@@ -205,7 +214,7 @@ def load_geo3k(source, split=None, input_key="problem", label_key="answer", max_
             bad.append((i, str(e)))
     if not rows:
         raise DataError(f"{name}: no rows")
-    if len(bad) > max_bad_frac * len(rows):
+    if len(bad) > max_bad_frac * len(rows) and records:  # none usable: no --max-bad-frac helps (below)
         raise DataError(f"{name}: {len(bad)} of {len(rows)} rows are unusable (limit "
                         f"{max_bad_frac:.1%}; raise --max-bad-frac to skip them):\n{_listing(bad)}")
     if long and (verbose or not records):

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import re
+from pathlib import Path
 
 
 class FromArgs:
@@ -79,6 +80,8 @@ def add_train_args(p):
     add_column_args(g)
     g("--eval-prompt-data", default=None, help="evaluation data (same forms as --prompt-data)")
     g("--eval-split", default="test", help="split of --eval-prompt-data when it is a hub id or folder")
+    g("--eval-input-key", default=None, help="--eval-prompt-data's column of the problem text (default: --input-key)")
+    g("--eval-label-key", default=None, help="--eval-prompt-data's column of the answer (default: --label-key)")
     g("--eval-interval", type=COUNT, default=0, help="evaluate every N steps (0: only at the end)")
     g("--eval-samples", type=COUNT, default=64, help="evaluate on the first N eval problems (0: all)")
     g = p.add_argument_group("model and parallelism").add_argument
@@ -133,6 +136,11 @@ def add_train_args(p):
     g("--exit-signal-handler", action="store_true", help="on SIGTERM (a cluster's preemption), finish the step, "
       "save a checkpoint and exit 0 on every rank (Megatron's flag)")
     g("--exit-duration-in-mins", type=at_least(0.0), default=None, help="save, exit 0 after a step ending past N min")
+
+
+def expand(argv):
+    """argv with each @FILE's lines in its place (argparse's fromfile_prefix_chars="@": one argument a line): args.txt."""
+    return [x for a in argv for x in (Path(a[1:]).read_text().splitlines() if a.startswith("@") else [a])]
 
 
 def own_flags(registry):

@@ -14,6 +14,7 @@ image goes through the vision tower into the loss; `--freeze-vit` keeps the towe
 import argparse
 import json
 import math
+import sys
 import time
 
 import torch
@@ -31,7 +32,7 @@ import trainer as T
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=F.HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=F.HelpFormatter, fromfile_prefix_chars="@")
     F.add_train_args(p)
     p.add_argument_group("SFT").add_argument("--num-epoch", type=F.POSITIVE, default=1, help="passes over the training data")
     p.set_defaults(lr=1e-5, lr_decay_style="cosine")
@@ -41,6 +42,7 @@ def build_parser():
 def parse_args(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
+    args.argv = F.expand(sys.argv[1:] if argv is None else argv)  # args.txt's: `sft.py @RUN/args.txt` replays the run
     try:  # a missing env module is named before any model loads
         task.env(args)
     except ValueError as e:
@@ -115,6 +117,17 @@ def batch_loss(model, par, items, max_tokens, backward):
     return T.global_sum(sum(s["loss"] for s in stats), par), n_tokens
 
 
+def evaluate(model, par, evals, args, run, step):
+    """eval_loss: the token-mean NLL of the encoded eval rows `evals` at `step`, logged and said."""
+    model.eval()
+    with torch.no_grad():
+        loss, _ = batch_loss(model, par, T.dp_shard(evals, par), args.max_tokens_per_gpu, False)
+    model.train()
+    run.log(step, {"eval_loss": loss})
+    if par.rank == 0:
+        console.say(f"[eval] step {step}: eval_loss {loss:.4f}")
+
+
 def main(argv=None):
     args = parse_args(argv)
     par, run = T.start(args, "sft", fixed=("global_batch_size",))  # a step's data: step x the batch
@@ -130,6 +143,8 @@ def main(argv=None):
     opt, sched = optim.build_optimizer(model, args, total)
     start = run.load_state(ckpt, opt, sched)["step"] if ckpt else 0
     model.train()
+    if evals and start == 0:  # the start, which the done line and tools/report.py compare with the end
+        evaluate(model, par, evals, args, run, 0)
     for step in console.steps(run, start, total):
         epoch, pos = divmod(step, per_epoch)
         order = T.epoch_order(len(train), args.seed, epoch)
@@ -142,13 +157,7 @@ def main(argv=None):
                            "tokens_per_s": n_tokens / t, "step_s": t})
         run.maybe_save(model, opt, sched, step + 1, total)
         if evals and run.eval_due(step + 1, total):
-            model.eval()
-            with torch.no_grad():
-                loss, _ = batch_loss(model, par, T.dp_shard(evals, par), args.max_tokens_per_gpu, False)
-            model.train()
-            run.log(step + 1, {"eval_loss": loss})
-            if par.rank == 0:
-                console.say(f"[eval] step {step + 1}: eval_loss {loss:.4f}")
+            evaluate(model, par, evals, args, run, step + 1)
 
 
 if __name__ == "__main__":

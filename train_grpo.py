@@ -47,7 +47,8 @@ import trainer as T
 def build_parser(argv=()):
     """The parser for `argv`: the env module and the filter it names bring their own flags (task.chosen)."""
     # allow_abbrev: no --sglang-* flag may pass as an abbreviation
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=F.HelpFormatter, allow_abbrev=False)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=F.HelpFormatter, allow_abbrev=False,
+                                fromfile_prefix_chars="@")  # `train_grpo.py @RUN/args.txt` replays a run
     F.add_train_args(p)
     try:  # a user's module that is missing is named here, before any model loads
         R.add_args(p, task.chosen(argv))
@@ -68,6 +69,7 @@ def build_parser(argv=()):
     a("--recompute-logprobs", action="store_true", help="old logprobs from the trainer, not the engine")
     a("--use-rollout-routing-replay", action="store_true", help="R3: the routers replay the engine's experts (MoE)")
     a("--tis-cap", type=F.at_least(0.0), default=0.0, help="with --recompute-logprobs: TIS's cap (0: off)")
+    a("--default-tools", nargs="+", metavar="TOOL", help="multi-turn: the tools a row with no `tools` gets (default: the env's)")
     a("--dynamic-sampling-max-prompts", type=F.POSITIVE, default=None, help="prompts a step draws at most (4 x B)")
     g = p.add_argument_group("engine placement")
     a = g.add_mutually_exclusive_group().add_argument  # one or the other: argparse names both
@@ -99,6 +101,7 @@ def parse_args(argv=None):
     if bad := [u for u in unknown if u.startswith("--") and not u.startswith("--sglang-")]:
         p.error(f"unrecognized arguments: {' '.join(bad)}")
     args.sglang_args = sglang_engine.sglang_server_args(unknown)
+    args.argv = F.expand(argv)  # what args.txt keeps
     args.derived = [k for k, unset in (("global_batch_size", args.global_batch_size == 0),  # flags set from others
                                        ("offload_train", args.offload_train is None)) if unset]
     args.global_batch_size = args.global_batch_size or args.rollout_batch_size * args.n_samples_per_prompt
@@ -111,8 +114,11 @@ def parse_args(argv=None):
             p.error(f"--advantage-estimator {args.advantage_estimator} names a loss: give it as --policy-loss")
         args.advantage_estimator, args.policy_loss = "grpo", args.advantage_estimator
     if args.num_rollout and (args.n_samples_per_prompt == 1 or args.rollout_temperature == 0):
-        p.error(("--n-samples-per-prompt 1: a group of one" if args.n_samples_per_prompt == 1 else "--rollout-temperature"
-                 " 0: greedy, a group's responses are one") + " has zero advantage, GRPO would learn nothing")
+        p.error("--n-samples-per-prompt 1: a group of one response has zero advantage, so GRPO would learn nothing"
+                if args.n_samples_per_prompt == 1 else "--rollout-temperature 0: greedy sampling gives every response "
+                "of a group the same tokens, so each has zero advantage and GRPO would learn nothing")
+    if args.default_tools and args.max_turns == 1:
+        p.error("--default-tools: a single-turn run (--max-turns 1) offers no tools")
     if not (args.num_rollout or args.eval_prompt_data):
         p.error("--num-rollout 0 only evaluates: give --eval-prompt-data (or steps to train)")
     if (args.fully_async or args.async_rollout) and (args.colocate or args.offload_train):
@@ -319,6 +325,8 @@ class Source:
         args = self.args
         samples = self.rollout.take(args.rollout_batch_size)
         metrics = rollout_metrics(samples, self.tools, self.env)
+        metrics["context_cap_frac"] = sum(len(s.prompt_ids) + args.rollout_max_response_len > args.max_context_len
+                                          for s in samples) / max(1, len(samples))  # --max-context-len cuts these first
         good = [s for s in samples if s.status not in ("failed", "aborted") and any(s.loss_mask)]
         if args.mask_offpolicy_in_partial_rollout:  # tokens written before the sample's last abort: no loss
             for s in good:
@@ -429,10 +437,25 @@ def main(argv=None):
     if par.rank == 0:  # rank 0 owns the data (checked here, before any model: docs/data.md) and the rewards
         reward.init()  # its one-off warm-up here, not in the first rollout
         env = task.env(args) if args.max_turns > 1 else None
-        fit = dict(measure=lambda r: len(chat.prompt(processor, r, env, args.prompt_instruction)[2]),
-                   limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len} with room for a response"))
+        try:  # what a row with no `tools` is offered, multi-turn: --default-tools, checked now, else the env's own
+            offered = task.tools(env, {"tools": args.default_tools}) if env is not None else []
+        except ValueError as e:
+            raise SystemExit(f"--default-tools: {e}") from None
+        lengths = []  # each prompt's tokens: console.room says those a response's room is cut for
+
+        def measure(r):
+            lengths.append(len(chat.prompt(processor, r, env, args.prompt_instruction)[2]))
+            return lengths[-1]
+        fit = dict(measure=measure, limit=(args.max_context_len - 1, f"--max-context-len {args.max_context_len} with room "
+                                                                     "for a response"))
         records = T.load_data(args, **fit) if args.num_rollout else []  # --num-rollout 0: evaluate only
         eval_records = T.load_data(args, evaluation=True, **fit)
+        console.room(lengths, args)
+        bare = [r for r in records + eval_records if offered and r.get("tools") is None]
+        for r in bare:
+            r["tools"] = offered
+        if bare:
+            console.say(f"[grpo] {len(bare)} rows have no `tools`: each is offered {', '.join(offered)} (--default-tools)")
         if args.num_rollout and len(records) < args.rollout_batch_size:  # a step's groups: distinct prompts
             raise SystemExit(f"--rollout-batch-size {args.rollout_batch_size}: --prompt-data has {len(records)} usable "
                              "prompts, so a step would sample some twice; lower it or add data")

@@ -88,6 +88,7 @@ class Run:
             if self.ckpt is None:
                 start_fresh(self.save, args.overwrite, args.load)
                 self.write_config(f"config_{kind}.json")
+                atomic_write(self.save / "args.txt", "".join(a + "\n" for a in args.argv))  # `sft.py @args.txt` replays it
             else:  # refused or said now; written as the resume happens (load_state), beside the run's first
                 convert.same_architecture(args.hf_checkpoint, self.ckpt)
                 compare(self.ckpt.parent / f"config_{kind}.json", self.config, FIXED + fixed)
@@ -223,7 +224,7 @@ def compare(saved_path, config, fixed):
     saved = json.loads(saved_path.read_text()) if saved_path.exists() else {}
     derived = set(config.get("derived", ())) & set(saved.get("derived", ()))  # flags neither run gave: follow others
     changed = {k: f"--{k.replace('_', '-')} {v} (the run: {saved[k]})" for k, v in config.items() if k in saved and
-               saved[k] != v and k not in ("load", "overwrite", "versions", "world_size", "derived", *derived)}
+               saved[k] != v and k not in ("load", "overwrite", "argv", "versions", "world_size", "derived", *derived)}
     if bad := [line for k, line in changed.items() if k in fixed]:
         raise SystemExit(f"--load {saved_path.parent}: a resume keeps the run's data order and optimizer state, so "
                          "these cannot change:\n  " + "\n  ".join(bad) + "\nresume with the run's values, or start a new "
@@ -250,22 +251,26 @@ def find_checkpoint(load_flag, save):
     return load
 
 
+EARLIER = ("iter_*", "latest", "metrics.jsonl", "eval_*.jsonl", "config_*.json", "args.txt", "sglang*.log", "summary.md",
+           "reward_curve.png")
+
+
 def start_fresh(save, overwrite, load):
-    """A fresh start may not mix with an earlier run's checkpoints: those need --load (resume)
-    or --overwrite (deleted). Metrics of a run that died before its first checkpoint go."""
+    """A fresh start may not mix with an earlier run: its checkpoints need --load (resume) or --overwrite, its metrics
+    too; then every file of it goes, said (EARLIER, tools/report.py's too: a step-0 eval kept would be compared with)."""
     save = Path(save)
     old = sorted(save.glob("iter_*")) + sorted(save.glob("latest"))
     if old and not overwrite:
         raise SystemExit(f"--save {save} holds checkpoints of an earlier run ({old[0].name}...): "
                          f"resume with --load {save}, or pass --overwrite to delete them and start fresh")
-    for p in old:
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
-    if overwrite or load:
-        trim_metrics(save, 0)
-    elif (save / "metrics.jsonl").exists() and (save / "metrics.jsonl").stat().st_size:
+    if not (overwrite or load) and (save / "metrics.jsonl").exists() and (save / "metrics.jsonl").stat().st_size:
         raise SystemExit(f"--save {save} holds metrics.jsonl of an earlier run: resume with "
                          f"--load {save}, or pass --overwrite to start fresh")
-    print(f"[run] starting fresh in {save}", flush=True)
+    gone = sorted({p for pattern in EARLIER for p in save.glob(pattern)})
+    for p in gone:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    removed = f" (removed the earlier run's {len(gone)} file(s): {', '.join(p.name for p in gone)})" if gone else ""
+    print(f"[run] starting fresh in {save}{removed}", flush=True)
 
 
 def trim_metrics(save, step):
@@ -302,10 +307,12 @@ def load_data(args, evaluation=False, verbose=True, measure=None, limit=None):
         if n > limit[0]:
             raise data.TooLong(f"{n} tokens, over {limit[1]}")
     try:
-        records = data.load_geo3k(source, args.eval_split if evaluation else args.split, args.input_key,
-                                  args.label_key, args.max_bad_frac, verbose=verbose, check=measure and check,
-                                  allow_urls=args.allow_image_urls, allow_outside=args.allow_outside_paths,
-                                  multimodal_keys=args.multimodal_keys)
+        keys = (args.eval_input_key or args.input_key, args.eval_label_key or args.label_key) if evaluation else (
+            args.input_key, args.label_key)
+        records = data.load_geo3k(source, args.eval_split if evaluation else args.split, *keys, args.max_bad_frac,
+                                  verbose=verbose, check=measure and check, allow_urls=args.allow_image_urls,
+                                  allow_outside=args.allow_outside_paths, multimodal_keys=args.multimodal_keys,
+                                  flag="--eval-" if evaluation else "--")
     except data.DataError as e:
         raise SystemExit(f"--{'eval-' if evaluation else ''}prompt-data: {e}") from None
     return records[:args.eval_samples or None] if evaluation else records

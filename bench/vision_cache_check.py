@@ -29,7 +29,7 @@ def main():
     p.add_argument("--weight-sync", default="disk", choices=["disk", "tensor"])
     a, server_flags = p.parse_known_args()
     processor = AutoProcessor.from_pretrained(a.hf_checkpoint)
-    rec = synth.synth_records(1, seed=3, kinds=("polygon",), size=128, jitter=0.0)[0]
+    rec = synth.synth_records(1, seed=3, kinds=("polygon",), size=128)[0]
     rec = dict(rec, images=[data.decode_image(im) for im in rec["images"]])
     item = {"input_ids": chat.encode_prompt(processor, data.prompt_messages(rec), rec["images"]), "images": rec["images"]}
     greedy = dict(temperature=0.0, max_new_tokens=8)

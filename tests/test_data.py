@@ -142,6 +142,9 @@ BAD_ROWS = [  # (the row's change, why it is unusable; None: usable), each check
     ({"box": [-1, 2, 5, 20]}, "box [-1, 2, 5, 20]: not"), ({"box": [0, 2, "5", 20]}, "box [0, 2, '5', 20]: not"),
     ({"box": [False, 2, 5, 20]}, "box [False, 2, 5, 20]: not"), ({"box": "0 0 5 5"}, "box 0 0 5 5: not"),
     ({"images": "tiny.png"}, "image 0: 1x1 px: under 4 px a side"), ({"images": "flat.png"}, "image 0: 40x3 px: under"),
+    ({"problem": "Sides?"}, None), ({"problem": "<image>A <image>B", "images": ["a.png", "a.png"]}, None),
+    ({"problem": "<image>A <image>B"}, "2 <image> marker(s) in 'problem' for 1 image(s): one marker an image, or none"),
+    ({"images": ["a.png", "a.png"]}, "1 <image> marker(s) in 'problem' for 2 image(s)"),
 ]
 
 
@@ -168,6 +171,29 @@ def test_each_row_is_checked_whole_at_load(form, tmp_path):
             continue
         with pytest.raises(data.DataError, match="row 0: " + why.replace("(", "\\(").replace(")", "\\)").replace("[", "\\[")):
             data.load_geo3k(p)
+
+
+def test_a_datasets_save_to_disk_folder_loads_as_a_dataset_or_its_split(tmp_path):
+    import datasets
+    rows = [{"problem": f"<image>Sides of {k}?", "answer": str(k), "images": [{"bytes": _png(), "path": None}]} for k in (3, 4)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "one"))
+    datasets.DatasetDict(train=datasets.Dataset.from_list(rows[:1]), test=datasets.Dataset.from_list(rows[1:])).save_to_disk(
+        str(tmp_path / "two"))
+    assert [r["answer"] for r in data.load_geo3k(tmp_path / "one")] == ["3", "4"]
+    assert [r["answer"] for r in data.load_geo3k(tmp_path / "two", "test")] == ["4"]
+    assert data.load_geo3k(tmp_path / "two")[0]["images"][0].size == (40, 30)  # the train split by default
+    with pytest.raises(data.DataError, match=f"^{tmp_path / 'two'}: a saved DatasetDict without split 'val'; its splits: "
+                       "train, test$"):
+        data.load_geo3k(tmp_path / "two", "val")
+
+
+def test_data_with_no_usable_row_is_said_so_without_advising_max_bad_frac(tmp_path):
+    rows = [{"problem": "<image>Sides?", "answer": "4", "images": "gone.png"}] * 3
+    with pytest.raises(data.DataError) as e:
+        data.load_geo3k(_write_jsonl(tmp_path / "d.jsonl", rows))
+    said = str(e.value)
+    assert said.startswith(f"{tmp_path / 'd.jsonl'}: no usable row of 3:\n  row 0: image 0: image file not found"), said
+    assert "--max-bad-frac" not in said
 
 
 def test_show_checks_what_the_trainer_would(tmp_path, capsys):
@@ -255,7 +281,7 @@ def test_synth_is_deterministic_and_answers_follow_from_the_drawing(tmp_path):
     for rec in synth.synth_records(40, seed=1, kinds=("polygon",)):
         n = _sides_from_image(data.decode_image(rec["images"][0]))
         want = synth.POLYGON_QUESTIONS[rec["problem"].removeprefix("<image>")](n)
-        assert synth._num(want) == rec["answer"]
+        assert f"{want:g}" == rec["answer"]
     out = synth.write_synth(tmp_path / "s", 8, n_test=4, seed=0)
     assert len(data.load_geo3k(out, "train")) == 8 and len(data.load_geo3k(out, "test")) == 4
 

@@ -63,7 +63,8 @@ GRPO = ["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x"]
 @pytest.mark.parametrize("entry,flags,named", [
     ("train_grpo", ["--rollout-batch-size", "0"], "--rollout-batch-size: 0:"),
     ("train_grpo", ["--n-samples-per-prompt", "0"], "--n-samples-per-prompt: 0:"),
-    ("train_grpo", ["--n-samples-per-prompt", "1"], "--n-samples-per-prompt 1: a group of one"),
+    ("train_grpo", ["--n-samples-per-prompt", "1"], "--n-samples-per-prompt 1: a group of one response has "
+     "zero advantage, so GRPO would learn nothing\n"),
     ("train_grpo", ["--num-rollout", "-2"], "--num-rollout: -2:"),
     ("train_grpo", ["--rollout-temperature=-1"], "--rollout-temperature: -1:"),
     ("train_grpo", ["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size: 0:"),
@@ -77,13 +78,15 @@ GRPO = ["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x"]
      "--rollout-num-gpus --weight-sync: they place"),
     # issue 58: evaluating nothing, a media type this trainer has no model input for
     ("train_grpo", ["--num-rollout", "0"], "--num-rollout 0 only evaluates: give --eval-prompt-data"),
+    ("train_grpo", ["--default-tools", "calc_score"], "--default-tools: a single-turn run (--max-turns 1) offers no tools"),
     ("sft", ["--multimodal-keys", "image_path"], "--multimodal-keys: invalid loads value: 'image_path'"),
     ("sft", ["--global-batch-size", "0"], "--global-batch-size: 0:"),
     ("sft", ["--num-epoch", "0"], "--num-epoch: 0:"),
     ("sft", ["--lr", "nan"], "--lr: nan:"),
     # issue 68: a negative number without `=` is the flag's value, refused by its bound; greedy GRPO learns nothing
     ("sft", ["--lr", "-1e-4"], "--lr: -1e-4: must be a finite number >= 0.0"),
-    ("train_grpo", ["--rollout-temperature", "0"], "--rollout-temperature 0: greedy, a group's responses are one"),
+    ("train_grpo", ["--rollout-temperature", "0"], "--rollout-temperature 0: greedy sampling gives "
+     "every response of a group the same tokens, so each has zero advantage and GRPO would learn nothing\n"),
 ])
 def test_bad_numeric_flags_fail_at_parse_time_naming_the_flag(entry, flags, named, capsys):
     mod = __import__(entry)
@@ -239,7 +242,24 @@ def test_a_fresh_start_never_mixes_with_an_earlier_run(tmp_path):
     # --load = --save with `latest` lost: the newest complete checkpoint, not a fresh start
     assert T.find_checkpoint(str(tmp_path), tmp_path) == tmp_path / "iter_0000004"
     T.start_fresh(tmp_path, overwrite=True, load=None)
-    assert not list(tmp_path.glob("iter_*")) and (tmp_path / "metrics.jsonl").read_text() == ""
+    assert not list(tmp_path.glob("iter_*")) and not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("overwrite, load", [(True, None), (False, "same")])  # --load = --save holding no checkpoint
+def test_a_fresh_start_removes_every_file_of_the_earlier_run_and_says_which(tmp_path, capsys, overwrite, load):
+    earlier = ["latest", "metrics.jsonl", "eval_0000000.jsonl", "eval_0000004.jsonl", "config_grpo.json",
+               "config_grpo_resumed_at_0000002.json", "args.txt", "summary.md"]
+    for name in earlier:
+        (tmp_path / name).write_text(json.dumps({"step": 0, "eval_accuracy": 0.9}) + "\n")  # a step-0 eval of another model
+    (tmp_path / "data").mkdir()  # not a run's file: stays
+    if load:
+        (tmp_path / "latest").unlink()
+        earlier.remove("latest")
+    T.start_fresh(tmp_path, overwrite=overwrite, load=load and str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+    said = capsys.readouterr().out
+    assert f"[run] starting fresh in {tmp_path} (removed the earlier run's {len(earlier)} file(s): " in said, said
+    assert all(n in said for n in earlier)
 
 
 def test_resume_drops_a_torn_metrics_line_and_says_so(tmp_path, capsys):
@@ -606,6 +626,10 @@ def test_the_resume_command_keeps_the_flags_but_overwrite(argv, want, monkeypatc
     ({"zero_adv_frac": 1.0, "grad_norm": 0.2, "truncated_frac": 0.5, "reward": 1.0},
      "in every group the rewards were equal (mean reward 1.000): zero advantage"),  # the entropy bonus moves it
     ({"zero_adv_frac": 0.0, "grad_norm": 0.0}, "the gradient was zero"),
+    ({"zero_adv_frac": 1.0, "grad_norm": 0.0, "truncated_frac": 1.0, "context_cap_frac": 1.0},
+     "every response was cut at --max-context-len 8192: raise it"),  # the cap that cut, not the other
+    ({"zero_adv_frac": 1.0, "grad_norm": 0.0, "truncated_frac": 1.0, "context_cap_frac": 0.25},
+     "every response was cut at --max-context-len 8192 (25% of them; the rest at --rollout-max-response-len 256)"),
 ])
 def test_a_step_with_nothing_to_learn_is_told_why_once(metrics, why, capsys):
     quiet = 0
@@ -776,6 +800,63 @@ def test_every_data_check_runs_before_any_model_is_built(second, extra, said, ck
         train_grpo.main([str(x).replace("{d}", str(d)) for x in argv])
 
 
+@pytest.mark.parametrize("entry", ["train_grpo", "sft"])
+def test_eval_data_reads_its_own_columns_and_a_missing_one_names_the_eval_flag(entry, tmp_path):
+    mod = __import__(entry)
+    (tmp_path / "a.png").write_bytes(png())
+    jsonl(tmp_path / "train.jsonl", [{"problem": "<image>How many sides?", "answer": "4", "images": "a.png"}])
+    jsonl(tmp_path / "eval.jsonl", [{"question": "<image>How many corners?", "gold": "3", "images": "a.png"}])
+    argv = ["--hf-checkpoint", "x", "--prompt-data", str(tmp_path / "train.jsonl"), "--save", "x",
+            "--eval-prompt-data", str(tmp_path / "eval.jsonl"), "--eval-input-key", "question"]
+    with pytest.raises(SystemExit) as e:
+        T.load_data(mod.parse_args(argv), evaluation=True)
+    assert str(e.value.code).endswith("no column 'answer'; its columns: gold, images, question. Name yours with "
+                                      "--eval-label-key (docs/data.md)"), e.value.code
+    (rec,) = T.load_data(mod.parse_args(argv + ["--eval-label-key", "gold"]), evaluation=True)
+    assert (rec["problem"], rec["answer"]) == ("<image>How many corners?", "3")
+    assert T.load_data(mod.parse_args(argv + ["--eval-label-key", "gold"]))[0]["answer"] == "4"  # training: its own
+
+
+@pytest.mark.parametrize("flag,offered", [([], "calc_score, image_zoom_in_tool"), (["calc_score"], "calc_score"),
+                                          (["nope"], None)])
+def test_multi_turn_rows_with_no_tools_are_offered_the_default_or_flags_tools_said_once(flag, offered, ckpt, tmp_path,
+                                                                                          monkeypatch, capsys):
+    import model as M
+    import train_grpo
+    (tmp_path / "a.png").write_bytes(png())
+    row = {"problem": "<image>How many sides?", "answer": "4", "images": "a.png"}
+    jsonl(tmp_path / "train.jsonl", [row, dict(row, tools=["image_zoom_in_tool"])])
+    loaded, load = [], T.load_data
+    monkeypatch.setattr(T, "load_data", lambda *a, **k: loaded.append(load(*a, **k)) or loaded[-1])
+    monkeypatch.setattr(M, "load_model", lambda *a, **k: sys.exit("loaded"))
+    argv = ["--hf-checkpoint", ckpt, "--prompt-data", tmp_path / "train.jsonl", "--save", tmp_path / "run",
+            "--rollout-batch-size", "1", "--max-turns", "3"] + (["--default-tools", *flag] if flag else [])
+    with pytest.raises(SystemExit) as e:
+        train_grpo.main([str(x) for x in argv])
+    if offered is None:
+        assert e.value.code == "--default-tools: tools ['nope']: a list of tool names from calc_score, image_zoom_in_tool"
+        return
+    said = [x for x in capsys.readouterr().out.splitlines() if "`tools`" in x]
+    assert said == [f"[grpo] 1 rows have no `tools`: each is offered {offered} (--default-tools)"]
+    assert [r["tools"] for r in loaded[0]] == [offered.split(", "), ["image_zoom_in_tool"]]
+
+
+def test_prompts_a_response_cannot_fill_under_the_context_cap_are_said_at_load(ckpt, tmp_path, monkeypatch, capsys):
+    import model as M
+    import train_grpo
+    (tmp_path / "a.png").write_bytes(png())
+    rs = [{"problem": "<image>How many sides?" + " and" * k, "answer": "4", "images": "a.png"} for k in (0, 400)]
+    jsonl(tmp_path / "train.jsonl", rs)
+    monkeypatch.setattr(M, "load_model", lambda *a, **k: sys.exit("loaded"))
+    argv = ["--hf-checkpoint", ckpt, "--prompt-data", tmp_path / "train.jsonl", "--save", tmp_path / "run",
+            "--rollout-batch-size", "1", "--max-context-len", "600", "--rollout-max-response-len", "300"]
+    with pytest.raises(SystemExit, match="loaded"):
+        train_grpo.main([str(x) for x in argv])
+    said = [x for x in capsys.readouterr().out.splitlines() if "--max-context-len" in x]
+    assert len(said) == 1 and said[0].startswith("[grpo] 1 of 2 prompts (up to 4"), said  # the longer: 400-odd tokens
+    assert said[0].endswith("+ --rollout-max-response-len 300 are over --max-context-len 600, which cuts them first"), said
+
+
 def test_a_resume_refuses_a_checkpoint_of_another_architecture(tmp_path, capsys):
     """--load RUN with an --hf-checkpoint of another size: refused by name before any model loads (the run
     would train its own weights and write the other model's config.json beside them)."""
@@ -805,7 +886,22 @@ def test_weights_that_are_not_finite_are_not_saved_and_the_step_is_named(tmp_pat
     with pytest.raises(SystemExit, match=r"^\[run\] step 3: weights not finite \(NaN or inf: bias\); not saved, "
                                          f"earlier checkpoints kept: lower --lr and resume with --load {tmp_path}/run$"):
         run.save_checkpoint(model, None, None, 3)
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".lock", "config_grpo.json"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".lock", "args.txt", "config_grpo.json"]
+
+
+@pytest.mark.parametrize("entry", ["train_grpo", "sft"])
+def test_a_run_writes_its_arguments_and_entry_at_args_txt_replays_them(entry, tmp_path):
+    mod = __import__(entry)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    (tmp_path / "more.txt").write_text("--lr\n2e-4\n--prompt-instruction\nCount the sides.\n")  # an @file of its own
+    argv = ["--hf-checkpoint", str(tmp_path / "ckpt"), "--prompt-data", "x", "--save", str(tmp_path / "run"), "--seed", "7",
+            f"@{tmp_path / 'more.txt'}", "--lr", "3e-4", "--freeze-vit"]
+    args = mod.parse_args(argv)
+    T.start(args, entry)
+    replayed = mod.parse_args([f"@{tmp_path / 'run' / 'args.txt'}"])
+    assert vars(replayed) == vars(args) and (args.lr, args.seed, args.freeze_vit) == (3e-4, 7, True)
+    assert args.prompt_instruction == "Count the sides." and "@" not in (tmp_path / "run" / "args.txt").read_text()
 
 
 def test_the_finite_check_at_save_reads_the_device_once_not_once_a_tensor(tmp_path, monkeypatch):

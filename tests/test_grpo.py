@@ -527,10 +527,11 @@ def test_step_where_every_sample_failed(processor, records, capsys):
             return [{"ids": [], "logprobs": [], "finish": "abort", "error": "SGLang /generate -> HTTP 500: IndexError"}
                     for _ in batch]
     args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--rollout-batch-size", "2",
-                         "--n-samples-per-prompt", "2"])
+                         "--n-samples-per-prompt", "2", "--rollout-max-response-len", "8192"])
     par = types.SimpleNamespace(rank=0, world=1, dp=1)
     batch = G.Source(Failing(), processor, records, args, 1, par).next(0)
     assert batch.items == [None] and batch.metrics["failed_frac"] == 1.0 and batch.metrics["samples"] == 4
+    assert batch.metrics["context_cap_frac"] == 1.0  # prompt + 8192 over --max-context-len 8192: console.no_signal's
     assert "step 1: no trainable sample among 4 (SGLang /generate -> HTTP 500: IndexError): update skipped" \
         in capsys.readouterr().out
     model = types.SimpleNamespace(par=par, train=lambda: None, expert_load=lambda: None)

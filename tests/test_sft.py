@@ -184,6 +184,16 @@ def test_sigkill_then_load_resumes_on_the_same_data_order(tiny_ckpt, tmp_path):
         assert abs(resumed[step] - full[step]) < 1e-6, (step, resumed[step], full[step])
 
 
+def test_sft_evaluates_at_its_start_and_the_done_line_compares_start_and_end(tiny_ckpt, tmp_path):
+    from tools import synth
+    synth.write_synth(tmp_path / "d", 8, n_test=2, seed=0)
+    r = sft("--hf-checkpoint", tiny_ckpt("qwen3_vl"), "--prompt-data", tmp_path / "d", "--eval-prompt-data", tmp_path / "d",
+            "--global-batch-size", "4", "--lr", "1e-3", "--save", tmp_path / "run")
+    evals = [(m["step"], m["eval_loss"]) for m in metrics(tmp_path / "run") if "eval_loss" in m]
+    assert [step for step, _ in evals] == [0, 2] and evals[0][1] != evals[1][1], evals
+    assert f"eval_loss {evals[0][1]:.3f} -> {evals[1][1]:.3f}; checkpoint" in r.stdout, r.stdout[-1000:]
+
+
 @pytest.mark.parametrize("decoupled", [None, 1e-2])
 def test_optimizer_groups_decoupled_lr_and_decay(decoupled):
     """--decoupled-lr sets the token embedding and output layer apart; the schedule scales every
