@@ -14,6 +14,19 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 
+def tensorboard(folder):
+    """--use-tensorboard (slime's flag): log(metrics, step) writes a step's numbers as scalars to `folder`."""
+    from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package (requirements.txt)
+    writer = SummaryWriter(str(folder))
+
+    def log(metrics, step):
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)):
+                writer.add_scalar(key, value, step)
+        writer.flush()
+    return log
+
+
 def steps(run, start, total):
     """The training loop's steps start .. total - 1 under a progress bar (rank 0): the caller runs each, logs it
     (run.log) and calls run.maybe_save, which checkpoints the step before a stop (stop_reason); then the loop

@@ -133,6 +133,7 @@ def add_train_args(p):
     g("--save-interval", type=COUNT, default=50, help="checkpoint every N steps (0: only at the end)")
     g("--save-keep", type=COUNT, default=3, help="keep the newest N checkpoints in --save (0: keep all)")
     g("--wandb-project", default=None, help="log to wandb too, when it is installed")
+    g("--use-tensorboard", action="store_true", help="write the metrics as TensorBoard events too, in <save>/tensorboard")
     g("--exit-signal-handler", action="store_true", help="on SIGTERM (a cluster's preemption), finish the step, "
       "save a checkpoint and exit 0 on every rank (Megatron's flag)")
     g("--exit-duration-in-mins", type=at_least(0.0), default=None, help="save, exit 0 after a step ending past N min")

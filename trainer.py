@@ -71,7 +71,8 @@ class Run:
 
     def __init__(self, args, kind, par, fixed=()):
         self.args, self.par, self.rank, self.kind, self.save = args, par, par.rank, kind, Path(args.save)
-        self.wandb, self.lock, self.last, self.stopping, self.signalled = None, None, {}, None, False
+        self.lock, self.last, self.stopping, self.signalled = None, {}, None, False
+        self.sinks = []  # wandb's and TensorBoard's log(step, metrics), where asked for
         self.t0 = time.time()  # --exit-duration-in-mins counts from here (console.stop_reason)
         if self.rank == 0:
             try:
@@ -95,9 +96,11 @@ class Run:
             if args.wandb_project:
                 try:
                     import wandb
-                    self.wandb = wandb.init(project=args.wandb_project, config=self.config)
+                    self.sinks.append(wandb.init(project=args.wandb_project, config=self.config).log)
                 except ImportError:
                     print("[run] wandb is not installed; logging to metrics.jsonl only", file=sys.stderr)
+            if args.use_tensorboard:
+                self.sinks.append(console.tensorboard(self.save / "tensorboard"))
 
     def write_config(self, name):
         (self.save / name).write_text(json.dumps(self.config, indent=1, default=str))
@@ -117,8 +120,8 @@ class Run:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        if self.wandb:
-            self.wandb.log(metrics, step=step)
+        for sink in self.sinks:
+            sink(metrics, step=step)
 
     def save_checkpoint(self, model, opt, sched, step, rollout=None):
         """<save>/iter_NNNNNNN (HF weights, train_state/, `rollout`: rank 0's rollout state to resume with), written
@@ -252,7 +255,7 @@ def find_checkpoint(load_flag, save):
 
 
 EARLIER = ("iter_*", "latest", "metrics.jsonl", "eval_*.jsonl", "config_*.json", "args.txt", "sglang*.log", "summary.md",
-           "reward_curve.png")
+           "reward_curve.png", "tensorboard")
 
 
 def start_fresh(save, overwrite, load):

@@ -178,3 +178,25 @@ def test_preemption_through_run_shs_torchrun_saves_the_step_and_the_same_command
     r = launch.run(["bash", "-c", recipe, "bash", *cmd], timeout=600, env=env)
     assert r.returncode == 0 and steps(save) == [1, 2, 3, 4], r.stderr[-3000:]
     assert f"[run] done: steps {k} -> 4 in" in r.stdout
+
+
+@pytest.mark.parametrize("entry", ["train_grpo", "sft"])
+def test_use_tensorboard_writes_each_steps_numbers_as_events_and_overwrite_removes_them(entry, tmp_path):
+    """--use-tensorboard (slime's flag, issue 75 6j): a step's numbers (not its text) as TensorBoard scalars in
+    <save>/tensorboard, readable by TensorBoard's own reader, for both trainers; --overwrite removes them with the run."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    import trainer
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({"model_type": "qwen3_vl"}))
+    argv = ["--hf-checkpoint", str(tmp_path / "ckpt"), "--prompt-data", "x", "--save", str(tmp_path / "run"),
+            "--use-tensorboard"]
+    _, run = trainer.start(__import__(entry).parse_args(argv), entry)
+    run.log(1, {"reward": 0.5, "loss": 2.0, "hint": "text"})
+    run.log(2, {"reward": 0.75})
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["loss", "reward"]
+    assert [(e.step, e.value) for e in events.Scalars("reward")] == [(1, 0.5), (2, 0.75)]
+    run.lock.close()
+    trainer.start(__import__(entry).parse_args(argv[:-1] + ["--overwrite"]), entry)
+    assert not (tmp_path / "run" / "tensorboard").exists()
