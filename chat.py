@@ -16,7 +16,7 @@ def encode_images(processor, images):
     """-> (pixel_values (sum patches, C*T*P*P), image_grid_thw (n, 3)) as the trainer feeds them."""
     if not images:
         return None, None
-    out = processor.image_processor(images=list(images), return_tensors="pt")
+    out = processor.image_processor(images=data.views(images), return_tensors="pt")
     return out["pixel_values"], out["image_grid_thw"]
 
 
@@ -36,7 +36,7 @@ def template_tools(processor, record, env):
 
 def encode_prompt(processor, messages, images, tools=None):
     text = render(processor, messages, tools, add_generation_prompt=True)
-    return list(processor(text=[text], images=list(images) or None)["input_ids"][0])
+    return list(processor(text=[text], images=data.views(images) or None)["input_ids"][0])
 
 
 def prompt(processor, record, env=None, instruction=data.INSTRUCTION):
@@ -47,7 +47,7 @@ def prompt(processor, record, env=None, instruction=data.INSTRUCTION):
     tools = template_tools(processor, record, env) if names else None
     usage = task.usage(env, names) if names and tools is None else None
     messages = data.prompt_messages(record, bool(names), usage, instruction)
-    return messages, tools, encode_prompt(processor, messages, list(record["images"]), tools)
+    return messages, tools, encode_prompt(processor, messages, record["images"], tools)
 
 
 def assistant_opener(processor, messages, tools=None):
@@ -74,7 +74,7 @@ def encode_observation(processor, history, message, images, tools=None):
     cut = before.rfind(IM_END) + len(IM_END)
     if cut < len(IM_END) or before[cut:].strip():
         raise ValueError(f"the chat template does not end a turn with {IM_END} (it ends {before[-40:]!r})")
-    return list(processor(text=[after[cut:]], images=list(images) or None)["input_ids"][0])
+    return list(processor(text=[after[cut:]], images=data.views(images) or None)["input_ids"][0])
 
 
 def encode_target(processor, messages, text, tools=None):

@@ -2,11 +2,12 @@
 
     python data.py show tests/data/geo3k_real/test.parquet   # load and summarise a source
 
-`load_geo3k(source, split=None)` -> [{"problem", "answer", "images" (RGB PIL), other columns as they are}] from a
+`load_geo3k(source, split=None)` -> [{"problem", "answer", "images" (Picture), other columns as they are}] from a
 hub id, a parquet or jsonl file, or a folder; the sources, columns and bad rows: docs/data.md.
 """
 import argparse
 import base64
+import dataclasses
 import io
 import json
 import math
@@ -20,7 +21,7 @@ from PIL import Image
 import flags
 import task
 
-MAX_PIXELS = 1 << 20  # decoded images above this are downscaled (the processor resizes again)
+MIN_PIXELS, MAX_PIXELS = flags.MIN_PIXELS, flags.MAX_PIXELS  # the model's view of an image (--min-pixels, --max-pixels)
 URL_MAX_BYTES, URL_TIMEOUT = 32 << 20, 20  # with allow_urls: one image's body, seconds per read
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".webp", ".bmp", ".tif", ".tiff")  # a path value names an image
 
@@ -37,33 +38,81 @@ class TooLong(ValueError):
     """A row over a length limit (raised by a load `check`): skipped and counted, not an error."""
 
 
-def decode_image(value, base_dir=None, max_pixels=MAX_PIXELS, allow_urls=False, allow_outside=False):
-    """bytes | {"bytes", "path"} | path | data URI | http(s) URL | PIL image -> RGB PIL image. Paths
-    stay inside `base_dir` unless allow_outside, URLs need allow_urls (README, "Reliability")."""
+@dataclasses.dataclass(frozen=True)
+class Picture:
+    """A row's image as loaded: kept encoded (its bytes, a checked path, or a PIL image a hub data set decoded) and
+    decoded where it is used, so rows hold no pixels (a --partial-rollout buffer, a checkpoint pickle it so). `size`:
+    the original's (width, height), which a row's `box` and the zoom read; `view_size`: the model's view of it."""
+    source: object
+    size: tuple
+    view_size: tuple
+
+    def original(self):
+        """The image at full resolution, RGB (the zoom crops it)."""
+        return _decoded(self.source, None)
+
+    def view(self):
+        """The model's view, RGB: the pixels SGLang and the trainer's processor both get (views())."""
+        return _decoded(self.source, self.view_size)
+
+
+def _opened(source):
+    """A Picture's source as a PIL image; an encoded one not decoded yet (its header read: the size)."""
+    if isinstance(source, Image.Image):
+        return source
+    return Image.open(io.BytesIO(source if isinstance(source, bytes) else Path(source).read_bytes()))  # no file left open
+
+
+def _decoded(source, size):
+    img = _opened(source)
+    img.draft("RGB", size)  # a JPEG decoded at a reduced scale, still >= size (as PIL's thumbnail); others: no-op
+    img = img.convert("RGB")
+    return img if size in (None, img.size) else img.resize(size)
+
+
+def view_size(width, height, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS):
+    """The (width, height) the model sees of an image: its own, scaled (aspect kept) into [min_pixels, max_pixels]."""
+    area = width * height
+    if min_pixels <= area <= max_pixels:
+        return width, height
+    s = math.sqrt((max_pixels if area > max_pixels else min_pixels) / area)
+    rounded = int if area > max_pixels else math.ceil
+    return max(1, rounded(width * s)), max(1, rounded(height * s))
+
+
+def views(images):
+    """Each image as the model sees it: a Picture's view decoded, a PIL image (a zoom's) as it is."""
+    return [im.view() if isinstance(im, Picture) else im for im in images]
+
+
+def picture(value, base_dir=None, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, allow_urls=False, allow_outside=False):
+    """bytes | {"bytes", "path"} | path | data URI | http(s) URL | PIL image -> its Picture. Paths stay inside `base_dir`
+    unless allow_outside, URLs need allow_urls (README, "Reliability"). The size comes from the header (where PIL
+    refuses a decompression bomb, Image.MAX_IMAGE_PIXELS, before decoding); the view is decoded once, then dropped:
+    a corrupt image fails here, with its row."""
     if isinstance(value, dict):  # parquet's image struct: its bytes, else its path
         if not (value.get("bytes") or value.get("path")):
             raise ValueError("image dict has neither 'bytes' nor 'path'")
         value = value.get("bytes") or value["path"]
     if isinstance(value, Image.Image):
-        img = value
+        source = value.convert("RGB")
     elif isinstance(value, (bytes, bytearray, memoryview)):
-        img = Image.open(io.BytesIO(bytes(value)))
+        source = bytes(value)
     elif isinstance(value, str) and value.startswith("data:"):
         header, _, payload = value.partition(",")
         if ";base64" not in header:
             raise ValueError("data URI is not base64")
-        img = Image.open(io.BytesIO(base64.b64decode(payload)))
+        source = base64.b64decode(payload)
     elif isinstance(value, str) and value.startswith(("http://", "https://")):
         if not allow_urls:
             raise ValueError(f"{value[:100]} is a URL: not fetched (--allow-image-urls fetches them)")
         try:
             with urllib.request.urlopen(value, timeout=URL_TIMEOUT) as r:
-                body = r.read(URL_MAX_BYTES + 1)
+                source = r.read(URL_MAX_BYTES + 1)
         except OSError as e:
             raise ValueError(f"cannot fetch {value} ({e}); download the images or use a local copy")
-        if len(body) > URL_MAX_BYTES:
+        if len(source) > URL_MAX_BYTES:
             raise ValueError(f"{value[:100]}: larger than {URL_MAX_BYTES >> 20} MB, not read")
-        img = Image.open(io.BytesIO(body))
     elif isinstance(value, str) and value:
         path = Path(value) if base_dir is None or Path(value).is_absolute() else Path(base_dir) / value
         if not allow_outside and (base_dir is None or not path.resolve().is_relative_to(Path(base_dir).resolve())):
@@ -71,16 +120,21 @@ def decode_image(value, base_dir=None, max_pixels=MAX_PIXELS, allow_urls=False, 
                              "(--allow-outside-paths reads it)")
         if not path.exists():
             raise ValueError(f"image file not found: {path}")
-        img = Image.open(path)
+        source = str(path)
     else:
         raise ValueError(f"unsupported image value of type {type(value).__name__}")
-    img = img.convert("RGB")  # decodes now (convert loads it): a corrupt image fails here with its row
-    if img.width * img.height > max_pixels:
-        scale = math.sqrt(max_pixels / (img.width * img.height))
-        img = img.resize((max(1, int(img.width * scale)), max(1, int(img.height * scale))))
-    if min(img.size) < 4:  # transformers reads 1 or 3 px high as channels first (infer_channel_dimension_format)
-        raise ValueError(f"{img.width}x{img.height} px: under 4 px a side, too small for the processor")
-    return img
+    size = _opened(source).size
+    pic = Picture(source, size, view_size(*size, min_pixels, max_pixels))
+    if min(pic.view_size) < 4:  # transformers reads 1 or 3 px high as channels first (infer_channel_dimension_format)
+        w, h = pic.view_size
+        raise ValueError(f"{w}x{h} px: under 4 px a side, too small for the processor")
+    pic.view()
+    return pic
+
+
+def decode_image(value, base_dir=None, **options):
+    """`value` (picture()'s forms, with its options) -> the model's view of it, an RGB PIL image."""
+    return picture(value, base_dir, **options).view()
 
 
 def image_to_data_uri(img):
@@ -147,7 +201,7 @@ def _looks_like_image(value):
     return isinstance(value, (bytes, Image.Image)) or str(value).lower().endswith(IMAGE_SUFFIXES)
 
 
-def _record(row, base_dir, input_key, label_key, image_key, max_pixels, allow_urls, allow_outside):
+def _record(row, base_dir, input_key, label_key, image_key, pixels, allow_urls, allow_outside):
     if "__error__" in row:
         raise ValueError(row["__error__"])
     problem, answer = row.get(input_key), row.get(label_key)  # a column no row has: load_geo3k names it
@@ -168,7 +222,7 @@ def _record(row, base_dir, input_key, label_key, image_key, max_pixels, allow_ur
     images = []
     for j, value in enumerate(raw):
         try:
-            images.append(decode_image(value, base_dir, max_pixels, allow_urls, allow_outside))
+            images.append(picture(value, base_dir, *pixels, allow_urls, allow_outside))
         except Exception as e:  # noqa: BLE001 - PIL raises many types for corrupt bytes
             raise ValueError(f"image {j}: {e}") from None
     box, (w, h) = row.get("box"), images[0].size if images else (0, 0)  # a crop task's region of image 0 (its IoU)
@@ -181,10 +235,13 @@ def _record(row, base_dir, input_key, label_key, image_key, max_pixels, allow_ur
 
 
 def load_geo3k(source, split=None, input_key="problem", label_key="answer", max_bad_frac=0.01, max_pixels=MAX_PIXELS,
-               verbose=True, check=None, allow_urls=False, allow_outside=False, multimodal_keys=None, flag="--"):
+               verbose=True, check=None, allow_urls=False, allow_outside=False, multimodal_keys=None, flag="--",
+               min_pixels=MIN_PIXELS):
     """Load geo3k-style records; stop when more than `max_bad_frac` of the rows are unusable (each
     named by row and reason). `check(record)` raises ValueError for a bad row, TooLong for one to
     skip and count. multimodal_keys: slime's {"image": column} (default: `images`, else `image`)."""
+    if min_pixels > max_pixels:
+        raise DataError(f"--min-pixels {min_pixels} is above --max-pixels {max_pixels}: no view fits")
     rows, base_dir, name = _read_rows(str(source), split)
     columns, keys = sorted({k for row in rows for k in row} - {"__error__"}), multimodal_keys or {}
     if not isinstance(keys, dict) or set(keys) - {"image"}:  # slime's video and audio: no model input for them here
@@ -204,7 +261,7 @@ def load_geo3k(source, split=None, input_key="problem", label_key="answer", max_
     records, bad, long = [], [], []
     for i, row in enumerate(rows):
         try:
-            rec = _record(row, base_dir, input_key, label_key, images, max_pixels, allow_urls, allow_outside)
+            rec = _record(row, base_dir, input_key, label_key, images, (min_pixels, max_pixels), allow_urls, allow_outside)
             if check:
                 check(rec)
             records.append(rec)
@@ -273,8 +330,8 @@ def main(argv=None):
         p.error(str(e))
     tools = (lambda rec: task.tools(env, rec)) if a.max_turns > 1 else None  # train_grpo's row check
     try:
-        recs = load_geo3k(a.source, a.split, a.input_key, a.label_key, a.max_bad_frac, check=tools,
-                          allow_urls=a.allow_image_urls, allow_outside=a.allow_outside_paths, multimodal_keys=a.multimodal_keys)
+        recs = load_geo3k(a.source, a.split, a.input_key, a.label_key, a.max_bad_frac, a.max_pixels, check=tools,
+                          min_pixels=a.min_pixels, allow_urls=a.allow_image_urls, allow_outside=a.allow_outside_paths, multimodal_keys=a.multimodal_keys)
     except DataError as e:
         raise SystemExit(str(e)) from None
     turn = prompt_messages(recs[0], instruction=a.prompt_instruction)[-1]["content"]  # the user turn, as the trainers'

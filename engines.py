@@ -15,6 +15,8 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (Concatenate, MergeModulelist, WeightConverter, WeightRenaming,
                                              rename_source_key)
 
+import data
+
 IMAGE_PAD = "<|image_pad|>"
 
 
@@ -102,7 +104,7 @@ class LocalEngine(Engine):
         mask = (torch.arange(L) >= L - torch.tensor(lens)[:, None]).long()
         kw = dict(input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == self.image_pad).long() * mask)
         if images := [im for b in batch for im in b["images"]]:
-            enc = self.processor.image_processor(images=images, return_tensors="pt")
+            enc = self.processor.image_processor(images=data.views(images), return_tensors="pt")
             kw.update(pixel_values=enc["pixel_values"].to(self.model.dtype), image_grid_thw=enc["image_grid_thw"])
         limits = [b.get("max_new_tokens", sp["max_new_tokens"]) for b in batch]
         stop = list(sp.get("stop_token_ids") or [self.processor.tokenizer.eos_token_id])

@@ -7,8 +7,8 @@
 
 A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in strict JSON or Qwen3.5's XML form;
 nothing the model writes is evaluated or executed. A tool: a function and its Tool in TOOLS (docs/extending.md).
-From args: max_turns (required), oracle (default True; off in evaluation), rm_type ("math"), min_pixels (zoom area floor,
-56*56), max_payload (4096 chars), hf_checkpoint (its grounding frame: `grounding`), each tool's flags (env.flags)."""
+From args: max_turns (required), oracle (default True; off in evaluation), rm_type ("math"), min_pixels and max_pixels
+(the view's bounds: --min-pixels, --max-pixels), max_payload (4096 chars), hf_checkpoint (its grounding frame: `grounding`), each tool's flags (env.flags)."""
 import dataclasses
 import functools
 import json
@@ -17,6 +17,7 @@ import re
 from contextlib import suppress
 from pathlib import Path
 
+import data
 import flags as F
 import reward
 
@@ -54,14 +55,19 @@ def calc_score(env, arguments):
 
 
 def crop(env, arguments):
-    """Zoom into `bbox_2d` of image `image` (default 0), in its pixels (the env converts the model's frame); image 0's
-    is scored against the row's `box`."""
+    """Zoom into `bbox_2d` of image `image` (default 0), in its original's pixels (the env converts the model's frame),
+    shown within the view's bounds (--min-pixels: a small region enlarged; --max-pixels); image 0's is scored against
+    the row's `box`."""
     i, n, (x1, y1, x2, y2) = arguments.get("image", 0), len(env.images), arguments["bbox_2d"]
     cw, ch = x2 - x1, y2 - y1
     _need(max(cw, ch) / min(cw, ch) <= MAX_ASPECT, f'"bbox_2d" {cw}x{ch} px is thinner than 1:{MAX_ASPECT}; widen it')
     k = max(1, math.ceil(MIN_SIDE / min(cw, ch)), math.ceil(math.sqrt(env.min_pixels / (cw * ch))))
-    region = env.images[i].crop((x1, y1, x2, y2)).convert("RGB").resize((cw * k, ch * k), resample=0)  # NEAREST: exact
-    text = f"Zoomed into image {i} ({cw}x{ch} px, shown at {cw * k}x{ch * k}); it is now image {n}."
+    image = env.images[i]  # a row's Picture: its original decoded; a zoom's PIL image as it is
+    original = image.original() if isinstance(image, data.Picture) else image
+    region = original.crop((x1, y1, x2, y2)).convert("RGB").resize((cw * k, ch * k), resample=0)  # NEAREST: exact
+    shown = data.view_size(*region.size, env.min_pixels, env.max_pixels)  # a huge region: bounded as a row's view is
+    region = region if shown == region.size else region.resize(shown)
+    text = f"Zoomed into image {i} ({cw}x{ch} px, shown at {shown[0]}x{shown[1]}); it is now image {n}."
     return text, [region], {"iou": iou([x1, y1, x2, y2], env.record["box"])} if env.record.get("box") and i == 0 else {}
 
 
@@ -180,11 +186,12 @@ _XML_PARAMETER = re.compile(r"<parameter=([^>\n]*)>\n?(.*?)\n?</parameter>", re.
 
 
 class Geo3kEnv:
-    def __init__(self, record, max_turns, oracle=True, rm_type="math", min_pixels=MIN_SIDE * MIN_SIDE,
-                 max_payload=4096, flags=None, hf_checkpoint=None):  # record: the row (answer, images, tools...)
+    def __init__(self, record, max_turns, oracle=True, rm_type="math", min_pixels=data.MIN_PIXELS,
+                 max_payload=4096, flags=None, hf_checkpoint=None, max_pixels=data.MAX_PIXELS):  # record: the row
         self.record, self.tools, self.resize = record, offered(record.get("tools")), grounding(hf_checkpoint)
         self.problem_images, self.rm_type, self.flags = list(record.get("images") or []), rm_type or "math", flags or {}
-        self.max_turns, self.oracle, self.min_pixels, self.max_payload = max_turns, oracle, min_pixels, max_payload
+        self.max_turns, self.oracle, self.max_payload = max_turns, oracle, max_payload
+        self.min_pixels, self.max_pixels = min_pixels, max_pixels  # the view's bounds, a zoom's too
         self.reset()
 
     def reset(self):
@@ -272,14 +279,15 @@ class Geo3kEnv:
 
     def grounded(self, tool, arguments):
         """`arguments` with the tool's coordinates (Tool.coords) checked in the model's grounding frame of image `image`
-        (default 0) and converted to that image's pixels: no image tool reads the model's frame itself."""
+        (default 0), the frame of its view, and converted to the pixels of its original (a row's Picture.size): no image
+        tool reads the model's frame itself."""
         if not tool.coords:
             return arguments
         i, n = arguments.get("image", 0), len(self.images)
         _need(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n,
               f'"image" must be an integer from 0 to {n - 1} (images seen so far)' if n else "this problem has no image")
         image, out = self.images[i], dict(arguments)
-        fw, fh = frame(self.resize, image.width, image.height)
+        fw, fh = frame(self.resize, *(image.view_size if isinstance(image, data.Picture) else image.size))
         for key, size in ((k, n) for k, n in tool.coords.items() if k in arguments):
             v = arguments[key]
             ok = isinstance(v, list) and len(v) == size and all(_is_number(c) and 0 <= c for c in v)
@@ -307,7 +315,7 @@ def build_env(sample=None, args=None, **_):
     record = dict(sample if isinstance(sample, dict) else vars(sample) if sample is not None else {})
     record["answer"] = record.get("label") if record.get("answer") is None else record["answer"]
     record["images"] = record.get("images") or (record.get("multimodal_inputs") or {}).get("images")
-    options = {k: getattr(args, k) for k in ("oracle", "rm_type", "min_pixels", "max_payload", "hf_checkpoint")  # any
+    options = {k: getattr(args, k) for k in ("oracle", "rm_type", "min_pixels", "max_pixels", "max_payload", "hf_checkpoint")
                if getattr(args, k, None) is not None}
     return Geo3kEnv(record, max_turns, **options, flags=F.declared(F.own_flags(TOOLS), args))
 

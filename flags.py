@@ -51,6 +51,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return action.help if said else f"{action.help or ''} (default: %(default)s)"
 
 
+MIN_PIXELS, MAX_PIXELS = 0, 1 << 20  # the model's view of an image: no floor (a zoom's sides >= 56 all the same), 1 Mpx
 INSTRUCTION = "Solve the geometry problem shown in the diagram. Think briefly, then give the final answer as \\boxed{<answer>}."
 
 
@@ -63,6 +64,10 @@ def add_column_args(a):
     # media type to column; slime/utils/data.py:152-160 reads each type's column, one value or a list)
     a("--multimodal-keys", type=json.loads, default=None,
       help="""slime's JSON map from media type to column, '{"image": "COLUMN"}' (default: images, else image)""")
+    a("--max-pixels", type=POSITIVE, default=MAX_PIXELS, help="the model's view of an image (a row's, a zoom's): "
+      "downscaled to at most this many pixels (EasyR1's, verl's name); the zoom reads the original (docs/data.md)")
+    a("--min-pixels", type=COUNT, default=MIN_PIXELS, help="the model's view of an image: upscaled to at least this many "
+      "pixels (0: as it is)")
     a("--allow-image-urls", action="store_true", help="fetch http(s) images of data rows (off: such rows are bad)")
     a("--allow-outside-paths", action="store_true", help="let data rows' image paths leave the data set's folder")
     a("--max-bad-frac", type=fraction, default=0.01, help="stop when more data rows than this are unusable")

@@ -209,7 +209,7 @@ class SGLangEngine(Engine):
         if self.route_shape:  # R3: positions counted in the server's expanded ids, as ours
             payload.update(return_routed_experts=True, routed_experts_start_len=int(item.get("routed_experts_start", 0)))
         if item.get("images"):
-            payload["image_data"] = [data.image_to_data_uri(im) for im in item["images"]]
+            payload["image_data"] = [data.image_to_data_uri(im) for im in data.views(item["images"])]  # as the trainer's
         return payload
 
     def abort(self):

@@ -313,9 +313,9 @@ def load_data(args, evaluation=False, verbose=True, measure=None, limit=None):
         keys = (args.eval_input_key or args.input_key, args.eval_label_key or args.label_key) if evaluation else (
             args.input_key, args.label_key)
         records = data.load_geo3k(source, args.eval_split if evaluation else args.split, *keys, args.max_bad_frac,
-                                  verbose=verbose, check=measure and check, allow_urls=args.allow_image_urls,
+                                  args.max_pixels, verbose=verbose, check=measure and check, allow_urls=args.allow_image_urls,
                                   allow_outside=args.allow_outside_paths, multimodal_keys=args.multimodal_keys,
-                                  flag="--eval-" if evaluation else "--")
+                                  flag="--eval-" if evaluation else "--", min_pixels=args.min_pixels)
     except data.DataError as e:
         raise SystemExit(f"--{'eval-' if evaluation else ''}prompt-data: {e}") from None
     return records[:args.eval_samples or None] if evaluation else records

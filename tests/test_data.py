@@ -20,8 +20,8 @@ def test_real_geo3k_loads_from_parquet_and_jsonl(geo3k_real):
     assert len(a) == len(b) == 10
     for x, y in zip(a, b):
         assert x["problem"] == y["problem"] and x["answer"] == y["answer"]
-        assert len(x["images"]) == 1 and x["images"][0].mode == "RGB"
-        assert list(x["images"][0].getdata()) == list(y["images"][0].getdata())  # same diagram
+        assert len(x["images"]) == 1 and x["images"][0].view().mode == "RGB"
+        assert x["images"][0].view().tobytes() == y["images"][0].view().tobytes()  # same diagram
     assert data.load_geo3k(geo3k_real, split="test")[4]["answer"] == "5 \\sqrt { 3 }"  # folder form
 
 
@@ -33,7 +33,7 @@ def test_real_prompts_render_with_the_right_image_token_count(geo3k_real, arch):
             text = proc.apply_chat_template(data.prompt_messages(rec, multi), add_generation_prompt=True,
                                             tokenize=False)
             assert text.count("<|image_pad|>") == 1 and text.endswith("<|im_start|>assistant\n")
-            enc = proc(text=[text], images=rec["images"], return_tensors="pt")
+            enc = proc(text=[text], images=data.views(rec["images"]), return_tensors="pt")
             grid = enc["image_grid_thw"]
             assert (enc["input_ids"] == IMAGE_PAD).sum().item() == grid.prod(-1).sum().item() // 4
 
@@ -334,6 +334,6 @@ def test_tiny_checkpoint_loads_offline_and_generates(tiny_ckpt, geo3k_real, arch
     model = AutoModelForImageTextToText.from_pretrained(path)
     rec = data.load_geo3k(geo3k_real / "test.jsonl")[0]
     text = proc.apply_chat_template(data.prompt_messages(rec), add_generation_prompt=True, tokenize=False)
-    enc = proc(text=[text], images=rec["images"], return_tensors="pt")
+    enc = proc(text=[text], images=data.views(rec["images"]), return_tensors="pt")
     out = model.generate(**enc, max_new_tokens=4, do_sample=False)
     assert out.shape == (1, enc["input_ids"].shape[1] + 4)
