@@ -83,13 +83,13 @@ def add_args(p, chosen=None):
 
 
 def settings(args, evaluation=False, **changes):
-    """What a rollout reads: add_args' flags, --prompt-instruction, the env module's path and hf_checkpoint (the env's
-    grounding frame), `oracle`
+    """What a rollout reads: add_args' flags, --prompt-instruction, the env module's path, hf_checkpoint and the view's
+    bounds (the env's grounding frame, its zoom's view), `oracle`
     (calc_score checks answers), `shaping` (SHAPING joins), then `changes`. Evaluation's: greedy, no oracle, shaping or
     dynamic sampling."""
     parser = add_args(argparse.ArgumentParser(), (task.env(args), task.group_filter(args)))
     own = {k: getattr(args, k) for k in [a.dest for a in parser._actions if a.dest != "help"] + [
-        "prompt_instruction", "hf_checkpoint", "rollout_interaction_env_path"]}
+        "prompt_instruction", "hf_checkpoint", "rollout_interaction_env_path", "min_pixels", "max_pixels"]}
     differ = dict(rollout_temperature=0.0, dynamic_sampling=False) if evaluation else {}
     return argparse.Namespace(**{**own, **differ, "oracle": not evaluation, "shaping": not evaluation, **changes})
 

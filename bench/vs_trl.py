@@ -84,7 +84,7 @@ def trl_worker(a):
     import reward
 
     records = data.load_geo3k(a.data, "train", verbose=False)
-    ds = Dataset.from_list([{"prompt": data.prompt_messages(r), "image": r["images"][0], "answer": str(r["answer"])}
+    ds = Dataset.from_list([{"prompt": data.prompt_messages(r), "image": r["images"][0].view(), "answer": str(r["answer"])}
                             for r in records])
 
     def math_reward(completions, answer, **_):

@@ -41,7 +41,7 @@ def test_multi_turn_crop_matches_full_render(processor, records):
     # tools/tiny.py's template renders tools=, so the specs go there, in its format, not in the system text
     text = processor.apply_chat_template(messages, tools=env_geo3k.specs(env_geo3k.offered()), tokenize=False)
     assert '"name": "image_zoom_in_tool"' in text and "<tools>" in text
-    full = processor(text=[text.removesuffix("\n")], images=s.images)["input_ids"][0]
+    full = processor(text=[text.removesuffix("\n")], images=data.views(s.images))["input_ids"][0]
     assert s.tokens == list(full)
     model_tokens = [t for t, m in zip(s.response_ids, s.loss_mask) if m]
     tok = processor.tokenizer

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import chat
+import data
 import env_geo3k
 import flags as F
 import loss as L
@@ -152,13 +153,16 @@ def coordinates(example):
         isinstance(x, (int, float)) for x in v)}
 
 
+@pytest.mark.parametrize("large", [False, True], ids=["small", "large"])
 @pytest.mark.parametrize("arch", ["qwen3_vl", "qwen2_5_vl"])
 @pytest.mark.parametrize("env,name", [(e, t) for e, t in env_tools() if coordinates(
     task.load(task.ENV, e, False).TOOLS[t].example)])
-def test_each_image_tool_gets_the_image_pixels_of_the_models_frame(env, name, arch, tmp_path, tiny_ckpt, monkeypatch):
+def test_each_image_tool_gets_the_image_pixels_of_the_models_frame(env, name, arch, large, tmp_path, tiny_ckpt,
+                                                                   monkeypatch):
     """An image tool (an argument of 2 or 4 numbers) declares its coordinates (Tool.coords), and run() gets the image's
     pixels of the region the model names in its family's frame (Qwen3-VL 0-1000, Qwen2.5-VL its processor's resized
-    view), on a non-square image: a tool that skips the conversion, or reads the frame as pixels, fails here."""
+    view), on a non-square image: a tool that skips the conversion, or reads the frame as pixels, fails here. A large
+    one (a row's data.Picture, its view within --max-pixels): the frame is its view's, the pixels its original's."""
     module = task.load(task.ENV, env, False)
     tool = module.TOOLS[name]
     assert tool.coords == coordinates(tool.example), f"{name}: declare its grounding coordinates in Tool.coords"
@@ -168,12 +172,15 @@ def test_each_image_tool_gets_the_image_pixels_of_the_models_frame(env, name, ar
         seen.append(arguments)
         return tool.run(env, arguments)
     monkeypatch.setitem(module.TOOLS, name, dataclasses.replace(tool, run=spy))
-    args, rec = parsed(tmp_path, task.ENV, env, "--hf-checkpoint", str(tiny_ckpt(arch)), *given(tool.flags), tools=[name])
-    image = picture(900, 500)
+    args, rec = parsed(tmp_path, task.ENV, env, "--hf-checkpoint", str(tiny_ckpt(arch)), "--max-pixels", "20000",
+                       *given(tool.flags), tools=[name])
+    big = data.image_to_data_uri(picture(1800, 1000)) if large else None  # encoded, as a row holds it
+    image = data.picture(big, max_pixels=args.max_pixels) if large else picture(900, 500)
     env = module.build_env(dict(rec, images=[image]), R.settings(args))
-    size, frame = image.size, env_geo3k.frame(env.resize, *image.size)
-    assert (frame == (1000, 1000)) == (arch == "qwen3_vl") and frame != size
-    region = {4: [450, 100, 870, 460], 2: [610, 333]}  # the image's pixels
+    size, view = image.size, image.view_size if large else image.size  # the original's, the model's view's
+    frame = env_geo3k.frame(env.resize, *view)
+    assert (frame == (1000, 1000)) == (arch == "qwen3_vl") and frame != size and (view != size) == large
+    region = {4: [450, 100, 870, 460], 2: [610, 333]}  # the original's pixels
     call = {**tool.example, **{k: env_geo3k.scale(region[n], size, frame, outward=False) for k, n in tool.coords.items()}}
     _, _, info = env.step("<tool_call>" + json.dumps({"name": name, "arguments": call}) + "</tool_call>")
     assert info["ran"] and info["error"] is None, info

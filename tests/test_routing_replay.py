@@ -59,8 +59,8 @@ def full_forward_routes(hf, processor, s):
     ids = torch.tensor(s.tokens)[None]
     kw = dict(input_ids=ids, mm_token_type_ids=(ids == processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")).long())
     if s.images:
-        enc = processor.image_processor(images=s.images, return_tensors="pt")
-        kw.update(pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"])
+        pixel_values, grid = chat.encode_images(processor, s.images)  # as the trainer encodes them
+        kw.update(pixel_values=pixel_values, image_grid_thw=grid)
     with torch.no_grad():
         hf(**kw)
     for h in hooks:

@@ -56,7 +56,7 @@ def test_sft_learns_real_problems_and_generates_their_answers(trained, geo3k_rea
     model = AutoModelForImageTextToText.from_pretrained(ckpt).eval()
     for rec in data.load_geo3k(geo3k_real / "test.parquet"):
         text = proc.apply_chat_template(data.prompt_messages(rec), add_generation_prompt=True, tokenize=False)
-        enc = proc(text=[text], images=rec["images"], return_tensors="pt")
+        enc = proc(text=[text], images=data.views(rec["images"]), return_tensors="pt")
         out = model.generate(**enc, max_new_tokens=24, do_sample=False)
         reply = proc.tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
         assert reply == data.sft_target(rec["answer"]), (rec["problem"], reply)
@@ -80,8 +80,8 @@ def test_pixels_reach_the_loss(trained, tiny_ckpt, geo3k_real, tmp_path):
             msgs = data.prompt_messages(rec) + [{"role": "assistant", "content": data.sft_target(rec["answer"])}]
             prompt = proc.apply_chat_template(msgs[:1], add_generation_prompt=True, tokenize=False)
             full = prompt + msgs[1]["content"] + "<|im_end|>"
-            enc = proc(text=[full], images=imgs, return_tensors="pt")
-            n_prompt = proc(text=[prompt], images=imgs, return_tensors="pt")["input_ids"].shape[1]
+            enc = proc(text=[full], images=data.views(imgs), return_tensors="pt")
+            n_prompt = proc(text=[prompt], images=data.views(imgs), return_tensors="pt")["input_ids"].shape[1]
             labels = enc["input_ids"].clone()
             labels[:, :n_prompt] = -100
             with torch.no_grad():

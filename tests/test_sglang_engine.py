@@ -201,7 +201,7 @@ def test_fake_expands_like_stock(ckpt, processor, records, tmp_path):
     eng, rec = sglang(ckpt, tmp_path)
     try:
         pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-        ims = records[0]["images"][:1]
+        ims = data.views(records[0]["images"][:1])
         text = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>hi<|im_end|>\n<|im_start|>assistant\n"
         expanded = list(processor(text=[text], images=ims)["input_ids"][0])
         one = collapse_image_pads(expanded, pad)

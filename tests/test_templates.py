@@ -142,7 +142,7 @@ def test_multi_turn_tokens_equal_the_full_render(name, records):
                          dict(assistant[1], role="assistant")]
     text = proc.apply_chat_template(messages, tools=tools, tokenize=False)
     assert text.endswith("<|im_end|>\n")
-    full = list(proc(text=[text.removesuffix("\n")], images=s.images)["input_ids"][0])
+    full = list(proc(text=[text.removesuffix("\n")], images=data.views(s.images))["input_ids"][0])
     assert s.tokens == full
     model = [t for t, m in zip(s.response_ids, s.loss_mask) if m]
     assert model == [t for turn in turns for t in tok.encode(turn, add_special_tokens=False) + [eng.im_end]]
