@@ -265,6 +265,38 @@ def test_the_zoom_takes_the_box_each_family_writes_and_scores_it_a_hit(name, tmp
 
 
 
+@pytest.mark.parametrize("size", [(2400, 1000), (900, 2000)])
+@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen2_5_vl"])
+def test_a_zoom_into_a_small_region_of_a_large_image_returns_the_originals_pixels(arch, size, tiny_ckpt, tmp_path):
+    """A row of a large non-square image loaded as the trainer loads it: its `box` in the original's pixels (beyond
+    the view's size) loads; the model names a 64x48-px region of the original in its family's frame of its view
+    (--max-pixels): the zoom shows the original's own pixels of that region, enlarged (not the view's blur of ~25x19
+    px), and scores a hit on the box; the env pickles (a --partial-rollout buffer) with no decoded original in it."""
+    w, h = size
+    original = fakes.picture(w, h)
+    original.save(tmp_path / "big.png")
+    region = [w - 100, h - 80, w - 36, h - 32]  # the original's pixels, outside a view of its size
+    row = {"problem": "<image>What is written?", "answer": "3", "images": "big.png", "box": region, "tools": [ZOOM]}
+    (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
+    args = train_grpo.parse_args(["--hf-checkpoint", str(tiny_ckpt(arch)), "--prompt-data", str(tmp_path / "rows.jsonl"),
+                                  "--save", "x", "--max-turns", "3", "--max-pixels", "150000"])
+    (rec,) = data.load_geo3k(tmp_path / "rows.jsonl", max_pixels=args.max_pixels)
+    image = rec["images"][0]
+    assert image.size == size and image.view_size[0] * image.view_size[1] <= 150000 < w * h
+    env = pickle.loads(pickle.dumps(env_geo3k.build_env(rec, rollout.settings(args))))
+    seen = [v * s / o for v, s, o in zip(region, image.view_size * 2, size * 2)]  # the region in the view's pixels
+    box = model_box(tiny_ckpt(arch), image.view_size, seen)
+    obs, _, info = env.step(call(ZOOM, {"bbox_2d": box}))
+    assert info["ran"] and info["iou"] >= 0.5, (info, obs["text"])
+    frame = env_geo3k.frame(env.resize, *image.view_size)
+    px = env_geo3k.scale(box, frame, size)  # the original's pixels the model named, within a frame unit's rounding
+    assert all(abs(a - b) <= 1 + s / f for a, b, s, f in zip(px, region, size * 2, frame * 2)), (px, region)
+    out, k = obs["images"][0], obs["images"][0].width // (px[2] - px[0])
+    assert k > 1 and out.size == ((px[2] - px[0]) * k, (px[3] - px[1]) * k), (out.size, px)
+    assert out.reduce(k).tobytes() == original.crop(px).tobytes()  # each pixel of the original a k x k block
+    assert len(pickle.dumps(env)) < w * h  # the row's image travels as its path, the zoom as its own pixels
+
+
 @pytest.mark.parametrize("arch", ["qwen3_vl", "qwen2_5_vl"])
 def test_the_warm_start_calls_the_zoom_in_the_checkpoints_own_frame(rows, tiny_ckpt, arch):
     ckpt = tiny_ckpt(arch)
