@@ -1,4 +1,5 @@
 """data.py and the tiny checkpoint's tokenizer/processor: real geo3k rows, bad rows, synth."""
+import base64
 import io
 import json
 import math
@@ -100,6 +101,37 @@ def test_image_forms_decode(tmp_path):
         assert data.decode_image(f, base_dir=tmp_path).mode == "RGB"
     big = data.decode_image(_png(size=(3000, 2000)), max_pixels=1 << 20)
     assert big.width * big.height <= 1 << 20 and abs(big.width / big.height - 1.5) < 0.01
+
+
+def test_rows_keep_their_images_encoded_and_decode_the_same_bounded_view(tmp_path, monkeypatch):
+    """A row's image stays encoded (its path, its bytes: no pixels held, none pickled), its size read from its header;
+    its view, decoded where it is used, has the size the 1 Mpx bound gave before (token counts unchanged), within
+    --min-pixels too, and the same pixels each time (SGLang's and the trainer's); a JPEG cut short is named with its row
+    at load, a decompression bomb refused there without being decoded."""
+    import pickle
+
+    from PIL import ImageFile
+    buf = io.BytesIO()
+    Image.linear_gradient("L").resize((3000, 2000)).convert("RGB").save(buf, format="JPEG")
+    jpeg = buf.getvalue()
+    (tmp_path / "a.jpg").write_bytes(jpeg)
+    uri = "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()
+    rows = [{"problem": "<image>x", "answer": "1", "images": im} for im in ("a.jpg", uri)]
+    recs = data.load_geo3k(_write_jsonl(tmp_path / "d.jsonl", rows))
+    assert len(pickle.dumps(recs)) < len(jpeg) + 10_000 < 1254 * 836 * 3  # the bytes once, no view, no original
+    for pic in (r["images"][0] for r in recs):
+        assert (pic.size, pic.view_size) == ((3000, 2000), (1254, 836)) and pic.view().size == pic.view_size
+        assert pic.view().tobytes() == pic.view().tobytes() and pic.original().size == (3000, 2000)
+    assert data.picture(_png(), min_pixels=4800).view_size == (80, 60)  # 40x30 upscaled to 4800 px
+    with pytest.raises(data.DataError, match="--min-pixels 4800 is above --max-pixels 4000"):
+        data.load_geo3k(tmp_path / "d.jsonl", min_pixels=4800, max_pixels=4000)
+    cut = "data:image/jpeg;base64," + base64.b64encode(jpeg[:len(jpeg) // 2]).decode()
+    with pytest.raises(data.DataError, match="row 1: image 0: .*truncated"):
+        data.load_geo3k(_write_jsonl(tmp_path / "cut.jsonl", [rows[0], dict(rows[0], images=cut)]))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1_000_000)  # 3000x2000 is over twice that: PIL's bomb
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: pytest.fail("a bomb was decoded"))
+    with pytest.raises(data.DataError, match="row 0: image 0: Image size \\(6000000 pixels\\) exceeds limit"):
+        data.load_geo3k(tmp_path / "d.jsonl")
 
 
 def test_bad_rows_stop_the_load_with_row_and_reason(tmp_path):
