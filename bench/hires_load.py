@@ -1,13 +1,16 @@
-"""Loading high-resolution rows: time and resident memory of data.load_geo3k on N rows of a W x H photo-like JPEG.
+"""Loading high-resolution rows: time and memory of data.load_geo3k on N rows of a W x H photo-like JPEG.
 
     .venv/bin/python bench/hires_load.py [--rows 256] [--size 4000 3000] [--code DIR]   # DIR: another checkout's data.py
 
-The rows (one parquet file of image bytes, as `datasets` writes them) are written once; each load runs in a fresh
-interpreter, which prints its wall time, its resident memory (VmRSS) before reading the file and after the load
-(garbage collected, the records still held), and what one row then costs to see: its view decoded.
+The rows are written once in two forms: a parquet file of image bytes (as `datasets` writes them) and a jsonl file of
+image paths (every row the same file). Each load runs in a fresh interpreter, which prints its wall time, its resident
+memory (VmRSS) before reading the file and after the load (garbage collected, the records still held; the parquet
+reader's own peak stays in the allocator), what the records hold (their pickle: decoded pixels or encoded images), and
+what one row then costs to see: its view decoded.
 """
 import argparse
 import io
+import json
 import subprocess
 import sys
 import tempfile
@@ -25,6 +28,8 @@ def child(path, code):
     sys.path.insert(0, code)
     import gc
 
+    import pickle
+
     import data
     before, t = rss_mb(), time.perf_counter()
     recs = data.load_geo3k(path, verbose=False)
@@ -34,8 +39,9 @@ def child(path, code):
     t = time.perf_counter()
     image = recs[0]["images"][0]
     view = image.view() if hasattr(image, "view") else image  # the row's view as an episode decodes it
-    print(f"rows={len(recs)} load_s={load_s:.2f} rss_before_mb={before:.0f} rss_after_mb={after:.0f} "
-          f"held_mb={after - before:.0f} view={view.size} view_s={time.perf_counter() - t:.3f}")
+    view_s = time.perf_counter() - t
+    print(f"{Path(path).name}: rows={len(recs)} load_s={load_s:.2f} rss_before_mb={before:.0f} rss_after_mb={after:.0f} "
+          f"records_mb={len(pickle.dumps(recs)) / 2**20:.0f} view={view.size} view_s={view_s:.3f}")
 
 
 def main():
@@ -58,12 +64,15 @@ def main():
     ImageDraw.Draw(img).text((w // 2, h // 2), "label 42", fill=(0, 0, 0))  # the small detail a zoom is for
     buf = io.BytesIO()
     img.save(buf, format="JPEG", quality=90)
+    row = {"problem": "<image>What does the label say?", "answer": "42"}
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "train.parquet"
-        pq.write_table(pa.table({"problem": ["<image>What does the label say?"] * a.rows, "answer": ["42"] * a.rows,
-                                 "images": [[{"bytes": buf.getvalue(), "path": None}]] * a.rows}), path)
+        pq.write_table(pa.Table.from_pylist([dict(row, images=[{"bytes": buf.getvalue(), "path": None}])] * a.rows),
+                       Path(tmp) / "train.parquet")
+        (Path(tmp) / "label.jpg").write_bytes(buf.getvalue())
+        (Path(tmp) / "train.jsonl").write_text((json.dumps(dict(row, images="label.jpg")) + "\n") * a.rows)
         print(f"{a.rows} rows of a {w}x{h} JPEG ({len(buf.getvalue()) / 2**20:.1f} MB each), code {a.code}")
-        subprocess.run([sys.executable, __file__, "--child", str(path), "--code", a.code], check=True)
+        for name in ("train.parquet", "train.jsonl"):
+            subprocess.run([sys.executable, __file__, "--child", str(Path(tmp) / name), "--code", a.code], check=True)
 
 
 if __name__ == "__main__":
