@@ -55,6 +55,10 @@ class Picture:
         """The model's view, RGB: the pixels SGLang and the trainer's processor both get (views())."""
         return _decoded(self.source, self.view_size)
 
+    def __reduce__(self):  # a path's bytes travel with it: a DP rank on another node may not have the file
+        source = Path(self.source).read_bytes() if isinstance(self.source, str) else self.source
+        return Picture, (source, self.size, self.view_size)
+
 
 def _opened(source):
     """A Picture's source as a PIL image; an encoded one not decoded yet (its header read: the size)."""
