@@ -41,8 +41,9 @@ class TooLong(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Picture:
     """A row's image as loaded: kept encoded (its bytes, a checked path, or a PIL image a hub data set decoded) and
-    decoded where it is used, so rows hold no pixels (a --partial-rollout buffer, a checkpoint pickle it so). `size`:
-    the original's (width, height), which a row's `box` and the zoom read; `view_size`: the model's view of it."""
+    decoded where it is used, so rows hold no pixels, nor do the samples, envs, --partial-rollout buffers and
+    checkpoints that pickle them. `size`: the original's (width, height), which a row's `box` and the zoom read;
+    `view_size`: the model's view of it (--min-pixels, --max-pixels), whose grounding frame the model writes in."""
     source: object
     size: tuple
     view_size: tuple
