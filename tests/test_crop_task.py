@@ -20,6 +20,7 @@ import rollout
 import chat
 import sft
 import train_grpo
+import trainer
 from conftest import grpo_args, rollout_args
 from fakes import ScriptedEngine
 import fakes
@@ -280,7 +281,7 @@ def test_a_zoom_into_a_small_region_of_a_large_image_returns_the_originals_pixel
     (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
     args = train_grpo.parse_args(["--hf-checkpoint", str(tiny_ckpt(arch)), "--prompt-data", str(tmp_path / "rows.jsonl"),
                                   "--save", "x", "--max-turns", "3", "--max-pixels", "150000"])
-    (rec,) = data.load_geo3k(tmp_path / "rows.jsonl", max_pixels=args.max_pixels)
+    (rec,) = trainer.load_data(args, verbose=False)
     image = rec["images"][0]
     assert image.size == size and image.view_size[0] * image.view_size[1] <= 150000 < w * h
     env = pickle.loads(pickle.dumps(env_geo3k.build_env(rec, rollout.settings(args))))
