@@ -8,6 +8,7 @@ hub id, a parquet or jsonl file, or a folder; the sources, columns and bad rows:
 import argparse
 import base64
 import dataclasses
+import functools
 import io
 import json
 import math
@@ -38,7 +39,7 @@ class TooLong(ValueError):
     """A row over a length limit (raised by a load `check`): skipped and counted, not an error."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: hashed as itself, a key of _view's cache
 class Picture:
     """A row's image as loaded: kept encoded (its bytes, a checked path, or a PIL image a hub data set decoded) and
     decoded where it is used, so rows hold no pixels, nor do the samples, envs, --partial-rollout buffers and
@@ -54,7 +55,7 @@ class Picture:
 
     def view(self):
         """The model's view, RGB: the pixels SGLang and the trainer's processor both get (views())."""
-        return _decoded(self.source, self.view_size)
+        return _view(self)
 
     def __reduce__(self):  # a path's bytes travel with it: a DP rank on another node may not have the file
         source = Path(self.source).read_bytes() if isinstance(self.source, str) else self.source
@@ -66,6 +67,11 @@ def _opened(source):
     if isinstance(source, Image.Image):
         return source
     return Image.open(io.BytesIO(source if isinstance(source, bytes) else Path(source).read_bytes()))  # no file left open
+
+
+@functools.lru_cache(maxsize=64)  # a group's samples, turns and checks decode it once; at most 64 views (x --max-pixels)
+def _view(picture):
+    return _decoded(picture.source, picture.view_size)
 
 
 def _decoded(source, size):
@@ -133,7 +139,7 @@ def picture(value, base_dir=None, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, 
     if min(pic.view_size) < 4:  # transformers reads 1 or 3 px high as channels first (infer_channel_dimension_format)
         w, h = pic.view_size
         raise ValueError(f"{w}x{h} px: under 4 px a side, too small for the processor")
-    pic.view()
+    _decoded(source, pic.view_size)  # not kept (the view cache fills as episodes use rows)
     return pic
 
 
