@@ -8,7 +8,8 @@
 A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in strict JSON or Qwen3.5's XML form;
 nothing the model writes is evaluated or executed. A tool: a function and its Tool in TOOLS (docs/extending.md).
 From args: max_turns (required), oracle (default True; off in evaluation), rm_type ("math"), min_pixels and max_pixels
-(the view's bounds: --min-pixels, --max-pixels), max_payload (4096 chars), hf_checkpoint (its grounding frame: `grounding`), each tool's flags (env.flags)."""
+(the view's bounds, a zoom's too: --min-pixels, --max-pixels), max_payload (4096 chars), hf_checkpoint (its grounding
+frame: `grounding`), each tool's flags (env.flags)."""
 import dataclasses
 import functools
 import json
