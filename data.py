@@ -342,7 +342,8 @@ def main(argv=None):
     tools = (lambda rec: task.tools(env, rec)) if a.max_turns > 1 else None  # train_grpo's row check
     try:
         recs = load_geo3k(a.source, a.split, a.input_key, a.label_key, a.max_bad_frac, a.max_pixels, check=tools,
-                          min_pixels=a.min_pixels, allow_urls=a.allow_image_urls, allow_outside=a.allow_outside_paths, multimodal_keys=a.multimodal_keys)
+                          min_pixels=a.min_pixels, allow_urls=a.allow_image_urls, allow_outside=a.allow_outside_paths,
+                          multimodal_keys=a.multimodal_keys)
     except DataError as e:
         raise SystemExit(str(e)) from None
     turn = prompt_messages(recs[0], instruction=a.prompt_instruction)[-1]["content"]  # the user turn, as the trainers'
