@@ -893,7 +893,7 @@ def test_weights_that_are_not_finite_are_not_saved_and_the_step_is_named(tmp_pat
 def test_a_run_writes_its_arguments_and_entry_at_args_txt_replays_them(entry, tmp_path):
     mod = __import__(entry)
     (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    (tmp_path / "ckpt" / "config.json").write_text(QWEN3_VL)
     (tmp_path / "more.txt").write_text("--lr\n2e-4\n--prompt-instruction\nCount the sides.\n")  # an @file of its own
     argv = ["--hf-checkpoint", str(tmp_path / "ckpt"), "--prompt-data", "x", "--save", str(tmp_path / "run"), "--seed", "7",
             f"@{tmp_path / 'more.txt'}", "--lr", "3e-4", "--freeze-vit"]
@@ -909,7 +909,7 @@ def test_the_finite_check_at_save_reads_the_device_once_not_once_a_tensor(tmp_pa
     (hundreds in a real model); one read of every verdict together, and the names only when one failed (issue 75).
     Every read of a tensor's value to the host (bool, item, tolist) counted, over models of 2 and 24 tensors."""
     (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    (tmp_path / "ckpt" / "config.json").write_text(QWEN3_VL)
     par, run = T.start(grpo_args(hf_checkpoint=str(tmp_path / "ckpt"), save=str(tmp_path / "run")), "grpo")
     reads = []
     for name in ("__bool__", "item", "tolist"):
