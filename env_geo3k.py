@@ -7,8 +7,8 @@
 
 A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in strict JSON or Qwen3.5's XML form;
 nothing the model writes is evaluated or executed. A tool: a function and its Tool in TOOLS (docs/extending.md).
-From args: max_turns (required), oracle (default True; off in evaluation), rm_type ("math"), min_pixels and max_pixels
-(the view's bounds, a zoom's too: --min-pixels, --max-pixels), max_payload (4096 chars), hf_checkpoint (its grounding
+From args: max_turns (required), oracle (default True; off in evaluation), rm_type ("math") and rm_timeout (its judge's
+bound), min_pixels and max_pixels (the view's bounds, a zoom's too: --min-pixels, --max-pixels), max_payload (4096 chars), hf_checkpoint (its grounding
 frame: `grounding`), each tool's flags (env.flags)."""
 import dataclasses
 import functools
@@ -50,8 +50,10 @@ def calc_score(env, arguments):
     if not env.oracle or env.record.get("answer") is None:
         text, score = f"Answer recorded: {answer}.", None
     else:
-        score = env.last_score = reward.score(env.rm_type, f"\\boxed{{{answer}}}", env.record)
+        faults = {}  # the judge's error or time-out (--rm-timeout), in the step info: counted as the rollout's own
+        score = env.last_score = reward.score(env.rm_type, f"\\boxed{{{answer}}}", env.record, faults, env.rm_timeout)
         text = f"Correct: {answer} is the right answer." if score > 0 else f"Incorrect: {answer} is not the right answer."
+        return text, [], {"score": score, **faults}
     return text, [], {"score": score}
 
 
@@ -188,10 +190,11 @@ _XML_PARAMETER = re.compile(r"<parameter=([^>\n]*)>\n?(.*?)\n?</parameter>", re.
 
 class Geo3kEnv:
     def __init__(self, record, max_turns, oracle=True, rm_type="math", min_pixels=data.MIN_PIXELS,
-                 max_payload=4096, flags=None, hf_checkpoint=None, max_pixels=data.MAX_PIXELS):  # record: the row
+                 max_payload=4096, flags=None, hf_checkpoint=None, max_pixels=data.MAX_PIXELS, rm_timeout=None):
         self.record, self.tools, self.resize = record, offered(record.get("tools")), grounding(hf_checkpoint)
         self.problem_images, self.rm_type, self.flags = list(record.get("images") or []), rm_type or "math", flags or {}
         self.max_turns, self.oracle, self.max_payload = max_turns, oracle, max_payload
+        self.rm_timeout = rm_timeout  # the oracle's judge's bound (--rm-timeout; None: reward's defaults)
         self.min_pixels, self.max_pixels = min_pixels, max_pixels  # the view's bounds, a zoom's too
         self.reset()
 
@@ -316,7 +319,8 @@ def build_env(sample=None, args=None, **_):
     record = dict(sample if isinstance(sample, dict) else vars(sample) if sample is not None else {})
     record["answer"] = record.get("label") if record.get("answer") is None else record["answer"]
     record["images"] = record.get("images") or (record.get("multimodal_inputs") or {}).get("images")
-    options = {k: getattr(args, k) for k in ("oracle", "rm_type", "min_pixels", "max_pixels", "max_payload", "hf_checkpoint")
+    names = ("oracle", "rm_type", "rm_timeout", "min_pixels", "max_pixels", "max_payload", "hf_checkpoint")
+    options = {k: getattr(args, k) for k in names
                if getattr(args, k, None) is not None}
     return Geo3kEnv(record, max_turns, **options, flags=F.declared(F.own_flags(TOOLS), args))
 

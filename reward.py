@@ -277,9 +277,10 @@ def fault_counts(samples):
     """{<name>_errors, <name>_timeouts: the samples in which an entry raised, ran past its bound}: rollouts' and evals'."""
     out = collections.Counter()
     for s in samples:
-        tools = {i["tool"] for i in s.metadata.get("steps", ()) if i.get("raised")}
-        out.update(f"{k}_errors" for k in {*s.metadata.get("errors", ()), *tools})
-        out.update(f"{k}_timeouts" for k in s.metadata.get("timeouts", ()))
+        steps = s.metadata.get("steps", ())  # a tool's own raise; the oracle's judge's faults (calc_score's step info)
+        tools = {i["tool"] for i in steps if i.get("raised")}
+        for kind, more in (("errors", tools), ("timeouts", ())):
+            out.update(f"{k}_{kind}" for k in {*s.metadata.get(kind, ()), *more, *(k for i in steps for k in i.get(kind, ()))})
     return dict(out)
 
 

@@ -199,3 +199,10 @@ def test_a_judge_past_its_time_bound_is_counted_said_once_and_on_every_sample_st
     with pytest.raises(SystemExit, match="(?s)--rm-type slow raised or ran past its time bound .--rm-timeout. on every "
                                          "sample.*slow ran past its time bound .0.05 s: --rm-timeout."):
         fakes.run_episodes(ScriptedEngine(processor, ["\\boxed{3}"]), processor, [dict(records[1], slow=True)], cfg)
+    # the same judge as calc_score's oracle, in a multi-turn episode: bounded by --rm-timeout, counted, not silent
+    call = '<tool_call>{"name": "calc_score", "arguments": {"answer": "3"}}</tool_call>'
+    cfg = rollout_args(rm_type="slow", rm_timeout=0.05, max_turns=2, rollout_max_response_len=400)
+    monkeypatch.setitem(reward.REWARDS, "slow", lambda response, record: slow(response, dict(record, slow=response == "\\boxed{3}")))
+    samples = fakes.run_episodes(ScriptedEngine(processor, [call, "so \\boxed{3}"]), processor, records[1:2], cfg)
+    assert train_grpo.rollout_metrics(samples)["slow_timeouts"] == 2 and all(s.correct for s in samples)
+    assert all(s.metadata["steps"][0]["timeouts"]["slow"] for s in samples)
