@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
 from tools import synth  # noqa: E402
 
-CANVAS = 1024  # tools/synth.py's crop canvas (8 x 128 px): the two boxes are mirror images about its middle
+PAIR = 192 + 736  # tools/synth.py's crop boxes' x1 (left, right): the other box's x1 is PAIR - x1
 
 
 def reword(rows, question):
@@ -34,7 +34,7 @@ def reword(rows, question):
 
 def warm(rows, share, seed, hf, pick, instruction):
     rng = random.Random(seed)
-    other = [dict(r, box=[CANVAS - r["box"][2], r["box"][1], CANVAS - r["box"][0], r["box"][3]]) if pick == "random"
+    other = [dict(r, box=[PAIR - r["box"][0], r["box"][1], PAIR - r["box"][0] + 128, r["box"][3]]) if pick == "random"
              and rng.random() < 0.5 else r for r in rows]  # the box the episode zooms into
     out = [dict(w, box=r["box"]) for w, r in zip(synth.warm_start(other, share, seed, hf), rows)]
     for r in out:  # the instruction after the question: run.sh's (geo3k's), or none

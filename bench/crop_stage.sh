@@ -34,4 +34,4 @@ t=$SECONDS
     --rollout-temperature 1.0 --lr 1e-4 --decoupled-lr 3e-3 --seed "${SEED:-1234}" --max-turns 3 \
     --rollout-max-response-len 192 --max-tokens-per-gpu 4096 --num-rollout 30 --lr-warmup-iters 10 \
     --eval-interval 10 --save-interval 1000 "$@" > "$OUT.log" 2>&1
-echo "$(line "$OUT") | $((SECONDS - t)) s, load $(cut -d' ' -f1-3 /proc/loadavg) | $*" | tee -a bench/crop_stage.txt
+echo "$(line "$OUT") | $((SECONDS - t)) s, load $(cut -d' ' -f1-3 /proc/loadavg) | $*"

@@ -76,13 +76,13 @@ def _triangle(rng, size, jitter):
 
 
 def _boxed(rng, size, jitter, canvas=8):
-    """Two `sides` pictures of `size` px on a canvas `canvas` times as wide, at mid-height, a quarter of the
-    way in from either side; the question names one's box in pixels. At the tiny processor's 256 px for the
-    whole canvas each polygon is a few patches; the env's crop of the box is that `sides` picture. Only the
-    text says which polygon is asked, by which digits it holds (NOTES-43.md: why two places and no mark)."""
+    """Two `sides` pictures of `size` px on a canvas `canvas` times as wide, at mid-height, left and right; each corner's
+    first digit the same in pixels and in a relative 0-1000 frame (736 -> 719, not 704 -> 688: issue 76). The question
+    names one's box in pixels; at the tiny processor's 256 px each polygon is a few patches, the env's crop of the box
+    is that `sides` picture. Only the text says which is asked (NOTES-43.md: why two places and no mark)."""
     side = size * canvas
     img = Image.new("RGB", (side, side), "white")
-    spots = [(side // 4 - size // 2, (side - size) // 2), (3 * side // 4 - size // 2, (side - size) // 2)]
+    spots = [(side // 4 - size // 2, (side - size) // 2), (3 * side // 4 + size // 4 - size // 2, (side - size) // 2)]
     rng.shuffle(spots)  # the first is the one asked
     answers = []
     for x, y in spots:
