@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
 from tools import synth  # noqa: E402
 
-PAIR = 192 + 736  # tools/synth.py's crop boxes' x1 (left, right): the other box's x1 is PAIR - x1
+PAIR = 192 + 704  # tools/synth.py's crop boxes' x1 (left, right): the other box's x1 is PAIR - x1
 
 
 def reword(rows, question):
