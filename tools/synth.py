@@ -29,25 +29,33 @@ POLYGON_QUESTIONS = {  # question -> answer as a function of the number of sides
     "Find the measure of each interior angle of the regular polygon.": lambda n: 180 * (n - 2) / n,
 }
 SIDES_QUESTIONS = {"How many sides does the polygon have?": lambda n: n}
+SHAPE_COLOURS = ["black", "navy", "darkgreen", "maroon"]
+FILLS = ["lightsteelblue", "khaki", "lightpink", "palegreen"]
 
 
-def _polygon(rng, size, questions=POLYGON_QUESTIONS):
-    """A regular polygon of 3-6 sides, a black silhouette (~4x the contrast of a light fill after the processor's
-    normalisation: GRPO on a tiny random model reads it from chance to 0.8 in ~80 steps, not > 150); the answer depends
-    on the sides, read from the image."""
+def _num(x):
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def _polygon(rng, size, jitter, questions=POLYGON_QUESTIONS):
+    """A regular polygon of 3-6 sides; the answer depends on the sides, read from the image."""
     n = rng.randint(3, 6)
     question = rng.choice(sorted(questions))
     img = Image.new("RGB", (size, size), "white")
-    for _ in range(3):  # the draws of the pose it once varied (--jitter): a seed's data as before
-        rng.random()
-    c, r = size / 2, size * 0.38  # the centre, the radius
-    pts = [(c + r * math.cos(-math.pi / 2 + 2 * math.pi * k / n), c + r * math.sin(-math.pi / 2 + 2 * math.pi * k / n))
+    draw = ImageDraw.Draw(img)
+    c = size / 2 + rng.uniform(-1, 1) * jitter * size / 8
+    r = size * (0.38 - 0.1 * jitter * rng.random())
+    rot = -math.pi / 2 + jitter * rng.uniform(-math.pi, math.pi)
+    pts = [(c + r * math.cos(rot + 2 * math.pi * k / n), c + r * math.sin(rot + 2 * math.pi * k / n))
            for k in range(n)]
-    ImageDraw.Draw(img).polygon(pts, fill="black", outline="black", width=3)
-    return question, f"{questions[question](n):g}", img  # 108.0 -> "108"
+    # jitter 0: a black silhouette, ~4x the contrast of a light fill after the processor's
+    # normalisation: GRPO on a tiny random model reads it from chance to 0.8 in ~80 steps, not > 150.
+    colour = rng.choice(SHAPE_COLOURS) if jitter else "black"
+    draw.polygon(pts, fill=rng.choice(FILLS) if jitter else "black", outline=colour, width=3)
+    return question, _num(questions[question](n)), img
 
 
-def _triangle(rng, size):
+def _triangle(rng, size, jitter):
     """A triangle with two angles labelled in degrees; the answer is the third angle."""
     a = rng.choice(range(30, 91, 10))
     b = rng.choice(range(30, 150 - a + 1, 10))
@@ -64,10 +72,10 @@ def _triangle(rng, size):
     draw.text((ax + 5, ay - 13), str(a), fill="black")
     draw.text((bx - 20, by - 13), str(b), fill="black")
     draw.text((cx - 3, cy + 5), "x", fill="black")
-    return "Find x, the measure of the unlabelled angle in degrees.", f"{180 - a - b:g}", img
+    return "Find x, the measure of the unlabelled angle in degrees.", _num(180 - a - b), img
 
 
-def _boxed(rng, size, canvas=8):
+def _boxed(rng, size, jitter, canvas=8):
     """Two `sides` pictures of `size` px on a canvas `canvas` times as wide, at mid-height, a quarter of the
     way in from either side; the question names one's box in pixels. At the tiny processor's 256 px for the
     whole canvas each polygon is a few patches; the env's crop of the box is that `sides` picture. Only the
@@ -78,14 +86,14 @@ def _boxed(rng, size, canvas=8):
     rng.shuffle(spots)  # the first is the one asked
     answers = []
     for x, y in spots:
-        _, n, pic = _polygon(rng, size, SIDES_QUESTIONS)
+        _, n, pic = _polygon(rng, size, jitter, SIDES_QUESTIONS)
         img.paste(pic, (x, y))
         answers.append(n)
     box = [spots[0][0], spots[0][1], spots[0][0] + size, spots[0][1] + size]
     return f"How many sides does the polygon in the box {box} have?", answers[0], img, {"box": box, "tools": ["image_zoom_in_tool"]}
 
 
-KINDS = {"sides": lambda rng, size: _polygon(rng, size, SIDES_QUESTIONS),
+KINDS = {"sides": lambda rng, size, jitter: _polygon(rng, size, jitter, SIDES_QUESTIONS),
          "polygon": _polygon, "triangle": _triangle, "crop": _boxed}  # easiest first: one-token answers, 4 classes
 CHOICES = {"sides": 4, "polygon": 4, "triangle": 10, "crop": 4}  # answers a kind's question can have: report.py's chance
 
@@ -96,11 +104,11 @@ def _png(img):
     return {"bytes": buf.getvalue(), "path": None}
 
 
-def synth_records(n, seed=0, kinds=("polygon",), size=128):
-    """n records in the geo3k schema (crop: its `box`, the `tools` offered)."""
+def synth_records(n, seed=0, kinds=("polygon",), size=128, jitter=0.0):
+    """n records in the geo3k schema (crop: its `box`, the `tools` offered); `jitter` in [0, 1]: pose and colour vary."""
     rng, out = random.Random(seed), []
     for _ in range(n):
-        question, answer, img, *extra = KINDS[rng.choice(list(kinds))](rng, size)
+        question, answer, img, *extra = KINDS[rng.choice(list(kinds))](rng, size, jitter)
         out.append({"images": [_png(img)], "problem": "<image>" + question, "answer": answer, **(extra or [{}])[0]})
     return out
 
@@ -139,13 +147,13 @@ def warm_start(rows, share, seed=0, hf_checkpoint=None):
     return out
 
 
-def write_synth(out, n, n_test=64, seed=0, kinds=("polygon",), size=128, view=None, warm=None, hf=None):
+def write_synth(out, n, n_test=64, seed=0, kinds=("polygon",), size=128, jitter=0.0, view=None, warm=None, hf=None):
     """view "crop": crop_view's rows; warm: warm_start's, calls in `hf`'s frame; synth.json: a guess's accuracy."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "synth.json").write_text(json.dumps({"kinds": list(kinds), "chance": sum(1 / CHOICES[k] for k in kinds) / len(kinds)}))
     for split, count, s in (("train", n, seed), ("test", n_test, seed + 1_000_003)):
-        rows = synth_records(count, s, kinds, size)
+        rows = synth_records(count, s, kinds, size, jitter)
         rows = crop_view(rows) if view == "crop" else warm_start(rows, warm, s, hf) if warm is not None else rows
         pq.write_table(pa.Table.from_pylist(rows), out / f"{split}.parquet")
     return out
@@ -159,6 +167,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="random seed (same seed, same files)")
     p.add_argument("--kinds", default="polygon", help=f"comma list of {sorted(KINDS)}")
     p.add_argument("--size", type=int, default=128, help="image side in pixels (crop: the box's; the canvas is 8x)")
+    p.add_argument("--jitter", type=float, default=0.0, help="0..1: random pose and colour (harder)")
     p.add_argument("--crop-view", action="store_true", help="crop: each image is the crop of its box")
     p.add_argument("--warm-start", type=flags.fraction, default=None, metavar="SHARE",
                    help="crop: SFT episodes (`messages`), SHARE of them calling image_zoom_in_tool")
@@ -170,7 +179,7 @@ def main(argv=None):
         p.error(f"unknown --kinds {unknown}; choose from {sorted(KINDS)}")
     if (a.crop_view or a.warm_start is not None) and kinds != ("crop",):
         p.error(f"--crop-view and --warm-start need --kinds crop (got --kinds {a.kinds})")
-    out = write_synth(a.out, a.n, a.n_test, a.seed, kinds, a.size, "crop" if a.crop_view else None,
+    out = write_synth(a.out, a.n, a.n_test, a.seed, kinds, a.size, a.jitter, "crop" if a.crop_view else None,
                       a.warm_start, a.hf_checkpoint)
     print(f"wrote {a.n} train and {a.n_test} test problems to {out}")
 
