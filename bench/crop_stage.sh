@@ -3,7 +3,7 @@
 # minutes a try, not a whole run.sh). run.sh's own crop-stage flags, greedy evals every 10 steps; extra flags go to
 # train_grpo.py after them (argparse: the last wins). At the end one line of numbers (bench/RESULTS.md, issue 76).
 #
-#   NAME=base bash run.sh                                   # once: the warm start, runs/base/sft_crop/iter_0000128
+#   NAME=base bash run.sh           # once (it may be stopped once stages.tsv lists sft_crop): runs/base/sft_crop/iter_0000128
 #   bash bench/crop_stage.sh runs/base runs/try-iou --box-iou-coef 0.5
 #   WARM=<checkpoint> DATA=<crop set> bash bench/crop_stage.sh runs/base runs/try-x ...   # another warm start or set
 #   bash bench/crop_stage.sh --line runs/try-iou            # the line again
