@@ -303,6 +303,14 @@ def overlong_penalty(sample, record, cfg):
     return -cfg.overlong_penalty_factor * min(1.0, max(0, excess) / max(1, cfg.overlong_buffer_len))
 
 
+def box_iou(sample, record, cfg):
+    """--box-iou-coef C (0: off) times the best IoU of the episode's crops of image 0 with the row's `box` (the env's
+    step info `iou`): a grounding term for the crop task, kept apart from correctness (bench/RESULTS.md, issue 76)."""
+    if not cfg.box_iou_coef:
+        return None
+    return cfg.box_iou_coef * max((st["iou"] for st in sample.metadata.get("steps", ()) if "iou" in st), default=0.0)
+
+
 def rewarded(sample, record, cfg):
     """An ended sample of the data row `record` under the rollout's settings `cfg`: sample.correct (--rm-type's judge)
     -> its reward, correct (1.0 / 0.0) plus each SHAPING term that is on (none in evaluation), kept in its metadata."""
@@ -341,6 +349,8 @@ REWARDS = {"math": math_reward, "geo3k": geo3k_reward}  # --rm-type's choices
 Shaping = collections.namedtuple("Shaping", ["term", "flags"])  # (sample, record, cfg) -> float, None: off; its flags
 SHAPING = {"overlong_penalty": Shaping(overlong_penalty, {  # metrics: overlong_penalty_mean, overlong_penalty_frac
     "--overlong-buffer-len": dict(type=flags.COUNT, default=0, help="DAPO's: the last L tokens of a response, penalised"),
-    "--overlong-penalty-factor": dict(type=flags.at_least(0.0), default=0.0, help="DAPO's: the most penalty (0: off)")})}
+    "--overlong-penalty-factor": dict(type=flags.at_least(0.0), default=0.0, help="DAPO's: the most penalty (0: off)")}),
+    "box_iou": Shaping(box_iou, {"--box-iou-coef": dict(  # metrics: box_iou_mean, box_iou_frac
+        type=flags.at_least(0.0), default=0.0, help="the crop task: this times the best IoU of a crop with the row's box (0: off)")})}
 WARM_UP = [("x = 13", "13"), ("8.66", "5\\sqrt{3}"), ("(1,2]", "\\{1,2\\}"), ("x<3", "3>x"),  # init's: reach sympy's lazy parts
            ("\\sqrt{-9}", "\\frac{5\\pi}{3}")]

@@ -404,6 +404,19 @@ def test_overlong_penalty_is_dapo_eq_13_by_hand(length, want):
     assert reward.overlong_penalty(s, {}, shaped(overlong_penalty_factor=0.5)) == (-0.5 if length > 20 else 0.0)
 
 
+def test_box_iou_is_the_best_crop_iou_with_the_named_box_times_its_coef():
+    """--box-iou-coef C: C times the best IoU (the env's step info) of the episode's crops of image 0, 0.0 where it
+    cropped none of it, None (off) at C 0; rewarded adds it to the correctness, which it leaves alone."""
+    import rollout
+    steps = [{"tool": "image_zoom_in_tool", "ran": True, "iou": 0.25}, {"tool": "image_zoom_in_tool", "ran": True},
+             {"tool": "image_zoom_in_tool", "ran": True, "iou": 0.75}, {"tool": None, "ran": False}]
+    s = rollout.Sample(prompt_ids=[], response_text=B % "12", metadata={"steps": steps})
+    assert reward.box_iou(s, {}, shaped(box_iou_coef=0.5)) == pytest.approx(0.375)
+    assert reward.box_iou(s, {}, shaped()) is None
+    assert reward.box_iou(rollout.Sample(prompt_ids=[], metadata={"steps": steps[1:2]}), {}, shaped(box_iou_coef=0.5)) == 0.0
+    assert reward.rewarded(s, {"answer": "13"}, shaped(box_iou_coef=0.5)) == pytest.approx(0.375) and s.correct is False
+
+
 def test_rewarded_keeps_correctness_apart_from_the_shaped_reward(monkeypatch, capsys):
     """rewarded: sample.correct is the judge's; the reward is it plus each SHAPING term (kept in the sample's
     metadata), none where the settings turn shaping off (evaluation); a term that raises or hangs adds 0.0, one that
