@@ -52,13 +52,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:  # `cores`: the longest pin their lane (cores(lane=N)), the rest alternate
         if mark := item.get_closest_marker("cores"):
             lane[item.nodeid] = f"cores{mark.kwargs.get('lane', len(lane) % LANES)}"
-    groups = {item.nodeid: lane.get(item.nodeid, item.module.__name__) for item in items
-              if item.nodeid in lane or module.setdefault(item.module.__name__, any(
+    groups = {item.nodeid: lane.get(item.nodeid, group(item.module)) for item in items
+              if item.nodeid in lane or module.setdefault(group(item.module), any(
                   d.scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs))}
     out = shared_dir(config._tmp_path_factory) / GROUPS
     tmp = out.with_suffix(f".{os.getpid()}")
     tmp.write_text(json.dumps(groups))
     tmp.replace(out)  # both workers write the same groups: either file is whole
+
+
+def group(module):
+    """A module's group: its name, or the XDIST_GROUP it names (a file split from another keeps its group)."""
+    return getattr(module, "XDIST_GROUP", module.__name__)
 
 
 @pytest.hookimpl(hookwrapper=True)

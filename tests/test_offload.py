@@ -1,7 +1,7 @@
 """--offload-train's bookkeeping on CPU (offload.py): what is moved, that nothing is left behind,
 that it comes back bit for bit, and that training after a round trip takes the step it would have
 taken. Its memory effect on a GPU: bench/gpu_smoke.sh. The order of the moves against a colocated
-server: test_grpo.py::test_colocated_engine_steps_aside_for_every_rank."""
+server: test_colocate.py::test_colocated_engine_steps_aside_for_every_rank."""
 import argparse
 
 import pytest
