@@ -217,7 +217,7 @@ class Run:
 # optimizer's hyperparameters and schedule, which its state restores (torch keeps the saved param groups; megatron-core
 # 0.16.1 optimizer_param_scheduler.py:312-333); + start's `fixed`.
 FIXED = ("seed", "prompt_data", "split", "input_key", "label_key", "multimodal_keys", "max_context_len", "allow_image_urls",
-         "allow_outside_paths", "lr", "min_lr", "decoupled_lr", "lr_warmup_iters", "lr_decay_style", "adam_beta1",
+         "allow_outside_paths", "max_pixels", "min_pixels", "lr", "min_lr", "decoupled_lr", "lr_warmup_iters", "lr_decay_style", "adam_beta1",
          "adam_beta2", "weight_decay")
 
 

@@ -91,8 +91,7 @@ DEFECTS = {
                            "for k, v in config.items() if isinstance(v, dict) and k != \"vision_config\"]",
                            FAULTS),
     "eval_label_answer": ("data: the eval set's answers read from `answer` whatever --label-key says", "trainer.py",
-                          "args.label_key, args.max_bad_frac", "\"answer\" if evaluation else args.label_key, "
-                          "args.max_bad_frac", FAULTS),
+                          "args.eval_label_key or args.label_key", "args.eval_label_key or \"answer\"", FAULTS),
     # issue 75: nothing a user brings fails in silence
     "timeout_silent": ("reward: a judge's time-out scores 0.0 and is not kept (never counted, said or stopping a run)",
                        "reward.py", 'faults.setdefault("timeouts", {})[name] = _once(',

@@ -155,8 +155,8 @@ def test_a_resume_refuses_each_of_the_runs_flags_and_says_each_other_change(tmp_
     saved = tmp_path / "config_grpo.json"
     fixed, table = T.FIXED + ("rollout_batch_size", "partial_rollout", "fully_async"), (ROOT / "docs/training.md").read_text()
     runs = ["seed", "prompt_data", "split", "input_key", "label_key", "multimodal_keys", "max_context_len", "allow_image_urls",
-            "allow_outside_paths", "lr", "min_lr", "decoupled_lr", "lr_warmup_iters", "lr_decay_style", "adam_beta1",
-            "adam_beta2", "weight_decay", "rollout_batch_size", "partial_rollout", "fully_async"]
+            "allow_outside_paths", "max_pixels", "min_pixels", "lr", "min_lr", "decoupled_lr", "lr_warmup_iters",
+            "lr_decay_style", "adam_beta1", "adam_beta2", "weight_decay", "rollout_batch_size", "partial_rollout", "fully_async"]
     for k in runs:
         assert f"--{k.replace('_', '-')}`" in table.split("| may change")[0] or k.startswith("adam_beta"), k
         saved.write_text(json.dumps(dict(config, **{k: "the run's"}), default=str))
