@@ -2,7 +2,7 @@
 # The test command: sets up .venv on first use, then runs the CPU test suite on four pytest-xdist workers, one
 # torch thread each (tests/conftest.py: OMP_NUM_THREADS=1 unless set; which tests share a worker, and why four).
 #   bash test.sh                 # the suite CI runs: 761 tests, 706 s of pytest on a 2-core machine
-#                                # (2026-12-07, its own load only at the end; serial: bench/RESULTS.md, "Test suite")
+#                                # (2026-12-07, beside one 20-s CPU run; serial: bench/RESULTS.md, "Test suite")
 #   bash test.sh -n 0            # the same tests one at a time (debugging; -s and --pdb imply it)
 #   bash test.sh -m slow         # the long learning checks
 #   bash test.sh tests/test_data.py -x   # any pytest arguments
