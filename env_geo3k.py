@@ -8,8 +8,8 @@
 A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in strict JSON or Qwen3.5's XML form;
 nothing the model writes is evaluated or executed. A tool: a function and its Tool in TOOLS (docs/extending.md).
 From args: max_turns (required), oracle (default True; off in evaluation), rm_type ("math") and rm_timeout (its judge's
-bound), min_pixels and max_pixels (the view's bounds, a zoom's too: --min-pixels, --max-pixels), max_payload (4096 chars), hf_checkpoint (its grounding
-frame: `grounding`), each tool's flags (env.flags)."""
+bound), min_pixels and max_pixels (the view's bounds, a zoom's too: --min-pixels, --max-pixels), max_payload (4096
+chars), hf_checkpoint (its grounding frame: `grounding`), each tool's flags (env.flags)."""
 import dataclasses
 import functools
 import json
@@ -47,14 +47,13 @@ def calc_score(env, arguments):
     _need(isinstance(answer, str) and answer.strip(), '"answer" must be a non-empty string such as "5\\\\sqrt{3}" or a number')
     answer = re.sub(r"[\b\f\n\r\t](?=[A-Za-z])", lambda m: _LATEX_ESCAPES[m.group()], answer).strip()
     env.answers.append(answer)
+    faults = {}  # the judge's error or time-out (--rm-timeout), in the step info: counted as the rollout's own
     if not env.oracle or env.record.get("answer") is None:
         text, score = f"Answer recorded: {answer}.", None
     else:
-        faults = {}  # the judge's error or time-out (--rm-timeout), in the step info: counted as the rollout's own
         score = env.last_score = reward.score(env.rm_type, f"\\boxed{{{answer}}}", env.record, faults, env.rm_timeout)
         text = f"Correct: {answer} is the right answer." if score > 0 else f"Incorrect: {answer} is not the right answer."
-        return text, [], {"score": score, **faults}
-    return text, [], {"score": score}
+    return text, [], {"score": score, **faults}
 
 
 def crop(env, arguments):

@@ -277,10 +277,14 @@ def fault_counts(samples):
     """{<name>_errors, <name>_timeouts: the samples in which an entry raised, ran past its bound}: rollouts' and evals'."""
     out = collections.Counter()
     for s in samples:
-        steps = s.metadata.get("steps", ())  # a tool's own raise; the oracle's judge's faults (calc_score's step info)
-        tools = {i["tool"] for i in steps if i.get("raised")}
-        for kind, more in (("errors", tools), ("timeouts", ())):
-            out.update(f"{k}_{kind}" for k in {*s.metadata.get(kind, ()), *more, *(k for i in steps for k in i.get(kind, ()))})
+        steps = s.metadata.get("steps", ())
+        errors = {*s.metadata.get("errors", ()), *(i["tool"] for i in steps if i.get("raised"))}  # a tool's own raise
+        timeouts = set(s.metadata.get("timeouts", ()))
+        for i in steps:  # the oracle's judge's faults (calc_score's step info)
+            errors.update(i.get("errors", ()))
+            timeouts.update(i.get("timeouts", ()))
+        out.update(f"{k}_errors" for k in errors)
+        out.update(f"{k}_timeouts" for k in timeouts)
     return dict(out)
 
 
