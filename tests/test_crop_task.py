@@ -272,7 +272,8 @@ def test_a_zoom_into_a_small_region_of_a_large_image_returns_the_originals_pixel
     """A row of a large non-square image loaded as the trainer loads it: its `box` in the original's pixels (beyond
     the view's size) loads; the model names a 64x48-px region of the original in its family's frame of its view
     (--max-pixels): the zoom shows the original's own pixels of that region, enlarged (not the view's blur of ~25x19
-    px), and scores a hit on the box; the env pickles (a --partial-rollout buffer) with no decoded original in it."""
+    px), and scores a hit on the box; the env pickles (a --partial-rollout buffer) with no decoded original in it; a zoom
+    of the whole image comes back within the run's --max-pixels (the rollout's settings carry it to the env)."""
     w, h = size
     original = fakes.picture(w, h)
     original.save(tmp_path / "big.png")
@@ -297,6 +298,10 @@ def test_a_zoom_into_a_small_region_of_a_large_image_returns_the_originals_pixel
     assert out.reduce(k).tobytes() == original.crop(px).tobytes()  # each pixel of the original a k x k block
     held = (tmp_path / "big.png").stat().st_size + out.width * out.height * 3 + 10_000  # the row's file, the zoom
     assert len(pickle.dumps(env)) < held < w * h * 3, (len(pickle.dumps(env)), held)  # no decoded original
+    whole = model_box(tiny_ckpt(arch), image.view_size, [0, 0, *image.view_size])  # the whole image: a huge region
+    obs, _, info = env.step(call(ZOOM, {"bbox_2d": whole}))
+    shown = obs["images"][0]
+    assert info["ran"] and shown.width * shown.height <= 150000 < w * h, shown.size  # bounded by the run's --max-pixels
 
 
 @pytest.mark.parametrize("arch", ["qwen3_vl", "qwen2_5_vl"])
