@@ -60,8 +60,9 @@ def harness_env():
 
 
 def test_the_env_of_a_colocated_server_is_sglangs_own(harness_env):
-    """The variables sglang_placement sets for a colocated server are fields of this SGLang's `envs`, default on
-    (a name SGLang does not define would be ignored in silence): read from the harness's sglang/srt/environ.py."""
+    """The variables sglang_placement sets for a colocated server are fields of this SGLang's `envs` (a name SGLang does
+    not define would be ignored in silence), default on but the graphs' (issue 75 item 8): read from the harness's
+    sglang/srt/environ.py."""
     import train_grpo as G
     from sglang_engine import sglang_placement
     args = G.parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--save", "x", "--rollout-engine", "sglang",
@@ -69,7 +70,9 @@ def test_the_env_of_a_colocated_server_is_sglangs_own(harness_env):
     names = sorted(k for k in sglang_placement(args, True, 1, 1)[1] if k.startswith("SGLANG_"))
     code = "import sglang.srt.environ as e; print(open(e.__file__).read())"
     text = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=dict(os.environ, **harness_env)).stdout
-    assert len(names) == 2 and all(f"{n} = EnvBool(True)" in text for n in names), names
+    assert len(names) == 3 and all(f"{n} = EnvBool(" in text for n in names), names  # each a field SGLang reads
+    graphs = "SGLANG_MEMORY_SAVER_CUDA_GRAPH"  # off by default: set so that releasing cuda_graph frees its pool
+    assert f"{graphs} = EnvBool(False)" in text and all(f"{n} = EnvBool(True)" in text for n in names if n != graphs)
 
 
 class Recording(SGLangEngine):
