@@ -374,9 +374,10 @@ class TestRealServer:
 
 @pytest.fixture(scope="module")
 def crop_record(records):
-    """records[0] with a second image (a crop of the first), as a multi-turn episode holds them."""
+    """records[0] with a second image (a crop of the first), as a multi-turn episode holds them: the row's Picture,
+    then the zoom's PIL image (env_geo3k.crop)."""
     image = records[0]["images"][0]
-    return dict(records[0], images=[image, image.crop((0, 0, 64, 64))])
+    return dict(records[0], images=[image, image.original().crop((0, 0, 64, 64))])
 
 
 def any_alive(pgid):
