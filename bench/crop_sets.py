@@ -5,7 +5,9 @@
     python bench/crop_sets.py --out runs/sets-rand --hf-checkpoint runs/base/base --pick random --share 1.0
 
 --question last: the box is the question's last words ("How many sides does the polygon have in the box [..]?"), nearest
-the call; --instruction "": no geo3k instruction after the question (pass --prompt-instruction "" to train_grpo.py too);
+the call; --question frame: the question names the box in the model's grounding frame (Qwen3-VL's 0-1000), the frame
+its call writes in, not in the canvas's pixels (the row's `box`, which the crop-hit metric reads, stays in pixels);
+--instruction "": no geo3k instruction after the question (pass --prompt-instruction "" to train_grpo.py too);
 --pick random: each zooming SFT episode zooms into one of the two boxes at random (its answer stays the named one's), so
 that GRPO, not SFT, must find which. Writes OUT/crop and OUT/crop_warm (train.parquet, test.parquet)."""
 import argparse
@@ -20,12 +22,17 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
+import env_geo3k  # noqa: E402
 from tools import synth  # noqa: E402
 
 PAIR = 192 + 704  # tools/synth.py's crop boxes' x1 (left, right): the other box's x1 is PAIR - x1
 
 
 def reword(rows, question):
+    if question == "frame":  # the demo's Qwen3-VL grounds in 0-1000 (env_geo3k.frame), its canvas is 1,024 px
+        for r in rows:
+            named = env_geo3k.scale(r["box"], (1024, 1024), env_geo3k.frame(None, 1024, 1024), outward=False)
+            r["problem"] = r["problem"].replace(str(r["box"]), str(named))
     if question == "last":
         for r in rows:
             r["problem"] = re.sub(r"polygon in the box (\[[^\]]*\]) have\?", r"polygon have in the box \1?", r["problem"])
@@ -52,7 +59,7 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--hf-checkpoint", required=True, help="the demo's base model (its grounding frame)")
     p.add_argument("--data-seed", type=int, default=0, help="run.sh's DATA_SEED")
-    p.add_argument("--question", choices=["synth", "last"], default="synth")
+    p.add_argument("--question", choices=["synth", "last", "frame"], default="synth")
     p.add_argument("--instruction", default=data.INSTRUCTION)
     p.add_argument("--pick", choices=["named", "random"], default="named")
     p.add_argument("--share", type=float, default=0.5, help="SFT episodes that zoom (run.sh: 0.5)")
