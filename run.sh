@@ -103,15 +103,16 @@ if [[ "$NUM_GPUS" == 0 ]]; then
   stage grpo $PY train_grpo.py --hf-checkpoint "$RUN/sft/iter_0000024" --save "$RUN/grpo" --load "$RUN/grpo" \
       --prompt-data "$RUN/data" "${EVAL[@]}" "${GRPO[@]}" --rollout-max-response-len 48 --max-tokens-per-gpu 1024 \
       --num-rollout 100 --eval-interval 20 --save-interval 20 --dynamic-sampling   # all-equal groups replaced: bench/RESULTS.md, "CPU demo"
-  # the tool call's format: SFT on crop-task episodes, half of which zoom into the named box (tools/synth.py --warm-start)
+  # the tool call: SFT on crop-task episodes, half of which zoom into the named box (tools/synth.py --warm-start); 4
+  # epochs: at 2 the call's box ignores the question (bench/RESULTS.md, issue 76); greedy, it then answers at once
   stage sft_crop $PY sft.py --hf-checkpoint "$RUN/grpo/iter_0000100" --prompt-data "$RUN/crop_warm" --save "$RUN/sft_crop" \
       --load "$RUN/sft_crop" "${SFT[@]}" --lr 3e-4 --lr-warmup-iters 10 --lr-decay-style cosine --global-batch-size 8 \
-      --num-epoch 2 --max-tokens-per-gpu 4096
+      --num-epoch 4 --max-tokens-per-gpu 4096
   # multi-turn GRPO on the crop task, lr warmed up (bench/RESULTS.md, "CPU demo"): it learns to call image_zoom_in_tool
-  stage grpo_mt $PY train_grpo.py --hf-checkpoint "$RUN/sft_crop/iter_0000128" --save "$RUN/grpo_mt" --load "$RUN/grpo_mt" \
+  stage grpo_mt $PY train_grpo.py --hf-checkpoint "$RUN/sft_crop/iter_0000256" --save "$RUN/grpo_mt" --load "$RUN/grpo_mt" \
       --prompt-data "$RUN/crop" --eval-prompt-data "$RUN/crop" --eval-split test --eval-samples 64 "${GRPO[@]}" \
       --max-turns 3 --rollout-max-response-len 192 --max-tokens-per-gpu 4096 --num-rollout 30 \
-      --lr-warmup-iters 10 --eval-interval 30 --save-interval 30
+      --lr-warmup-iters 10 --eval-interval 10 --save-interval 30
   stage report $PY tools/report.py "$RUN"
   echo "final Hugging Face checkpoint: $RUN/grpo_mt/$(cat "$RUN/grpo_mt/latest")"
   exit 0

@@ -3,7 +3,7 @@
 # minutes a try, not a whole run.sh). run.sh's own crop-stage flags, greedy evals every 10 steps; extra flags go to
 # train_grpo.py after them (argparse: the last wins). At the end one line of numbers (bench/RESULTS.md, issue 76).
 #
-#   NAME=base bash run.sh           # once (it may be stopped once stages.tsv lists sft_crop): runs/base/sft_crop/iter_0000128
+#   NAME=base bash run.sh           # once (it may be stopped once stages.tsv lists sft_crop): runs/base/sft_crop/iter_0000256
 #   bash bench/crop_stage.sh runs/base runs/try-iou --box-iou-coef 0.5
 #   WARM=<checkpoint> DATA=<crop set> bash bench/crop_stage.sh runs/base runs/try-x ...   # another warm start or set
 #   bash bench/crop_stage.sh --line runs/try-iou            # the line again
@@ -26,7 +26,7 @@ if [[ "$1" == --line ]]; then line "$2"; exit 0; fi
 RUN=$1 OUT=$2 && shift 2
 [[ -d "$RUN/crop" ]] || { echo "crop_stage.sh: $RUN has no crop set (NAME=... bash run.sh first)" >&2; exit 2; }
 [[ ! -e "$OUT" ]] || { echo "crop_stage.sh: $OUT exists: pick another folder" >&2; exit 2; }
-WARM=${WARM:-$RUN/sft_crop/iter_0000128} DATA=${DATA:-$RUN/crop}
+WARM=${WARM:-$RUN/sft_crop/iter_0000256} DATA=${DATA:-$RUN/crop}
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 t=$SECONDS
 .venv/bin/python train_grpo.py --hf-checkpoint "$WARM" --save "$OUT" --prompt-data "$DATA" --eval-prompt-data "$DATA" \

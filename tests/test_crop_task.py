@@ -3,6 +3,7 @@ episodes encoded as a rollout encodes them, the tool metrics of a rollout, and t
 The learning check (GRPO learns to crop; the blank control does not): tests/test_learning.py."""
 import json
 import pickle
+import re
 import shutil
 import types
 from pathlib import Path
@@ -210,6 +211,37 @@ def test_the_demo_report_shows_each_stage_on_its_own_evals_and_the_crop_calls_an
     assert ("GRPO crop task, per 10 steps: crop calls / episode 0.20, 0.90; share whose crop hit the box 0.10, 0.50"
             in summary), summary
     assert summary.count("per 10 steps") == 1 and (tmp_path / "reward_curve.png").stat().st_size > 0
+
+
+def demo_folder(path, hits=(0.0, 0.5, 1.0, 1.0), multi=1.0, single=0.25, sides=(0.3, 1.0)):
+    """A made-up run.sh folder: the sides stages' greedy accuracy `sides`; the crop stage evaluated at steps 0, 10,
+    ... with crop-hit shares `hits`, ending at multi-turn accuracy `multi` and single-turn `single`."""
+    for name, rows in (("sft", [{"step": 1, "loss": 1.0}]), ("sft_crop", [{"step": 1, "loss": 1.0}]),
+                       ("grpo", [{"step": 0, "eval_accuracy": sides[0]}, {"step": 1, "reward": 0.5},
+                                 {"step": 100, "eval_accuracy": sides[1]}]),
+                       ("grpo_mt", [{"step": 10 * i, "eval_multi_turn_crop_hit_frac": h, "eval_accuracy": single,
+                                     "eval_multi_turn_accuracy": multi if i == len(hits) - 1 else 0.2,
+                                     "eval_multi_turn_tool_calls_image_zoom_in_tool": 1.0} for i, h in enumerate(hits)])):
+        (path / name).mkdir(parents=True)
+        (path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("change,missed", [({}, None), ({"hits": (0.9, 1.0, 1.0)}, "from below it"),
+                                           ({"hits": (0.0, 0.75)}, "the crop stage's evals"),
+                                           ({"hits": (0.0, 0.5, 0.75)}, "greedy crop hit share"),
+                                           ({"multi": 0.6}, "multi-turn 0.6"), ({"single": 0.7}, "whole canvas 0.7"),
+                                           ({"sides": (0.3, 0.7)}, "0.7")])
+def test_the_demo_tests_bounds_hold_on_a_run_that_meets_them_and_name_each_miss(tmp_path, change, missed):
+    """tests/test_learning.py's demo_claims (the slow demo test's assertions, issue 76's bounds) on made-up run.sh
+    folders: a run meeting every bound passes; each miss fails with what it missed."""
+    from test_learning import demo_claims
+    run = demo_folder(tmp_path, **change)
+    if missed is None:
+        demo_claims(run)
+        return
+    with pytest.raises(AssertionError, match=re.escape(missed)):
+        demo_claims(run)
 
 
 # ---------------------------------------------------------------------------------- the model's own grounding frame

@@ -251,25 +251,29 @@ def test_demo_stages_keep_what_the_last_taught_and_the_multi_turn_stage_learns_t
     demo_claims(tmp_path / "demo")
 
 
+HIT, MULTI, TOOL_GAP = 0.8, 0.7, 0.4  # issue 76's bounds on the crop stage's greedy evals (bench/RESULTS.md)
+
+
 def demo_claims(run):
-    """The demo test's assertions on a finished run.sh folder RUN: the sides stages end no worse than they began
-    (within one problem in 64), the single-turn one >= 0.8; the crop stage calls crop >= 0.7 an episode over its last
-    10 steps and >= 0.25 more than over its first 10, its greedy multi-turn accuracy rises >= 0.05, and the greedy eval
-    reports the crop-hit share. Issue 61's grounding bounds (greedy crop on the named box >= 0.8, >= 0.25 above the
-    GRPO stage's start, multi-turn >= 0.7) are not met yet (bench/RESULTS.md, "CPU demo"): not asserted."""
-    rows, curves, _ = report.stage_rows(Path(run))
+    """The demo test's assertions on a finished run.sh folder RUN (tests/test_crop_task.py tries them on made-up
+    folders): the sides stages end no worse than they began (within one problem in 64), the single-turn one >= 0.8;
+    the crop stage, greedy on its test set, evaluated within the stage (every 10 steps), not only at its ends: the
+    share whose crop hits the named box ends >= HIT from below it (the SFT warm start alone misses it: GRPO does a
+    visible share), multi-turn accuracy ends >= MULTI, and >= TOOL_GAP above the same policy's single-turn accuracy
+    on the whole canvas (the tool stays necessary)."""
+    rows, _, _ = report.stage_rows(Path(run))
     assert [title for title, *_ in rows] == ["SFT", "GRPO single-turn", "SFT crop calls", "GRPO crop task"]
-    ev = {title: {k: (before, after) for k, (_, before, after) in evals.items()} for title, *_, evals in rows}
+    ev = {title: evals for title, _, _, _, evals, _ in rows}  # eval key -> [label, before, after, [(step, value)]]
     for title in ("SFT", "GRPO single-turn"):
-        before, after = ev[title]["eval_accuracy"]
+        _, before, after, _ = ev[title]["eval_accuracy"]
         assert before is None or after >= before - 1 / 64, (title, before, after)
-    assert ev["GRPO single-turn"]["eval_accuracy"][1] >= 0.8, ev
-    calls = [c for _, c in curves[-1][2]["tool_calls_image_zoom_in_tool"]]
-    calls = mean(calls[:10]), mean(calls[-10:])
-    assert calls[1] >= 0.7 and calls[1] - calls[0] >= 0.25, calls
+    assert ev["GRPO single-turn"]["eval_accuracy"][2] >= 0.8, ev
     crop = ev["GRPO crop task"]
-    assert crop["eval_multi_turn_accuracy"][1] - crop["eval_multi_turn_accuracy"][0] >= 0.05, crop
-    assert crop["eval_multi_turn_crop_hit_frac"][1] is not None, crop
+    _, before, after, seen = crop["eval_multi_turn_crop_hit_frac"]
+    assert len(seen) >= 3 and seen[0][0] == 0, f"the crop stage's evals: {seen}"
+    assert before < HIT <= after, f"greedy crop hit share {before} -> {after} (the bound {HIT}, from below it)"
+    multi, single = crop["eval_multi_turn_accuracy"][2], crop["eval_accuracy"][2]
+    assert multi >= MULTI and multi - single >= TOOL_GAP, f"multi-turn {multi}, single-turn on the whole canvas {single}"
 
 
 @pytest.mark.slow
