@@ -193,11 +193,16 @@ def test_image_pad_id_from_config(tmp_path):
     assert collapse_image_pads([1, 2], 7) == [1, 2]
 
 
-def test_fake_expands_like_stock(ckpt, processor, records, tmp_path):
+@pytest.mark.parametrize("counts", ["image service", "own processor"])
+def test_fake_expands_like_stock(ckpt, processor, records, tmp_path, monkeypatch, counts):
     """The fake server expands one pad per image by the checkpoint's processor and refuses what
-    stock refuses: an expanded run (IndexError), a pad after an image's pads (AssertionError)."""
+    stock refuses: an expanded run (IndexError), a pad after an image's pads (AssertionError). Under pytest the
+    processor is conftest's image service's (tests/image_counts.py); a fake server run by hand loads its own."""
     import data
+    import image_counts
     from sglang_server import ServerError
+    if counts == "own processor":
+        monkeypatch.delenv(image_counts.IMAGES_SOCKET)
     eng, rec = sglang(ckpt, tmp_path)
     try:
         pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -219,6 +224,8 @@ def test_fake_expands_like_stock(ckpt, processor, records, tmp_path):
             with pytest.raises(ServerError, match="HTTP 500: Internal Server Error"):
                 post(ids, images)
             assert error in eng.server.log_tail(2)
+        torch_loaded = "libtorch" in Path(f"/proc/{eng.server.proc.pid}/maps").read_text()  # the processor's import
+        assert torch_loaded == (counts == "own processor"), f"{counts}: torch loaded in the fake server {torch_loaded}"
     finally:
         eng.shutdown()
 
