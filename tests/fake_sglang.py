@@ -46,6 +46,9 @@ import numpy as np
 
 from image_counts import IMAGES_SOCKET, ask_image_counts, load_image_processor, processor_counts
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import proc  # noqa: E402 - the project's launcher that arms PR_SET_PDEATHSIG
+
 # Fields of SGLang's GenerateReqInput / SamplingParams / UpdateWeightFromDiskReqInput /
 # (Release|Resume)MemoryOccupationReqInput (sglang 0.5.23 srt/managers/io_struct.py:177, 1970,
 # 2177, 2187; srt/sampling/sampling_params.py:140). Stock ignores unknown top-level fields; we
@@ -73,7 +76,6 @@ GROUP_FIELDS = {"master_address", "master_port", "rank_offset", "world_size", "g
 SESSION_FIELDS = {"selector"}
 STOP = 151645  # <|im_end|>: ends every fake answer
 FAKE_IDS = range(150000, 151000)  # the tokens of fake answers: plain vocabulary, rare in prompts
-PROC = str(Path(__file__).resolve().parents[1] / "proc.py")  # the launcher that arms PR_SET_PDEATHSIG
 
 
 def weights_digest(model_path):
@@ -400,8 +402,7 @@ def main():
     if a.fake_startup < 0:  # a server that never comes up
         sys.exit("fake sglang: failing to start as asked (--fake-startup < 0)")
     # like SGLang's scheduler/detokenizer processes: SIGKILLed when their parent dies
-    children = [subprocess.Popen([sys.executable, PROC, str(os.getpid()), "sleep", "3600"])
-                for _ in range(a.fake_children)]
+    children = [subprocess.Popen(proc.armed(["sleep", "3600"])) for _ in range(a.fake_children)]
     print(f"fake sglang children={[c.pid for c in children]}", flush=True)
     time.sleep(a.fake_startup)
     server = ThreadingHTTPServer((a.host, a.port), Handler)
