@@ -46,7 +46,7 @@ import numpy as np
 
 from image_counts import IMAGES_SOCKET, ask_image_counts, load_image_processor, processor_counts
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: shadows nothing
 import proc  # noqa: E402 - the project's launcher that arms PR_SET_PDEATHSIG
 
 # Fields of SGLang's GenerateReqInput / SamplingParams / UpdateWeightFromDiskReqInput /
