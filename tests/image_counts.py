@@ -14,6 +14,7 @@ import socket
 import threading
 
 IMAGES_SOCKET = "FAKE_SGLANG_IMAGES"  # the environment variable naming the service's socket
+ANSWER = "fake-sglang-images-answer"  # the name of a thread that answers one asker
 
 
 def decode_image(uri):
@@ -41,20 +42,23 @@ def serve_image_counts(name):
     processors = {}  # model_path -> its image processor
     lock = threading.Lock()
 
+    def count(ask):
+        try:
+            with lock:
+                if ask["model_path"] not in processors:
+                    processors[ask["model_path"]] = load_image_processor(ask["model_path"])
+                return {"counts": processor_counts(processors[ask["model_path"]], ask["images"])}
+        except Exception as e:  # noqa: BLE001 - the asking fake server raises it
+            return {"error": f"{type(e).__name__}: {e}"}
+
     def answer(conn):
-        with conn, conn.makefile("rwb") as f:
-            line = f.readline()
-            if not line:  # the fake server died before it asked
-                return
-            ask = json.loads(line)
-            try:
-                with lock:
-                    if ask["model_path"] not in processors:
-                        processors[ask["model_path"]] = load_image_processor(ask["model_path"])
-                    reply = {"counts": processor_counts(processors[ask["model_path"]], ask["images"])}
-            except Exception as e:  # noqa: BLE001 - the asking fake server raises it
-                reply = {"error": f"{type(e).__name__}: {e}"}
-            f.write(json.dumps(reply).encode() + b"\n")
+        try:
+            with conn, conn.makefile("rwb") as f:
+                line = f.readline()
+                if line:  # else the fake server died before it asked
+                    f.write(json.dumps(count(json.loads(line))).encode() + b"\n")
+        except OSError:  # it died before the answer (a test killed it mid-request): nobody to tell
+            pass
 
     def accept():
         while True:
@@ -63,7 +67,7 @@ def serve_image_counts(name):
             except OSError:  # closed: stop
                 return
             # a thread a connection: a fake server killed mid-request holds up no other
-            threading.Thread(target=answer, args=(conn,), daemon=True).start()
+            threading.Thread(target=answer, args=(conn,), daemon=True, name=ANSWER).start()
     threading.Thread(target=accept, daemon=True, name="fake-sglang-images").start()
     return listener
 

@@ -230,6 +230,32 @@ def test_fake_expands_like_stock(ckpt, processor, records, tmp_path, monkeypatch
         eng.shutdown()
 
 
+def test_the_image_service_outlives_an_asker_killed_and_names_what_failed(ckpt, tmp_path, monkeypatch):
+    """tests/image_counts.py: an asker gone before its answer (a fake server killed mid-request) raises nothing in
+    the service, which answers the next; a checkpoint it cannot load comes back to the asker, named."""
+    import socket
+    import data
+    import image_counts
+    from PIL import Image
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", raised.append)
+    uri = data.image_to_data_uri(Image.new("RGB", (64, 48)))
+    name = f"test_images.{os.getpid()}.{os.urandom(4).hex()}"
+    listener = image_counts.serve_image_counts(name)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:  # asks, and is gone before the answer
+            s.connect("\0" + name)
+            s.sendall(json.dumps({"model_path": str(ckpt), "images": [uri]}).encode() + b"\n")
+        with pytest.raises(RuntimeError, match=f"{name}: the image service failed: .*{tmp_path}"):
+            image_counts.ask_image_counts(name, str(tmp_path), [uri])
+        want = image_counts.processor_counts(image_counts.load_image_processor(ckpt), [uri])
+        assert image_counts.ask_image_counts(name, str(ckpt), [uri]) == want
+        wait_for(lambda: image_counts.ANSWER not in [t.name for t in threading.enumerate()], "the answers sent")
+        assert raised == []
+    finally:
+        listener.close()
+
+
 def test_failed_weight_update_raises_the_servers_message(ckpt, tmp_path):
     eng, rec = sglang(ckpt, tmp_path, env={"CUDA_VISIBLE_DEVICES": "3", "FAKE_TAG": "x y"})
     try:
