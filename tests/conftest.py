@@ -126,6 +126,18 @@ def tiny_ckpt(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session", autouse=True)
+def image_counts():
+    """The fake SGLang servers' image pads counted by this process' warm image processor (tests/image_counts.py)."""
+    import image_counts
+    name = f"fake_sglang_images.{os.getpid()}.{os.urandom(4).hex()}"
+    listener = image_counts.serve_image_counts(name)
+    os.environ[image_counts.IMAGES_SOCKET] = name
+    yield
+    os.environ.pop(image_counts.IMAGES_SOCKET)
+    listener.close()
+
+
 @pytest.fixture(scope="session")
 def geo3k_real():
     return GEO3K_REAL

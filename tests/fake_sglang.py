@@ -11,7 +11,8 @@ field names are checked on every call; tests/test_sglang_real.py checks the whit
 subsets of sglang's own request classes). Stock behaviour kept where it matters, as measured on
 the real 0.5.23 server (tests/test_sglang_real.py, ../shared/sglang_cpu):
 - input_ids carry ONE image pad per image, expanded here to the count the checkpoint's own
-  image processor gives that image's grid; meta_info.prompt_tokens is that expanded length.
+  image processor gives that image's grid (tests/image_counts.py: under pytest, counted by a warm processor
+  in the pytest process); meta_info.prompt_tokens is that expanded length.
   A pad run already expanded, or more pads than images, gets HTTP 500 "Internal Server Error"
   with the IndexError / AssertionError in the log, as stock's build_input_ids gives
   (multimodal/processors/base_processor.py:586). More images than pads: stock answers 200 and
@@ -32,7 +33,6 @@ accepted and printed.
 import argparse
 import base64
 import hashlib
-import io
 import json
 import os
 import subprocess
@@ -42,7 +42,10 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import numpy as np
+from image_counts import IMAGES_SOCKET, ask_image_counts, load_image_processor, processor_counts
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: shadows nothing
+import proc  # noqa: E402 - the project's launcher that arms PR_SET_PDEATHSIG
 
 # Fields of SGLang's GenerateReqInput / SamplingParams / UpdateWeightFromDiskReqInput /
 # (Release|Resume)MemoryOccupationReqInput (sglang 0.5.23 srt/managers/io_struct.py:177, 1970,
@@ -71,7 +74,6 @@ GROUP_FIELDS = {"master_address", "master_port", "rank_offset", "world_size", "g
 SESSION_FIELDS = {"selector"}
 STOP = 151645  # <|im_end|>: ends every fake answer
 FAKE_IDS = range(150000, 151000)  # the tokens of fake answers: plain vocabulary, rare in prompts
-PROC = str(Path(__file__).resolve().parents[1] / "proc.py")  # the launcher that arms PR_SET_PDEATHSIG
 
 
 def weights_digest(model_path):
@@ -101,11 +103,6 @@ def fake_output(input_ids, max_new_tokens, digest, length=6, cut=None):
     return ids, lps, "length"
 
 
-def decode_image(uri):
-    from PIL import Image
-    return Image.open(io.BytesIO(base64.b64decode(uri.split(",", 1)[1])))
-
-
 def expand_image_pads(ids, counts, pad):
     """One `pad` per image -> `counts[k]` pads for image k, walking the ids as stock's
     build_input_ids does: each pad starts an image; running out of images is its IndexError,
@@ -126,6 +123,7 @@ def expand_image_pads(ids, counts, pad):
 def fake_routes(start, end, layers, k, experts):
     """R3: stock's meta_info.routed_experts form (base64 of int32 (end - start, layers, k)) for the
     positions start..end-1; the experts of position p at layer l are (p + l + j) % experts, j < k."""
+    import numpy as np  # here: its import is most of a fake server's start (~0.16 of ~0.26 CPU s)
     p, layer, j = np.meshgrid(np.arange(start, end), np.arange(layers), np.arange(k), indexing="ij")
     return base64.b64encode(((p + layer + j) % experts).astype(np.int32).tobytes()).decode()
 
@@ -153,14 +151,13 @@ def check_generate(body, routed=False):
 
 
 def image_token_counts(state, uris):
-    """Pads each image expands to: its grid from the checkpoint's own image processor / merge^2."""
+    """processor_counts by the image service that IMAGES_SOCKET names, else by this process' own processor."""
+    if os.environ.get(IMAGES_SOCKET):
+        return ask_image_counts(os.environ[IMAGES_SOCKET], state["model_path"], uris)
     with state["lock"]:
         if state["image_processor"] is None:  # loaded on first use: a fast start for the tests
-            from transformers import AutoImageProcessor  # alone: the tokenizer would take seconds more
-            state["image_processor"] = AutoImageProcessor.from_pretrained(state["model_path"])
-    ip = state["image_processor"]
-    grid = ip(images=[decode_image(u) for u in uris], return_tensors="pt")["image_grid_thw"]
-    return [int(g.prod()) // ip.merge_size ** 2 for g in grid]
+            state["image_processor"] = load_image_processor(state["model_path"])
+    return processor_counts(state["image_processor"], uris)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -404,8 +401,7 @@ def main():
     if a.fake_startup < 0:  # a server that never comes up
         sys.exit("fake sglang: failing to start as asked (--fake-startup < 0)")
     # like SGLang's scheduler/detokenizer processes: SIGKILLed when their parent dies
-    children = [subprocess.Popen([sys.executable, PROC, str(os.getpid()), "sleep", "3600"])
-                for _ in range(a.fake_children)]
+    children = [subprocess.Popen(proc.armed(["sleep", "3600"])) for _ in range(a.fake_children)]
     print(f"fake sglang children={[c.pid for c in children]}", flush=True)
     time.sleep(a.fake_startup)
     server = ThreadingHTTPServer((a.host, a.port), Handler)

@@ -4,36 +4,44 @@ writes no weights that are not finite."""
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import console
+import launch
 import trainer as T
 
 ROOT = Path(__file__).resolve().parents[1]
-PY = sys.executable
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
 from test_faults import grpo_args
 
 
 # ------------------------------------------------------------------ 1, 2, 9: the run folder
+HOLD = """import pathlib, sys, time
+import trainer
+h = trainer.lock_folder(pathlib.Path(sys.argv[1]))
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
 def test_one_trainer_per_run_folder_and_a_dead_one_holds_nothing(tmp_path):
     held = T.lock_folder(tmp_path)
     with pytest.raises(SystemExit, match=f"--save {tmp_path}: in use by another trainer \\(pid {os.getpid()}"):
         T.lock_folder(tmp_path)
     held.close()
-    child = subprocess.Popen([PY, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); import trainer, time; "
-                              f"h = trainer.lock_folder(__import__('pathlib').Path({str(tmp_path)!r})); "
-                              "print('held', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
-    assert child.stdout.readline() == "held\n"
+    (tmp_path / "hold.py").write_text(HOLD)
+    child = launch.start(tmp_path / "hold.py", tmp_path)  # another process, forked warm (trainer imported)
+    while child.printed() != "held\n":
+        assert child.poll() is None, child.wait()
+        time.sleep(0.05)
     with pytest.raises(SystemExit, match="in use"):
         T.lock_folder(tmp_path)
-    child.send_signal(signal.SIGKILL)
+    child.kill()
     child.wait()
     T.lock_folder(tmp_path).close()  # the kernel dropped the dead process's lock
 

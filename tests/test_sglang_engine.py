@@ -193,11 +193,16 @@ def test_image_pad_id_from_config(tmp_path):
     assert collapse_image_pads([1, 2], 7) == [1, 2]
 
 
-def test_fake_expands_like_stock(ckpt, processor, records, tmp_path):
+@pytest.mark.parametrize("counts", ["image service", "own processor"])
+def test_fake_expands_like_stock(ckpt, processor, records, tmp_path, monkeypatch, counts):
     """The fake server expands one pad per image by the checkpoint's processor and refuses what
-    stock refuses: an expanded run (IndexError), a pad after an image's pads (AssertionError)."""
+    stock refuses: an expanded run (IndexError), a pad after an image's pads (AssertionError). Under pytest the
+    processor is conftest's image service's (tests/image_counts.py); a fake server run by hand loads its own."""
     import data
+    import image_counts
     from sglang_server import ServerError
+    if counts == "own processor":
+        monkeypatch.delenv(image_counts.IMAGES_SOCKET)
     eng, rec = sglang(ckpt, tmp_path)
     try:
         pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -219,8 +224,36 @@ def test_fake_expands_like_stock(ckpt, processor, records, tmp_path):
             with pytest.raises(ServerError, match="HTTP 500: Internal Server Error"):
                 post(ids, images)
             assert error in eng.server.log_tail(2)
+        torch_loaded = "libtorch" in Path(f"/proc/{eng.server.proc.pid}/maps").read_text()  # the processor's import
+        assert torch_loaded == (counts == "own processor"), f"{counts}: torch loaded in the fake server {torch_loaded}"
     finally:
         eng.shutdown()
+
+
+def test_the_image_service_outlives_an_asker_killed_and_names_what_failed(ckpt, tmp_path, monkeypatch):
+    """tests/image_counts.py: an asker gone before its answer (a fake server killed mid-request) raises nothing in
+    the service, which answers the next; a checkpoint it cannot load comes back to the asker, named."""
+    import socket
+    import data
+    import image_counts
+    from PIL import Image
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", raised.append)
+    uri = data.image_to_data_uri(Image.new("RGB", (64, 48)))
+    name = f"test_images.{os.getpid()}.{os.urandom(4).hex()}"
+    listener = image_counts.serve_image_counts(name)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:  # asks, and is gone before the answer
+            s.connect("\0" + name)
+            s.sendall(json.dumps({"model_path": str(ckpt), "images": [uri]}).encode() + b"\n")
+        with pytest.raises(RuntimeError, match=f"{name}: the image service failed: .*{tmp_path}"):
+            image_counts.ask_image_counts(name, str(tmp_path), [uri])
+        want = image_counts.processor_counts(image_counts.load_image_processor(ckpt), [uri])
+        assert image_counts.ask_image_counts(name, str(ckpt), [uri]) == want
+        wait_for(lambda: image_counts.ANSWER not in [t.name for t in threading.enumerate()], "the answers sent")
+        assert raised == []
+    finally:
+        listener.close()
 
 
 def test_failed_weight_update_raises_the_servers_message(ckpt, tmp_path):

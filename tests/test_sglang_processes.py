@@ -15,7 +15,7 @@ import pytest
 
 import launch
 import rollout
-from conftest import rollout_args
+from conftest import ROOT, rollout_args
 from fake_sglang import fake_output, weights_digest
 from test_rollout import load_model
 from test_sglang_engine import FAKE, group_members, held, read_record, sglang
@@ -213,17 +213,22 @@ def test_sglang_server_dies_with_its_parent(ckpt, tmp_path):
             job.kill()
 
 
-def test_proc_launcher_dies_with_its_parent(tmp_path):
-    """proc.py: the launched command is SIGKILLed when its parent dies; a launcher whose parent is
-    already gone (not the pid it was given) exits without running the command."""
+@pytest.mark.parametrize("launcher", ["setpriv", "proc.py"])
+def test_proc_launcher_dies_with_its_parent(tmp_path, monkeypatch, launcher):
+    """proc.armed, with setpriv(1) and without (then proc.py): the launched command is SIGKILLed when its parent
+    dies; a launcher whose parent is already gone (not the pid it was given) exits without running the command."""
     import subprocess
-    launcher = str(Path(rollout.__file__).with_name("proc.py"))
+    import proc
+    setpriv = proc.SETPRIV if launcher == "setpriv" else None
+    assert launcher == "proc.py" or setpriv, "no setpriv(1) on this machine"
+    monkeypatch.setattr(proc, "SETPRIV", setpriv)
     flag = tmp_path / "ran"
-    r = subprocess.run([sys.executable, launcher, "1", "touch", str(flag)], timeout=30)
+    r = subprocess.run(proc.armed(["touch", str(flag)], parent=1), timeout=30)
     assert r.returncode == 0 and not flag.exists()
     parent = subprocess.Popen([sys.executable, "-c", (
-        "import os, subprocess, sys, time\n"
-        f"c = subprocess.Popen([sys.executable, {launcher!r}, str(os.getpid()), 'sleep', '60'])\n"
+        f"import os, subprocess, sys, time\nsys.path.insert(0, {str(ROOT)!r})\n"
+        f"import proc\nproc.SETPRIV = {setpriv!r}\n"
+        "c = subprocess.Popen(proc.armed(['sleep', '60']))\n"
         "print(c.pid, flush=True)\ntime.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())
     deadline = time.time() + 20  # the launcher execs sleep (slow under load: it failed once at 0.5 s)
