@@ -109,6 +109,17 @@ DEFECTS = {
                              "for r in", ["tests/test_episodes.py"]),
     "tools_unwalked": ("start: the env's tools' declared flags are not checked", "train_grpo.py",
                        '"TOOLS": getattr(task.env(args), "TOOLS", {})}', '"TOOLS": {}}', GRPO),
+    # issue 77: what the fast learning check (tests/test_learning.py) is for: the picture or the reward not reaching the
+    # update. These three are each caught first by a cheaper test named here (bench/RESULTS.md, "Test suite")
+    "adv_zero": ("GRPO loss: the advantage multiplied by 0 (no policy gradient)", "train_grpo.py",
+                 "adv = torch.tensor([float(it.adv) for it in mb], device=dev)",
+                 "adv = torch.tensor([float(it.adv) * 0 for it in mb], device=dev)", ["tests/test_registries.py", *GRPO]),
+    "pixels_by_count": ("trainer items: a batch's image encodings cached by image count (every sample gets the first's "
+                        "pictures)", "train_grpo.py", "key, encoded = tuple(map(id, sample.images)), {}",
+                        "key, encoded = len(sample.images), {}", GRPO),
+    "pixels_zeroed": ("trainer items: pixel values zeroed (the update blind to the picture the rollout saw)",
+                      "train_grpo.py", "pixel_values=pv, image_grid_thw=grid",
+                      "pixel_values=None if pv is None else pv * 0, image_grid_thw=grid", GRPO),
     "band_lines": ("report: the band's n counts the eval file's lines, not its problems", "tools/report.py",
                    'len({json.loads(x)["index"] for x in files[0].read_text().splitlines()})',
                    "len(files[0].read_text().splitlines())", ["tests/test_report.py"]),
