@@ -107,11 +107,12 @@ if [[ "$NUM_GPUS" == 0 ]]; then
   stage sft_crop $PY sft.py --hf-checkpoint "$RUN/grpo/iter_0000100" --prompt-data "$RUN/crop_warm" --save "$RUN/sft_crop" \
       --load "$RUN/sft_crop" "${SFT[@]}" --lr 3e-4 --lr-warmup-iters 10 --lr-decay-style cosine --global-batch-size 8 \
       --num-epoch 4 --max-tokens-per-gpu 4096
-  # multi-turn GRPO on the crop task, lr warmed up (bench/RESULTS.md, "CPU demo"): it learns to call image_zoom_in_tool
+  # multi-turn GRPO on the crop task, lr warmed up: it learns to call image_zoom_in_tool on the named box (greedy: every
+  # problem from step 10 at 3 x 2 seeds; 20 steps pay for the crop SFT's 4 epochs: bench/RESULTS.md, "Issue 76")
   stage grpo_mt $PY train_grpo.py --hf-checkpoint "$RUN/sft_crop/iter_0000256" --save "$RUN/grpo_mt" --load "$RUN/grpo_mt" \
       --prompt-data "$RUN/crop" --eval-prompt-data "$RUN/crop" --eval-split test --eval-samples 64 "${GRPO[@]}" \
-      --max-turns 3 --rollout-max-response-len 192 --max-tokens-per-gpu 4096 --num-rollout 30 \
-      --lr-warmup-iters 10 --eval-interval 10 --save-interval 30
+      --max-turns 3 --rollout-max-response-len 192 --max-tokens-per-gpu 4096 --num-rollout 20 \
+      --lr-warmup-iters 10 --eval-interval 10 --save-interval 20
   stage report $PY tools/report.py "$RUN"
   echo "final Hugging Face checkpoint: $RUN/grpo_mt/$(cat "$RUN/grpo_mt/latest")"
   exit 0

@@ -32,6 +32,6 @@ t=$SECONDS
 .venv/bin/python train_grpo.py --hf-checkpoint "$WARM" --save "$OUT" --prompt-data "$DATA" --eval-prompt-data "$DATA" \
     --eval-split test --eval-samples 64 --rollout-engine local --rollout-batch-size 8 --n-samples-per-prompt 8 \
     --rollout-temperature 1.0 --lr 1e-4 --decoupled-lr 3e-3 --seed "${SEED:-1234}" --max-turns 3 \
-    --rollout-max-response-len 192 --max-tokens-per-gpu 4096 --num-rollout 30 --lr-warmup-iters 10 \
+    --rollout-max-response-len 192 --max-tokens-per-gpu 4096 --num-rollout 20 --lr-warmup-iters 10 \
     --eval-interval 10 --save-interval 1000 "$@" > "$OUT.log" 2>&1
 echo "$(line "$OUT") | $((SECONDS - t)) s, load $(cut -d' ' -f1-3 /proc/loadavg) | $*"
