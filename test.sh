@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The test command: sets up .venv on first use, then runs the CPU test suite on four pytest-xdist workers, one
 # torch thread each (tests/conftest.py: OMP_NUM_THREADS=1 unless set; which tests share a worker, and why four).
-#   bash test.sh                 # the suite CI runs: 761 tests, 706 s of pytest on a 2-core machine
-#                                # (2026-12-07, beside one 20-s CPU run; serial: bench/RESULTS.md, "Test suite")
+#   bash test.sh                 # the suite CI runs: 771 tests, 674 s of pytest on a 2-core machine
+#                                # (2026-12-07, a clean clone, nothing beside it; bench/RESULTS.md, "Test suite")
 #   bash test.sh -n 0            # the same tests one at a time (debugging; -s and --pdb imply it)
 #   bash test.sh -m slow         # the long learning checks
 #   bash test.sh tests/test_data.py -x   # any pytest arguments
