@@ -108,7 +108,7 @@ if [[ "$NUM_GPUS" == 0 ]]; then
       --load "$RUN/sft_crop" "${SFT[@]}" --lr 3e-4 --lr-warmup-iters 10 --lr-decay-style cosine --global-batch-size 8 \
       --num-epoch 4 --max-tokens-per-gpu 4096
   # multi-turn GRPO on the crop task, lr warmed up: it learns to call image_zoom_in_tool on the named box (greedy: every
-  # problem from step 10 at 3 x 2 seeds; 20 steps pay for the crop SFT's 4 epochs: bench/RESULTS.md, "Issue 76")
+  # problem from step 10 at 3 x 2 seeds, so 20 steps, not 30: bench/RESULTS.md, "Issue 76")
   stage grpo_mt $PY train_grpo.py --hf-checkpoint "$RUN/sft_crop/iter_0000256" --save "$RUN/grpo_mt" --load "$RUN/grpo_mt" \
       --prompt-data "$RUN/crop" --eval-prompt-data "$RUN/crop" --eval-split test --eval-samples 64 "${GRPO[@]}" \
       --max-turns 3 --rollout-max-response-len 192 --max-tokens-per-gpu 4096 --num-rollout 20 \
