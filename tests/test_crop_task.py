@@ -227,7 +227,8 @@ def demo_folder(path, hits=(0.0, 0.5, 1.0, 1.0), multi=1.0, single=0.25, sides=(
     return path
 
 
-@pytest.mark.parametrize("change,missed", [({}, None), ({"hits": (0.9, 1.0, 1.0)}, "from below it"),
+@pytest.mark.parametrize("change,missed", [({}, None), ({"hits": (0.0, 0.5, 0.8), "multi": 0.7}, None),  # on the bounds
+                                           ({"single": 0.6}, None), ({"hits": (0.9, 1.0, 1.0)}, "from below it"),
                                            ({"hits": (0.0, 0.75)}, "the crop stage's evals"),
                                            ({"hits": (0.0, 0.5, 0.75)}, "greedy crop hit share"),
                                            ({"multi": 0.6}, "multi-turn 0.6"), ({"single": 0.7}, "whole canvas 0.7"),
