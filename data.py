@@ -139,7 +139,7 @@ def picture(value, base_dir=None, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, 
     if min(pic.view_size) < 4:  # transformers reads 1 or 3 px high as channels first (infer_channel_dimension_format)
         w, h = pic.view_size
         raise ValueError(f"{w}x{h} px: under 4 px a side, too small for the processor")
-    _decoded(source, pic.view_size)  # not kept (the view cache fills as episodes use rows)
+    _view(pic)  # into the view cache (its last 64): a row used at once (tools/synth.py) is not decoded twice
     return pic
 
 

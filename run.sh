@@ -101,12 +101,12 @@ if [[ "$NUM_GPUS" == 0 ]]; then
         --lr 1e-4 --decoupled-lr 3e-3 --seed "$SEED")
   stage grpo $PY train_grpo.py --hf-checkpoint "$RUN/sft/iter_0000024" --save "$RUN/grpo" --load "$RUN/grpo" \
       --prompt-data "$RUN/data" "${EVAL[@]}" "${GRPO[@]}" --rollout-max-response-len 48 --max-tokens-per-gpu 1024 \
-      --num-rollout 100 --eval-interval 20 --save-interval 20 --dynamic-sampling   # all-equal groups replaced: bench/RESULTS.md, "CPU demo"
+      --num-rollout 100 --eval-interval 50 --save-interval 50 --dynamic-sampling   # all-equal groups replaced: bench/RESULTS.md, "CPU demo"
   # the tool call: SFT on crop-task episodes, half of which zoom into the named box (tools/synth.py --warm-start); 4
   # epochs: at 2 the call's box ignores the question (bench/RESULTS.md, issue 76); greedy, it then answers at once
   stage sft_crop $PY sft.py --hf-checkpoint "$RUN/grpo/iter_0000100" --prompt-data "$RUN/crop_warm" --save "$RUN/sft_crop" \
       --load "$RUN/sft_crop" "${SFT[@]}" --lr 3e-4 --lr-warmup-iters 10 --lr-decay-style cosine --global-batch-size 8 \
-      --num-epoch 4 --max-tokens-per-gpu 4096
+      --num-epoch 4 --max-tokens-per-gpu 4096 --save-interval 128
   # multi-turn GRPO on the crop task, lr warmed up: it learns to call image_zoom_in_tool on the named box (greedy: every
   # problem from step 10 at 3 x 2 seeds, so 20 steps, not 30: bench/RESULTS.md, "Issue 76")
   stage grpo_mt $PY train_grpo.py --hf-checkpoint "$RUN/sft_crop/iter_0000256" --save "$RUN/grpo_mt" --load "$RUN/grpo_mt" \
