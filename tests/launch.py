@@ -33,6 +33,7 @@ servers, so the command's process group alone would leave them running (subproce
 kills only the direct child). A timeout raises AssertionError with every command's last output.
 """
 import atexit
+import contextlib
 import datetime
 import glob
 import multiprocessing
@@ -66,10 +67,11 @@ def run_all(cmds, timeout, cwd=ROOT, env=None, preexec_fn=None):
     deadline, failed_at = time.monotonic() + timeout, None
     try:
         for cmd in cmds:
-            p = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
-                                 start_new_session=True, preexec_fn=preexec_fn)
-            procs.append(p)
+            with _signals_held():  # one raised amid Popen would leave its started child out of procs: out of reach
+                p = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+                                     start_new_session=True, preexec_fn=preexec_fn)
+                procs.append(p)
             for pipe in (p.stdout, p.stderr):
                 streams.append([])
                 readers.append(threading.Thread(target=_drain, args=(pipe, streams[-1]), daemon=True))
@@ -139,6 +141,23 @@ def _stat(pid):
     except OSError:
         return None
     return fields[0], fields[19]
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGTERM and SIGINT (whose Python handlers run in the main thread) wait for the block's end, then take effect."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    old = {s: signal.signal(s, lambda n, frame: held.append(n)) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        for n in held:
+            os.kill(os.getpid(), n)
 
 
 def _survey(procs, born):

@@ -61,3 +61,30 @@ def test_once_one_command_fails_the_others_are_stopped(tmp_path, monkeypatch):
     assert failed.returncode == 1 and "node 1 failed" in failed.stderr
     assert waiting.returncode == -15 and waiting.stdout == "waiting\n"  # SIGTERM
     assert time.monotonic() - t < 30
+
+
+def test_a_sigterm_while_a_command_starts_still_ends_it(monkeypatch):
+    """bench/device_checks' driver ends on SIGTERM (its handler raises SystemExit): one that lands while Popen
+    waits for its child's exec (the child running, the Popen object not yet returned: seen at load 48) must not
+    leave that child out of the launch's reach, holding the GPU into a rerun."""
+    import os
+    import signal
+    import subprocess
+    started, popen = [], subprocess.Popen
+
+    def popen_then_signalled(*args, **kw):  # the signal lands in the last bytecodes of Popen
+        p = popen(*args, **kw)
+        started.append(p.pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return p
+
+    def stop(signum, frame):
+        raise SystemExit(f"signal {signum}")
+    old = signal.signal(signal.SIGTERM, stop)
+    monkeypatch.setattr(launch.subprocess, "Popen", popen_then_signalled)
+    try:
+        with pytest.raises(SystemExit, match="signal 15"):
+            launch.run(["sleep", "600"], timeout=60)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert started and not alive(started[0]), "the command started amid the SIGTERM lives on"
