@@ -10,6 +10,7 @@ counted (<name>_errors, <name>_timeouts) and the first printed (docs/reward.md).
 import collections
 import ctypes
 import functools
+import gc
 import itertools
 import json
 import logging
@@ -49,7 +50,7 @@ class _Timeout(BaseException):
 
 # Time bound: a watchdog thread raises _Timeout inside an over-budget scoring thread (docs/reward.md).
 _LOCK = threading.Lock()  # a plain Lock: its C-level enter/exit cannot be split by _Timeout
-_ARMED = {}               # thread id -> [its CPU clock, CPU deadline, wall deadline, last fired]
+_ARMED = {}               # thread id -> [its CPU clock, CPU deadline, wall deadline, last fired, a collection's start]
 _WATCHDOG = [False]
 REFIRE_S = 0.2            # fire again this long after a _Timeout that some code swallowed
 _INIT_LOCK = threading.Lock()
@@ -63,11 +64,26 @@ def _watchdog():
         time.sleep(0.01)
         with _LOCK:
             for tid, arm in _ARMED.items():
-                clock, cpu_end, wall_end, fired = arm
+                clock, cpu_end, wall_end, fired, collecting = arm
                 now = time.monotonic()
-                if (clock() > cpu_end or now > wall_end) and now > fired + REFIRE_S:
+                if not collecting and (clock() > cpu_end or now > wall_end) and now > fired + REFIRE_S:
                     arm[3] = now
                     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(_Timeout))
+
+
+def _collecting(phase, info):
+    """gc.callbacks: a collection sweeps the whole process's heap (a trainer's: 0.3 s of CPU at 0.5 M objects) in
+    the thread that allocated; an armed thread's deadlines move past it: not its judge's time. No lock: the
+    collector holds the GIL, and it may run where this thread holds _LOCK."""
+    arm = _ARMED.get(threading.get_ident())
+    if arm is None:
+        return
+    if phase == "start":
+        arm[4] = (arm[0](), time.monotonic())
+    elif arm[4]:
+        arm[1] += arm[0]() - arm[4][0]
+        arm[2] += time.monotonic() - arm[4][1]
+        arm[4] = None
 
 
 def _drop_timeouts(hook):
@@ -87,7 +103,7 @@ def _after_fork():  # the watchdog thread does not survive fork, and _LOCK or _I
 
 def init():
     """What scoring needs from the process, done once, on the first scoring call: math-verify's logger
-    quiet, the unraisable hook, the at-fork reset, the warm-up. A thread scoring meanwhile waits here."""
+    quiet, the unraisable hook, the collector's callback, the at-fork reset, the warm-up. A thread scoring meanwhile waits."""
     global _FORK_HOOKED, _READY
     if _READY:
         return
@@ -99,6 +115,7 @@ def init():
             return
         logging.getLogger("math_verify").setLevel(logging.ERROR)  # its own (signal) timeouts are off: their warning is noise
         sys.unraisablehook = _drop_timeouts(sys.unraisablehook)
+        gc.callbacks.append(_collecting)
         for answer, label in WARM_UP:  # sympy imports much of itself on first use (~0.5 s): here, outside any time limit
             with suppress(Exception):  # best effort: scoring works without it
                 _judge("\\boxed{%s}" % answer, label, 0.05)
@@ -119,7 +136,7 @@ def _deadline(cpu_s, wall_s):
         if not _WATCHDOG[0]:
             threading.Thread(target=_watchdog, name="reward-watchdog", daemon=True).start()
             _WATCHDOG[0] = True
-        _ARMED[tid] = [clock, clock() + cpu_s, time.monotonic() + wall_s, -math.inf]
+        _ARMED[tid] = [clock, clock() + cpu_s, time.monotonic() + wall_s, -math.inf, None]
     fired = False
     try:
         yield

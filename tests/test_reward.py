@@ -336,6 +336,35 @@ def test_bounded_time_deadline(name, where):
     assert r == want and cpu < 1.0 and wall < 3.0, (r, cpu, wall)
 
 
+def test_a_collection_of_the_whole_heap_is_not_the_judges_time(monkeypatch):
+    """Python's collector sweeps the process's whole heap in whichever thread allocates (a trainer's: 0.3 s of CPU at
+    0.5 M objects, quiet): one that lands in a check is not the judge's time. Here 1 M objects and a 0.05 s bound: the
+    judge that collects still scores; one that spins past the bound still does not (CI scored a right answer 0.0)."""
+    import gc
+    heap = [[i] for i in range(1_000_000)]  # containers: each one a collection visits
+    monkeypatch.setattr(reward, "CPU_LIMIT_S", 0.05)
+    monkeypatch.setattr(reward, "WALL_LIMIT_S", 60.0)
+
+    def collects(response, row):
+        gc.collect()
+        return 1.0
+
+    def spins(response, row):
+        end = time.thread_time() + 0.2
+        while time.thread_time() < end:
+            pass
+        return 1.0
+    monkeypatch.setitem(reward.REWARDS, "collects", collects)
+    monkeypatch.setitem(reward.REWARDS, "spins", spins)
+    t = time.thread_time()
+    gc.collect()
+    assert time.thread_time() - t > 0.05, "the heap is too small to outlast the bound here"
+    faults = {}
+    assert reward.score("collects", "", {"answer": "1"}, faults) == 1.0, faults
+    assert reward.score("spins", "", {"answer": "1"}, faults) == 0.0 and list(faults) == ["timeouts"]
+    del heap
+
+
 def test_timeouts_never_leak(monkeypatch):
     """Threads that keep hitting the time limit get 0.0, their other calls stay right, and no
     _Timeout escapes into the caller's code afterwards."""
