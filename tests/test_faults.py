@@ -365,26 +365,24 @@ def test_run_sh_says_what_it_takes_and_keeps_a_finished_run(tmp_path):
     assert (tmp_path / "demo" / "summary.md").read_text() == "a finished run"
 
 
-# run.sh's python in the resume test: each stage's folder and checkpoint at once; the stage FAKE_STOP (with a
-# checkpoint if FAKE_CKPT) waits for a Ctrl-C and ends as the trainers do (exit 130)
-FAKE_PY = """#!{exe}
-import os, pathlib, sys, time
-args = sys.argv[1:]
-open(os.environ["FAKE_LOG"], "a").write(" ".join(args) + "\\n")
-out = pathlib.Path(args[args.index("--save") + 1] if "--save" in args else args[args.index("--out") + 1]
-                   if "--out" in args else args[1])
-out.mkdir(parents=True, exist_ok=True)
-if out.name == os.environ.get("FAKE_STOP"):
-    if os.environ.get("FAKE_CKPT"):
-        (out / "iter_0000002").mkdir()
-        (out / "latest").write_text("iter_0000002")
-    (out / "waiting").touch()
-    try:
-        time.sleep(60)
-    except KeyboardInterrupt:
-        sys.exit(130)
-(out / "iter_0000009").mkdir(exist_ok=True)
-(out / "latest").write_text("iter_0000009")
+# run.sh's python in the resume test, a shell script (no interpreter a call): each stage's folder and checkpoint at
+# once (--save, else --out, else its second argument); the stage FAKE_STOP (with a checkpoint if FAKE_CKPT) waits for
+# a Ctrl-C and ends as the trainers do (exit 130)
+FAKE_PY = r"""#!/usr/bin/env bash
+echo "$*" >> "$FAKE_LOG"
+out=$2
+for flag in --out --save; do
+  for ((i = 1; i < $#; i++)); do [[ ${!i} == "$flag" ]] && j=$((i + 1)) && out=${!j}; done
+done
+mkdir -p "$out"
+if [[ $(basename "$out") == "$FAKE_STOP" ]]; then
+  [[ -n $FAKE_CKPT ]] && mkdir -p "$out/iter_0000002" && printf iter_0000002 > "$out/latest"
+  trap 'exit 130' INT
+  touch "$out/waiting"
+  sleep 60
+fi
+mkdir -p "$out/iter_0000009"
+printf iter_0000009 > "$out/latest"
 """
 
 
@@ -396,7 +394,7 @@ def test_an_interrupted_demo_goes_on_where_it_stopped(tmp_path):
     (repo / ".venv" / "bin").mkdir(parents=True)
     shutil.copy(ROOT / "run.sh", repo)
     (repo / "setup.sh").write_text("")
-    (repo / ".venv" / "bin" / "python").write_text(FAKE_PY.format(exe=PY))
+    (repo / ".venv" / "bin" / "python").write_text(FAKE_PY)
     (repo / ".venv" / "bin" / "python").chmod(0o755)
     base = {k: v for k, v in os.environ.items() if k not in ("NAME", "SEED", "DATA_SEED", "NUM_GPUS", "OVERWRITE")}
 

@@ -2,22 +2,17 @@
 subprocess.run / Popen.communicate get wrong: a grandchild in a session of its own (as torchrun's
 workers are) outlives a timed-out parent; outputs read one command after another deadlock once a
 later command fills its pipe; a job whose one node failed waits for ever on the other."""
-import sys
 import time
 
 import pytest
 
 import launch
 
-# Starts a grandchild in a session of its own that ignores SIGTERM, writes its pid to argv[1], then waits.
-PARENT = """
-import subprocess, sys, time
-code = "import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \\
-       "open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(600)"
-subprocess.Popen([sys.executable, "-c", code, sys.argv[1]], start_new_session=True)
-print("parent up", flush=True)
-time.sleep(600)
-"""
+# Starts a grandchild in a session of its own that ignores SIGTERM, writes its pid to $1, then waits (sh, as the
+# other commands here: launch.run's hygiene is the point, not the interpreter).
+PARENT = """setsid sh -c 'trap "" TERM; echo $$ > "$1"; exec sleep 600' sh "$1" &
+echo "parent up"
+exec sleep 600"""
 
 
 def alive(pid):
@@ -32,7 +27,7 @@ def test_a_timeout_ends_the_grandchildren_too_and_shows_the_output(tmp_path, mon
     monkeypatch.setattr(launch, "KILL_GRACE_S", 1.0)
     pidfile = tmp_path / "grandchild.pid"
     with pytest.raises(AssertionError, match=r"(?s)timed out after 8s.*parent up"):
-        launch.run([sys.executable, "-c", PARENT, pidfile], timeout=8)
+        launch.run(["sh", "-c", PARENT, "sh", pidfile], timeout=8)
     pid = int(pidfile.read_text())
     assert not alive(pid), f"grandchild {pid} outlived the timed-out launch"
 
@@ -41,9 +36,8 @@ def test_outputs_are_read_while_the_commands_run(tmp_path):
     """The first command waits for the second, which writes 1 MB first: read in turn, the second
     would block on its full pipe and the first would wait for ever."""
     flag = tmp_path / "written"
-    first = [sys.executable, "-c", f"import os, time\nwhile not os.path.exists({str(flag)!r}): time.sleep(0.05)"]
-    second = [sys.executable, "-c", f"import sys; sys.stdout.write('x' * 2**20); sys.stdout.flush(); "
-                                    f"sys.stderr.write('y' * 2**20); open({str(flag)!r}, 'w')"]
+    first = ["sh", "-c", f"until [ -e '{flag}' ]; do sleep 0.05; done"]
+    second = ["sh", "-c", f"head -c {2**20} /dev/zero | tr '\\0' x; head -c {2**20} /dev/zero | tr '\\0' y >&2; : > '{flag}'"]
     a, b = launch.run_all([first, second], timeout=60)
     assert (a.returncode, b.returncode) == (0, 0) and len(b.stdout) == len(b.stderr) == 2**20
 
@@ -53,9 +47,8 @@ def test_once_one_command_fails_the_others_are_stopped(tmp_path, monkeypatch):
     with what it printed."""
     monkeypatch.setattr(launch, "FAIL_GRACE_S", 1.0)
     flag = tmp_path / "up"
-    node0 = [sys.executable, "-c", f"import time; print('waiting', flush=True); open({str(flag)!r}, 'w'); time.sleep(600)"]
-    node1 = [sys.executable, "-c", f"import os, sys, time\nwhile not os.path.exists({str(flag)!r}): time.sleep(0.05)\n"
-                                   "sys.exit('node 1 failed')"]
+    node0 = ["sh", "-c", f"echo waiting; : > '{flag}'; exec sleep 600"]
+    node1 = ["sh", "-c", f"until [ -e '{flag}' ]; do sleep 0.05; done; echo 'node 1 failed' >&2; exit 1"]
     t = time.monotonic()
     waiting, failed = launch.run_all([node0, node1], timeout=120)
     assert failed.returncode == 1 and "node 1 failed" in failed.stderr
