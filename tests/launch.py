@@ -22,7 +22,8 @@ namespaces or rlimits (test_faults' unshare and preexec runs), which modules a f
 test_faults' tools check), proc.py's launcher and its dying parent (test_sglang_processes), a child whose CPU is
 counted (test_suite_cpu), the bench scripts as RESULTS.md runs them (test_bench), the device check's dry run
 (test_device_check), the SGLang servers, fake (tests/fake_sglang.py, started by the engine as the real one is: their
-image pads counted in the pytest process, tests/image_counts.py) and real (test_sglang_real*), and sglang-router. This forkserver and multiprocessing's resource tracker are two.
+image pads counted in the pytest process, tests/image_counts.py) and real (test_sglang_real*), and sglang-router.
+This forkserver and multiprocessing's resource tracker are two.
 A child whose point is the launch (test_launch's, run.sh's stand-in python in test_faults) is sh, not Python.
 
 Every command runs in a session of its own and both its pipes are read while it runs (a pipe that
