@@ -199,13 +199,14 @@ BLOCK = 1024  # vocabulary entries per block of the Sampler's two-level inverse-
 
 class Sampler:
     """A logits processor that draws each next token itself from softmax(logits / T) after top-k / top-p
-    (argmax when T <= 0) by a two-level inverse CDF, and returns -inf everywhere but the drawn token, so
-    a greedy generate takes it. `logprobs[j]` (B,) = log_softmax(logits_j / T)[token j] of the raw logits
-    (T = 1 when greedy; before top-k / top-p, as SGLang reports them), whichever token was finally taken."""
+    (argmax when T <= 0) by a two-level inverse CDF, and returns -inf everywhere but the drawn token (one tensor,
+    rewritten at each call), so a greedy generate takes it. `logprobs[j]` (B,) = log_softmax(logits_j / T)[token j]
+    of the raw logits (T = 1 when greedy; before top-k / top-p, as SGLang reports them), whichever token was taken."""
 
     def __init__(self, temperature, top_p=1.0, top_k=-1):
         self.T, self.top_p, self.top_k = temperature, top_p, top_k
         self.logprobs, self.prev = [], None
+        self.mask, self.taken = None, None  # the (B, V) tensor returned, rewritten at each call; its 0s' columns
 
     def settle(self, tokens):  # (B,) the tokens taken from the previous step's logits
         if self.prev is not None:
@@ -217,7 +218,7 @@ class Sampler:
         self.settle(input_ids[:, -1])
         z = scores.float() / self.T if self.T > 0 and self.T != 1 else scores.float()
         m = z.amax(-1, keepdim=True)
-        e = torch.exp(z - m)                                             # unnormalised softmax
+        e = (z - m).exp_()                                               # unnormalised softmax
         mass = block_sums(e)                                             # (B, blocks), fp64
         # log-sum-exp from fp64 sums of the blocks: ~1e-7 of fp64 where logits span tens of nats
         self.prev = (z, m[:, 0] + mass.sum(-1).log().to(z.dtype))
@@ -232,7 +233,13 @@ class Sampler:
             if self.top_k > 0 or self.top_p < 1.0:
                 mass = block_sums(e)
             pick = draw(e, mass)
-        return torch.full_like(scores, float("-inf")).scatter_(1, pick[:, None], 0.0)
+        # one -inf tensor a generate, its 0 moved: a fresh (B, V) one a token cost more than the draw (page faults)
+        if self.mask is None or self.mask.shape != scores.shape:
+            self.mask = torch.full_like(scores, float("-inf"))
+        else:
+            self.mask.scatter_(1, self.taken[:, None], float("-inf"))
+        self.taken = pick
+        return self.mask.scatter_(1, pick[:, None], 0.0)
 
 
 def block_sums(e):

@@ -56,6 +56,18 @@ def test_sampler_frequencies(T, top_p, top_k, block, monkeypatch):
     assert stat < CHI2_999[df]
 
 
+def test_each_call_leaves_one_token_a_row_whatever_the_calls_before():
+    """The Sampler returns one -inf tensor a generate with its 0 moved (no fresh (B, V) tensor a token): at every call
+    exactly one token a row is left, this call's, never one taken before."""
+    torch.manual_seed(0)
+    s = engines.Sampler(0.0)
+    for step in range(4):
+        logits = torch.randn(3, 50)
+        out = s(torch.zeros(3, 1 + step, dtype=torch.long), logits.clone())
+        assert torch.equal(out.isfinite().sum(-1), torch.ones(3, dtype=torch.long)), step
+        assert torch.equal(out.argmax(-1), logits.argmax(-1)), step
+
+
 def test_sampler_greedy_and_logprobs():
     torch.manual_seed(0)
     logits = torch.randn(4, 151665) * 5                             # a real vocabulary, logits over tens of nats
