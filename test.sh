@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command: sets up .venv on first use, then runs the CPU test suite on four pytest-xdist workers, one
 # torch thread each (tests/conftest.py: OMP_NUM_THREADS=1 unless set; which tests share a worker, and why four).
-#   bash test.sh                 # the suite CI runs: 777 tests, 604-667 s of pytest on a 2-core machine
+#   bash test.sh                 # the suite CI runs: 778 tests, 604-699 s of pytest on a 2-core machine
 #                                # (2026-12-07, a clean clone, nothing beside it; bench/RESULTS.md, "Test suite")
 #   bash test.sh -n 0            # the same tests one at a time (debugging; -s and --pdb imply it)
 #   bash test.sh -m slow         # the long learning checks
