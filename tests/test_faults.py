@@ -377,9 +377,10 @@ done
 mkdir -p "$out"
 if [[ $(basename "$out") == "$FAKE_STOP" ]]; then
   [[ -n $FAKE_CKPT ]] && mkdir -p "$out/iter_0000002" && printf iter_0000002 > "$out/latest"
-  trap 'exit 130' INT
+  trap 'kill $! 2>/dev/null; exit 130' INT  # a builtin wait: a Ctrl-C between a child's fork and exec is not lost
   touch "$out/waiting"
-  sleep 60
+  sleep 60 &
+  wait $!
 fi
 mkdir -p "$out/iter_0000009"
 printf iter_0000009 > "$out/latest"
